@@ -1,0 +1,31 @@
+# Every target that needs Python first makes sure .venv exists (torch pin first, so pip
+# never pulls a CUDA build), then runs from it.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: test train lint format venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	touch $@
+
+test: venv
+	$(BIN)/ruff check wholeshard tests
+	$(BIN)/ruff format --check wholeshard tests
+	$(BIN)/python -m pytest -q
+
+train: venv
+	$(BIN)/wholeshard train $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check wholeshard tests
+
+format: venv
+	$(BIN)/ruff format wholeshard tests
+	$(BIN)/ruff check --fix wholeshard tests

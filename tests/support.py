@@ -1,0 +1,173 @@
+"""Shared test pieces: a small transformer, data, the single-process reference, a runner.
+
+The reference (DESIGN §4): one process, the full global batch, torch.optim.Muon on the
+Muon-routed params and torch.optim.AdamW on the rest (fp32 masters when params are bf16).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import wholeshard
+from wholeshard.launch import launch
+from wholeshard.routing import route_params
+
+VOCAB, DIM, SEQ, GLOBAL_BATCH = 64, 32, 8, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
+MUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+ADAMW_KW = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a key bias has no gradient: pure noise
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a)
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, position embedding, two blocks, final norm, head (tied or not)."""
+
+    def __init__(self, tied: bool = False, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(layers))
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def make_model(seed: int = 0, **kw: Any) -> nn.Module:
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: inputs and next-token targets, same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(step)
+    n = GLOBAL_BATCH // world
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def reference_run(
+    steps: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    clip: float | None = None,
+    model_kw: dict | None = None,
+    muon_kw: dict | None = None,
+    adamw_kw: dict | None = None,
+) -> dict[str, Any]:
+    """Train on the full batch in one process with torch's own optimizers."""
+    model = make_model(**(model_kw or {}))
+    model.to(param_dtype)
+    routes = route_params(model)
+    masters = {r.name: r.param.detach().float().clone() for r in routes}
+    opts = [
+        torch.optim.Muon([masters[r.name] for r in routes if r.muon], **(muon_kw or MUON_KW)),
+        torch.optim.AdamW(
+            [masters[r.name] for r in routes if not r.muon], **(adamw_kw or ADAMW_KW)
+        ),
+    ]
+    losses, norms = [], []
+    for step in range(steps):
+        loss = lm_loss(model, *batch(step))
+        loss.backward()
+        for r in routes:
+            g = r.param.grad
+            masters[r.name].grad = torch.zeros_like(masters[r.name]) if g is None else g.float()
+            r.param.grad = None
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(list(masters.values()), clip).item())
+        for opt in opts:
+            opt.step()
+        with torch.no_grad():
+            for r in routes:
+                r.param.copy_(masters[r.name])
+        losses.append(loss.item())
+    return {"params": full_params(model), "losses": losses, "norms": norms}
+
+
+def wholeshard_run(
+    steps: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    clip: float | None = None,
+    model_kw: dict | None = None,
+    ddp_kw: dict | None = None,
+    muon_kw: dict | None = None,
+    adamw_kw: dict | None = None,
+) -> dict[str, Any]:
+    """The same training on this rank's slice of every batch; returns what the test compares."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    model = make_model(**(model_kw or {}))
+    ddp = wholeshard.DataParallel(model, param_dtype=param_dtype, **(ddp_kw or {}))
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=muon_kw or MUON_KW, adamw=adamw_kw or ADAMW_KW)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = lm_loss(ddp, *local_batch(step, rank, world))
+        loss.backward()
+        if clip is not None:
+            norms.append(opt.clip_grad_norm_(clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(_global_mean(loss.detach()))
+    return {"params": full_params(model), "losses": losses, "norms": norms}
+
+
+def _global_mean(x: torch.Tensor) -> float:
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    return x.item()
+
+
+def run(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `nproc` forked gloo ranks (inline, no group, for nproc=0)."""
+    if nproc == 0:
+        return [fn(*args, **kwargs)]
+    return launch(functools.partial(fn, *args, **kwargs), nproc, start_method="fork", timeout=120)
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)

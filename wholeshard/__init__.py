@@ -1,0 +1,20 @@
+"""wholeshard: data-parallel training for matrix optimizers, every tensor whole on one rank."""
+
+from .data_parallel import DataParallel
+from .layout import Bucket, Layout, ParamSpec, Placement, plan_layout
+from .optim import LayerwiseOptimizer
+from .routing import Route, route_params, routing_table
+
+__all__ = [
+    "Bucket",
+    "DataParallel",
+    "LayerwiseOptimizer",
+    "Layout",
+    "ParamSpec",
+    "Placement",
+    "Route",
+    "plan_layout",
+    "route_params",
+    "routing_table",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,173 @@
+"""Run a function on N local worker processes joined in one gloo process group.
+
+The launcher is the single place that starts local workers (train job, bench, tests). It
+guarantees: a worker that raises or dies takes the others down and its traceback reaches the
+caller; Ctrl-C stops every worker; workers die with their parent, so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+_POLL_S = 0.05
+_GRACE_S = 3.0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised or died; `rank` and its `traceback` text say which and why."""
+
+    def __init__(self, rank: int, traceback_text: str) -> None:
+        super().__init__(f"worker rank {rank} failed:\n{traceback_text}")
+        self.rank = rank
+        self.traceback = traceback_text
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _worker(
+    fn: Callable[..., Any],
+    args: tuple,
+    rank: int,
+    nproc: int,
+    port: int,
+    results: Any,
+    timeout_s: float,
+    forked: bool,
+) -> None:
+    _die_with_parent()
+    faulthandler.register(signal.SIGUSR1)  # the launcher asks for stacks before killing a hang
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(port),
+    )
+    try:
+        if forked:  # OpenMP's thread pool does not survive fork: a child using it can hang
+            torch.set_num_threads(1)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+        store = dist.TCPStore(LOOPBACK, port, nproc, is_master=False)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=nproc,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        # Plain pickle: the queue's own pickler would share tensors by file descriptor, which
+        # dies with this process.
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+
+
+def _stop(procs: list[mp.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def launch(
+    fn: Callable[..., Any],
+    nproc: int,
+    args: tuple = (),
+    *,
+    start_method: str = "spawn",
+    timeout: float | None = None,
+    collective_timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run `fn(*args)` on `nproc` workers with a gloo group over loopback; return per-rank values.
+
+    `start_method="fork"` starts in milliseconds (tests); "spawn" is safe in any parent.
+    Raises WorkerFailed if a worker raises or exits abnormally, TimeoutError after `timeout`
+    seconds; either way every worker is stopped first.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    ctx = mp.get_context(start_method)
+    forked = start_method == "fork"
+    store = dist.TCPStore(LOOPBACK, 0, nproc + 1, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, args, rank, nproc, store.port, results, collective_timeout_s, forked),
+            daemon=True,
+        )
+        for rank in range(nproc)
+    ]
+    values: dict[int, Any] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.start()
+        while len(values) < nproc:
+            try:
+                rank, ok, value = results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(procs) if r not in values and p.exitcode is not None
+                ]
+                if not dead:
+                    if deadline is not None and time.monotonic() > deadline:
+                        _dump_stacks(procs)
+                        raise TimeoutError(f"workers did not finish within {timeout} s") from None
+                    continue
+                try:  # a worker that reported just before exiting: its message may be in flight
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    code = procs[dead[0]].exitcode
+                    raise WorkerFailed(
+                        dead[0], f"exited with code {code} without a result"
+                    ) from None
+            if not ok:
+                raise WorkerFailed(rank, value)
+            values[rank] = pickle.loads(value)
+        for p in procs:
+            p.join()
+        return [values[r] for r in range(nproc)]
+    finally:
+        _stop(procs)
+        results.close()
+        del store

@@ -1,0 +1,190 @@
+"""`LayerwiseOptimizer`: each rank runs torch's Muon and AdamW on the whole tensors it owns.
+
+The maths is PyTorch's own (`torch.optim.Muon`, `torch.optim.AdamW`) applied to fp32 masters of
+the owned params, so one process running those optimizers on every param on the averaged
+gradient is the reference, and parity holds by construction.
+
+Invariants:
+- state (momentum, Adam moments, fp32 masters) exists only for params this rank owns;
+- a master's `.grad` is (a cast of) the param's range of this rank's reduced grad shard;
+- when `step()` returns, every rank's params are the updated ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import ChainMap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from .. import collectives
+from ..data_parallel import DataParallel
+
+MUON, ADAMW = "muon", "adamw"
+
+
+@dataclass
+class _Owned:
+    name: str
+    kind: str
+    param: torch.Tensor  # view into the param buffer (param dtype)
+    grad: torch.Tensor  # view into the reduced grad shard (grad-reduce dtype)
+    master: torch.Tensor  # fp32; the param view itself when the param is already fp32
+
+    @property
+    def separate_master(self) -> bool:
+        return self.master is not self.param
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """Muon on the Muon-routed params, AdamW on the rest, each only on this rank's owned params.
+
+    `muon` and `adamw` are keyword arguments of `torch.optim.Muon` and `torch.optim.AdamW`.
+    `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
+    LR schedulers work unchanged. `zero_grad()` zeros the grad buffer (grads are views into it,
+    never set to None); a param that got no gradient is stepped with a zero gradient.
+    """
+
+    def __init__(
+        self,
+        ddp: DataParallel,
+        *,
+        muon: dict[str, Any] | None = None,
+        adamw: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(ddp, DataParallel):
+            raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
+        self.ddp = ddp
+        self._owned: list[_Owned] = []
+        for route, placement in ddp.owned():
+            param = ddp.buffers.param_view(placement)
+            grad = ddp.buffers.grad_view(placement)
+            if param.dtype == torch.float32:
+                master = param
+            else:
+                master = param.detach().float()
+            master.grad = grad if grad.dtype == torch.float32 else torch.zeros_like(master)
+            kind = MUON if route.muon else ADAMW
+            self._owned.append(_Owned(route.name, kind, param, grad, master))
+
+        self._inner = {
+            MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
+            ADAMW: torch.optim.AdamW([{"params": self._masters(ADAMW)}], **(adamw or {})),
+        }
+        super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})
+        # Share the inner optimizers' group dicts so schedulers and users edit the real thing.
+        self.param_groups = [self._inner[MUON].param_groups[0], self._inner[ADAMW].param_groups[0]]
+        self.state = ChainMap(self._inner[MUON].state, self._inner[ADAMW].state)
+
+    def _masters(self, kind: str) -> list[torch.Tensor]:
+        return [o.master for o in self._owned if o.kind == kind]
+
+    # -- the step -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.ddp.finish_grad_sync()
+        with record_function("wholeshard.optimizer_step"):
+            for o in self._owned:
+                if o.master.grad is not o.grad:
+                    o.master.grad.copy_(o.grad)
+            for opt in self._inner.values():
+                opt.step()
+            for o in self._owned:
+                if o.separate_master:
+                    o.param.copy_(o.master)
+        self.ddp.start_param_sync()
+        self.ddp.finish_param_sync()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""
+        self.ddp.zero_grad_buffer()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale all gradients so their global `norm_type`-norm is at most `max_norm`.
+
+        Same result as `torch.nn.utils.clip_grad_norm_` over every param of the model on the
+        averaged gradient; returns the total norm before clipping. Every rank must call it.
+        """
+        self.ddp.finish_grad_sync()
+        norm_type = float(norm_type)
+        device = self.ddp.buffers.grad.device
+        norms = [
+            torch.linalg.vector_norm(o.grad, norm_type, dtype=torch.float32) for o in self._owned
+        ]
+        if math.isinf(norm_type):
+            local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+            op = dist.ReduceOp.MAX
+        else:
+            local = (
+                torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+            )
+            op = dist.ReduceOp.SUM
+        local = local.to(device=device, dtype=torch.float32).reshape(1)
+        if self.ddp.dp_size > 1:
+            collectives.all_reduce(local, self.ddp.process_group, op=op)
+        total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for o in self._owned:
+            o.grad.mul_(scale.to(o.grad.dtype))
+        return total
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, keyed by param name; valid to load at the same layout only."""
+        state: dict[str, dict[str, Any]] = {}
+        for o in self._owned:
+            entry = dict(self._inner[o.kind].state.get(o.master, {}))
+            if o.separate_master:
+                entry["master"] = o.master
+            state[o.name] = entry
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} | {"kind": kind}
+            for kind, g in zip((MUON, ADAMW), self.param_groups, strict=True)
+        ]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        owned = {o.name: o for o in self._owned}
+        saved = state_dict["state"]
+        if set(saved) != set(owned):
+            missing, extra = sorted(set(owned) - set(saved)), sorted(set(saved) - set(owned))
+            raise ValueError(
+                f"optimizer state does not match the params this rank owns (missing {missing[:5]}, "
+                f"unexpected {extra[:5]}); it was saved at another world size or layout: use "
+                f"wholeshard checkpoints to reshard"
+            )
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update({k: v for k, v in saved_group.items() if k != "kind"})
+        for name, entry in saved.items():
+            o = owned[name]
+            entry = dict(entry)
+            if "master" in entry:
+                o.master.copy_(entry.pop("master"))
+                o.param.copy_(o.master)
+            self._inner[o.kind].state[o.master] = {
+                k: _restore(v, o.master) for k, v in entry.items()
+            }
+        self.ddp.start_param_sync()
+        self.ddp.finish_param_sync()
+
+
+def _restore(value: Any, master: torch.Tensor) -> Any:
+    """A private copy of one saved state value; tensors shaped like the param go to its device."""
+    if not torch.is_tensor(value):
+        return value
+    value = value.detach().clone()
+    return value.to(master.device) if value.shape == master.shape else value
