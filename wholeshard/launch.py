@@ -13,8 +13,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -24,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-LOOPBACK = "127.0.0.1"
 _POLL_S = 0.05
 _GRACE_S = 3.0
 
@@ -49,7 +50,7 @@ def _worker(
     args: tuple,
     rank: int,
     nproc: int,
-    port: int,
+    store_path: str,
     results: Any,
     timeout_s: float,
     forked: bool,
@@ -62,15 +63,15 @@ def _worker(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR=LOOPBACK,
-        MASTER_PORT=str(port),
     )
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo traffic stays on loopback
     try:
         if forked:  # OpenMP's thread pool does not survive fork: a child using it can hang
             torch.set_num_threads(1)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-        store = dist.TCPStore(LOOPBACK, port, nproc, is_master=False)
+        store = dist.FileStore(store_path, nproc)
         dist.init_process_group(
             "gloo",
             store=store,
@@ -117,7 +118,7 @@ def launch(
     timeout: float | None = None,
     collective_timeout_s: float = 300.0,
 ) -> list[Any]:
-    """Run `fn(*args)` on `nproc` workers with a gloo group over loopback; return per-rank values.
+    """Run `fn(*args)` on `nproc` local workers in one gloo group; return per-rank values.
 
     `start_method="fork"` starts in milliseconds (tests); "spawn" is safe in any parent.
     Raises WorkerFailed if a worker raises or exits abnormally, TimeoutError after `timeout`
@@ -127,12 +128,15 @@ def launch(
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     ctx = mp.get_context(start_method)
     forked = start_method == "fork"
-    store = dist.TCPStore(LOOPBACK, 0, nproc + 1, is_master=True, wait_for_workers=False)
+    # A FileStore, not a TCPStore: a TCPStore server thread in this process could hold a lock
+    # at fork time and leave a child's rendezvous hung.
+    store_dir = tempfile.mkdtemp(prefix="wholeshard-launch-")
+    store_path = os.path.join(store_dir, "store")
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, rank, nproc, store.port, results, collective_timeout_s, forked),
+            args=(fn, args, rank, nproc, store_path, results, collective_timeout_s, forked),
             daemon=True,
         )
         for rank in range(nproc)
@@ -170,4 +174,4 @@ def launch(
     finally:
         _stop(procs)
         results.close()
-        del store
+        shutil.rmtree(store_dir, ignore_errors=True)
