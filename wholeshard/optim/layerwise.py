@@ -29,9 +29,16 @@ MUON, ADAMW = "muon", "adamw"
 
 
 @dataclass
-class _Owned:
+class OwnedPiece:
+    """A piece of one param that this rank updates: the whole tensor, or a flat slice of it.
+
+    The piece covers elements `[offset, offset + master.numel())` of the flattened param.
+    """
+
     name: str
-    kind: str
+    kind: str  # "muon" or "adamw"
+    full_shape: tuple[int, ...]
+    offset: int
     param: torch.Tensor  # view into the param buffer (param dtype)
     grad: torch.Tensor  # view into the reduced grad shard (grad-reduce dtype)
     master: torch.Tensor  # fp32; the param view itself when the param is already fp32
@@ -39,6 +46,10 @@ class _Owned:
     @property
     def separate_master(self) -> bool:
         return self.master is not self.param
+
+    @property
+    def is_whole(self) -> bool:
+        return tuple(self.master.shape) == self.full_shape
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -60,7 +71,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
         self.ddp = ddp
-        self._owned: list[_Owned] = []
+        self._owned: list[OwnedPiece] = []
         for route, placement in ddp.owned():
             param = ddp.buffers.param_view(placement)
             grad = ddp.buffers.grad_view(placement)
@@ -70,7 +81,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 master = param.detach().float()
             master.grad = grad if grad.dtype == torch.float32 else torch.zeros_like(master)
             kind = MUON if route.muon else ADAMW
-            self._owned.append(_Owned(route.name, kind, param, grad, master))
+            self._owned.append(
+                OwnedPiece(route.name, kind, tuple(param.shape), 0, param, grad, master)
+            )
 
         self._inner = {
             MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
@@ -141,6 +154,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return total
 
     # -- state ----------------------------------------------------------------------------
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """What this rank updates, in registration order."""
+        return list(self._owned)
+
+    def piece_state(self, piece: OwnedPiece) -> dict[str, Any]:
+        """The torch optimizer's live state dict for `piece` (empty before the first step)."""
+        return self._inner[piece.kind].state[piece.master]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, keyed by param name; valid to load at the same layout only."""
