@@ -27,13 +27,24 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | No
     return _all_gather(full, shard, group=group, async_op=True)
 
 
+def all_reduce_avg(tensor: torch.Tensor, group: ProcessGroup | None) -> Work | None:
+    """Average `tensor` over the group in place."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
+
+
+def broadcast(tensor: torch.Tensor, group_rank: int, group: ProcessGroup | None) -> Work | None:
+    """Overwrite `tensor` on every rank with the copy of the rank `group_rank` of the group."""
+    src = dist.get_global_rank(group or dist.group.WORLD, group_rank)
+    return dist.broadcast(tensor, src=src, group=group, async_op=True)
+
+
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> None:
     dist.all_reduce(tensor, op=op, group=group)
 
 
 def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     """Overwrite `tensor` on every rank with group rank 0's copy."""
-    dist.broadcast(tensor, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    wait(broadcast(tensor, 0, group))
 
 
 def wait(handle: Work | None) -> None:

@@ -106,6 +106,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ddp.finish_grad_sync()
+        self.ddp.finish_param_sync()  # a gather still in flight must land before we write params
         with record_function("wholeshard.optimizer_step"):
             for o in self._owned:
                 if o.master.grad is not o.grad:
@@ -116,7 +117,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if o.separate_master:
                     o.param.copy_(o.master)
         self.ddp.start_param_sync()
-        self.ddp.finish_param_sync()
+        if not self.ddp.overlap_param_gather:
+            self.ddp.finish_param_sync()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

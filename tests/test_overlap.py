@@ -1,0 +1,147 @@
+"""Overlapped and legacy sync modes: bitwise equal to synchronous, matching the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    assert_bitwise_equal,
+    assert_matches,
+    lm_loss,
+    local_batch,
+    make_model,
+    reference_run,
+    run,
+    wholeshard_run,
+)
+
+import wholeshard
+
+OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has something to overlap
+MODES = {
+    "aligned": {},
+    "aligned-overlap": OVERLAP,
+    "aligned-broadcast": dict(param_sync="broadcast"),
+    "ping_pong": dict(layout="ping_pong"),
+    "ping_pong-overlap": dict(layout="ping_pong", **OVERLAP),
+    "ping_pong-broadcast": dict(layout="ping_pong", param_sync="broadcast"),
+    "ping_pong-broadcast-overlap": dict(layout="ping_pong", param_sync="broadcast", **OVERLAP),
+}
+
+
+def _run(nproc: int, mode: dict, steps: int = 3, **kw) -> list[dict]:
+    return run(wholeshard_run, nproc, steps, ddp_kw=dict(SMALL_BUCKETS, **mode), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["aligned", "ping_pong"])
+def test_overlap_is_bitwise_equal_to_sync(layout: str, dtype: torch.dtype) -> None:
+    sync = _run(3, dict(layout=layout), param_dtype=dtype, evaluate=True)
+    overlap = _run(3, dict(layout=layout, **OVERLAP), param_dtype=dtype, evaluate=True)
+    for a, b in zip(sync, overlap, strict=True):
+        assert_bitwise_equal(a, b)
+        assert a["evals"] == b["evals"], "evaluation between steps sees the updated params"
+
+
+@pytest.mark.parametrize("layout", ["aligned", "ping_pong"])
+def test_broadcast_is_bitwise_equal_to_allgather(layout: str) -> None:
+    gather = _run(3, dict(layout=layout, param_sync="allgather"))
+    bcast = _run(3, dict(layout=layout, param_sync="broadcast"))
+    for a, b in zip(gather, bcast, strict=True):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_matches_reference(mode: str) -> None:
+    ref = reference_run(3)
+    for out in _run(2, MODES[mode]):
+        assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "aligned-overlap", "ping_pong-overlap"])
+def test_no_sync_accumulation_matches_one_full_batch_step(mode: str) -> None:
+    ref = reference_run(3)
+    for out in _run(2, MODES[mode], micro_batches=4):
+        assert_matches(out, ref)
+
+
+def only_one_matrix(name: str, param: torch.nn.Parameter) -> bool:
+    return name == "blocks.0.qkv.weight"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fewer_muon_matrices_than_ranks(mode: str) -> None:
+    ref = reference_run(3, use_muon=only_one_matrix)
+    outs = _run(4, dict(MODES[mode], bucket_size=None), use_muon=only_one_matrix)
+    owns_muon = [any("momentum_buffer" in e for e in out["opt_state"].values()) for out in outs]
+    assert owns_muon.count(True) == 1, "one Muon matrix, four ranks: three own no Muon param"
+    for out in outs:
+        assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["aligned-overlap", "ping_pong-overlap"])
+def test_param_unused_in_forward(mode: str) -> None:
+    ref = reference_run(3, unused_param=True)
+    for out in _run(2, MODES[mode], unused_param=True):
+        assert_matches(out, ref)
+
+
+def _dispatch_points(mode: dict) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = wholeshard.DataParallel(make_model(), **SMALL_BUCKETS, **mode)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    during_backward = len(ddp._grad_handles)
+    opt.step()
+    after_step = len(ddp._gather_todo) + len(ddp._gather_pending)
+    return {"buckets": len(ddp.layout.buckets), "rs": during_backward, "ag": after_step}
+
+
+def test_overlap_dispatches_during_backward_and_defers_gathers() -> None:
+    sync = run(_dispatch_points, 2, {})[0]
+    overlap = run(_dispatch_points, 2, OVERLAP)[0]
+    assert sync["buckets"] > 2
+    assert sync["rs"] == 0 and sync["ag"] == 0
+    assert overlap["rs"] == overlap["buckets"], "every bucket reduced while backward ran"
+    assert overlap["ag"] == overlap["buckets"], "gathers left for the next forward"
+
+
+def _in_flight_protocol(mode: dict) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    ddp = wholeshard.DataParallel(model, **SMALL_BUCKETS, **mode)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.step()  # a second step while the first step's all-gathers may still be in flight
+    ddp.finish_param_sync()
+    ddp.finish_param_sync()  # idempotent
+    ddp.free_overlap_buffers()
+    ddp.free_overlap_buffers()  # idempotent, safe with nothing pending
+    with torch.no_grad():
+        evaluation = lm_loss(ddp, *local_batch(1, rank, world)).item()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "eval": evaluation,
+    }
+
+
+@pytest.mark.parametrize("layout", ["aligned", "ping_pong"])
+def test_second_step_with_gather_in_flight(layout: str) -> None:
+    sync = run(_in_flight_protocol, 2, dict(layout=layout))
+    overlap = run(_in_flight_protocol, 2, dict(layout=layout, **OVERLAP))
+    for a, b in zip(sync, overlap, strict=True):
+        assert a["eval"] == b["eval"]
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def test_bad_mode_names() -> None:
+    with pytest.raises(ValueError, match="layout must be"):
+        wholeshard.DataParallel(make_model(), layout="zigzag")
+    with pytest.raises(ValueError, match="param_sync must be"):
+        wholeshard.DataParallel(make_model(), param_sync="scatter")
