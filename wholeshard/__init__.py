@@ -1,5 +1,6 @@
 """wholeshard: data-parallel training for matrix optimizers, every tensor whole on one rank."""
 
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data_parallel import DataParallel
 from .layout import Bucket, Layout, ParamSpec, Placement, plan_layout
 from .optim import LayerwiseOptimizer
@@ -7,14 +8,17 @@ from .routing import Route, route_params, routing_table
 
 __all__ = [
     "Bucket",
+    "CheckpointError",
     "DataParallel",
     "LayerwiseOptimizer",
     "Layout",
     "ParamSpec",
     "Placement",
     "Route",
+    "load_checkpoint",
     "plan_layout",
     "route_params",
     "routing_table",
+    "save_checkpoint",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,453 @@
+"""Checkpoints: bitwise resume, resharding across world sizes and layouts, format, export."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    assert_matches,
+    batch,
+    lm_loss,
+    local_batch,
+    make_model,
+    run,
+)
+from torch import nn
+
+import wholeshard
+from wholeshard import export
+from wholeshard.checkpoint import (
+    CheckpointError,
+    _ChunkSavePlanner,
+    flat_range_boxes,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from wholeshard.optim.layerwise import OwnedPiece
+from wholeshard.routing import route_params
+
+SAVE_AT, MORE = 4, 3
+
+
+def rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def setup(seed: int = 0, dtype=torch.float32, ddp_kw=None, muon_lr=None, model=None):
+    model = model if model is not None else make_model(seed)
+    ddp = wholeshard.DataParallel(model, param_dtype=dtype, **(ddp_kw or {}))
+    muon = dict(MUON_KW, lr=muon_lr) if muon_lr is not None else MUON_KW
+    return model, ddp, wholeshard.LayerwiseOptimizer(ddp, muon=muon, adamw=ADAMW_KW)
+
+
+def train(ddp, opt, steps: range) -> list[float]:
+    rank, world = rank_world()
+    losses = []
+    for step in steps:
+        loss = lm_loss(ddp, *local_batch(step, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def owned_state(opt) -> dict[str, dict[str, torch.Tensor]]:
+    """Each owned param's fp32 value and optimizer state, by name (clones)."""
+    out = {}
+    for piece in opt.owned_pieces():
+        entry = {k: v.clone() for k, v in opt.piece_state(piece).items()}
+        out[piece.name] = entry | {"value": piece.master.detach().clone()}
+    return out
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_same(a[k], b[k], f"{what}.{k}")
+        else:
+            assert torch.equal(a[k], b[k]), f"{what}.{k} differs"
+
+
+# -- the box decomposition of flat slices --------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 3, 4), (2, 1, 3, 2), (0, 3)])
+def test_flat_range_boxes_cover_each_range_exactly_in_order(shape: tuple[int, ...]) -> None:
+    numel = math.prod(shape)
+    index = torch.arange(numel).reshape(shape)
+    for start in range(numel + 1):
+        for stop in range(start, numel + 1):
+            boxes = flat_range_boxes(shape, start, stop)
+            assert len(boxes) <= max(1, 2 * len(shape) - 1)
+            got = [
+                index[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))].reshape(-1)
+                for off, size in boxes
+            ]
+            flat = torch.cat(got).tolist() if got else []
+            assert flat == list(range(start, stop)), (shape, start, stop, boxes)
+    with pytest.raises(ValueError, match="outside"):
+        flat_range_boxes(shape, 0, numel + 1)
+
+
+def test_two_ranks_writing_one_chunk_is_refused() -> None:
+    """DESIGN §7: DCP keeps one of two same-key chunks silently; the planner must refuse."""
+    planner = _ChunkSavePlanner()
+    t = torch.ones(2, 3)
+    from wholeshard.checkpoint import _Chunks
+
+    planner.set_up_planner({"model/w": _Chunks(t.shape, [((0, 0), t)])})
+    plan = planner.create_local_plan()
+    with pytest.raises(AssertionError, match="both write model/w"):
+        planner.create_global_plan([plan, plan])
+
+
+# -- same world size: resume is bitwise --------------------------------------------------------
+
+
+def _resume_bitwise(root: str, ddp_kw: dict, dtype: torch.dtype) -> dict:
+    model, ddp, opt = setup(dtype=dtype, ddp_kw=ddp_kw)
+    train(ddp, opt, range(SAVE_AT))
+    rng = torch.get_rng_state()
+    save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT, "rng": rng, "data": [SAVE_AT, 7]})
+    saved = params_of(model)
+    train(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
+    ddp.finish_param_sync()  # params are read outside a forward
+    straight = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
+
+    # A different init and lr: everything must come from the checkpoint.
+    model, ddp, opt = setup(seed=123, dtype=dtype, ddp_kw=ddp_kw, muon_lr=1.0)
+    extra = load_checkpoint(root, ddp, opt)
+    loaded = params_of(model)
+    train(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
+    ddp.finish_param_sync()
+    resumed = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
+    assert_same(loaded, saved, "params right after load")
+    assert_same(resumed[0], straight[0], "params")
+    assert_same(resumed[1], straight[1], "optimizer state")
+    for a, b in zip(resumed[2], straight[2], strict=True):
+        assert {k: v for k, v in a.items() if k != "params"} == {
+            k: v for k, v in b.items() if k != "params"
+        }
+    assert extra["step"] == SAVE_AT and extra["data"] == [SAVE_AT, 7]
+    assert torch.equal(extra["rng"], rng)
+    return {
+        "owned": sorted(straight[1]),
+        "state_keys": {k: sorted(v) for k, v in straight[1].items()},
+    }
+
+
+MODES = [
+    pytest.param({}, id="sync"),
+    pytest.param(dict(overlap_grad_reduce=True, overlap_param_gather=True), id="overlap"),
+]
+
+
+@pytest.mark.parametrize("ddp_kw", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_resume_at_same_world_size_is_bitwise(tmp_path: Path, ddp_kw: dict, dtype) -> None:
+    outs = run(_resume_bitwise, 2, str(tmp_path), ddp_kw, dtype)
+    assert all(out["owned"] for out in outs), "both ranks own state, so both write some"
+    muon_state = {k for out in outs for k in out["state_keys"].values() for k in k}
+    assert {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"} <= muon_state
+
+
+# -- resharding: save at 2 ranks, load at 1, 3, 4 -------------------------------------------------
+
+
+def _train_and_save(root: str) -> dict:
+    model, ddp, opt = setup()
+    losses = train(ddp, opt, range(SAVE_AT))
+    save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT})
+    return {"state": owned_state(opt), "params": params_of(model), "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def saved_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A 2-rank fp32 checkpoint after SAVE_AT steps and the owners' full state at that point."""
+    root = tmp_path_factory.mktemp("ckpt2")
+    outs = run(_train_and_save, 2, str(root))
+    state: dict[str, dict] = {}
+    for out in outs:
+        assert not state.keys() & out["state"].keys(), "each param has one owner"
+        state |= out["state"]
+    assert all(out["state"] for out in outs)
+    return {"root": root, "state": state, "params": outs[0]["params"]}
+
+
+def reference_continue(state: dict, steps: range) -> dict:
+    """One process, full batch, torch.optim.Muon/AdamW started from `state` (by param name)."""
+    model = make_model()
+    routes = route_params(model)
+    with torch.no_grad():
+        for r in routes:
+            r.param.copy_(state[r.name]["value"])
+    masters = {r.name: r.param.detach().clone() for r in routes}
+    muon = torch.optim.Muon([masters[r.name] for r in routes if r.muon], **MUON_KW)
+    adamw = torch.optim.AdamW([masters[r.name] for r in routes if not r.muon], **ADAMW_KW)
+    for r in routes:
+        opt = muon if r.muon else adamw
+        opt.state[masters[r.name]] = {
+            k: v.clone() for k, v in state[r.name].items() if k != "value"
+        }
+    losses = []
+    for step in steps:
+        loss = lm_loss(model, *batch(step))
+        loss.backward()
+        for r in routes:
+            masters[r.name].grad = r.param.grad.float()
+            r.param.grad = None
+        muon.step()
+        adamw.step()
+        with torch.no_grad():
+            for r in routes:
+                r.param.copy_(masters[r.name])
+        losses.append(loss.item())
+    return {"params": params_of(model), "losses": losses}
+
+
+def _load_and_train(root: str, ddp_kw: dict) -> dict:
+    model, ddp, opt = setup(seed=7, ddp_kw=ddp_kw, muon_lr=1.0)
+    extra = load_checkpoint(root, ddp, opt)
+    loaded = params_of(model)
+    losses = train(ddp, opt, range(extra["step"], extra["step"] + MORE))
+    if dist.is_initialized():
+        for loss in losses:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return {"loaded": loaded, "params": params_of(model), "losses": [x.item() for x in losses]}
+
+
+@pytest.mark.parametrize(
+    "nproc,ddp_kw",
+    [(1, {}), (3, {}), (3, {"bucket_size": 3000}), (4, {})],
+    ids=["1", "3", "3-small-buckets", "4"],
+)
+def test_reshard_2_ranks_to_n(saved_at_2: dict, nproc: int, ddp_kw: dict) -> None:
+    ref = reference_continue(saved_at_2["state"], range(SAVE_AT, SAVE_AT + MORE))
+    outs = run(_load_and_train, nproc, str(saved_at_2["root"]), ddp_kw)
+    for out in outs:
+        # Every rank holds every param right after the load, not only the ones it owns.
+        assert_same(out["loaded"], saved_at_2["params"], "params right after load")
+        if nproc == 1:  # one rank does the reference's arithmetic
+            assert_same(out["params"], ref["params"], "params")
+            assert out["losses"] == ref["losses"]
+            continue
+        assert_matches(out, ref, torch.float32)
+    for out in outs[1:]:
+        assert_same(out["params"], outs[0]["params"], "params across ranks")
+
+
+def _load_state(root: str) -> dict:
+    _, ddp, opt = setup(seed=7, muon_lr=1.0)
+    load_checkpoint(root, ddp, opt)
+    return owned_state(opt)
+
+
+def test_one_process_load_gets_every_owners_values(saved_at_2: dict) -> None:
+    """Each value comes from its owner on either rank (not only rank 0's: DESIGN §7)."""
+    (state,) = run(_load_state, 0, str(saved_at_2["root"]))
+    assert_same(state, saved_at_2["state"], "state")
+
+
+# -- flat slices (element-wise sharded AdamW) ---------------------------------------------------
+
+
+class SlicedAdamW:
+    """Test double for element-wise AdamW sharding: Muon pieces whole, as `opt` owns them; each
+    AdamW param cut into flat slices at `cuts` (fractions), this rank owning slice `rank`."""
+
+    def __init__(self, opt, ddp, cuts: list[float]) -> None:
+        rank = ddp.rank
+        self.param_groups = opt.param_groups
+        self._opt = opt
+        self._state: dict[int, dict] = {}
+        self.pieces = [p for p in opt.owned_pieces() if p.kind == "muon"]
+        for r in ddp.routes:
+            if r.muon:
+                continue
+            n = r.param.numel()
+            bounds = [0, *(int(c * n) for c in cuts), n]
+            lo, hi = bounds[rank], bounds[rank + 1]
+            master = torch.zeros(hi - lo)
+            piece = OwnedPiece(r.name, "adamw", tuple(r.param.shape), lo, master, master, master)
+            self.pieces.append(piece)
+            self._state[id(master)] = {}
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        return list(self.pieces)
+
+    def piece_state(self, piece: OwnedPiece) -> dict:
+        if piece.kind == "muon":
+            return self._opt.piece_state(piece)
+        return self._state[id(piece.master)]
+
+
+def _sliced_view(state: dict, piece: OwnedPiece) -> dict:
+    """What a piece should hold, cut from the full state."""
+    if piece.is_whole:
+        return dict(state[piece.name])
+    lo, hi = piece.offset, piece.offset + piece.master.numel()
+    return {
+        k: v.reshape(-1)[lo:hi] if v.shape == piece.full_shape else v
+        for k, v in state[piece.name].items()
+    }
+
+
+def _save_sliced(src: str, dst: str, state: dict) -> None:
+    _, ddp, opt = setup(seed=7)
+    load_checkpoint(src, ddp, opt)  # the Muon pieces; the AdamW slices come from `state`
+    sliced = SlicedAdamW(opt, ddp, cuts=[0.37])
+    for piece in sliced.owned_pieces():
+        if piece.kind == "adamw":
+            want = _sliced_view(state, piece)
+            piece.master.copy_(want.pop("value"))
+            sliced.piece_state(piece).update({k: v.clone() for k, v in want.items()})
+    save_checkpoint(dst, ddp, sliced, extra={"step": SAVE_AT})
+
+
+def _load_sliced(root: str, state: dict) -> int:
+    _, ddp, opt = setup(seed=7)
+    sliced = SlicedAdamW(opt, ddp, cuts=[0.21, 0.5 + 1 / 7])
+    load_checkpoint(root, ddp, sliced)
+    for piece in sliced.owned_pieces():
+        want = _sliced_view(state, piece)
+        got = {k: v for k, v in sliced.piece_state(piece).items()}
+        assert_same(got | {"value": piece.master}, want, piece.name)
+    return len(sliced.owned_pieces())
+
+
+def test_flat_slices_reshard_both_ways(saved_at_2: dict, tmp_path: Path) -> None:
+    state, src = saved_at_2["state"], str(saved_at_2["root"])
+    run(_save_sliced, 2, src, str(tmp_path), state)  # flat slices at 2 ranks -> whole at 3
+    for got in run(_load_state, 3, str(tmp_path)):
+        assert_same(got, {k: state[k] for k in got}, "state")
+    assert all(n > 0 for n in run(_load_sliced, 3, src, state))  # whole at 2 -> slices at 3
+
+
+# -- the directory protocol ----------------------------------------------------------------------
+
+
+def test_step_numbers_latest_and_keep_last(tmp_path: Path) -> None:
+    model, ddp, opt = setup()
+    for _ in range(3):
+        train(ddp, opt, range(1))
+        save_checkpoint(tmp_path, ddp, opt, extra={"note": "counter"}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2"]
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step-2"
+    assert resolve_checkpoint(tmp_path / "latest") == tmp_path / "step-2"
+    assert resolve_checkpoint(tmp_path / "step-1") == tmp_path / "step-1"
+
+    with pytest.raises(CheckpointError, match="latest checkpoint; refusing"):
+        save_checkpoint(tmp_path, ddp, opt, extra={"step": 2})
+    now = params_of(model)
+    save_checkpoint(tmp_path, ddp, opt, extra={"step": 1})  # replaces the older step-1
+    assert (tmp_path / "latest").read_text() == "step-1\n"
+    with pytest.raises(CheckpointError, match="weights_only"):
+        save_checkpoint(tmp_path, ddp, opt, extra={"step": 9, "bad": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2"]
+
+    model, ddp, opt = setup(seed=3)
+    assert load_checkpoint(tmp_path, ddp, opt) == {"step": 1}
+    assert_same(params_of(model), now, "params")
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        load_checkpoint(tmp_path / "nothing", ddp, opt)
+
+
+def test_load_across_param_dtypes_uses_the_fp32_master(tmp_path: Path) -> None:
+    model, ddp, opt = setup(dtype=torch.bfloat16)
+    train(ddp, opt, range(2))
+    masters = {p.name: p.master.clone() for p in opt.owned_pieces()}
+    save_checkpoint(tmp_path / "bf16", ddp, opt)
+    model32, ddp32, opt32 = setup(seed=5)
+    load_checkpoint(tmp_path / "bf16", ddp32, opt32)
+    assert_same(params_of(model32), masters, "fp32 params from bf16 masters")
+
+    save_checkpoint(tmp_path / "fp32", ddp32, opt32)
+    model16, ddp16, opt16 = setup(seed=5, dtype=torch.bfloat16)
+    load_checkpoint(tmp_path / "fp32", ddp16, opt16)
+    assert_same({p.name: p.master for p in opt16.owned_pieces()}, masters, "masters")
+    assert_same(params_of(model16), params_of(model), "bf16 params")
+
+
+# -- export --------------------------------------------------------------------------------------
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A reader written from the format description, independent of the writer."""
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__")
+    data = raw[8 + n :]
+    assert sum(e["data_offsets"][1] - e["data_offsets"][0] for e in header.values()) == len(data)
+    return {
+        name: torch.frombuffer(bytearray(data[slice(*e["data_offsets"])]), dtype=dtypes[e["dtype"]])
+        .reshape(e["shape"])
+        .clone()
+        for name, e in header.items()
+    }
+
+
+def _export_cli(ckpt: Path, out: Path, *flags: str) -> int:
+    parser = argparse.ArgumentParser()
+    export.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["export", str(ckpt), str(out), *flags])
+    return args.run(args)
+
+
+def test_export_reloads_into_a_plain_model_with_the_same_loss(saved_at_2: dict, tmp_path) -> None:
+    out = tmp_path / "model.safetensors"
+    assert _export_cli(saved_at_2["root"], out) == 0
+    plain = make_model(seed=99)
+    plain.load_state_dict(read_safetensors(out), strict=True)
+    want = make_model(seed=99)
+    want.load_state_dict(saved_at_2["params"])
+    x, y = batch(SAVE_AT)
+    assert lm_loss(plain, x, y).item() == lm_loss(want, x, y).item()
+
+
+def test_export_is_read_by_safetensors_itself(saved_at_2: dict, tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    out = tmp_path / "model.safetensors"
+    export.export_checkpoint(saved_at_2["root"], out)
+    assert_same(safetensors.load_file(out), read_safetensors(out), "safetensors' own reader")
+
+
+def test_export_tied_bf16_model_with_buffer(tmp_path: Path) -> None:
+    model = make_model(tied=True)
+    model.register_buffer("scale", torch.tensor([1.5, 2.5]))
+    model.to(torch.bfloat16)
+    _, ddp, opt = setup(dtype=torch.bfloat16, model=model)
+    train(ddp, opt, range(1))
+    save_checkpoint(tmp_path, ddp, opt)
+    masters = {p.name: p.master.clone() for p in opt.owned_pieces()}
+
+    assert _export_cli(tmp_path, tmp_path / "w.safetensors") == 0
+    got = read_safetensors(tmp_path / "w.safetensors")
+    assert got.keys() == model.state_dict().keys()  # tied alias and buffer included
+    assert_same(got, {k: v.detach() for k, v in model.state_dict().items()}, "bf16 export")
+    plain = make_model(seed=1, tied=True)
+    plain.register_buffer("scale", torch.zeros(2))
+    plain.to(torch.bfloat16).load_state_dict(got, strict=True)
+
+    assert _export_cli(tmp_path / "step-0", tmp_path / "w32.safetensors", "--dtype", "float32") == 0
+    got32 = read_safetensors(tmp_path / "w32.safetensors")
+    assert torch.equal(got32["head.weight"], masters["emb.weight"])
+    assert got32["scale"].dtype == torch.float32
+    assert _export_cli(tmp_path / "missing", tmp_path / "x.safetensors") == 1

@@ -1,0 +1,119 @@
+"""`wholeshard export CKPT OUT.safetensors`: a checkpoint's model weights as one safetensors file.
+
+Runs in one process without a process group. The file holds every key of the model's
+`state_dict()` (tied aliases as separate copies, so `load_state_dict(strict=True)` works) and
+loads with `safetensors.torch.load_file`. The safetensors format is written here directly (an
+8-byte little-endian header length, a JSON header of dtype/shape/byte range per tensor, then the
+raw bytes), so export needs torch alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, load_consolidated
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_DTYPE_FLAGS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None
+) -> None:
+    """Write `tensors` as a safetensors file, atomically (temp file, fsync, rename)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors stores little-endian bytes; this host is big-endian")
+    header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+    blobs, offset = [], 0
+    for name, t in tensors.items():
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors equivalent")
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + data.nbytes],
+        }
+        blobs.append(data)
+        offset += data.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for data in blobs:
+            f.write(memoryview(data))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Write the checkpoint's model weights to `out`; returns what was written.
+
+    `checkpoint` is resolved like `load_checkpoint`'s path (a `step-N` directory, or a
+    checkpoints directory whose `latest` is followed). With `dtype`, floating tensors are cast
+    (params from their fp32 masters when the checkpoint has them).
+    """
+    tensors, manifest = load_consolidated(checkpoint, dtype=dtype)
+    metadata = {"format": "pt", "wholeshard_step": str(manifest["step"])}
+    write_safetensors(tensors, out, metadata)
+    return tensors
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `export` subcommand."""
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's model weights as one safetensors file",
+        description="Consolidate a wholeshard checkpoint's model weights (every state_dict key, "
+        "tied aliases included) into one safetensors file for inference; runs in one process.",
+    )
+    p.add_argument("checkpoint", help="a step-N checkpoint, or a checkpoints directory (latest)")
+    p.add_argument("out", help="output file, e.g. model.safetensors")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPE_FLAGS),
+        help="cast floating tensors (params come from the fp32 masters when saved); "
+        "default: the dtype they were trained in",
+    )
+    p.set_defaults(run=export_main, parser=p)
+    return p
+
+
+def export_main(args: argparse.Namespace) -> int:
+    """Run `wholeshard export`; returns the exit code."""
+    dtype = _DTYPE_FLAGS[args.dtype] if args.dtype else None
+    try:
+        tensors = export_checkpoint(args.checkpoint, args.out, dtype=dtype)
+    except CheckpointError as e:
+        print(f"wholeshard export: {e}", file=sys.stderr)
+        return 1
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"wrote {len(tensors)} tensors ({nbytes / 1e6:.1f} MB) to {args.out}")
+    return 0
