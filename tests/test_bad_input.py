@@ -76,7 +76,7 @@ def test_frozen_params_are_left_out() -> None:
     model.emb.weight.requires_grad_(False)
     before = model.emb.weight.detach().clone()
     ddp = wholeshard.DataParallel(model)
-    assert "emb.weight" not in {p.name for p in ddp.layout.placements}
+    assert "emb.weight" not in {r.name for r in ddp.routes}
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, 0, 1)).backward()
     opt.step()

@@ -67,12 +67,55 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def owned_state(opt) -> dict[str, dict[str, torch.Tensor]]:
-    """Each owned param's fp32 value and optimizer state, by name (clones)."""
+    """Each owned piece's fp32 value and optimizer state, keyed "name@offset" (clones)."""
     out = {}
     for piece in opt.owned_pieces():
         entry = {k: v.clone() for k, v in opt.piece_state(piece).items()}
-        out[piece.name] = entry | {"value": piece.master.detach().clone()}
+        out[f"{piece.name}@{piece.offset}"] = entry | {"value": piece.master.detach().clone()}
     return out
+
+
+def merge_states(states: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
+    """Full per-param tensors (by name) from the pieces of `owned_state` on every rank;
+    asserts every element is owned exactly once."""
+    shapes = {r.name: tuple(r.param.shape) for r in route_params(make_model())}
+    flat: dict[str, dict[str, torch.Tensor]] = {}
+    count: dict[str, torch.Tensor] = {}
+    for state in states:
+        for key, entry in state.items():
+            name, offset = key.rsplit("@", 1)
+            lo = int(offset)
+            n = entry["value"].numel()
+            count.setdefault(name, torch.zeros(math.prod(shapes[name]), dtype=torch.int))[
+                lo : lo + n
+            ] += 1
+            dst = flat.setdefault(name, {})
+            for k, v in entry.items():
+                if v.dim() == 0:  # a scalar like AdamW's step: the same on every piece
+                    assert k not in dst or torch.equal(dst[k], v), (name, k)
+                    dst[k] = v
+                    continue
+                whole = dst.setdefault(k, torch.zeros(math.prod(shapes[name]), dtype=v.dtype))
+                whole[lo : lo + n] = v.reshape(-1)
+    for name, c in count.items():
+        assert torch.equal(c, torch.ones_like(c)), f"{name}: each element has one owner"
+    return {
+        name: {k: v if v.dim() == 0 else v.view(shapes[name]) for k, v in entry.items()}
+        for name, entry in flat.items()
+    }
+
+
+def assert_pieces_match(pieces: dict, full: dict) -> None:
+    """Every piece of `owned_state` equals its slice of the full per-param state."""
+    for key, entry in pieces.items():
+        name, offset = key.rsplit("@", 1)
+        lo = int(offset)
+        for k, v in entry.items():
+            want = full[name][k]
+            if v.dim() == 0:
+                assert torch.equal(v, want), (key, k)
+            else:
+                assert torch.equal(v.reshape(-1), want.reshape(-1)[lo : lo + v.numel()]), (key, k)
 
 
 def assert_same(a: dict, b: dict, what: str) -> None:
@@ -182,11 +225,8 @@ def saved_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A 2-rank fp32 checkpoint after SAVE_AT steps and the owners' full state at that point."""
     root = tmp_path_factory.mktemp("ckpt2")
     outs = run(_train_and_save, 2, str(root))
-    state: dict[str, dict] = {}
-    for out in outs:
-        assert not state.keys() & out["state"].keys(), "each param has one owner"
-        state |= out["state"]
     assert all(out["state"] for out in outs)
+    state = merge_states([out["state"] for out in outs])
     return {"root": root, "state": state, "params": outs[0]["params"]}
 
 
@@ -261,7 +301,7 @@ def _load_state(root: str) -> dict:
 def test_one_process_load_gets_every_owners_values(saved_at_2: dict) -> None:
     """Each value comes from its owner on either rank (not only rank 0's: DESIGN §7)."""
     (state,) = run(_load_state, 0, str(saved_at_2["root"]))
-    assert_same(state, saved_at_2["state"], "state")
+    assert_same(merge_states([state]), saved_at_2["state"], "state")
 
 
 # -- flat slices (element-wise sharded AdamW) ---------------------------------------------------
@@ -334,8 +374,10 @@ def _load_sliced(root: str, state: dict) -> int:
 def test_flat_slices_reshard_both_ways(saved_at_2: dict, tmp_path: Path) -> None:
     state, src = saved_at_2["state"], str(saved_at_2["root"])
     run(_save_sliced, 2, src, str(tmp_path), state)  # flat slices at 2 ranks -> whole at 3
-    for got in run(_load_state, 3, str(tmp_path)):
-        assert_same(got, {k: state[k] for k in got}, "state")
+    loaded = run(_load_state, 3, str(tmp_path))
+    assert_same(merge_states(loaded), state, "state")
+    for got in loaded:
+        assert_pieces_match(got, state)
     assert all(n > 0 for n in run(_load_sliced, 3, src, state))  # whole at 2 -> slices at 3
 
 
@@ -371,7 +413,7 @@ def test_step_numbers_latest_and_keep_last(tmp_path: Path) -> None:
 def test_load_across_param_dtypes_uses_the_fp32_master(tmp_path: Path) -> None:
     model, ddp, opt = setup(dtype=torch.bfloat16)
     train(ddp, opt, range(2))
-    masters = {p.name: p.master.clone() for p in opt.owned_pieces()}
+    masters = {p.name: p.master.clone().view(p.full_shape) for p in opt.owned_pieces()}
     save_checkpoint(tmp_path / "bf16", ddp, opt)
     model32, ddp32, opt32 = setup(seed=5)
     load_checkpoint(tmp_path / "bf16", ddp32, opt32)
@@ -380,7 +422,8 @@ def test_load_across_param_dtypes_uses_the_fp32_master(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "fp32", ddp32, opt32)
     model16, ddp16, opt16 = setup(seed=5, dtype=torch.bfloat16)
     load_checkpoint(tmp_path / "fp32", ddp16, opt16)
-    assert_same({p.name: p.master for p in opt16.owned_pieces()}, masters, "masters")
+    got = {p.name: p.master.view(p.full_shape) for p in opt16.owned_pieces()}
+    assert_same(got, masters, "masters")
     assert_same(params_of(model16), params_of(model), "bf16 params")
 
 
@@ -436,7 +479,7 @@ def test_export_tied_bf16_model_with_buffer(tmp_path: Path) -> None:
     _, ddp, opt = setup(dtype=torch.bfloat16, model=model)
     train(ddp, opt, range(1))
     save_checkpoint(tmp_path, ddp, opt)
-    masters = {p.name: p.master.clone() for p in opt.owned_pieces()}
+    masters = {p.name: p.master.clone().view(p.full_shape) for p in opt.owned_pieces()}
 
     assert _export_cli(tmp_path, tmp_path / "w.safetensors") == 0
     got = read_safetensors(tmp_path / "w.safetensors")

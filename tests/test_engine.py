@@ -64,21 +64,22 @@ def test_one_rank_issues_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _grads_after_sync() -> dict:
-    """After one backward and grad sync: this rank's view of every param's gradient."""
+    """After one backward and grad sync: what this rank owns and the gradients it holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = wholeshard.DataParallel(make_model(), bucket_size=3000)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
     ddp.finish_grad_sync()
-    layout = ddp.layout
+    muon = next(b for b in ddp.plan.buffers if b.kind == "muon")
     return {
         "rank": rank,
-        "buckets": len(layout.buckets),
+        "buckets": len(muon.buckets),
+        # the one ownership rule of whole-tensor buffers, evaluated independently here
         "owner": {
-            p.name: (p.start - layout.buckets[p.bucket].start)
-            // layout.buckets[p.bucket].shard_numel
-            for p in layout.placements
+            p.name: (p.start - muon.buckets[p.bucket].start) // muon.buckets[p.bucket].shard_numel
+            for p in muon.placements
         },
-        "grads": {p.name: ddp.buffers.grad_view(p).clone() for p in layout.placements},
+        "muon_grads": {p.name: ddp.buffers[0].flat.grad_view(p).clone() for p in muon.placements},
+        "owned": [(s.route.name, s.offset, s.grad.clone()) for s in ddp.owned()],
     }
 
 
@@ -90,13 +91,22 @@ def test_owner_from_layout_receives_the_reduced_gradient() -> None:
     assert outs[0]["buckets"] > 1
     owners = outs[0]["owner"]
     assert set(owners.values()) == {0, 1, 2}
+    covered = {name: torch.zeros(g.numel(), dtype=torch.int) for name, g in want.items()}
     for out in outs:
         assert out["owner"] == owners
-        for name, grad in out["grads"].items():
-            if owners[name] == out["rank"]:
-                torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-7)
-            else:  # only the owner receives the averaged gradient; others keep local partials
+        for name, offset, grad in out["owned"]:
+            flat = want[name].flatten()[offset : offset + grad.numel()]
+            torch.testing.assert_close(grad.flatten(), flat, rtol=1e-5, atol=1e-7)
+            covered[name][offset : offset + grad.numel()] += 1
+            if name in owners:
+                assert (
+                    owners[name] == out["rank"] and offset == 0 and grad.shape == want[name].shape
+                )
+        for name, grad in out["muon_grads"].items():
+            if owners[name] != out["rank"]:  # only the owner receives the averaged gradient
                 assert not torch.allclose(grad, want[name], rtol=1e-3, atol=1e-6), name
+    for name, count in covered.items():
+        assert torch.equal(count, torch.ones_like(count)), f"{name}: each element owned once"
 
 
 def _state_report() -> dict:
@@ -108,8 +118,8 @@ def _state_report() -> dict:
     opt.step()
     state = opt.state_dict()["state"]
     return {
-        "owned": {p.name for _, p in ddp.owned()},
-        "numel": {p.name: p.numel for p in ddp.layout.placements},
+        "owned": {s.route.name: s.param.numel() for s in ddp.owned()},
+        "numel": {r.name: r.param.numel() for r in ddp.routes},
         "muon": {r.name for r in ddp.routes if r.muon},
         "state": {
             name: {k: (v.numel(), v.element_size()) for k, v in entry.items() if torch.is_tensor(v)}
@@ -120,18 +130,17 @@ def _state_report() -> dict:
 
 def test_optimizer_state_covers_only_owned_params() -> None:
     outs = run(_state_report, 3)
-    all_names = set(outs[0]["numel"])
-    covered: set[str] = set()
+    owned_elements = dict.fromkeys(outs[0]["numel"], 0)
     total_bytes = 0
     for out in outs:
-        assert set(out["state"]) == out["owned"]
-        assert not covered & out["owned"], "ownership is disjoint"
-        covered |= out["owned"]
+        assert set(out["state"]) == set(out["owned"])
         for name, tensors in out["state"].items():
-            n = out["numel"][name]
-            if name in out["muon"]:  # momentum + fp32 master
+            n = out["owned"][name]
+            owned_elements[name] += n
+            if name in out["muon"]:  # momentum + fp32 master, whole tensors
+                assert n == out["numel"][name]
                 assert tensors == {"momentum_buffer": (n, 4), "master": (n, 4)}
-            else:  # exp_avg + exp_avg_sq + fp32 master, plus the scalar step
+            else:  # exp_avg + exp_avg_sq + fp32 master of the owned slice, plus the scalar step
                 assert tensors == {
                     "step": (1, 4),
                     "exp_avg": (n, 4),
@@ -139,7 +148,7 @@ def test_optimizer_state_covers_only_owned_params() -> None:
                     "master": (n, 4),
                 }
             total_bytes += sum(numel * size for numel, size in tensors.values())
-    assert covered == all_names
+    assert owned_elements == outs[0]["numel"], "every element is owned by exactly one rank"
     full = sum(outs[0]["numel"].values())
     assert total_bytes < 3.2 * 4 * full, "state is split, not replicated"
 
@@ -201,3 +210,35 @@ def test_lr_scheduler_drives_both_groups() -> None:
     sched.step()
     assert [g["lr"] for g in opt.param_groups] == [MUON_KW["lr"] / 2, ADAMW_KW["lr"] / 2]
     assert opt._inner["muon"].param_groups[0]["lr"] == MUON_KW["lr"] / 2
+
+
+@pytest.mark.parametrize(
+    "ddp_kw",
+    [
+        dict(shard_group_size=2),
+        dict(shard_group_size=2, overlap_grad_reduce=True, overlap_param_gather=True),
+        dict(shard_group_size=1),
+        dict(layout_strategy="size_match"),
+    ],
+    ids=["k2", "k2-overlap", "k1", "size_match"],
+)
+def test_shard_groups_and_strategies_match_reference(ddp_kw: dict) -> None:
+    ref = reference_run(STEPS, clip=0.3)
+    outs = run(wholeshard_run, 4, STEPS, clip=0.3, ddp_kw=dict(ddp_kw, bucket_size=3000))
+    for out in outs:
+        assert_matches(out, ref, torch.float32)
+        assert out["norms"] == pytest.approx(ref["norms"], rel=1e-4)
+    for out in outs[1:]:
+        assert all(torch.equal(out["params"][k], v) for k, v in outs[0]["params"].items())
+
+
+def test_tied_embedding_costs_no_padding() -> None:
+    specs = [
+        wholeshard.ParamSpec("emb", (50257, 768), muon=False, tied=True),
+        *(wholeshard.ParamSpec(f"l{i}.w", (768, 768), muon=True) for i in range(8)),
+        *(wholeshard.ParamSpec(f"l{i}.b", (768,), muon=False) for i in range(8)),
+    ]
+    plan = wholeshard.plan_buffers(specs, 8)
+    adamw = next(b for b in plan.buffers if b.kind == "adamw")
+    assert adamw.numel - adamw.used < 8 * 64 * len(adamw.buckets) + 64 * len(adamw.placements)
+    assert plan.padding_fraction < 0.001

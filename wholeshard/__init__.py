@@ -4,6 +4,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data_parallel import DataParallel
 from .layout import Bucket, Layout, ParamSpec, Placement, plan_layout
 from .optim import LayerwiseOptimizer
+from .plan import Plan, plan_buffers
 from .routing import Route, route_params, routing_table
 
 __all__ = [
@@ -14,8 +15,10 @@ __all__ = [
     "Layout",
     "ParamSpec",
     "Placement",
+    "Plan",
     "Route",
     "load_checkpoint",
+    "plan_buffers",
     "plan_layout",
     "route_params",
     "routing_table",

@@ -1,38 +1,39 @@
-"""Flat param and grad storage built from a layout.
+"""Flat param and grad storage for one planned buffer.
 
-Invariant: every routed param's `.data` is a view of `FlatBuffers.param`, and its gradient
-accumulates into the same range of `FlatBuffers.grad`. Collectives read and write bucket and
-shard slices of these two tensors directly: no flatten/unflatten copies.
+Invariant: every param placed in the buffer has its `.data` as a view of `FlatBuffers.param`,
+and its gradient accumulates into the same range of `FlatBuffers.grad`. Collectives read and
+write bucket and shard slices of these two tensors directly: no flatten/unflatten copies.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
-from .layout import Bucket, Layout, Placement
-from .routing import Route
+import torch
+from torch import nn
+
+from .layout import Bucket, Placement
 
 
 class FlatBuffers:
-    """One param buffer (`param_dtype`) and one grad buffer (`grad_dtype`) for `layout`."""
+    """One param buffer (`param_dtype`) and one grad buffer (`grad_dtype`) of `numel` elements."""
 
     def __init__(
         self,
-        layout: Layout,
-        routes: list[Route],
+        numel: int,
+        placements: Sequence[Placement],
+        params: Sequence[nn.Parameter],
         *,
         param_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.layout = layout
-        self.param = torch.zeros(layout.numel, dtype=param_dtype, device=device)
-        self.grad = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
-        for route, placement in zip(routes, layout.placements, strict=True):
-            assert route.name == placement.name, (route.name, placement.name)
+        self.param = torch.zeros(numel, dtype=param_dtype, device=device)
+        self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
+        for placement, param in zip(placements, params, strict=True):
             view = self.param_view(placement)
-            view.copy_(route.param.detach())
-            route.param.data = view
+            view.copy_(param.detach())
+            param.data = view
 
     def param_view(self, p: Placement) -> torch.Tensor:
         return self.param[p.start : p.end].view(p.shape)

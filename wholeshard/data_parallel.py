@@ -23,21 +23,53 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
 from . import collectives
 from .buffers import FlatBuffers
-from .layout import Layout, ParamSpec, Placement, plan_layout
+from .layout import Bucket, ParamSpec, Placement, plan_layout
+from .plan import DEFAULT_STRATEGY, Plan, plan_buffers
 from .routing import Route, UseMuon, route_params
-from .sync import ALLGATHER, BROADCAST, AlignedSync, PendingGather, PingPongSync
+from .sync import ALLGATHER, BROADCAST, AlignedSync, Pending, PingPongSync
 
 ALIGNED, PING_PONG = "aligned", "ping_pong"
+
+
+@dataclass
+class BufferState:
+    """One planned flat buffer at run time: its storage and how its buckets sync."""
+
+    kind: str  # "muon" (whole tensors), "adamw" (element-wise) or "mixed" (ping-pong)
+    buckets: tuple[Bucket, ...]
+    placements: tuple[Placement, ...]
+    flat: FlatBuffers
+    sync: AlignedSync | PingPongSync
+
+    @property
+    def whole(self) -> bool:
+        """Whether every param is owned whole (not cut element-wise)."""
+        return self.kind != "adamw"
+
+
+@dataclass(frozen=True)
+class OwnedSlice:
+    """Elements `[offset, offset + param.numel())` of a flattened param that this rank updates.
+
+    `param` and `grad` are views of the flat buffers: shaped like the param when the slice is
+    the whole tensor, 1-D otherwise.
+    """
+
+    route: Route
+    offset: int
+    param: torch.Tensor
+    grad: torch.Tensor
 
 
 class DataParallel(nn.Module):
@@ -45,6 +77,7 @@ class DataParallel(nn.Module):
 
     Every rank must build the same module; construction checks this and raises on every rank,
     naming the first difference. Rank 0's initial values are broadcast to all ranks.
+    Muon-routed params live in whole-tensor buffers; the others in element-wise sharded buffers.
     `layout="ping_pong"` and `param_sync="broadcast"` select the legacy baselines.
     """
 
@@ -61,6 +94,8 @@ class DataParallel(nn.Module):
         overlap_param_gather: bool = False,
         layout: str = ALIGNED,
         param_sync: str = ALLGATHER,
+        layout_strategy: str = DEFAULT_STRATEGY,
+        shard_group_size: int | None = None,
     ) -> None:
         super().__init__()
         if not (param_dtype.is_floating_point and grad_reduce_dtype.is_floating_point):
@@ -78,51 +113,105 @@ class DataParallel(nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.process_group, self.dp_size, self.rank = _resolve_group(process_group)
+        if layout == PING_PONG and shard_group_size not in (None, self.dp_size):
+            raise ValueError("layout='ping_pong' has no shard groups: leave shard_group_size unset")
         self.routes: list[Route] = route_params(module, use_muon)
         if self.dp_size > 1:
             _check_same_model(self.routes, self.process_group)
         specs = [ParamSpec(r.name, tuple(r.param.shape), r.muon, r.tied) for r in self.routes]
+        route_of = {r.name: r for r in self.routes}
+        device = self.routes[0].param.device
+
+        def flat(numel: int, placements: tuple[Placement, ...]) -> FlatBuffers:
+            params = [route_of[p.name].param for p in placements]
+            return FlatBuffers(
+                numel,
+                placements,
+                params,
+                param_dtype=param_dtype,
+                grad_dtype=grad_reduce_dtype,
+                device=device,
+            )
+
+        self.plan: Plan | None = None
+        self.buffers: list[BufferState] = []
         if layout == ALIGNED:
-            self.layout: Layout = plan_layout(specs, self.dp_size, bucket_size=bucket_size)
+            self.plan = plan_buffers(
+                specs,
+                self.dp_size,
+                bucket_size=bucket_size,
+                strategy=layout_strategy,
+                shard_group_size=shard_group_size,
+            )
+            self.shard_group_size = self.plan.shard_group_size
+            self.shard_group, self.replica_group = _shard_groups(
+                self.process_group, self.dp_size, self.shard_group_size
+            )
+            self.shard_rank = self.plan.shard_rank(self.rank)
+            for b in self.plan.buffers:
+                storage = flat(b.numel, b.placements)
+                sync = AlignedSync(
+                    storage,
+                    b.buckets,
+                    b.placements,
+                    self.shard_group,
+                    self.shard_rank,
+                    self.shard_group_size,
+                    param_sync,
+                    replica_group=self.replica_group,
+                )
+                self.buffers.append(BufferState(b.kind, b.buckets, b.placements, storage, sync))
         else:  # one unaligned buffer in backprop order; owners come from the snake rule
-            self.layout = plan_layout(specs, 1, bucket_size=bucket_size, align=1)
-        self.buffers = FlatBuffers(
-            self.layout,
-            self.routes,
-            param_dtype=param_dtype,
-            grad_dtype=grad_reduce_dtype,
-            device=self.routes[0].param.device,
-        )
-        scheme = AlignedSync if layout == ALIGNED else PingPongSync
-        self._sync = scheme(
-            self.buffers, self.layout, self.process_group, self.rank, self.dp_size, param_sync
-        )
+            lay = plan_layout(specs, 1, bucket_size=bucket_size, align=1)
+            self.shard_group_size, self.shard_rank = self.dp_size, self.rank
+            self.shard_group, self.replica_group = self.process_group, None
+            storage = flat(lay.numel, lay.placements)
+            sync = PingPongSync(
+                storage,
+                lay.buckets,
+                lay.placements,
+                self.process_group,
+                self.rank,
+                self.dp_size,
+                param_sync,
+            )
+            self.buffers.append(BufferState("mixed", lay.buckets, lay.placements, storage, sync))
         if self.dp_size > 1:
-            collectives.broadcast_from_first(self.buffers.param, self.process_group)
+            for state in self.buffers:
+                collectives.broadcast_from_first(state.flat.param, self.process_group)
             for buf in module.buffers():
                 collectives.broadcast_from_first(buf, self.process_group)
 
-        buckets = self.layout.buckets
-        self._bucket_size = [0] * len(buckets)
-        for p in self.layout.placements:
-            self._bucket_size[p.bucket] += 1
+        # Every bucket of every buffer gets one global id: grads are reduced in id order
+        # (backprop order: the bucket holding the latest-registered param first) and params
+        # gathered in forward order (the bucket holding the earliest-registered param first).
+        index = {r.name: i for i, r in enumerate(self.routes)}
+        members: dict[tuple[int, int], list[int]] = {}
+        self._where: dict[str, tuple[int, Placement]] = {}
+        for i, state in enumerate(self.buffers):
+            for p in state.placements:
+                members.setdefault((i, p.bucket), []).append(index[p.name])
+                self._where[p.name] = (i, p)
+        order = sorted(members, key=lambda key: -max(members[key]))
+        self._buckets: list[tuple[int, Bucket]] = [
+            (i, self.buffers[i].buckets[b]) for i, b in order
+        ]
+        self._bucket_id = {key: n for n, key in enumerate(order)}
+        self._bucket_params = [len(members[key]) for key in order]
+        self._forward_order = sorted(range(len(order)), key=lambda n: min(members[order[n]]))
+
         self.comm_wait_s = 0.0  # seconds blocked waiting on collectives since construction
         # gradient state of the current step
         self._sync_grads = True
-        self._ready = [0] * len(buckets)
-        self._grad_handles: list[list[Work | None]] = []  # one entry per dispatched bucket
+        self._ready = [0] * len(self._buckets)
+        self._grad_pending: list[Pending] = []  # one entry per dispatched bucket, in id order
         self._grads_reduced = False
         # param-gather state: buckets still to dispatch (forward order) and those in flight
-        first_use: dict[int, None] = {}
-        for p in self.layout.placements:
-            first_use.setdefault(p.bucket, None)
-        self._forward_order = list(first_use)
         self._gather_todo: deque[int] = deque()
-        self._gather_pending: dict[int, PendingGather] = {}
+        self._gather_pending: dict[int, Pending] = {}
 
         self._hooks = [
-            r.param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
-            for r, p in zip(self.routes, self.layout.placements, strict=True)
+            r.param.register_post_accumulate_grad_hook(self._make_grad_hook(r)) for r in self.routes
         ]
         if overlap_param_gather and self.dp_size > 1:
             self._hooks += self._register_forward_pre_hooks()
@@ -132,26 +221,32 @@ class DataParallel(nn.Module):
 
     # -- ownership ------------------------------------------------------------------------
 
-    @property
-    def owners(self) -> dict[str, int]:
-        """The rank that updates each param (one source: the layout's sync scheme)."""
-        return self._sync.owners
-
-    def owned(self) -> Iterator[tuple[Route, Placement]]:
-        """(route, placement) of each param this rank owns, in registration order."""
-        owners = self._sync.owners
-        for route, placement in zip(self.routes, self.layout.placements, strict=True):
-            if owners[placement.name] == self.rank:
-                yield route, placement
+    def owned(self) -> Iterator[OwnedSlice]:
+        """What this rank updates, in registration order: whole params, or flat slices of
+        element-wise ones. Ownership comes from the plan alone (the sync scheme's owners)."""
+        for route in self.routes:
+            i, p = self._where[route.name]
+            state = self.buffers[i]
+            if state.whole:
+                if state.sync.owners[p.name] == self.shard_rank:
+                    yield OwnedSlice(route, 0, state.flat.param_view(p), state.flat.grad_view(p))
+                continue
+            lo, hi = state.buckets[p.bucket].shard(self.shard_rank)
+            start, end = max(p.start, lo), min(p.end, hi)
+            if start < end:
+                yield OwnedSlice(
+                    route, start - p.start, state.flat.param[start:end], state.flat.grad[start:end]
+                )
 
     # -- gradients ------------------------------------------------------------------------
 
-    def _make_grad_hook(self, placement: Placement):
-        grad_view = self.buffers.grad_view(placement)
-        bucket = placement.bucket
+    def _make_grad_hook(self, route: Route):
+        i, placement = self._where[route.name]
+        grad_view = self.buffers[i].flat.grad_view(placement)
+        bucket = self._bucket_id[(i, placement.bucket)]
 
         def hook(param: torch.Tensor) -> None:
-            if self._grads_reduced or bucket < len(self._grad_handles):
+            if self._grads_reduced or bucket < len(self._grad_pending):
                 raise RuntimeError(
                     f"a gradient for {placement.name!r} arrived after its bucket was reduced: "
                     f"call optimizer.zero_grad() before the next backward, and wrap all but the "
@@ -175,20 +270,21 @@ class DataParallel(nn.Module):
             self._sync_grads = previous
 
     def _dispatch_ready_grads(self) -> None:
-        n = len(self._grad_handles)
-        while n < len(self._ready) and self._ready[n] == self._bucket_size[n]:
+        n = len(self._grad_pending)
+        while n < len(self._ready) and self._ready[n] == self._bucket_params[n]:
             self._dispatch_grads(n)
             n += 1
 
     def _dispatch_grads(self, bucket: int) -> None:
+        i, b = self._buckets[bucket]
         with record_function("wholeshard.grad_sync.start"):
-            self._grad_handles.append(self._sync.reduce_grads(self.layout.buckets[bucket]))
+            self._grad_pending.append(self.buffers[i].sync.reduce_grads(b))
 
     def start_grad_sync(self) -> None:
         """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
         if self.dp_size == 1:
             return
-        for bucket in range(len(self._grad_handles), len(self.layout.buckets)):
+        for bucket in range(len(self._grad_pending), len(self._buckets)):
             self._dispatch_grads(bucket)
 
     def finish_grad_sync(self) -> None:
@@ -200,19 +296,20 @@ class DataParallel(nn.Module):
             return
         self.start_grad_sync()
         with record_function("wholeshard.grad_sync.finish"):
-            for handles in self._grad_handles:
-                self._wait(handles)
+            for pending in self._grad_pending:
+                self._wait(pending)
         self._grads_reduced = True
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient and open the next accumulation window."""
-        for handles in self._grad_handles:  # never zero under an in-flight reduction
-            self._wait(handles)
-        self.buffers.grad.zero_()
+        for pending in self._grad_pending:  # never zero under an in-flight reduction
+            self._wait(pending)
+        for state in self.buffers:
+            state.flat.grad.zero_()
         for r in self.routes:
             r.param.grad = None
         self._ready = [0] * len(self._ready)
-        self._grad_handles = []
+        self._grad_pending = []
         self._grads_reduced = False
 
     # -- parameters -----------------------------------------------------------------------
@@ -224,7 +321,7 @@ class DataParallel(nn.Module):
         forward order, the rest as the forward reaches them.
         """
         self.finish_param_sync()
-        if self.dp_size == 1:
+        if self.dp_size == 1 or self.shard_group_size == 1:
             return
         self._gather_todo = deque(self._forward_order)
         self._dispatch_gather()
@@ -241,36 +338,37 @@ class DataParallel(nn.Module):
     def free_overlap_buffers(self) -> None:
         """Wait for anything in flight, then drop temporary gather buffers (safe to repeat)."""
         self.finish_param_sync()
-        for handles in self._grad_handles:
-            self._wait(handles)
-        self._sync.free()
+        for pending in self._grad_pending:
+            self._wait(pending)
+        for state in self.buffers:
+            state.sync.free()
 
     def _dispatch_gather(self) -> None:
         bucket = self._gather_todo.popleft()
+        i, b = self._buckets[bucket]
         with record_function("wholeshard.param_sync.start"):
-            self._gather_pending[bucket] = self._sync.gather_params(self.layout.buckets[bucket])
+            self._gather_pending[bucket] = self.buffers[i].sync.gather_params(b)
 
     def _wait_gather(self, bucket: int) -> None:
         while bucket in self._gather_todo:  # keep the dispatch order identical on every rank
             self._dispatch_gather()
         pending = self._gather_pending.pop(bucket, None)
-        if pending is None:
-            return
-        with record_function("wholeshard.param_sync.finish"):
-            self._wait(pending.handles)
-            if pending.unpack is not None:
-                pending.unpack()
+        if pending is not None:
+            with record_function("wholeshard.param_sync.finish"):
+                self._wait(pending)
 
     def _register_forward_pre_hooks(self) -> list:
-        bucket_of = {p.name: p.bucket for p in self.layout.placements}
-        routed = {id(r.param): bucket_of[r.name] for r in self.routes}
+        bucket_of = {}
+        for r in self.routes:
+            i, p = self._where[r.name]
+            bucket_of[id(r.param)] = self._bucket_id[(i, p.bucket)]
         handles = []
         for mod in self.module.modules():
             buckets = sorted(
                 {
-                    routed[id(p)]
+                    bucket_of[id(p)]
                     for p in mod._parameters.values()
-                    if p is not None and id(p) in routed
+                    if p is not None and id(p) in bucket_of
                 }
             )
             if buckets:
@@ -288,11 +386,31 @@ class DataParallel(nn.Module):
 
         return pre_hook
 
-    def _wait(self, handles: list[Work | None]) -> None:
+    def _wait(self, pending: Pending) -> None:
         start = time.perf_counter()
-        for h in handles:
+        for h in pending.handles:
             collectives.wait(h)
+        if pending.then is not None:
+            for h in pending.then() or ():
+                collectives.wait(h)
+            pending.then = None
+        pending.handles = []
         self.comm_wait_s += time.perf_counter() - start
+
+
+def _shard_groups(
+    group: ProcessGroup | None, dp_size: int, k: int
+) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """(this rank's shard group, its replica group): consecutive blocks of k ranks shard the
+    params; ranks at the same position of every block replicate them. (group, None) if k = dp."""
+    if k == dp_size:
+        return group, None
+    world = [dist.get_global_rank(group or dist.group.WORLD, r) for r in range(dp_size)]
+    shard, _ = dist.new_subgroups_by_enumeration(
+        [world[g * k : (g + 1) * k] for g in range(dp_size // k)]
+    )
+    replica, _ = dist.new_subgroups_by_enumeration([world[r::k] for r in range(k)])
+    return shard, replica
 
 
 def _resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int, int]:

@@ -16,10 +16,27 @@ it gets the following params (backprop order) whose aligned size still fits the 
 padding. All shards grow by `S` per row, so they stay equal by construction, and a stack of
 identical blocks (every numel's count a multiple of `dp_size`) needs no padding beyond alignment.
 Rank r's shard of a bucket is the concatenation of slot r of the bucket's rows.
+
+[Note: balanced]
+`plan_layout(..., strategy="balanced")` cuts the params (backprop order) into runs of
+consecutive params, one bucket each, and assigns each bucket's params to ranks largest
+Newton-Schulz cost first (`ns_cost`; ties: larger first), each to the rank with the least cost
+carried so far (over all earlier buckets) among the ranks whose shard still has room under a
+per-shard numel cap. The cap starts at `max(widest param, total / dp)` (aligned) and may rise by
+`_BALANCE_TOLERANCE`; a bucket that cannot be packed under it takes in more params (geometric
+growth, up to `_MAX_GROWTH` times its minimal size) and is packed again, and only when growing
+is no longer possible does the planner let a param overflow the cap, onto the least-loaded rank.
+A bucket first holds at least `max(bucket_size, dp * widest param)` elements, since no smaller
+bucket can avoid padding; a remainder too small to make a bucket of its own joins the last one.
+Inside a shard params keep backprop order. Buckets are consecutive backprop-order runs, so the
+backprop-order rule holds exactly; tied params are isolated as with size matching.
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import math
 import operator
 from collections import deque
@@ -36,7 +53,7 @@ class ParamSpec:
     muon: bool
     tied: bool = False  # the tensor is shared by two modules
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -69,7 +86,7 @@ class Placement:
     bucket: int
     start: int
     end: int
-    owner: int
+    owner: int | None  # None only in element-wise sharded buffers (`wholeshard.plan`)
 
     @property
     def numel(self) -> int:
@@ -198,24 +215,55 @@ class Layout:
                 )
 
 
+STRATEGIES = ("size_match", "balanced")
+
+
+def ns_cost(shape: Sequence[int]) -> int:
+    """Newton-Schulz cost of one matrix, `max(m, n) * min(m, n) ** 2`; 0 for non-2-D shapes."""
+    if len(shape) != 2:
+        return 0
+    m, n = shape
+    return max(m, n) * min(m, n) ** 2
+
+
+def spec_cost(spec: ParamSpec) -> int:
+    """The Newton-Schulz cost the owner of `spec` pays: `ns_cost` for a Muon param, else 0
+    (an element-wise AdamW update is negligible next to Newton-Schulz)."""
+    return ns_cost(spec.shape) if spec.muon else 0
+
+
 def plan_layout(
     params: Sequence[ParamSpec],
     dp_size: int,
     *,
     bucket_size: int | None = None,
     align: int = 64,
+    strategy: str = "size_match",
 ) -> Layout:
     """Place `params` (in registration order) into one buffer for `dp_size` ranks.
 
-    Buckets are filled in backprop order by size-matching rows (see the module note). A bucket
-    is closed once it holds `>= bucket_size` elements (None: one bucket). A tied param gets a
-    bucket of its own: shard 0 holds it, shards 1.. are padding. The result passes
+    `strategy="size_match"` fills buckets in backprop order by size-matching rows (module note);
+    a bucket is closed once it holds `>= bucket_size` elements (None: one bucket).
+    `strategy="balanced"` balances Newton-Schulz cost across ranks instead ([Note: balanced]);
+    its buckets hold at least `bucket_size` elements and may be larger. With either, a tied
+    param gets a bucket of its own: shard 0 holds it, shards 1.. are padding. The result passes
     `Layout.check(params)`; placements come back in the order of `params`.
     """
     specs = tuple(params)
-    _validate(specs, dp_size, bucket_size, align)
-    bucket_rows = _plan_rows(specs, dp_size, bucket_size, align)
+    validate_inputs(specs, dp_size, bucket_size, align, strategy)
+    layout = _place(specs, dp_size, bucket_size, align, strategy)
+    layout.check(specs)
+    return layout
 
+
+def _place(
+    specs: tuple[ParamSpec, ...], dp_size: int, bucket_size: int | None, align: int, strategy: str
+) -> Layout:
+    """`plan_layout` on validated inputs, without the final check."""
+    if strategy == "size_match":
+        bucket_rows = _plan_rows(specs, dp_size, bucket_size, align)
+    else:
+        bucket_rows = _plan_balanced(specs, dp_size, bucket_size, align)
     n = len(specs)
     placements: list[Placement | None] = [None] * n
     buckets: list[Bucket] = []
@@ -237,9 +285,7 @@ def plan_layout(
         bucket_start = end
 
     assert all(p is not None for p in placements), "internal error: a param was not placed"
-    layout = Layout(dp_size, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
-    layout.check(specs)
-    return layout
+    return Layout(dp_size, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
 
 
 # A row: (slot width, [(rank, backprop position, offset inside the slot), ...]).
@@ -318,6 +364,266 @@ def _plan_rows(
     return buckets
 
 
+_Assignment = list[tuple[int, int]]  # (rank, backprop position) of every param of a bucket
+_BALANCE_TOLERANCE = 0.005  # a bucket padding more than this fraction grows instead
+_MAX_GROWTH = 8  # a bucket grows to at most this many times its minimal size
+_MAX_MERGE = 4  # a badly padded last bucket of a run may merge with up to 3 before it
+
+
+def _plan_balanced(
+    specs: tuple[ParamSpec, ...], dp_size: int, bucket_size: int | None, align: int
+) -> list[list[_Row]]:
+    """Buckets of one row each (width = shard_numel), see [Note: balanced]. Works on backprop
+    positions, like `_plan_rows`."""
+    n = len(specs)
+    order = [specs[n - 1 - p] for p in range(n)]
+    plan = _Balancer(
+        widths=[_round_up(s.numel, align) for s in order],
+        costs=[spec_cost(s) for s in order],
+        tied=[s.tied for s in order],
+        dp_size=dp_size,
+        align=align,
+    )
+    planned: list[tuple[int, _Row, _Assignment]] = []  # (first position, row, assignment)
+    head = 0
+    while True:
+        while head < n and plan.taken[head]:
+            head += 1
+        if head == n:
+            return [[row] for _, row, _ in planned]
+        planned.append((head, *plan.bucket(head, bucket_size)))
+        if len(planned) > 1 and plan.finished_run(planned[-2][0], head):
+            _merge_tail(plan, planned, bucket_size)
+
+
+def _merge_tail(
+    plan: _Balancer, planned: list[tuple[int, _Row, _Assignment]], bucket_size: int | None
+) -> None:
+    """The last bucket ended a run. If it pads more than the tolerance, try one bucket for it
+    and the `m - 1` buckets of its run before it (m = 2.._MAX_MERGE); keep the first that pads
+    less than the buckets it replaces."""
+    dp = plan.dp_size
+    if plan.padded(planned[-1][1]) <= _BALANCE_TOLERANCE * dp * planned[-1][1][0]:
+        return
+    for m in range(2, _MAX_MERGE + 1):
+        if m > len(planned) or not plan.finished_run(planned[-m][0], planned[-1][0]):
+            return
+        tail = planned[-m:]
+        for _, _, assignment in reversed(tail):
+            plan.undo(assignment)
+        merged = plan.bucket(tail[0][0], bucket_size, absorb=True)
+        if plan.padded(merged[0]) < sum(plan.padded(row) for _, row, _ in tail):
+            planned[-m:] = [(tail[0][0], *merged)]
+            return
+        plan.undo(merged[1])  # plan the m buckets again, exactly as before
+        del planned[-m:]
+        for head, _, _ in tail:
+            planned.append((head, *plan.bucket(head, bucket_size)))
+
+
+class _Balancer:
+    """State of a balanced plan over backprop positions: which are taken, first-fit trees over
+    the free ones, the free elements left in each run (params between tied ones), and the
+    Newton-Schulz cost each rank carries from earlier buckets."""
+
+    def __init__(
+        self, widths: list[int], costs: list[int], tied: list[bool], dp_size: int, align: int
+    ) -> None:
+        self.widths, self.costs, self.tied = widths, costs, tied
+        self.dp_size, self.align = dp_size, align
+        n = len(widths)
+        self.taken = bytearray(n)
+        self.fit = _FirstFit([math.inf if t else w for t, w in zip(tied, widths, strict=True)])
+        # Minus the widths of free untied params: range minima give the widest free param.
+        self.negated = _FirstFit([math.inf if t else -w for t, w in zip(tied, widths, strict=True)])
+        self.carried = [0] * dp_size
+        self.run_end = [n] * (n + 1)  # run_end[p]: the first tied position >= p
+        for p in range(n - 1, -1, -1):
+            self.run_end[p] = p if tied[p] else self.run_end[p + 1]
+        self.run_free: dict[int, int] = {}  # run end -> free elements left in that run
+        for p in range(n):
+            if not tied[p]:
+                self.run_free[self.run_end[p]] = self.run_free.get(self.run_end[p], 0) + widths[p]
+
+    def padded(self, row: _Row) -> int:
+        """Padding elements in a bucket of one row."""
+        width, entries = row
+        return self.dp_size * width - sum(self.widths[q] for _, q, _ in entries)
+
+    def finished_run(self, previous: int, head: int) -> bool:
+        """Whether the buckets starting at free positions `previous` and `head` are untied
+        buckets of one run that no free param is left in."""
+        end = self.run_end[head]
+        return (
+            not self.tied[previous]
+            and not self.tied[head]
+            and self.run_end[previous] == end
+            and self.run_free[end] == 0
+        )
+
+    def bucket(
+        self, head: int, bucket_size: int | None, *, absorb: bool = False
+    ) -> tuple[_Row, _Assignment]:
+        """Plan the bucket whose first param is the free position `head` and take its params;
+        with `absorb`, the bucket takes every free param left in the run."""
+        widths, dp = self.widths, self.dp_size
+        if self.tied[head]:
+            self._take([(0, head)])
+            return (widths[head], [(0, head, 0)]), [(0, head)]
+
+        chunk: list[int] = []  # free positions from head on, in order, up to the run's end
+        cursor, total, widest = head, 0, 0
+        run_end = self.run_end[head]
+        wanted = math.inf if bucket_size is None or absorb else bucket_size
+
+        def grow_to(target: float) -> None:
+            nonlocal cursor, total, widest
+            rest = False
+            while cursor < run_end and (rest or total < target or total < dp * widest):
+                if not self.taken[cursor]:
+                    chunk.append(cursor)
+                    self.fit.remove(cursor)
+                    self.negated.remove(cursor)
+                    total += widths[cursor]
+                    widest = max(widest, widths[cursor])
+                cursor += 1
+                if not rest and total >= target and total >= dp * widest:
+                    # Too little left in the run for a bucket of its own: take it all.
+                    left = self.run_free[run_end] - total
+                    left_widest = -self.negated.range_min(cursor, run_end)
+                    rest = left < max(wanted, dp * left_widest)
+
+        grow_to(wanted)
+        limit = _MAX_GROWTH * total
+        best: tuple[float, int, list[int], list[int], list[int], list[int]] | None = None
+        while True:
+            items = sorted(chunk, key=lambda q: (-self.costs[q], -widths[q], q))
+            ranks, cost, loads = self._pack(items, total, widest)
+            fills = self._fill(head, cost, list(loads))
+            for _, q in fills:  # only trying
+                self.fit.put(q, widths[q])
+            filled = total + sum(widths[q] for _, q in fills)
+            padding = 1 - filled / (dp * max(loads))
+            if best is None or padding < best[0]:
+                best = (padding, len(chunk), items, ranks, cost, loads)
+            if padding <= _BALANCE_TOLERANCE or cursor == run_end or total >= limit:
+                break
+            grow_to(total * min(4.0, max(1.5, padding / _BALANCE_TOLERANCE)))
+
+        _, length, items, ranks, cost, loads = best
+        for q in chunk[length:]:
+            self.fit.put(q, widths[q])
+            self.negated.put(q, -widths[q])
+        assignment = list(zip(ranks, items, strict=True)) + self._fill(head, cost, loads)
+        shard = max(loads)
+        self._take(assignment)
+        offsets = [0] * dp
+        entries = []
+        for r, q in sorted(assignment, key=operator.itemgetter(1)):  # backprop order in shards
+            entries.append((r, q, offsets[r]))
+            offsets[r] += widths[q]
+        return (shard, entries), assignment
+
+    def _fill(self, head: int, cost: list[int], loads: list[int]) -> _Assignment:
+        """Fill each rank's room below the largest load with the first free params (from
+        `head` on) that fit; take them out of the fit tree and add them to `loads`."""
+        widths = self.widths
+        shard = max(loads)
+        fills = []
+        for r in sorted(range(self.dp_size), key=cost.__getitem__):
+            lo = head
+            while loads[r] < shard:
+                q = self.fit.first_fit(lo, shard - loads[r])
+                if q < 0:
+                    break
+                self.fit.remove(q)
+                fills.append((r, q))
+                loads[r] += widths[q]
+                lo = q + 1
+        return fills
+
+    def _pack(
+        self, items: list[int], total: int, widest: int
+    ) -> tuple[list[int], list[int], list[int]]:
+        """`_pack` under the lowest cap, `max(widest, total / dp)`; if a param overflows it,
+        again under caps between it and the largest load that came out. The best packing."""
+        dp, align = self.dp_size, self.align
+        widths = [self.widths[q] for q in items]
+        costs = [self.costs[q] for q in items]
+        low = max(widest, _round_up(-(-total // dp), align))
+        best = _pack(widths, costs, self.carried, dp, low)
+        high = max(best[2])
+        for _ in range(2):
+            cap = _round_up((low + high) // 2, align)
+            if high - low <= align or cap >= high:
+                break
+            packed = _pack(widths, costs, self.carried, dp, cap)
+            if max(packed[2]) < high:
+                best, high = packed, max(packed[2])
+            else:
+                low = cap
+        return best
+
+    def undo(self, assignment: _Assignment) -> None:
+        """Free the params `_take` took, as if their bucket had never been planned."""
+        for r, q in assignment:
+            self.taken[q] = 0
+            self.carried[r] -= self.costs[q]
+            if not self.tied[q]:
+                self.fit.put(q, self.widths[q])
+                self.negated.put(q, -self.widths[q])
+                self.run_free[self.run_end[q]] += self.widths[q]
+
+    def _take(self, assignment: _Assignment) -> None:
+        for r, q in assignment:
+            self.taken[q] = 1
+            self.fit.remove(q)
+            self.negated.remove(q)
+            self.carried[r] += self.costs[q]
+            if not self.tied[q]:
+                self.run_free[self.run_end[q]] -= self.widths[q]
+
+
+def _pack(
+    widths: list[int], costs: list[int], carried: list[int], dp_size: int, cap: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Assign items (given by width and cost, in assignment order) to ranks: each to the rank
+    whose load stays `<= cap` and that is furthest below its share, i.e. with the least
+    `cost / cost_share + load / load_share` (cost: `carried` plus what it got here), or if none
+    has room to the least-loaded rank. Returns (rank per item, cost per rank, load per rank)."""
+    cost = list(carried)
+    load = [0] * dp_size
+    ranks = [0] * len(widths)
+    per_cost = dp_size / ((sum(carried) + sum(costs)) or 1)
+    per_load = dp_size / sum(widths)
+    heap = [(c * per_cost, r) for r, c in enumerate(cost)]
+    heapq.heapify(heap)
+    # smallest[i]: the narrowest of items i..; a rank with less room than that is full for good.
+    smallest = list(itertools.accumulate(reversed(widths), min))[::-1] + [0]
+    for i, w in enumerate(widths):
+        aside = []
+        rank = -1
+        while heap:
+            entry = heapq.heappop(heap)
+            r = entry[1]
+            if load[r] + w <= cap:
+                rank = r
+                break
+            if cap - load[r] >= smallest[i]:
+                aside.append(entry)
+        if rank < 0:
+            rank = min(range(dp_size), key=load.__getitem__)
+            aside = [entry for entry in aside if entry[1] != rank]
+        load[rank] += w
+        cost[rank] += costs[i]
+        ranks[i] = rank
+        if cap - load[rank] >= smallest[i + 1]:
+            heapq.heappush(heap, (cost[rank] * per_cost + load[rank] * per_load, rank))
+        for entry in aside:
+            heapq.heappush(heap, entry)
+    return ranks, cost, load
+
+
 class _FirstFit:
     """Min segment tree over backprop positions: the first position >= lo whose aligned size
     fits a capacity, in O(log n). Removed positions hold +inf."""
@@ -346,6 +652,33 @@ class _FirstFit:
             tree[i] = smallest
             i >>= 1
 
+    def put(self, pos: int, size: float) -> None:
+        """Give the removed position `pos` the size `size` again (undo `remove`)."""
+        tree = self.tree
+        i = pos + self.size
+        tree[i] = size
+        i >>= 1
+        while i and tree[i] > size:
+            tree[i] = size
+            i >>= 1
+
+    def range_min(self, lo: int, hi: int) -> float:
+        """The smallest size among positions `[lo, hi)` (+inf if none)."""
+        tree = self.tree
+        best = math.inf
+        lo += self.size
+        hi += self.size
+        while lo < hi:
+            if lo & 1:
+                best = min(best, tree[lo])
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                best = min(best, tree[hi])
+            lo >>= 1
+            hi >>= 1
+        return best
+
     def first_fit(self, lo: int, capacity: int) -> int:
         """The smallest position >= lo with size <= capacity, or -1."""
         tree = self.tree
@@ -369,10 +702,16 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _validate(
-    specs: tuple[ParamSpec, ...], dp_size: int, bucket_size: int | None, align: int
+def validate_inputs(
+    specs: Sequence[ParamSpec],
+    dp_size: int,
+    bucket_size: int | None,
+    align: int,
+    strategy: str = "size_match",
 ) -> None:
     """Raise ValueError, saying how to fix it, for inputs no layout can serve."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not _is_int(dp_size) or dp_size < 1:
         raise ValueError(
             f"dp_size must be an int >= 1 (the data-parallel world size), got {dp_size!r}"
@@ -393,6 +732,9 @@ def _validate(
                 "and list a shared tensor only once, with tied=True"
             )
         seen.add(spec.name)
+        shape = spec.shape
+        if type(shape) is tuple and all(type(d) is int and d > 0 for d in shape):
+            continue  # the common case, checked fast
         if not isinstance(spec.shape, tuple) or not all(_is_int(d) for d in spec.shape):
             raise ValueError(
                 f"param {spec.name!r}: shape must be a tuple of ints (e.g. tuple(p.shape)), "

@@ -72,17 +72,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
         self.ddp = ddp
         self._owned: list[OwnedPiece] = []
-        for route, placement in ddp.owned():
-            param = ddp.buffers.param_view(placement)
-            grad = ddp.buffers.grad_view(placement)
-            if param.dtype == torch.float32:
-                master = param
-            else:
-                master = param.detach().float()
+        for owned in ddp.owned():
+            param, grad = owned.param, owned.grad
+            master = param if param.dtype == torch.float32 else param.detach().float()
             master.grad = grad if grad.dtype == torch.float32 else torch.zeros_like(master)
-            kind = MUON if route.muon else ADAMW
+            kind = MUON if owned.route.muon else ADAMW
+            full_shape = tuple(owned.route.param.shape)
             self._owned.append(
-                OwnedPiece(route.name, kind, tuple(param.shape), 0, param, grad, master)
+                OwnedPiece(owned.route.name, kind, full_shape, owned.offset, param, grad, master)
             )
 
         self._inner = {
@@ -134,7 +131,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """
         self.ddp.finish_grad_sync()
         norm_type = float(norm_type)
-        device = self.ddp.buffers.grad.device
+        device = self.ddp.buffers[0].flat.grad.device
         norms = [
             torch.linalg.vector_norm(o.grad, norm_type, dtype=torch.float32) for o in self._owned
         ]
@@ -147,8 +144,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             )
             op = dist.ReduceOp.SUM
         local = local.to(device=device, dtype=torch.float32).reshape(1)
-        if self.ddp.dp_size > 1:
-            collectives.all_reduce(local, self.ddp.process_group, op=op)
+        if self.ddp.shard_group_size > 1:  # shard groups own everything; replicas agree
+            collectives.all_reduce(local, self.ddp.shard_group, op=op)
         total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for o in self._owned:
