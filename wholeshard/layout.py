@@ -18,18 +18,26 @@ identical blocks (every numel's count a multiple of `dp_size`) needs no padding 
 Rank r's shard of a bucket is the concatenation of slot r of the bucket's rows.
 
 [Note: balanced]
-`plan_layout(..., strategy="balanced")` cuts the params (backprop order) into runs of
-consecutive params, one bucket each, and assigns each bucket's params to ranks largest
-Newton-Schulz cost first (`ns_cost`; ties: larger first), each to the rank with the least cost
-carried so far (over all earlier buckets) among the ranks whose shard still has room under a
-per-shard numel cap. The cap starts at `max(widest param, total / dp)` (aligned) and may rise by
-`_BALANCE_TOLERANCE`; a bucket that cannot be packed under it takes in more params (geometric
-growth, up to `_MAX_GROWTH` times its minimal size) and is packed again, and only when growing
-is no longer possible does the planner let a param overflow the cap, onto the least-loaded rank.
-A bucket first holds at least `max(bucket_size, dp * widest param)` elements, since no smaller
-bucket can avoid padding; a remainder too small to make a bucket of its own joins the last one.
-Inside a shard params keep backprop order. Buckets are consecutive backprop-order runs, so the
-backprop-order rule holds exactly; tied params are isolated as with size matching.
+`plan_layout(..., strategy="balanced")` balances Newton-Schulz cost (`ns_cost`) across ranks
+while keeping padding low. Working in backprop order, each bucket is planned in four steps:
+1. take the next free params, in order, until they hold `>= bucket_size` elements and at least
+   `dp` times the widest of them (no smaller bucket avoids padding); if what is left before the
+   next tied param could not make such a bucket, take it all;
+2. pack: largest cost first (ties: larger first), each param to the rank whose shard still has
+   room under the cap `max(widest, total / dp)` and that is furthest below its share of cost
+   (carried over all earlier buckets) and of this bucket's elements; a param with no room
+   anywhere overflows onto the least-loaded rank, and the shard size is the largest load;
+3. fill each rank's room below that shard size with the first free params further on that fit
+   (this pulls small params forward, as size matching's packing does);
+4. if the bucket still pads more than `_BALANCE_TOLERANCE`, grow it (step 1 with a larger
+   target, at most `_MAX_GROWTH` times) and try again; keep the least padded try.
+When a bucket ends a run of untied params and pads too much, it is merged with up to
+`_MAX_MERGE - 1` buckets before it if one bucket pads less. No rank takes a param that would
+lift its cost above the ceiling `_COST_CEILING` x the mean (or the costliest param) while
+another rank has room; from `_HARD_CEILING_RANKS` ranks on, padding is accepted instead (one
+rank's share of a bucket is then small). Inside a shard params keep backprop order; every bucket
+holds the first free param in backprop order, so buckets are filled in backprop order; tied
+params are isolated exactly as with size matching. Cost of a non-Muon or non-2-D param: 0.
 """
 
 from __future__ import annotations
@@ -367,6 +375,9 @@ def _plan_rows(
 _Assignment = list[tuple[int, int]]  # (rank, backprop position) of every param of a bucket
 _BALANCE_TOLERANCE = 0.005  # a bucket padding more than this fraction grows instead
 _MAX_GROWTH = 8  # a bucket grows to at most this many times its minimal size
+_COST_CEILING = 1.05  # a rank owning this times the mean cost takes no more costly params
+_HARD_CEILING_RANKS = 64  # from this many ranks on, the ceiling holds even at a padding cost
+_FILL_SKIPS = 8  # filling a rank's room gives up after this many too costly params
 _MAX_MERGE = 4  # a badly padded last bucket of a run may merge with up to 3 before it
 
 
@@ -415,10 +426,9 @@ def _merge_tail(
         if plan.padded(merged[0]) < sum(plan.padded(row) for _, row, _ in tail):
             planned[-m:] = [(tail[0][0], *merged)]
             return
-        plan.undo(merged[1])  # plan the m buckets again, exactly as before
-        del planned[-m:]
-        for head, _, _ in tail:
-            planned.append((head, *plan.bucket(head, bucket_size)))
+        plan.undo(merged[1])  # keep the m buckets: take their params again
+        for _, _, assignment in tail:
+            plan.take(assignment)
 
 
 class _Balancer:
@@ -437,6 +447,9 @@ class _Balancer:
         # Minus the widths of free untied params: range minima give the widest free param.
         self.negated = _FirstFit([math.inf if t else -w for t, w in zip(tied, widths, strict=True)])
         self.carried = [0] * dp_size
+        # No rank should own more Newton-Schulz cost than this (nor can, if one param costs it).
+        self.ceiling = max(_COST_CEILING * sum(costs) / dp_size, max(costs, default=0))
+        self.hard = dp_size >= _HARD_CEILING_RANKS
         self.run_end = [n] * (n + 1)  # run_end[p]: the first tied position >= p
         for p in range(n - 1, -1, -1):
             self.run_end[p] = p if tied[p] else self.run_end[p + 1]
@@ -468,7 +481,7 @@ class _Balancer:
         with `absorb`, the bucket takes every free param left in the run."""
         widths, dp = self.widths, self.dp_size
         if self.tied[head]:
-            self._take([(0, head)])
+            self.take([(0, head)])
             return (widths[head], [(0, head, 0)]), [(0, head)]
 
         chunk: list[int] = []  # free positions from head on, in order, up to the run's end
@@ -516,7 +529,7 @@ class _Balancer:
             self.negated.put(q, -widths[q])
         assignment = list(zip(ranks, items, strict=True)) + self._fill(head, cost, loads)
         shard = max(loads)
-        self._take(assignment)
+        self.take(assignment)
         offsets = [0] * dp
         entries = []
         for r, q in sorted(assignment, key=operator.itemgetter(1)):  # backprop order in shards
@@ -526,38 +539,45 @@ class _Balancer:
 
     def _fill(self, head: int, cost: list[int], loads: list[int]) -> _Assignment:
         """Fill each rank's room below the largest load with the first free params (from
-        `head` on) that fit; take them out of the fit tree and add them to `loads`."""
-        widths = self.widths
+        `head` on) that fit and keep it below the cost ceiling (a few misfits are skipped);
+        take them out of the fit tree and add them to `loads`."""
+        widths, costs = self.widths, self.costs
         shard = max(loads)
         fills = []
         for r in sorted(range(self.dp_size), key=cost.__getitem__):
-            lo = head
-            while loads[r] < shard:
+            lo, spent, skips = head, cost[r], 0
+            while loads[r] < shard and skips < _FILL_SKIPS:
                 q = self.fit.first_fit(lo, shard - loads[r])
                 if q < 0:
                     break
+                lo = q + 1
+                if self.hard and costs[q] and spent + costs[q] > self.ceiling:
+                    skips += 1
+                    continue
                 self.fit.remove(q)
                 fills.append((r, q))
                 loads[r] += widths[q]
-                lo = q + 1
+                spent += costs[q]
         return fills
 
     def _pack(
         self, items: list[int], total: int, widest: int
     ) -> tuple[list[int], list[int], list[int]]:
-        """`_pack` under the lowest cap, `max(widest, total / dp)`; if a param overflows it,
-        again under caps between it and the largest load that came out. The best packing."""
+        """`_pack` under the lowest cap, `max(widest, total / dp)`; if a param overflows it
+        but not by far, again under caps between it and the largest load that came out. The
+        best packing."""
         dp, align = self.dp_size, self.align
         widths = [self.widths[q] for q in items]
         costs = [self.costs[q] for q in items]
         low = max(widest, _round_up(-(-total // dp), align))
-        best = _pack(widths, costs, self.carried, dp, low)
+        best = _pack(widths, costs, self.carried, dp, low, self.ceiling, self.hard)
         high = max(best[2])
-        for _ in range(2):
+        hopeless = dp * high - total > 4 * _BALANCE_TOLERANCE * dp * high  # it will grow anyway
+        for _ in range(0 if hopeless else 2):
             cap = _round_up((low + high) // 2, align)
             if high - low <= align or cap >= high:
                 break
-            packed = _pack(widths, costs, self.carried, dp, cap)
+            packed = _pack(widths, costs, self.carried, dp, cap, self.ceiling, self.hard)
             if max(packed[2]) < high:
                 best, high = packed, max(packed[2])
             else:
@@ -565,7 +585,7 @@ class _Balancer:
         return best
 
     def undo(self, assignment: _Assignment) -> None:
-        """Free the params `_take` took, as if their bucket had never been planned."""
+        """Free the params `take` took, as if their bucket had never been planned."""
         for r, q in assignment:
             self.taken[q] = 0
             self.carried[r] -= self.costs[q]
@@ -574,7 +594,8 @@ class _Balancer:
                 self.negated.put(q, -self.widths[q])
                 self.run_free[self.run_end[q]] += self.widths[q]
 
-    def _take(self, assignment: _Assignment) -> None:
+    def take(self, assignment: _Assignment) -> None:
+        """Take the params of a bucket: (rank, position) pairs."""
         for r, q in assignment:
             self.taken[q] = 1
             self.fit.remove(q)
@@ -585,12 +606,20 @@ class _Balancer:
 
 
 def _pack(
-    widths: list[int], costs: list[int], carried: list[int], dp_size: int, cap: int
+    widths: list[int],
+    costs: list[int],
+    carried: list[int],
+    dp_size: int,
+    cap: int,
+    cost_ceiling: float = math.inf,
+    hard_ceiling: bool = False,
 ) -> tuple[list[int], list[int], list[int]]:
     """Assign items (given by width and cost, in assignment order) to ranks: each to the rank
-    whose load stays `<= cap` and that is furthest below its share, i.e. with the least
-    `cost / cost_share + load / load_share` (cost: `carried` plus what it got here), or if none
-    has room to the least-loaded rank. Returns (rank per item, cost per rank, load per rank)."""
+    whose load stays `<= cap` and whose cost stays `<= cost_ceiling` that is furthest below its
+    share, i.e. with the least `cost / cost_share + load / load_share` (cost: `carried` plus
+    what it got here). If there is none: a rank with room above the ceiling (unless
+    `hard_ceiling`), else the least-loaded rank, over the cap (below the ceiling if any is).
+    Returns (rank per item, cost per rank, load per rank)."""
     cost = list(carried)
     load = [0] * dp_size
     ranks = [0] * len(widths)
@@ -600,27 +629,45 @@ def _pack(
     heapq.heapify(heap)
     # smallest[i]: the narrowest of items i..; a rank with less room than that is full for good.
     smallest = list(itertools.accumulate(reversed(widths), min))[::-1] + [0]
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i, w in enumerate(widths):
-        aside = []
-        rank = -1
-        while heap:
-            entry = heapq.heappop(heap)
-            r = entry[1]
-            if load[r] + w <= cap:
-                rank = r
-                break
-            if cap - load[r] >= smallest[i]:
-                aside.append(entry)
-        if rank < 0:
-            rank = min(range(dp_size), key=load.__getitem__)
+        c = costs[i]
+        ceiling = math.inf if c == 0 else cost_ceiling - c
+        aside = None
+        top = heap[0][1] if heap else -1
+        if top >= 0 and load[top] + w <= cap and cost[top] <= ceiling:  # the usual case
+            rank = top
+        else:
+            aside = []
+            rank = fallback = -1
+            while heap:
+                entry = pop(heap)
+                r = entry[1]
+                if load[r] + w <= cap:
+                    if cost[r] <= ceiling:
+                        push(heap, entry)  # back on top, so the update below replaces it
+                        rank = r
+                        break
+                    if fallback < 0:
+                        fallback = r  # has room, but is over the cost ceiling
+                if cap - load[r] >= smallest[i]:
+                    aside.append(entry)
+            if rank < 0 and fallback >= 0 and not hard_ceiling:
+                rank = fallback
+            elif rank < 0:  # over the cap, on the least-loaded rank below the ceiling if any
+                rank = min(range(dp_size), key=lambda r: (cost[r] > ceiling, load[r]))
             aside = [entry for entry in aside if entry[1] != rank]
         load[rank] += w
         cost[rank] += costs[i]
         ranks[i] = rank
+        on_top = bool(heap) and heap[0][1] == rank
         if cap - load[rank] >= smallest[i + 1]:
-            heapq.heappush(heap, (cost[rank] * per_cost + load[rank] * per_load, rank))
-        for entry in aside:
-            heapq.heappush(heap, entry)
+            entry = (cost[rank] * per_cost + load[rank] * per_load, rank)
+            replace(heap, entry) if on_top else push(heap, entry)
+        elif on_top:
+            pop(heap)
+        for entry in aside or ():
+            push(heap, entry)
     return ranks, cost, load
 
 

@@ -1,0 +1,214 @@
+"""Tests for `wholeshard layout` (`wholeshard.layout_tool`): JSON fields and types, the table,
+the PNG, and clear errors with exit code 2 for bad shapes files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wholeshard import layout_tool
+from wholeshard.plan import plan_buffers
+from wholeshard.presets import preset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="wholeshard")
+    layout_tool.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["layout", *argv])
+    code = args.run(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write(tmp_path: Path, content: object) -> str:
+    path = tmp_path / "shapes.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+SMALL = {
+    "params": [
+        {"name": "wte.weight", "shape": [100, 32], "tied": True},
+        {"name": "h.0.fc.weight", "shape": [64, 32]},
+        {"name": "h.0.fc.bias", "shape": [64]},
+        {"name": "h.0.proj.weight", "shape": [32, 64], "muon": False},
+        {"name": "h.1.fc.weight", "shape": [64, 32]},
+        {"name": "scale", "shape": []},
+    ]
+}
+
+
+def test_json_has_every_field_with_its_type(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--shapes", write(tmp_path, SMALL), "--dp", "4", "--shard-group-size", "2"]
+    code, out, err = run([*args, "--bucket-size", "4096", "--json"], capsys)
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert set(doc) == {
+        "dp",
+        "strategy",
+        "shard_group_size",
+        "padding_fraction",
+        "ns_cost_imbalance",
+        "plan_seconds",
+        "buffers",
+        "params",
+    }
+    assert (doc["dp"], doc["shard_group_size"], doc["strategy"]) == (4, 2, "balanced")
+    for field in ("padding_fraction", "ns_cost_imbalance", "plan_seconds"):
+        assert isinstance(doc[field], float) and doc[field] >= 0
+    assert 0 <= doc["padding_fraction"] < 1 and doc["ns_cost_imbalance"] >= 1
+    assert [b["kind"] for b in doc["buffers"]] == ["muon", "adamw"]
+    for b in doc["buffers"]:
+        assert set(b) == {"kind", "numel", "buckets"} and isinstance(b["numel"], int)
+        assert b["buckets"][-1]["end"] == b["numel"]
+        for c in b["buckets"]:
+            assert set(c) == {"start", "end", "shard_numel"}
+            assert all(isinstance(v, int) for v in c.values())
+            assert c["end"] - c["start"] == 2 * c["shard_numel"]
+    assert [p["name"] for p in doc["params"]] == [p["name"] for p in SMALL["params"]]
+    for p in doc["params"]:
+        assert set(p) == {"name", "shape", "kind", "buffer", "bucket", "start", "end", "owner"}
+        assert p["kind"] == doc["buffers"][p["buffer"]]["kind"]
+        assert isinstance(p["shape"], list) and all(isinstance(d, int) for d in p["shape"])
+        assert p["end"] - p["start"] == math.prod(p["shape"])
+        bucket = doc["buffers"][p["buffer"]]["buckets"][p["bucket"]]
+        assert bucket["start"] <= p["start"] and p["end"] <= bucket["end"]
+        if p["kind"] == "muon":
+            assert p["owner"] == (p["start"] - bucket["start"]) // bucket["shard_numel"]
+        else:
+            assert p["owner"] is None
+    by_name = {p["name"]: p for p in doc["params"]}
+    assert by_name["h.0.proj.weight"]["kind"] == "adamw"  # explicit "muon": false wins
+    assert by_name["wte.weight"]["kind"] == "adamw" and by_name["h.0.fc.weight"]["kind"] == "muon"
+
+
+def test_json_matches_plan_buffers_for_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--preset", "gpt2-small", "--dp", "8", "--strategy", "size_match",
+                        "--json"], capsys)  # fmt: skip
+    assert code == 0
+    doc = json.loads(out)
+    plan = plan_buffers(
+        preset("gpt2-small"), 8, bucket_size=layout_tool.DEFAULT_BUCKET_SIZE, strategy="size_match"
+    )
+    assert doc["strategy"] == "size_match" and doc["shard_group_size"] == 8
+    assert doc["padding_fraction"] == plan.padding_fraction
+    assert doc["ns_cost_imbalance"] == plan.ns_cost_imbalance
+    assert [b["numel"] for b in doc["buffers"]] == [b.numel for b in plan.buffers]
+    assert len(doc["params"]) == 148
+
+
+def test_table_lists_every_bucket(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["--preset", "llama3-8b", "--dp", "64", "--shard-group-size", "8"], capsys)
+    assert code == 0 and err == ""
+    plan = plan_buffers(preset("llama3-8b"), 64, bucket_size=40_000_000, shard_group_size=8)
+    assert "8 shard group(s) of 8 ranks" in out
+    assert f"padding {plan.padding_fraction:.3%}" in out
+    assert f"imbalance {plan.ns_cost_imbalance:.3f}" in out
+    rows = [line for line in out.splitlines() if line.startswith("  ") and "%" in line]
+    assert len(rows) == sum(len(b.buckets) for b in plan.buffers)
+    assert "lm_head.weight (128256x4096)" in out
+    assert "buffer 1 (adamw, element-wise)" in out
+
+
+def test_png_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "plan.png"
+    code, out, _ = run(["--preset", "gpt2-small", "--dp", "4", "--png", str(png)], capsys)
+    assert code == 0 and f"wrote {png}" in out
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+
+
+def test_png_with_json_keeps_stdout_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "plan.png"
+    code, out, _ = run(
+        ["--shapes", write(tmp_path, SMALL), "--dp", "32", "--json", "--png", str(png)], capsys
+    )
+    assert code == 0 and json.loads(out)["dp"] == 32
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"params": [{"shape": [4, 4]}]}, r"params\[0\]: missing field 'name'"),
+        ({"params": [{"name": "w"}]}, r"params\[0\]: missing field 'shape'"),
+        ({"params": [{"name": "w", "shape": [4, -1]}]}, r"\('w'\): shape \[4, -1\] has a negative"),
+        ({"params": [{"name": "w", "shape": [4, 0]}]}, "has no elements"),
+        ({"params": [{"name": "w", "shape": "4x4"}]}, "shape must be a list of ints"),
+        ({"params": [{"name": "w", "shape": [4.5]}]}, "shape must be a list of ints"),
+        ({"params": [{"name": "w", "shape": [4], "muon": "yes"}]}, "muon must be true or false"),
+        ({"params": [{"name": "w", "shape": [4], "Muon": True}]}, r"unknown field\(s\) \['Muon'\]"),
+        ({"params": [{"name": "", "shape": [4]}]}, "name must be a non-empty string"),
+        ({"params": ["w"]}, r"params\[0\]: expected an object"),
+        ({"param": []}, 'expected an object with a "params" list'),
+        ([1, 2], 'expected an object with a "params" list'),
+        ('{"params": [', r"not valid JSON \(line 1, column 13"),
+        ("", "not valid JSON"),
+        (
+            {"params": [{"name": "w", "shape": [4]}, {"name": "w", "shape": [2]}]},
+            "duplicate param name 'w'",
+        ),
+    ],
+)
+def test_bad_shapes_file_exits_2_with_a_clear_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: object, message: str
+) -> None:
+    code, out, err = run(["--shapes", write(tmp_path, content), "--dp", "2"], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("wholeshard layout: error: ")
+    assert re.search(message, err), err
+
+
+def test_missing_shapes_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["--shapes", str(tmp_path / "nope.json"), "--dp", "2"], capsys)
+    assert code == 2 and out == ""
+    assert "cannot read shapes file" in err and "nope.json" in err
+
+
+def test_shard_group_that_does_not_divide_dp(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["--preset", "gpt2-small", "--dp", "6", "--shard-group-size", "4"], capsys)
+    assert code == 2 and "choose one of [1, 2, 3, 6]" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--dp", "4"],  # no source
+        ["--preset", "gpt2-small", "--shapes", "x.json", "--dp", "4"],
+        ["--preset", "gpt2-small"],  # no --dp
+        ["--preset", "gpt2-small", "--dp", "0"],
+        ["--preset", "gpt3", "--dp", "4"],
+        ["--preset", "gpt2-small", "--dp", "4", "--strategy", "random"],
+        ["--preset", "gpt2-small", "--dp", "4", "--bucket-size", "-1"],
+    ],
+)
+def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv, capsys)
+    assert exit_info.value.code == 2
+
+
+def test_standalone_module_entry_point(tmp_path: Path) -> None:
+    bad = write(tmp_path, {"params": [{"name": "w", "shape": [3, -2]}]})
+    result = subprocess.run(
+        [sys.executable, "-m", "wholeshard.layout_tool", "--shapes", bad, "--dp", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert "wholeshard layout: error:" in result.stderr and "negative size" in result.stderr

@@ -1,0 +1,114 @@
+"""Tests for `wholeshard.presets`: published sizes, the shapes-only routing rule, GQA and bias
+details, and that every preset plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from wholeshard.layout import ParamSpec
+from wholeshard.plan import plan_buffers
+from wholeshard.presets import PRESETS, default_muon, preset, spec
+
+# Published totals (HF configs; DeepSeek-V3's 671B main model, without the 14B MTP module).
+TOTALS = {
+    "gpt2-small": 124_439_808,
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "qwen2.5-7b": 7_615_616_512,
+}
+
+
+def by_name(specs: list[ParamSpec]) -> dict[str, ParamSpec]:
+    return {s.name: s for s in specs}
+
+
+@pytest.mark.parametrize("name", sorted(TOTALS))
+def test_dense_presets_match_published_parameter_counts(name: str) -> None:
+    specs = preset(name)
+    assert sum(s.numel for s in specs) == TOTALS[name]
+    assert len({s.name for s in specs}) == len(specs)
+
+
+def test_moe_preset_is_deepseek_v3_sized() -> None:
+    specs = PRESETS["moe-256x"]()
+    total = sum(s.numel for s in specs)
+    assert 670e9 < total < 672e9
+    experts = [s for s in specs if ".mlp.experts." in s.name]
+    assert len(experts) == 58 * 256 * 3  # layers 3..60 are MoE
+    assert {s.shape for s in experts} == {(2048, 7168), (7168, 2048)}
+    names = by_name(specs)
+    assert names["model.layers.0.mlp.gate_proj.weight"].shape == (18432, 7168)  # dense
+    assert "model.layers.2.mlp.gate.weight" not in names
+    assert names["model.layers.3.mlp.gate.weight"].shape == (256, 7168)
+    assert names["model.layers.3.mlp.shared_experts.down_proj.weight"].shape == (7168, 2048)
+    assert names["model.layers.60.self_attn.kv_b_proj.weight"].shape == (32768, 512)
+    assert not names["model.layers.3.mlp.gate.e_score_correction_bias"].muon
+    assert names["lm_head.weight"].muon and not names["model.embed_tokens.weight"].muon
+
+
+def test_llama_gqa_shapes_and_untied_head() -> None:
+    names = by_name(preset("llama3-70b"))
+    assert names["model.layers.79.self_attn.k_proj.weight"].shape == (1024, 8192)
+    assert names["model.layers.0.self_attn.q_proj.weight"].shape == (8192, 8192)
+    assert names["model.layers.0.mlp.down_proj.weight"].shape == (8192, 28672)
+    head, embed = names["lm_head.weight"], names["model.embed_tokens.weight"]
+    assert head.shape == embed.shape == (128256, 8192)
+    assert head.muon and not head.tied and not embed.muon and not embed.tied
+
+
+def test_qwen_has_qkv_biases_only() -> None:
+    names = by_name(preset("qwen2.5-7b"))
+    for proj, size in (("q", 3584), ("k", 512), ("v", 512)):
+        bias = names[f"model.layers.27.self_attn.{proj}_proj.bias"]
+        assert bias.shape == (size,) and not bias.muon
+    assert "model.layers.0.self_attn.o_proj.bias" not in names
+    assert names["lm_head.weight"].shape == (152064, 3584)
+
+
+def test_gpt2_head_is_tied_to_wte() -> None:
+    specs = preset("gpt2-small")
+    names = by_name(specs)
+    assert "lm_head.weight" not in names
+    wte = names["transformer.wte.weight"]
+    assert wte.tied and not wte.muon and specs[0] is wte
+    assert not names["transformer.wpe.weight"].muon
+    assert names["transformer.h.11.attn.c_attn.weight"].shape == (2304, 768)
+    assert sum(s.muon for s in specs) == 12 * 4
+
+
+@pytest.mark.parametrize(
+    "name, shape, tied, muon",
+    [
+        ("model.layers.0.mlp.up_proj.weight", (14336, 4096), False, True),
+        ("lm_head.weight", (128256, 4096), False, True),  # an untied head is an nn.Linear
+        ("lm_head.weight", (128256, 4096), True, False),  # tied: it is the embedding
+        ("output.weight", (32000, 512), True, False),
+        ("model.embed_tokens.weight", (128256, 4096), False, False),
+        ("tok_embeddings.weight", (32000, 4096), False, False),
+        ("bert.embeddings.word_embeddings.weight", (30522, 768), False, False),
+        ("transformer.wte.weight", (50257, 768), False, False),
+        ("transformer.wpe.weight", (1024, 768), False, False),
+        ("pos_emb.weight", (1024, 768), False, False),
+        ("Model.Embed.Weight", (10, 10), False, False),  # case-insensitive
+        ("layers.0.norm.weight", (4096,), False, False),
+        ("layers.0.conv.weight", (64, 3, 3, 3), False, False),
+        ("scale", (), False, False),
+        ("members.weight", (64, 64), False, True),  # "emb" alone is not an embedding
+    ],
+)
+def test_default_muon_rule(name: str, shape: tuple[int, ...], tied: bool, muon: bool) -> None:
+    assert default_muon(name, shape, tied) is muon
+    assert spec(name, *shape, tied=tied) == ParamSpec(name, shape, muon=muon, tied=tied)
+
+
+def test_unknown_preset_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="unknown preset 'llama2'.*gpt2-small"):
+        preset("llama2")
+
+
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - {"moe-256x"}))
+def test_every_dense_preset_plans(name: str) -> None:
+    specs = preset(name)
+    plan = plan_buffers(specs, 16, bucket_size=40_000_000, shard_group_size=8)
+    plan.check(specs)
+    assert [b.kind for b in plan.buffers] == ["muon", "adamw"]

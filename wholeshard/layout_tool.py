@@ -1,0 +1,345 @@
+"""`wholeshard layout`: plan the buffers of a model given by shapes alone, and show the plan.
+
+    wholeshard layout (--shapes FILE.json | --preset NAME) --dp N [--bucket-size N]
+                      [--strategy S] [--shard-group-size K] [--json] [--png FILE]
+
+A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
+...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
+to `presets.default_muon`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
+or malformed shapes file, a plan no layout can serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .layout import STRATEGIES, ParamSpec
+from .plan import DEFAULT_STRATEGY, Buffer, Plan, plan_buffers
+from .presets import PRESETS, default_muon
+
+DEFAULT_BUCKET_SIZE = 40_000_000
+_FIELDS = {"name", "shape", "muon", "tied"}
+
+
+class ShapesError(ValueError):
+    """A shapes file that cannot be read or does not describe params."""
+
+
+def load_shapes(path: str) -> list[ParamSpec]:
+    """The specs in the shapes file at `path`, routed by `default_muon` where `muon` is absent.
+    Raises ShapesError naming the file, the entry and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ShapesError(f"cannot read shapes file {path!r}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ShapesError(
+            f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); expected "
+            '{"params": [{"name": ..., "shape": [...]}, ...]}'
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("params"), list):
+        raise ShapesError(
+            f'{path}: expected an object with a "params" list, e.g. {{"params": [{{"name": '
+            f'"fc.weight", "shape": [1024, 256]}}]}}'
+        )
+    return [_spec(path, i, entry) for i, entry in enumerate(data["params"])]
+
+
+def _spec(path: str, i: int, entry: Any) -> ParamSpec:
+    where = f"{path}: params[{i}]"
+    if not isinstance(entry, dict):
+        raise ShapesError(f"{where}: expected an object with name and shape, got {entry!r}")
+    unknown = sorted(set(entry) - _FIELDS)
+    if unknown:
+        raise ShapesError(f"{where}: unknown field(s) {unknown}; the fields are {sorted(_FIELDS)}")
+    for field in ("name", "shape"):
+        if field not in entry:
+            raise ShapesError(f"{where}: missing field {field!r}")
+    name, shape = entry["name"], entry["shape"]
+    if not isinstance(name, str) or not name:
+        raise ShapesError(f"{where}: name must be a non-empty string, got {name!r}")
+    where = f"{where} ({name!r})"
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in shape
+    ):
+        raise ShapesError(f"{where}: shape must be a list of ints, got {shape!r}")
+    if any(d < 0 for d in shape):
+        raise ShapesError(f"{where}: shape {shape} has a negative size")
+    if any(d == 0 for d in shape):
+        raise ShapesError(f"{where}: shape {shape} has no elements; leave such params out")
+    for field in ("muon", "tied"):
+        if field in entry and not isinstance(entry[field], bool):
+            raise ShapesError(f"{where}: {field} must be true or false, got {entry[field]!r}")
+    tied = entry.get("tied", False)
+    muon = entry.get("muon", default_muon(name, shape, tied))
+    return ParamSpec(name, tuple(shape), muon=muon, tied=tied)
+
+
+def plan_json(plan: Plan, specs: Sequence[ParamSpec], seconds: float) -> dict[str, Any]:
+    """The `--json` document: plan summary, buffers with their buckets, and the params in the
+    order of `specs` (the specs `plan` was planned from)."""
+    where = {p.name: (i, p) for i, b in enumerate(plan.buffers) for p in b.placements}
+    params = []
+    for spec in specs:
+        index, p = where[spec.name]
+        params.append(
+            {
+                "name": p.name,
+                "shape": list(p.shape),
+                "kind": plan.buffers[index].kind,
+                "buffer": index,
+                "bucket": p.bucket,
+                "start": p.start,
+                "end": p.end,
+                "owner": p.owner,
+            }
+        )
+    return {
+        "dp": plan.dp_size,
+        "strategy": plan.strategy,
+        "shard_group_size": plan.shard_group_size,
+        "padding_fraction": plan.padding_fraction,
+        "ns_cost_imbalance": plan.ns_cost_imbalance,
+        "plan_seconds": seconds,
+        "buffers": [
+            {
+                "kind": b.kind,
+                "numel": b.numel,
+                "buckets": [
+                    {"start": c.start, "end": c.end, "shard_numel": c.shard_numel}
+                    for c in b.buckets
+                ],
+            }
+            for b in plan.buffers
+        ],
+        "params": params,
+    }
+
+
+def plan_table(plan: Plan, seconds: float, source: str) -> str:
+    """A readable summary and one line per bucket of every buffer."""
+    k, dp = plan.shard_group_size, plan.dp_size
+    n_params = sum(len(b.placements) for b in plan.buffers)
+    used = sum(b.used for b in plan.buffers)
+    costs = plan.rank_costs()
+    lines = [
+        f"{source}: {n_params:,} params, {used:,} elements; dp {dp} = {dp // k} shard group(s) "
+        f"of {k} ranks; strategy {plan.strategy}; planned in {seconds:.3f} s",
+        f"padding {plan.padding_fraction:.3%} ({plan.numel - used:,} of {plan.numel:,} "
+        f"elements); Newton-Schulz cost per rank min/mean/max {min(costs):.3g} / "
+        f"{sum(costs) / k:.3g} / {max(costs):.3g}, imbalance {plan.ns_cost_imbalance:.3f}",
+    ]
+    header = (
+        f"  {'bucket':>6} {'start':>17} {'end':>17} {'shard_numel':>15} {'params':>7} "
+        f"{'padding':>8}  largest param"
+    )
+    for index, buffer in enumerate(plan.buffers):
+        sharding = "whole tensors" if buffer.whole else "element-wise"
+        lines += [
+            "",
+            f"buffer {index} ({buffer.kind}, {sharding}): {buffer.numel:,} elements in "
+            f"{len(buffer.buckets)} bucket(s)",
+            header,
+        ]
+        members: list[list[Any]] = [[0, 0, None] for _ in buffer.buckets]  # count, used, widest
+        for p in buffer.placements:
+            m = members[p.bucket]
+            m[0] += 1
+            m[1] += p.numel
+            if m[2] is None or p.numel > m[2].numel:
+                m[2] = p
+        for b, (count, bucket_used, widest) in zip(buffer.buckets, members, strict=True):
+            shape = "x".join(map(str, widest.shape)) or "scalar"
+            lines.append(
+                f"  {b.index:>6} {b.start:>17,} {b.end:>17,} {b.shard_numel:>15,} {count:>7} "
+                f"{1 - bucket_used / b.numel:>8.2%}  {widest.name} ({shape})"
+            )
+    return "\n".join(lines)
+
+
+def draw_png(plan: Plan, path: str) -> None:
+    """Draw each buffer as a bar of its shards coloured by owning rank, padding in grey."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import ListedColormap, Normalize
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    k = plan.shard_group_size
+    if k <= 20:  # one distinct colour per rank
+        cmap: Any = ListedColormap(colormaps["tab10" if k <= 10 else "tab20"].colors[:k])
+    else:
+        cmap = colormaps["turbo"]
+    colours = ScalarMappable(norm=Normalize(vmin=-0.5, vmax=k - 0.5), cmap=cmap)
+    fig = Figure(figsize=(12, 0.6 + 1.3 * len(plan.buffers)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(1, len(plan.buffers)), 1, squeeze=False)[:, 0]
+    for ax, (index, buffer) in zip(axes, enumerate(plan.buffers), strict=False):
+        shards, owners = [], []
+        for b in buffer.buckets:
+            for r in range(k):
+                shards.append((b.start + r * b.shard_numel, b.shard_numel))
+                owners.append(r)
+        ax.broken_barh(shards, (0, 1), facecolors=colours.to_rgba(owners), linewidth=0)
+        ax.broken_barh(_gaps(buffer), (0, 1), facecolors="0.85", hatch="////", linewidth=0)
+        ax.vlines([b.start for b in buffer.buckets[1:]], 0, 1, colors="black", linewidth=0.6)
+        ax.set_xlim(0, max(buffer.numel, 1))
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+        ax.set_xlabel("buffer element")
+        sharding = "whole tensors" if buffer.whole else "element-wise"
+        ax.set_title(
+            f"buffer {index}: {buffer.kind} ({sharding}), {buffer.numel:,} elements, "
+            f"{len(buffer.buckets)} bucket(s), padding {1 - buffer.used / buffer.numel:.2%}",
+            fontsize=9,
+            loc="left",
+        )
+    bar = fig.colorbar(colours, ax=list(axes), label="owner (rank in shard group)", pad=0.01)
+    if k <= 20:
+        bar.set_ticks(range(k))
+    fig.legend(
+        handles=[Patch(facecolor="0.85", hatch="////", label="padding")],
+        loc="outside lower right",
+        fontsize=8,
+    )
+    fig.suptitle(
+        f"dp {plan.dp_size}, shard groups of {k}, {plan.strategy}: padding "
+        f"{plan.padding_fraction:.3%}, Newton-Schulz imbalance {plan.ns_cost_imbalance:.3f}",
+        fontsize=10,
+    )
+    fig.savefig(path, dpi=100)
+
+
+def _gaps(buffer: Buffer) -> list[tuple[int, int]]:
+    """(start, length) of every buffer range no param covers."""
+    gaps = []
+    cursor = 0
+    for start, end in sorted((p.start, p.end) for p in buffer.placements):
+        if start > cursor:
+            gaps.append((cursor, start - cursor))
+        cursor = max(cursor, end)
+    if buffer.numel > cursor:
+        gaps.append((cursor, buffer.numel - cursor))
+    return gaps
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `wholeshard layout`."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--shapes",
+        metavar="FILE.json",
+        help='{"params": [{"name", "shape", optional "muon", "tied"}, ...]} in registration order',
+    )
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a published model's shapes")
+    parser.add_argument(
+        "--dp", type=_positive_int, required=True, metavar="N", help="data-parallel ranks"
+    )
+    parser.add_argument(
+        "--bucket-size",
+        type=_positive_int,
+        default=DEFAULT_BUCKET_SIZE,
+        metavar="N",
+        help=f"elements per bucket, at least (default {DEFAULT_BUCKET_SIZE:,})",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=DEFAULT_STRATEGY,
+        help=f"whole-tensor layout strategy (default {DEFAULT_STRATEGY})",
+    )
+    parser.add_argument(
+        "--shard-group-size",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="shard params within groups of K ranks, replicated across the dp/K groups; "
+        "K divides N (default N)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument(
+        "--png", metavar="FILE", help="draw each buffer's shards, coloured by owner, to FILE"
+    )
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `wholeshard layout` on the `wholeshard` subcommand parsers."""
+    parser = subparsers.add_parser(
+        "layout",
+        help="plan the buffers of a model given by shapes, and show the plan",
+        description="Plan whole-tensor (Muon) and element-wise (AdamW) buffers for a model "
+        "given by a shapes file or a preset, without building it, and report padding, "
+        "Newton-Schulz cost balance and every param's placement.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(run=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `wholeshard layout` with parsed `args`; return the exit code."""
+    try:
+        if args.shapes is not None:
+            specs, source = load_shapes(args.shapes), args.shapes
+        else:
+            specs, source = PRESETS[args.preset](), args.preset
+        start = time.perf_counter()
+        plan = plan_buffers(
+            specs,
+            args.dp,
+            bucket_size=args.bucket_size,
+            strategy=args.strategy,
+            shard_group_size=args.shard_group_size,
+        )
+        seconds = time.perf_counter() - start
+    except ValueError as e:  # ShapesError, or inputs no plan can serve
+        print(f"wholeshard layout: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(json.dumps(plan_json(plan, specs, seconds), allow_nan=False) + "\n")
+    else:
+        print(plan_table(plan, seconds, source))
+    if args.png is not None:
+        try:
+            draw_png(plan, args.png)
+        except ImportError:
+            print(
+                "wholeshard layout: error: --png needs matplotlib (pip install matplotlib)",
+                file=sys.stderr,
+            )
+            return 2
+        except OSError as e:
+            print(f"wholeshard layout: error: cannot write {args.png!r}: {e}", file=sys.stderr)
+            return 2
+        if not args.json:
+            print(f"\nwrote {args.png}")
+    return 0
+
+
+def _standalone(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wholeshard layout", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())

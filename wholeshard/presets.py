@@ -1,0 +1,197 @@
+"""Param specs from shapes alone: the shapes-file routing rule and published model presets.
+
+Nothing here allocates a tensor: a preset is a list of `ParamSpec` in registration order, as
+`model.named_parameters()` of the published model would list them (a tied tensor appears once,
+under its first name, with `tied=True`).
+
+[Note: routing from names]
+Shapes files and presets carry no module types, so `default_muon` decides Muon vs AdamW from
+the name and shape, mirroring `routing.route_params` (2-D `nn.Linear` weights to Muon, the rest
+to AdamW):
+- a param goes to Muon iff it is 2-D, not tied, and no dotted component of its name looks like
+  an embedding: a component containing "embed" (`embed_tokens`, `tok_embeddings`,
+  `word_embeddings`, `embeddings`), or one of `wte`, `wpe`, `tok_emb`, `pos_emb`;
+- a tied 2-D param is AdamW whatever its name: in practice the shared tensor is an embedding
+  that doubles as the output head (`lm_head` tied to `wte`), and embeddings are AdamW's;
+- an untied output head (`lm_head`, `output`) is an `nn.Linear` weight, so it goes to Muon,
+  exactly as `route_params` would send it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .layout import ParamSpec
+
+_EMBEDDING_COMPONENTS = frozenset({"wte", "wpe", "tok_emb", "pos_emb"})
+
+
+def default_muon(name: str, shape: Sequence[int], tied: bool = False) -> bool:
+    """The shapes-only routing rule (see the module note): True for 2-D, untied, non-embedding."""
+    if len(shape) != 2 or tied:
+        return False
+    return not any(
+        "embed" in part or part in _EMBEDDING_COMPONENTS for part in name.lower().split(".")
+    )
+
+
+def spec(name: str, *shape: int, tied: bool = False) -> ParamSpec:
+    """A `ParamSpec` routed by `default_muon`."""
+    return ParamSpec(name, tuple(shape), muon=default_muon(name, shape, tied), tied=tied)
+
+
+def gpt2_small() -> list[ParamSpec]:
+    """GPT-2 small (124M): 12 layers, d 768, vocab 50257, 1024 positions, head tied to `wte`.
+
+    HF names; `Conv1D` weights are given in `nn.Linear` (out, in) orientation.
+    """
+    d, vocab, ctx = 768, 50257, 1024
+    specs = [spec("transformer.wte.weight", vocab, d, tied=True)]
+    specs.append(spec("transformer.wpe.weight", ctx, d))
+    for i in range(12):
+        p = f"transformer.h.{i}."
+        specs += [
+            spec(p + "ln_1.weight", d),
+            spec(p + "ln_1.bias", d),
+            spec(p + "attn.c_attn.weight", 3 * d, d),
+            spec(p + "attn.c_attn.bias", 3 * d),
+            spec(p + "attn.c_proj.weight", d, d),
+            spec(p + "attn.c_proj.bias", d),
+            spec(p + "ln_2.weight", d),
+            spec(p + "ln_2.bias", d),
+            spec(p + "mlp.c_fc.weight", 4 * d, d),
+            spec(p + "mlp.c_fc.bias", 4 * d),
+            spec(p + "mlp.c_proj.weight", d, 4 * d),
+            spec(p + "mlp.c_proj.bias", d),
+        ]
+    specs += [spec("transformer.ln_f.weight", d), spec("transformer.ln_f.bias", d)]
+    return specs
+
+
+def _llama_like(
+    *,
+    layers: int,
+    d: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    tied: bool,
+    qkv_bias: bool,
+) -> list[ParamSpec]:
+    """A Llama-style decoder (GQA attention, SwiGLU MLP, RMSNorm) with HF names."""
+    head_dim = d // heads
+    kv = kv_heads * head_dim
+    specs = [spec("model.embed_tokens.weight", vocab, d, tied=tied)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            spec(p + "self_attn.q_proj.weight", heads * head_dim, d),
+            *([spec(p + "self_attn.q_proj.bias", heads * head_dim)] if qkv_bias else []),
+            spec(p + "self_attn.k_proj.weight", kv, d),
+            *([spec(p + "self_attn.k_proj.bias", kv)] if qkv_bias else []),
+            spec(p + "self_attn.v_proj.weight", kv, d),
+            *([spec(p + "self_attn.v_proj.bias", kv)] if qkv_bias else []),
+            spec(p + "self_attn.o_proj.weight", d, heads * head_dim),
+            spec(p + "mlp.gate_proj.weight", ffn, d),
+            spec(p + "mlp.up_proj.weight", ffn, d),
+            spec(p + "mlp.down_proj.weight", d, ffn),
+            spec(p + "input_layernorm.weight", d),
+            spec(p + "post_attention_layernorm.weight", d),
+        ]
+    specs.append(spec("model.norm.weight", d))
+    if not tied:
+        specs.append(spec("lm_head.weight", vocab, d))
+    return specs
+
+
+def llama3_8b() -> list[ParamSpec]:
+    """Llama 3 8B: 32 layers, d 4096, 32 heads / 8 KV heads, FFN 14336, vocab 128256, untied."""
+    return _llama_like(
+        layers=32, d=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False,
+        qkv_bias=False,
+    )  # fmt: skip
+
+
+def llama3_70b() -> list[ParamSpec]:
+    """Llama 3 70B: 80 layers, d 8192, 64 heads / 8 KV heads, FFN 28672, vocab 128256, untied."""
+    return _llama_like(
+        layers=80, d=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, tied=False,
+        qkv_bias=False,
+    )  # fmt: skip
+
+
+def qwen25_7b() -> list[ParamSpec]:
+    """Qwen2.5 7B: 28 layers, d 3584, 28 heads / 4 KV heads, FFN 18944, vocab 152064, untied
+    embeddings (`tie_word_embeddings: false` for 7B), biases on q/k/v only."""
+    return _llama_like(
+        layers=28, d=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064, tied=False,
+        qkv_bias=True,
+    )  # fmt: skip
+
+
+def moe_256x() -> list[ParamSpec]:
+    """A DeepSeek-V3-like MoE (~671B params, ~45k tensors), HF names, MTP layer left out.
+
+    61 layers, d 7168, vocab 129280, untied head. Attention is MLA: q_a (1536 x 7168), q_b
+    (128 heads x 192, 1536), kv_a (512 + 64 rope, 7168), kv_b (128 x 256, 512), o (7168,
+    128 x 128), with RMSNorms on the q and kv latents. Layers 0-2 are dense (SwiGLU FFN 18432);
+    layers 3-60 have a router gate (256 x 7168) with its score-correction bias (256), 256
+    routed experts and 1 shared expert, each a SwiGLU of FFN 2048.
+    """
+    d, vocab, experts, expert_ffn, dense_ffn = 7168, 129280, 256, 2048, 18432
+    heads, q_rank, kv_rank, rope, nope, v_dim = 128, 1536, 512, 64, 128, 128
+
+    def mlp(prefix: str, ffn: int) -> list[ParamSpec]:
+        return [
+            spec(prefix + "gate_proj.weight", ffn, d),
+            spec(prefix + "up_proj.weight", ffn, d),
+            spec(prefix + "down_proj.weight", d, ffn),
+        ]
+
+    specs = [spec("model.embed_tokens.weight", vocab, d)]
+    for i in range(61):
+        p = f"model.layers.{i}."
+        specs += [
+            spec(p + "self_attn.q_a_proj.weight", q_rank, d),
+            spec(p + "self_attn.q_a_layernorm.weight", q_rank),
+            spec(p + "self_attn.q_b_proj.weight", heads * (nope + rope), q_rank),
+            spec(p + "self_attn.kv_a_proj_with_mqa.weight", kv_rank + rope, d),
+            spec(p + "self_attn.kv_a_layernorm.weight", kv_rank),
+            spec(p + "self_attn.kv_b_proj.weight", heads * (nope + v_dim), kv_rank),
+            spec(p + "self_attn.o_proj.weight", d, heads * v_dim),
+        ]
+        if i < 3:
+            specs += mlp(p + "mlp.", dense_ffn)
+        else:
+            specs += [
+                spec(p + "mlp.gate.weight", experts, d),
+                spec(p + "mlp.gate.e_score_correction_bias", experts),
+            ]
+            for e in range(experts):
+                specs += mlp(p + f"mlp.experts.{e}.", expert_ffn)
+            specs += mlp(p + "mlp.shared_experts.", expert_ffn)
+        specs += [
+            spec(p + "input_layernorm.weight", d),
+            spec(p + "post_attention_layernorm.weight", d),
+        ]
+    specs += [spec("model.norm.weight", d), spec("lm_head.weight", vocab, d)]
+    return specs
+
+
+PRESETS: dict[str, Callable[[], list[ParamSpec]]] = {
+    "gpt2-small": gpt2_small,
+    "llama3-8b": llama3_8b,
+    "llama3-70b": llama3_70b,
+    "qwen2.5-7b": qwen25_7b,
+    "moe-256x": moe_256x,
+}
+
+
+def preset(name: str) -> list[ParamSpec]:
+    """The specs of preset `name` (one of `PRESETS`); ValueError naming the choices otherwise."""
+    try:
+        build = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+    return build()
