@@ -892,10 +892,7 @@ def _describe(e: Exception, what: str) -> str:
 
 def _quiesce(ddp: DataParallel) -> None:
     """Nothing in flight: pending all-gathers done, overlap gather buffers freed (DESIGN §10)."""
-    ddp.finish_param_sync()
-    free = getattr(ddp, "free_overlap_buffers", None)
-    if free is not None:
-        free()
+    ddp.free_overlap_buffers()
 
 
 @contextlib.contextmanager
