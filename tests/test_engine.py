@@ -78,7 +78,6 @@ def _grads_after_sync() -> dict:
             p.name: (p.start - muon.buckets[p.bucket].start) // muon.buckets[p.bucket].shard_numel
             for p in muon.placements
         },
-        "muon_grads": {p.name: ddp.buffers[0].flat.grad_view(p).clone() for p in muon.placements},
         "owned": [(s.route.name, s.offset, s.grad.clone()) for s in ddp.owned()],
     }
 
@@ -102,9 +101,6 @@ def test_owner_from_layout_receives_the_reduced_gradient() -> None:
                 assert (
                     owners[name] == out["rank"] and offset == 0 and grad.shape == want[name].shape
                 )
-        for name, grad in out["muon_grads"].items():
-            if owners[name] != out["rank"]:  # only the owner receives the averaged gradient
-                assert not torch.allclose(grad, want[name], rtol=1e-3, atol=1e-6), name
     for name, count in covered.items():
         assert torch.equal(count, torch.ones_like(count)), f"{name}: each element owned once"
 
