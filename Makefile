@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: test train lint format venv
+.PHONY: test train bench lint format venv
 
 venv: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ test: venv
 
 train: venv
 	$(BIN)/wholeshard train $(ARGS)
+
+bench: venv
+	$(BIN)/wholeshard bench --json runs/bench.json --png runs/bench.png $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check wholeshard tests

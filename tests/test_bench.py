@@ -1,0 +1,69 @@
+"""Smoke test of `python -m wholeshard.bench --quick`: every row present, the JSON schema exact.
+
+Times are never asserted (DESIGN §8); final losses must agree (the bench flags them otherwise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from wholeshard.bench.configs import CONFIGS, REFERENCE
+from wholeshard.bench.workloads import WORKLOADS
+
+ROW_TYPES = {
+    "workload": str,
+    "config": str,
+    "step_s": float,
+    "optimizer_s": float,
+    "comm_wait_s": float,
+    "bytes_sent_per_rank": int,
+    "peak_rss_bytes": int,
+    "optimizer_state_bytes": int,
+    "ratio_vs_ddp_torch_muon": float,
+    "final_loss": float,
+    "error": type(None),
+}
+
+
+def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "wholeshard.bench", "--quick", "--nproc", "2"]
+        + ["--json", str(out), "--png", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| workload | config |" in proc.stdout
+    assert "WARNING" not in proc.stdout, proc.stdout  # a configuration's loss disagrees
+    assert png.stat().st_size > 0
+
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"machine", "world_size", "results"}
+    assert doc["world_size"] == 2
+    machine = doc["machine"]
+    assert isinstance(machine["cpu"], str) and isinstance(machine["torch"], str)
+    assert isinstance(machine["cores"], int) and machine["cores"] >= 1
+
+    rows = doc["results"]
+    assert [(r["workload"], r["config"]) for r in rows] == [
+        (w, c) for w in WORKLOADS for c in CONFIGS
+    ]
+    kj_importable = importlib.util.find_spec("muon") is not None
+    for row in rows:
+        where = f"{row['workload']}/{row['config']}"
+        assert set(row) == set(ROW_TYPES), where
+        if row["config"] == "ddp_kj_muon" and not kj_importable:
+            assert "muon" in row["error"], where
+            continue
+        assert row["error"] is None, f"{where}: {row['error']}"
+        for key, kind in ROW_TYPES.items():
+            assert type(row[key]) is kind, f"{where}: {key}={row[key]!r} is not {kind.__name__}"
+        assert row["step_s"] > 0 and row["peak_rss_bytes"] > 0 and row["bytes_sent_per_rank"] > 0
+        if row["config"] == REFERENCE:
+            assert row["ratio_vs_ddp_torch_muon"] == 1.0

@@ -1,0 +1,100 @@
+"""`wholeshard train` bad input: argparse-style errors naming the flag, exit 2, no workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import wholeshard.launch
+from wholeshard.cli import main
+from wholeshard.train import report
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(wholeshard.launch, "launch", refuse)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_text("def f(x):\n    return x + 1\n" * 200)
+    return path
+
+
+def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *argv])
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--steps", "ten"], "--steps"),
+        (["--nproc", "-1"], "--nproc"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "inf"], "--lr"),
+        (["--clip-grad", "-1"], "--clip-grad"),
+        (["--model", "huge"], "--model"),
+        (["--optimizer", "sgd"], "--optimizer"),
+        (["--param-dtype", "float16"], "--param-dtype"),
+        (["--bucket-size", "0"], "--bucket-size"),
+        (["--warmup", "50", "--steps", "10"], "--warmup"),
+        (["--min-lr-ratio", "2"], "--min-lr-ratio"),
+        (["--batch-size", "5", "--nproc", "2"], "--batch-size"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_invalid_flag_values_exit_2_naming_the_flag(capsys, argv, flag) -> None:
+    err = _error(capsys, argv)
+    assert f"{flag}" in err and "usage:" in err
+
+
+def test_missing_data_path(capsys, tmp_path: Path) -> None:
+    err = _error(capsys, ["--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")])
+    assert "--data" in err and "no such file" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["empty file", "empty dir", "too short"])
+def test_empty_data(capsys, tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "data"
+    if kind == "empty dir":
+        path.mkdir()
+    else:
+        path.write_text("" if kind == "empty file" else "x = 1\n" * 10)
+    err = _error(capsys, ["--data", str(path), "--out", str(tmp_path / "o")])
+    assert "--data" in err
+    assert ("no text" in err) if kind != "too short" else ("--seq-len" in err)
+
+
+def test_existing_run_is_not_overwritten(capsys, tmp_path: Path, text_file: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / report.METRICS).write_text('{"step": 1}\n')
+    err = _error(capsys, ["--data", str(text_file), "--out", str(out)])
+    assert "--out" in err and "--overwrite" in err
+    assert (out / report.METRICS).read_text() == '{"step": 1}\n'
+    with pytest.raises(AssertionError, match="workers were started"):  # --overwrite passes checks
+        main(["train", "--data", str(text_file), "--out", str(out), "--overwrite"])
+
+
+def test_help_lists_the_flags(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--nproc", "--steps", "--batch-size", "--seq-len", "--model", "--optimizer",
+                 "--lr", "--seed", "--out", "--data", "--eval-every", "--param-dtype",
+                 "--bucket-size", "--clip-grad", "--json", "--overwrite"):  # fmt: skip
+        assert flag in out

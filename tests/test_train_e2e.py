@@ -1,0 +1,186 @@
+"""`wholeshard train` end to end in subprocesses: 2 local ranks, torchrun, crashes, Ctrl-C.
+
+Every run gets a unique marker in its environment; spawned workers inherit it, so scanning
+/proc for the marker after the run finds any orphaned process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from wholeshard.train import report
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "WHOLESHARD_TRAIN_TEST_MARKER"
+HANG_GUARD_S = 180  # generous: a hung run fails instead of blocking the suite
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "text.py"
+    path.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
+    return path
+
+
+def _args(text_file: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train", "--data", str(text_file), "--out", str(out), "--steps", "4", "--batch-size",
+        "4", "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1", "--lr", "1e-2",
+        "--json", *extra,
+    ]  # fmt: skip
+
+
+def _env(marker: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env[MARKER] = marker
+    env.update(extra)
+    return env
+
+
+def _marked(marker: str) -> list[int]:
+    """Live processes (other than this one) whose environment carries the marker."""
+    tag = f"{MARKER}={marker}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if tag in (d / "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+def _assert_no_orphans(marker: str) -> None:
+    deadline = time.monotonic() + 20
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _marked(marker)
+    for pid in left:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"orphaned processes: {left}"
+
+
+def _run(cmd: list[str], **env: str) -> tuple[subprocess.CompletedProcess, str]:
+    marker = uuid.uuid4().hex
+    proc = subprocess.run(
+        cmd, env=_env(marker, **env), capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
+    _assert_no_orphans(marker)
+    return proc, marker
+
+
+def _summary(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout  # --json: the summary is the only stdout line
+    return json.loads(lines[0])
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / report.METRICS).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def muon_run(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("runs") / "muon"
+    proc, _ = _run([sys.executable, "-m", "wholeshard", *_args(text_file, out, "--nproc", "2")])
+    return out, _summary(proc)
+
+
+def _check_run(out: Path, summary: dict, optimizer: str) -> None:
+    for key in ("steps", "final_loss", "final_val_loss", "first_val_loss", "tokens", "wall_s"):
+        assert isinstance(summary[key], (int, float)), key
+    assert summary["world_size"] == 2 and summary["optimizer"] == optimizer
+    assert summary["steps"] == 4 and summary["tokens"] == 4 * 4 * 16
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+    assert json.loads((out / report.SUMMARY).read_text()) == summary
+    assert (out / report.PLOT).stat().st_size > 0
+    recs = _records(out)
+    steps = [r for r in recs if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert {"step", "loss", "lr", "tokens_per_s", "step_s", "grad_norm"} <= set(r)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 2, 4]
+
+
+def test_two_local_ranks_muon(muon_run: tuple[Path, dict]) -> None:
+    _check_run(*muon_run, "muon")
+
+
+def test_two_local_ranks_adamw(text_file: Path, tmp_path: Path) -> None:
+    args = _args(text_file, tmp_path, "--nproc", "2", "--optimizer", "adamw")
+    proc, _ = _run([sys.executable, "-m", "wholeshard", *args])
+    _check_run(tmp_path, _summary(proc), "adamw")
+
+
+def test_torchrun_gives_the_same_losses(
+    text_file: Path, tmp_path: Path, muon_run: tuple[Path, dict]
+) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc-per-node", "2", "-m", "wholeshard", *_args(text_file, tmp_path)]
+    proc, _ = _run(cmd)
+    summary = _summary(proc)
+    _check_run(tmp_path, summary, "muon")
+    losses = [(r.get("loss"), r.get("val_loss")) for r in _records(tmp_path)]
+    assert losses == [(r.get("loss"), r.get("val_loss")) for r in _records(muon_run[0])]
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_crashed_worker_stops_the_run(text_file: Path, tmp_path: Path, kind: str) -> None:
+    args = _args(text_file, tmp_path, "--nproc", "2", "--steps", "1000")
+    cmd = [sys.executable, "-m", "wholeshard", *args]
+    proc, _ = _run(cmd, WHOLESHARD_TRAIN_FAULT=f"1:2:{kind}")  # rank 0 blocks in a collective
+    assert proc.returncode != 0
+    assert "worker failed" in proc.stderr
+    if kind == "raise":  # (a killed worker leaves no traceback; its peer's error may come first)
+        assert "rank 1 failed" in proc.stderr and "Traceback" in proc.stderr
+        assert "RuntimeError: injected fault on rank 1 at step 2" in proc.stderr
+    assert not (tmp_path / report.SUMMARY).exists()
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "parent-killed"])
+def test_interrupt_stops_every_worker(text_file: Path, tmp_path: Path, how: str) -> None:
+    marker = uuid.uuid4().hex
+    args = _args(text_file, tmp_path, "--nproc", "2", "--steps", "100000")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wholeshard", *args],
+        env=_env(marker),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, like a terminal's foreground job
+    )
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        metrics = tmp_path / report.METRICS
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        if how == "ctrl-c":  # a terminal's Ctrl-C signals the whole foreground process group
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.kill()
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    if how == "ctrl-c":
+        assert "interrupted" in err
+    _assert_no_orphans(marker)

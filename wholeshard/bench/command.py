@@ -1,0 +1,194 @@
+"""`wholeshard bench`: every configuration on the same work, one after another, side by side.
+
+Each configuration runs in its own `launch` (fresh processes, a fresh gloo group) with the same
+model init, data, seed and world size. Workers are spawned (a clean interpreter each, so memory
+figures are the worker's own); `--quick` forks them instead, to start in milliseconds. Progress
+goes to stderr; stdout carries the markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from ..launch import WorkerFailed, launch
+from . import report
+from .configs import CONFIGS
+from .worker import run_rank
+from .workloads import WORKLOADS
+
+DEFAULT_STEPS = 10
+WARMUP = 2
+QUICK_STEPS = 2
+QUICK_WARMUP = 1
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workload", choices=(*WORKLOADS, "all"), default="all", help="what to train (all)"
+    )
+    p.add_argument("--nproc", type=int, default=2, help="local gloo ranks (2)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed steps per configuration, after {WARMUP} warm-up steps and one "
+        f"traffic-counting step ({DEFAULT_STEPS}; {QUICK_STEPS} with --quick)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run every configuration R times, interleaved, and report medians over the rounds "
+        "(evens out load that drifts on a shared machine; 1)",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        choices=tuple(CONFIGS),
+        help="run only this configuration (repeatable; default: all)",
+    )
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--png", metavar="FILE", help="write a bar chart of step time and memory")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, 2 steps, forked workers: a smoke test, not a benchmark",
+    )
+
+
+def _epilog() -> str:
+    width = max(len(name) for name in CONFIGS)
+    lines = [f"  {c.name:<{width}}  {c.description}" for c in CONFIGS.values()]
+    return "configurations, run in this order:\n" + "\n".join(lines)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `bench` on the `wholeshard` command's subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark wholeshard against torch DDP/FSDP2 Muon setups",
+        description=__doc__,
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(p)
+    p.set_defaults(run=main)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone parser of `python -m wholeshard.bench`."""
+    p = argparse.ArgumentParser(
+        prog="python -m wholeshard.bench",
+        description=__doc__,
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(p)
+    return p
+
+
+def _error_line(text: str) -> str:
+    """The exception line of a traceback (its last non-empty line)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "failed without a message"
+
+
+def _run_one(
+    workload: str, config: str, nproc: int, steps: int, warmup: int, quick: bool
+) -> tuple[report.Row, list[str]]:
+    """One configuration on fresh workers: its row, and any collectives the traffic model
+    could not charge."""
+    reason = CONFIGS[config].unavailable()
+    if reason is not None:
+        return report.Row(workload, config, error=reason), []
+    timeout = 120 + 30 * (warmup + 1 + steps)
+    try:
+        ranks = launch(
+            run_rank,
+            nproc,
+            (workload, config, steps, warmup, quick),
+            start_method="fork" if quick else "spawn",
+            timeout=timeout,
+            collective_timeout_s=timeout,
+        )
+    except WorkerFailed as e:
+        return report.Row(workload, config, error=f"rank {e.rank}: {_error_line(e.traceback)}"), []
+    except TimeoutError:
+        return report.Row(workload, config, error=f"timed out after {timeout} s"), []
+    return report.from_ranks(workload, config, ranks), ranks[0]["unmodelled"]
+
+
+def _make_parent(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _preload_for_fork() -> None:
+    """Import once here what every worker imports lazily (torch's optimizers pull in dynamo, ~3 s),
+    so forked workers inherit it."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed `args`; returns the exit code."""
+    if args.nproc < 1:
+        print(f"error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
+    for flag, value in (("--steps", steps), ("--repeat", args.repeat)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    warmup = QUICK_WARMUP if args.quick else WARMUP
+    workloads = WORKLOADS if args.workload == "all" else (args.workload,)
+    configs = [c for c in CONFIGS if not args.config or c in args.config]
+    machine = report.machine(args.nproc, forked=args.quick)
+    if args.quick:
+        _preload_for_fork()
+
+    runs = [(w, c) for w in workloads for c in configs]
+    rounds: dict[tuple[str, str], list[report.Row]] = {run: [] for run in runs}
+    for round_ in range(args.repeat):
+        for workload, config in runs:
+            where = f"{workload} / {config}" + (f" (round {round_ + 1})" if args.repeat > 1 else "")
+            print(f"[bench] {where} on {args.nproc} ranks ...", file=sys.stderr)
+            start = time.monotonic()
+            row, unmodelled = _run_one(workload, config, args.nproc, steps, warmup, args.quick)
+            took = time.monotonic() - start
+            result = row.error or f"{row.step_s:.3f} s/step"
+            print(f"[bench]   {result} ({took:.0f} s)", file=sys.stderr)
+            if unmodelled:
+                print(f"[bench]   bytes leave out unmodelled {unmodelled}", file=sys.stderr)
+            rounds[workload, config].append(row)
+    rows = [report.merge_rounds(rounds[run]) for run in runs]
+    machine["load_average_end"] = list(os.getloadavg())
+
+    report.fill_ratios(rows)
+    flagged = report.disagreements(rows)
+    print(report.markdown(rows, flagged))
+    print(
+        f"\n{args.nproc} gloo ranks x {machine['threads_per_rank']} thread(s) on "
+        f"{machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}; medians of "
+        f"{steps} steps after {warmup} warm-up, {args.repeat} round(s); load average "
+        f"{machine['load_average_start'][0]:.2f} -> {machine['load_average_end'][0]:.2f}"
+    )
+    for message in flagged:
+        print(f"WARNING: {message}")
+    if args.json:
+        _make_parent(args.json)
+        with open(args.json, "w") as f:
+            f.write(report.to_json(machine, args.nproc, rows) + "\n")
+    if args.png:
+        from .plot import write_png
+
+        _make_parent(args.png)
+        title = f"wholeshard bench: {args.nproc} gloo ranks, torch {machine['torch']}"
+        write_png(rows, args.png, title)
+    return 0

@@ -1,0 +1,235 @@
+"""The registry of benchmarked configurations: one line each in `CONFIGS`.
+
+A configuration is a name, a builder and an availability check. The builder runs on every rank
+of a fresh process group: it wraps the workload's freshly built model and makes the optimizers,
+and hooks whatever blocking it hides from Python into the rank's `WaitClock`. The check runs in
+the launching process before any worker starts; a configuration that is unavailable (a missing
+package, a keyword this version of `DataParallel` lacks) gets a row carrying the reason.
+
+Every configuration uses the same hyperparameters (`MUON_KW`, `ADAMW_KW`), chosen so that
+`torch.optim.Muon` and `muon.MuonWithAuxAdam` compute the same update: Nesterov momentum 0.95,
+the "original" shape scaling `sqrt(max(1, rows / cols))`, AdamW eps 1e-10, no weight decay.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .waits import WaitClock
+from .workloads import Workload
+
+MUON_KW: dict[str, Any] = dict(lr=0.02, momentum=0.95, weight_decay=0.0)
+ADAMW_KW: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+WS_BUCKET_SIZE = 1 << 21
+"""Elements per wholeshard bucket (8 MiB of fp32 grads; DDP's defaults are 1 MiB, then 25 MiB).
+Overlap needs several buckets: with one, its reduce-scatter can only start when backward ends."""
+REFERENCE = "ddp_torch_muon"
+"""The configuration every step time is compared with."""
+
+
+@dataclass
+class Setup:
+    """A configuration built on one rank: what the timing loop drives."""
+
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    after_backward: Callable[[], None] = lambda: None
+    """Called after each backward; DDP uses it to book the comm hook's tail into the clock."""
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+
+Builder = Callable[[Workload, WaitClock], Setup]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A benchmarked configuration."""
+
+    name: str
+    description: str
+    build: Builder
+    unavailable: Callable[[], str | None] = field(default=lambda: None)
+    """The reason this configuration cannot run here, or None."""
+
+
+def split_params(model: nn.Module, workload: Workload) -> tuple[list, list]:
+    """(Muon params, other params) by the workload's routing; a tied param appears once."""
+    muon, other = [], []
+    for name, p in model.named_parameters():
+        (muon if workload.use_muon(name, p) else other).append(p)
+    return muon, other
+
+
+def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.Optimizer]:
+    """`torch.optim.Muon` on the matrices and `torch.optim.AdamW` on the rest (if any)."""
+    muon, other = split_params(model, workload)
+    opts: list[torch.optim.Optimizer] = [torch.optim.Muon(muon, adjust_lr_fn="original", **MUON_KW)]
+    if other:
+        opts.append(torch.optim.AdamW(other, **ADAMW_KW))
+    return opts
+
+
+# -- torch DDP -----------------------------------------------------------------------------
+
+
+class _HookTail:
+    """DDP's reducer waits for its all-reduces in C++, out of Python's sight. A comm hook
+    equivalent to torch's default `allreduce_hook` timestamps each bucket's launch and
+    completion; the tail, last completion minus last launch, is the time backward stayed
+    blocked after its last gradient was ready."""
+
+    def __init__(self, clock: WaitClock) -> None:
+        self.clock = clock
+        self.last_launch = 0.0
+        self.last_done = 0.0
+
+    # No annotations: DDP rejects a `bucket` annotation that is not the GradBucket class itself,
+    # and `from __future__ import annotations` would make it a string.
+    def hook(self, state, bucket):
+        self.last_launch = time.perf_counter()
+        buf = bucket.buffer().div_(dist.get_world_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            self.last_done = max(self.last_done, time.perf_counter())
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def settle(self) -> None:
+        self.clock.add(self.last_done - self.last_launch)
+        self.last_launch = self.last_done = 0.0
+
+
+def _ddp(model: nn.Module, clock: WaitClock) -> tuple[nn.Module, Callable[[], None]]:
+    ddp = nn.parallel.DistributedDataParallel(model)
+    tail = _HookTail(clock)
+    ddp.register_comm_hook(None, tail.hook)
+    return ddp, tail.settle
+
+
+def _build_ddp_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
+    model = workload.make_model()
+    ddp, settle = _ddp(model, clock)
+    return Setup(ddp, torch_optimizers(model, workload), settle)
+
+
+def _kj_unavailable() -> str | None:
+    try:
+        import muon  # noqa: F401
+    except Exception as e:  # an import of a third-party package can fail in any way
+        return f"cannot import muon (pip install muon-optimizer): {type(e).__name__}: {e}"
+    return None
+
+
+def _build_ddp_kj_muon(workload: Workload, clock: WaitClock) -> Setup:
+    from muon import MuonWithAuxAdam
+
+    model = workload.make_model()
+    ddp, settle = _ddp(model, clock)
+    muon, other = split_params(model, workload)
+    groups = [dict(params=muon, use_muon=True, **MUON_KW)]
+    if other:
+        groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
+    return Setup(ddp, [MuonWithAuxAdam(groups)], settle)
+
+
+# -- torch FSDP2 ---------------------------------------------------------------------------
+
+
+def _build_fsdp2_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
+    from torch.distributed.fsdp import fully_shard
+
+    model = workload.make_model()
+    for unit in workload.shard_units(model):
+        fully_shard(unit)
+    fully_shard(model)
+    return Setup(model, torch_optimizers(model, workload))
+
+
+# -- wholeshard ----------------------------------------------------------------------------
+
+
+def _wholeshard_unavailable(ddp_kwargs: dict[str, Any]) -> Callable[[], str | None]:
+    def check() -> str | None:
+        from ..data_parallel import DataParallel
+
+        params = inspect.signature(DataParallel.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return None
+        missing = sorted(set(ddp_kwargs) - set(params))
+        if missing:
+            return f"not available in this version: DataParallel has no keyword {missing}"
+        return None
+
+    return check
+
+
+def wholeshard_config(name: str, description: str, **ddp_kwargs: Any) -> Config:
+    """A configuration of `DataParallel(model, bucket_size=WS_BUCKET_SIZE, **ddp_kwargs)` +
+    `LayerwiseOptimizer`."""
+    ddp_kwargs = {"bucket_size": WS_BUCKET_SIZE, **ddp_kwargs}
+
+    def build(workload: Workload, clock: WaitClock) -> Setup:
+        from ..data_parallel import DataParallel
+        from ..optim import LayerwiseOptimizer
+
+        model = workload.make_model()
+        try:
+            ddp = DataParallel(model, use_muon=workload.use_muon, **ddp_kwargs)
+        except TypeError as e:  # a keyword the availability check could not rule out
+            if "unexpected keyword" not in str(e):
+                raise
+            raise RuntimeError(f"not available in this version: {e}") from e
+        opt = LayerwiseOptimizer(ddp, muon=dict(MUON_KW, adjust_lr_fn="original"), adamw=ADAMW_KW)
+        return Setup(ddp, [opt])
+
+    return Config(name, description, build, _wholeshard_unavailable(ddp_kwargs))
+
+
+# -- the registry: benchmarks run in this order ----------------------------------------------
+
+CONFIGS: dict[str, Config] = {
+    c.name: c
+    for c in (
+        Config(
+            "ddp_torch_muon",
+            "torch DDP + torch.optim.Muon/AdamW: every rank orthogonalizes every matrix",
+            _build_ddp_torch_muon,
+        ),
+        Config(
+            "ddp_kj_muon",
+            "torch DDP + muon.MuonWithAuxAdam (round-robin owners, all-reduce + all-gather)",
+            _build_ddp_kj_muon,
+            _kj_unavailable,
+        ),
+        Config(
+            "fsdp2_torch_muon",
+            "torch FSDP2 fully_shard per layer + torch.optim.Muon/AdamW on DTensors",
+            _build_fsdp2_torch_muon,
+        ),
+        wholeshard_config("ws_sync", "wholeshard DataParallel + LayerwiseOptimizer, synchronous"),
+        wholeshard_config(
+            "ws_overlap",
+            "wholeshard with grad-reduce and param-gather overlap",
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+        ),
+        wholeshard_config("ws_ping_pong", "wholeshard, ping-pong layout", layout="ping_pong"),
+    )
+}

@@ -1,0 +1,190 @@
+"""Rows of results: aggregation over ranks, the agreement check, markdown and JSON output.
+
+Aggregation: each rank reports medians over its timed steps; a row takes the largest value over
+ranks (the slowest rank sets the pace; memory is what the fullest rank needs). With several
+rounds, a row's times are medians over rounds. Final losses are global means, equal on every
+rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from .configs import REFERENCE
+
+LOSS_RTOL = 1e-2
+"""Final losses agree when within this relative distance of the reference's (module note)."""
+
+
+@dataclass
+class Row:
+    """One workload x configuration result; the JSON schema, field for field."""
+
+    workload: str
+    config: str
+    step_s: float | None = None
+    optimizer_s: float | None = None
+    comm_wait_s: float | None = None
+    bytes_sent_per_rank: int | None = None
+    peak_rss_bytes: int | None = None
+    optimizer_state_bytes: int | None = None
+    ratio_vs_ddp_torch_muon: float | None = None
+    final_loss: float | None = None
+    error: str | None = None
+
+
+def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
+    """Combine the per-rank figures of one run into a row."""
+
+    def worst(key: str) -> Any:
+        return max(r[key] for r in ranks)
+
+    return Row(
+        workload=workload,
+        config=config,
+        step_s=worst("step_s"),
+        optimizer_s=worst("optimizer_s"),
+        comm_wait_s=worst("comm_wait_s"),
+        bytes_sent_per_rank=worst("bytes_sent_per_rank"),
+        peak_rss_bytes=worst("peak_rss_bytes"),
+        optimizer_state_bytes=worst("optimizer_state_bytes"),
+        final_loss=ranks[0]["final_loss"],
+    )
+
+
+def merge_rounds(rounds: list[Row]) -> Row:
+    """One row from the same configuration's rows of several rounds: times are medians over the
+    successful rounds, sizes the largest; the first error if no round succeeded."""
+    done = [r for r in rounds if r.error is None]
+    if not done:
+        return rounds[0]
+
+    def median(key: str) -> float:
+        return statistics.median(getattr(r, key) for r in done)
+
+    def largest(key: str) -> int:
+        return max(getattr(r, key) for r in done)
+
+    return Row(
+        workload=done[0].workload,
+        config=done[0].config,
+        step_s=median("step_s"),
+        optimizer_s=median("optimizer_s"),
+        comm_wait_s=median("comm_wait_s"),
+        bytes_sent_per_rank=largest("bytes_sent_per_rank"),
+        peak_rss_bytes=largest("peak_rss_bytes"),
+        optimizer_state_bytes=largest("optimizer_state_bytes"),
+        final_loss=done[0].final_loss,
+    )
+
+
+def fill_ratios(rows: list[Row]) -> None:
+    """Set `ratio_vs_ddp_torch_muon` on every row whose workload has a reference time."""
+    reference = {r.workload: r.step_s for r in rows if r.config == REFERENCE and r.error is None}
+    for r in rows:
+        ref = reference.get(r.workload)
+        if r.error is None and ref:
+            r.ratio_vs_ddp_torch_muon = r.step_s / ref
+
+
+def disagreements(rows: list[Row], rtol: float = LOSS_RTOL) -> list[str]:
+    """A message for every row whose final loss is not within `rtol` of its workload's
+    reference (`ddp_torch_muon`, or the median successful row if that failed)."""
+    messages = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        done = [r for r in rows if r.workload == workload and r.error is None]
+        if len(done) < 2:
+            continue
+        ref = next((r for r in done if r.config == REFERENCE), None)
+        ref_loss = ref.final_loss if ref else sorted(r.final_loss for r in done)[len(done) // 2]
+        ref_name = REFERENCE if ref else "the median"
+        for r in done:
+            if abs(r.final_loss - ref_loss) > rtol * abs(ref_loss):
+                messages.append(
+                    f"{workload}/{r.config}: final loss {r.final_loss:.6g} differs from "
+                    f"{ref_name}'s {ref_loss:.6g} by more than {rtol:.0%}"
+                )
+    return messages
+
+
+def machine(nproc: int, forked: bool = False) -> dict[str, Any]:
+    """What the numbers were measured on (`forked`: workers run one thread, see `launch`)."""
+    cores = os.cpu_count() or 1
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = cores
+    try:
+        muon_version: str | None = metadata.version("muon-optimizer")
+    except metadata.PackageNotFoundError:
+        muon_version = None
+    return {
+        "cpu": _cpu_name(),
+        "cores": cores,
+        "usable_cores": usable,
+        "threads_per_rank": 1 if forked else max(1, cores // nproc),
+        "torch": torch.__version__,
+        "muon_optimizer": muon_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "backend": "gloo",
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def to_json(machine_info: dict[str, Any], world_size: int, rows: list[Row]) -> str:
+    """The `--json` document."""
+    doc = {
+        "machine": machine_info,
+        "world_size": world_size,
+        "results": [asdict(r) for r in rows],
+    }
+    return json.dumps(doc, indent=2)
+
+
+def _mb(x: int | None) -> str:
+    return "" if x is None else f"{x / 1e6:.1f}"
+
+
+def _s(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def markdown(rows: list[Row], flagged: list[str]) -> str:
+    """The results table (README-ready), one line per row, errors and disagreements noted."""
+    bad = {m.split(":", 1)[0] for m in flagged}
+    lines = [
+        "| workload | config | step s | optimizer s | comm wait s | sent/rank MB "
+        "| peak RSS MB | opt state MB | vs ddp_torch_muon | final loss | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ratio = "" if r.ratio_vs_ddp_torch_muon is None else f"{r.ratio_vs_ddp_torch_muon:.2f}x"
+        loss = "" if r.final_loss is None else f"{r.final_loss:.5f}"
+        note = r.error or ("LOSS DISAGREES" if f"{r.workload}/{r.config}" in bad else "")
+        note = note.replace("|", "\\|").replace("\n", " ")
+        lines.append(
+            f"| {r.workload} | {r.config} | {_s(r.step_s)} | {_s(r.optimizer_s)} "
+            f"| {_s(r.comm_wait_s)} | {_mb(r.bytes_sent_per_rank)} | {_mb(r.peak_rss_bytes)} "
+            f"| {_mb(r.optimizer_state_bytes)} | {ratio} | {loss} | {note} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,289 @@
+"""`train(config)`: the worker function every rank runs, under `wholeshard.launch` or torchrun.
+
+One code path for any world size: it uses the process group that is already initialised
+(`wholeshard.launch`), else initialises one from torchrun's environment (NCCL on CUDA, gloo on
+CPU), else runs as a single process.
+
+[Note: fault injection]
+For the launcher's tests, `WHOLESHARD_TRAIN_FAULT="<rank>:<step>:<kind>"` makes that rank fail
+right after that step: `raise` raises RuntimeError, `exit` calls `os._exit(3)`, `kill` sends
+itself SIGKILL.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from wholeshard.train import data, report
+from wholeshard.train.config import TrainConfig
+from wholeshard.train.model import GPT, VOCAB, hidden_matrix, num_params, preset
+from wholeshard.train.plot import plot_losses
+from wholeshard.train.schedule import make_scheduler
+
+FAULT_ENV = "WHOLESHARD_TRAIN_FAULT"
+ADAMW_BETAS = (0.9, 0.95)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits: rank, world size, device, and whether we own the group."""
+
+    rank: int
+    world: int
+    local_world: int
+    device: torch.device
+    owns_group: bool
+
+
+def torchrun_env() -> bool:
+    """True when the environment describes a launched world (torchrun or `wholeshard.launch`)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def setup_distributed() -> Dist:
+    """Join the existing process group, or create one from torchrun's env, or run alone."""
+    owns = False
+    if not dist.is_initialized() and torchrun_env():
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        owns = True
+    if not dist.is_initialized():
+        return Dist(0, 1, 1, torch.device("cpu"), False)
+    world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return Dist(dist.get_rank(), world, local_world, device, owns)
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether `device` has native bf16 matmuls (CUDA with bf16, or AVX512-BF16/AMX CPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    except AttributeError:  # private helpers: absent means unknown, so stay in float32
+        return False
+
+
+def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype `--param-dtype` names; `auto` is bfloat16 where `fast_bf16`, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
+    return getattr(torch, name)
+
+
+def _set_threads(cfg: TrainConfig, env: Dist) -> None:
+    if env.device.type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(cfg.threads or max(1, (cores or 1) // env.local_world))
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    r, s, kind = spec.split(":")
+    if int(r) != rank or int(s) != step:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "exit":
+        os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ValueError(f"bad {FAULT_ENV}={spec!r}")
+
+
+@dataclass
+class Trainee:
+    """What the loop drives: the model, the module to call, the optimizer, grad clipping.
+
+    bfloat16 compute: the muon path keeps bf16 params in wholeshard's buffers with fp32 masters
+    in the optimizer; the adamw path keeps fp32 params and runs forward/backward under
+    `torch.autocast` (`autocast` is then bfloat16), so both keep fp32 optimizer maths.
+    """
+
+    model: GPT
+    module: nn.Module
+    opt: torch.optim.Optimizer
+    clip: Callable[[float], torch.Tensor]
+    autocast: torch.dtype | None = None
+    param_dtype: torch.dtype = torch.float32
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy of the next byte, in nats."""
+        with torch.autocast(x.device.type, self.autocast, enabled=self.autocast is not None):
+            logits = self.module(x)
+        return F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1), reduction=reduction)
+
+
+def build(cfg: TrainConfig, env: Dist) -> Trainee:
+    """The model, wrapped for data parallelism, and its optimizer, as `cfg.optimizer` says."""
+    torch.manual_seed(cfg.seed)  # identical init on every rank
+    model = GPT(preset(cfg.model, cfg.seq_len, cfg.pos, cfg.tie)).to(env.device)
+    dtype = resolve_param_dtype(cfg.param_dtype, env.device)
+    lr, wd = cfg.peak_lr, cfg.weight_decay
+    if cfg.optimizer == "muon":
+        import wholeshard
+
+        wrapped = wholeshard.DataParallel(
+            model, bucket_size=cfg.bucket_size, use_muon=hidden_matrix, param_dtype=dtype
+        )
+        opt = wholeshard.LayerwiseOptimizer(
+            wrapped,
+            muon=dict(lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=wd, momentum=0.95),
+            adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=wd),
+        )
+        return Trainee(model, wrapped, opt, opt.clip_grad_norm_, None, dtype)
+    wrapped: nn.Module = model
+    if env.world > 1:
+        kwargs = {}
+        if cfg.bucket_size is not None:
+            kwargs["bucket_cap_mb"] = cfg.bucket_size * 4 / 2**20  # fp32 grads
+        ids = [env.device] if env.device.type == "cuda" else None
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=wd)
+
+    def clip(max_norm: float) -> torch.Tensor:
+        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    autocast = dtype if dtype != torch.float32 else None
+    return Trainee(model, wrapped, opt, clip, autocast, dtype)
+
+
+def _global_mean(t: torch.Tensor, env: Dist) -> float:
+    if env.world > 1:
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        t /= env.world
+    return t.item()
+
+
+@torch.no_grad()
+def evaluate(t: Trainee, batches: list, env: Dist) -> float:
+    """Mean loss per byte over every rank's validation windows."""
+    t.module.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    for x, y in batches:
+        x, y = x.to(env.device), y.to(env.device)
+        total[0] += t.loss(x, y, reduction="sum").double()
+        total[1] += y.numel()
+    if env.world > 1:
+        dist.all_reduce(total)
+    t.module.train()
+    return (total[0] / total[1]).item()
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run the training job on this rank; returns the run summary (the same on every rank)."""
+    cfg.validate()
+    env = setup_distributed()
+    try:
+        return _train(cfg, env)
+    finally:
+        if env.owns_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, env: Dist) -> dict:
+    t_start = time.perf_counter()
+    _set_threads(cfg, env)
+    if cfg.batch_size % env.world:
+        raise ValueError(f"batch_size={cfg.batch_size} is not divisible by world={env.world}")
+    corpus = data.load_corpus(cfg.data)
+    val = data.val_batches(
+        corpus.val, cfg.eval_batches, cfg.batch_size, cfg.seq_len, env.rank, env.world
+    )
+    t = build(cfg, env)
+    sched = make_scheduler(t.opt, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
+    out = cfg.out or report.default_out_dir()
+    log = report.RunLog(out, cfg.steps, enabled=env.rank == 0, progress=cfg.progress)
+    log.note(
+        f"wholeshard train: {cfg.model} GPT ({num_params(t.model) / 1e6:.2f}M params), "
+        f"{cfg.optimizer}, {env.world} rank(s) on {env.device.type} "
+        f"({str(t.param_dtype).removeprefix('torch.')}); data: {corpus.source} "
+        f"({corpus.files} files, {len(corpus.train) + len(corpus.val)} bytes); out: {out}"
+    )
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
+    try:
+        first_val = last_val = evaluate(t, val, env)
+        log.record({"step": 0, "val_loss": first_val, "lr": 0.0, "tokens": 0})
+        loss_value = math.nan
+        for step in range(1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            x, y = data.train_batch(
+                corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed, env.rank, env.world
+            )
+            loss = t.loss(x.to(env.device), y.to(env.device))
+            loss.backward()
+            grad_norm = t.clip(max_norm)
+            lr = t.opt.param_groups[0]["lr"]
+            t.opt.step()
+            t.opt.zero_grad(set_to_none=True)
+            sched.step()
+            _inject_fault(env.rank, step)
+            evaluating = step % cfg.eval_every == 0 or step == cfg.steps
+            if not (evaluating or step % cfg.log_every == 0):
+                continue
+            loss_value = _global_mean(loss, env)
+            step_s = time.perf_counter() - t0
+            rec = {
+                "step": step,
+                "loss": loss_value,
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens": step * tokens_per_step,
+                "tokens_per_s": tokens_per_step / step_s,
+                "step_s": step_s,
+            }
+            if evaluating:
+                last_val = rec["val_loss"] = evaluate(t, val, env)
+            log.record(rec)
+        wall_s = time.perf_counter() - t_start
+        summary = {
+            "steps": cfg.steps,
+            "final_loss": loss_value,
+            "final_val_loss": last_val,
+            "first_val_loss": first_val,
+            "tokens": cfg.steps * tokens_per_step,
+            "wall_s": wall_s,
+            "world_size": env.world,
+            "optimizer": cfg.optimizer,
+            "model": cfg.model,
+            "params": num_params(t.model),
+            "param_dtype": str(t.param_dtype).removeprefix("torch."),
+            "seed": cfg.seed,
+            "lr": cfg.peak_lr,
+            "batch_size": cfg.batch_size,
+            "seq_len": cfg.seq_len,
+            "tokens_per_s": cfg.steps * tokens_per_step / wall_s,
+            "data": corpus.source,
+            "out": str(out),
+        }
+        log.write_json(report.SUMMARY, summary)
+        if log.enabled:
+            title = f"{cfg.model} GPT, {cfg.optimizer}, {env.world} rank(s)"
+            plot_losses(log.records, os.path.join(out, report.PLOT), title)
+        return summary
+    finally:
+        log.close()

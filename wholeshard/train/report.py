@@ -1,0 +1,114 @@
+"""A run's outputs on rank 0: the output directory, `metrics.jsonl`, the progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from wholeshard.train.extras import require
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+PLOT = "loss.png"
+RUN_FILES = (METRICS, SUMMARY, PLOT)
+
+
+def default_out_dir() -> str:
+    """`runs/<local timestamp>` under the current directory."""
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def existing_run(out: str | os.PathLike) -> list[str]:
+    """The run files already present in `out` (empty if it holds no run)."""
+    return [name for name in RUN_FILES if (Path(out) / name).exists()]
+
+
+def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> None:
+    """Raise ValueError if `out` is not a directory we may write a run into."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    found = existing_run(path)
+    if found and not overwrite:
+        raise ValueError(
+            f"{out} already holds a run ({', '.join(found)}); "
+            "pass --overwrite to replace it or choose another --out"
+        )
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf
+    return value
+
+
+class RunLog:
+    """Rank 0's writer: starts the run directory, appends records, drives the progress bar.
+
+    On other ranks (`enabled=False`) every method is a no-op, so the loop needs no rank checks.
+    """
+
+    def __init__(self, out: str | os.PathLike, steps: int, enabled: bool, progress: bool = True):
+        self.out = Path(out)
+        self.enabled = enabled
+        self.records: list[dict] = []
+        self._file = None
+        self._bar = None
+        if not enabled:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name in RUN_FILES:  # a run we were allowed to replace: drop all of it
+            (self.out / name).unlink(missing_ok=True)
+        self._file = open(self.out / METRICS, "w")
+        if progress:
+            require("tqdm")
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=steps, desc="train", unit="step", file=sys.stderr, leave=True)
+
+    def record(self, rec: dict) -> None:
+        """Append one record to `metrics.jsonl` and show it on the progress bar."""
+        if not self.enabled:
+            return
+        rec = {k: _clean(v) for k, v in rec.items()}
+        self.records.append(rec)
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            shown = {}
+            if rec.get("loss") is not None:
+                shown["loss"] = f"{rec['loss']:.3f}"
+            val = next((r["val_loss"] for r in reversed(self.records) if "val_loss" in r), None)
+            if val is not None:
+                shown["val"] = f"{val:.3f}"
+            if rec.get("tokens_per_s"):
+                shown["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.n = rec["step"]
+            self._bar.refresh()
+
+    def note(self, text: str) -> None:
+        """Print a line for the user on stderr (above the progress bar)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def write_json(self, name: str, obj: dict) -> None:
+        """Write `obj` as `out/name` (pretty JSON)."""
+        if self.enabled:
+            (self.out / name).write_text(json.dumps(obj, indent=2) + "\n")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
