@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 from wholeshard.train import config as C
 from wholeshard.train import extras, report
@@ -142,6 +143,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="gradient bucket size in elements (default: the library's)",
     )
     g.add_argument("--seed", type=_nonneg_int, default=d.seed, help="model init and batch order")
+    g = p.add_argument_group("data parallelism (muon)")
+    g.add_argument(
+        "--overlap",
+        action="store_true",
+        help="reduce-scatter during backward, all-gather during the next forward",
+    )
+    g.add_argument("--layout", choices=C.LAYOUTS, default=d.layout, help="ownership layout")
+    g.add_argument(
+        "--param-sync", choices=C.PARAM_SYNCS, default=d.param_sync, help="param sync collective"
+    )
+    g.add_argument(
+        "--trace", default=None, metavar="FILE", help="write a Chrome trace of a few steps"
+    )
+    g = p.add_argument_group("checkpoints (muon)")
+    g.add_argument(
+        "--checkpoint-every",
+        type=_nonneg_int,
+        default=d.checkpoint_every,
+        help="save to <out>/checkpoints every N steps (0: never)",
+    )
+    g.add_argument("--keep-last", type=_pos_int, default=d.keep_last, help="checkpoints to keep")
+    g.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH|latest",
+        help="continue from a checkpoint (latest: <out>/checkpoints); needs --out of the run",
+    )
     g = p.add_argument_group("output")
     g.add_argument(
         "--out", default=None, metavar="DIR", help="output directory (default: runs/<timestamp>)"
@@ -216,8 +244,10 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
                     f"argument --data: {cfg.data} gives {n} bytes of {part} text (5% of the "
                     f"text is validation); need more than --seq-len={cfg.seq_len}"
                 )
+    if cfg.resume is not None:
+        _check_resume(parser, cfg)
     try:
-        report.check_out_dir(cfg.out, args.overwrite)
+        report.check_out_dir(cfg.out, args.overwrite or cfg.resume is not None)
     except ValueError as e:
         parser.error(f"argument --out: {e}")
     lost = extras.missing()
@@ -226,6 +256,30 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
             1,
             f"wholeshard train: missing {', '.join(lost)}; "
             "install the train extra: pip install 'wholeshard[train]'\n",
+        )
+
+
+def _check_resume(parser: argparse.ArgumentParser, cfg: TrainConfig) -> None:
+    from wholeshard.checkpoint import CheckpointError, resolve_checkpoint
+
+    if cfg.resume == "latest" and cfg.out is None:
+        parser.error("argument --resume: latest needs --out DIR of the run to continue")
+    try:
+        ckpt = resolve_checkpoint(cfg.resume_path)
+    except CheckpointError as e:
+        parser.error(f"argument --resume: {e}")
+    if cfg.out is None:  # the run the checkpoint belongs to: <out>/checkpoints/step-N
+        cfg.out = str(ckpt.parent.parent)
+    later = [
+        p.name
+        for p in ckpt.parent.glob("step-*")
+        if p.name[5:].isdigit() and int(p.name[5:]) > int(ckpt.name[5:])
+    ]
+    if later and ckpt.parent.resolve() == Path(cfg.checkpoint_dir).resolve():
+        parser.error(
+            f"argument --resume: {', '.join(sorted(later))} come after {ckpt.name} in "
+            f"{ckpt.parent}; resuming from {ckpt.name} would overwrite them. Move them away "
+            f"or resume from latest"
         )
 
 
@@ -248,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     under_torchrun = torchrun_env()
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
-    if cfg.out is None:
+    if cfg.out is None and cfg.resume is None:
         cfg.out = report.default_out_dir()
     _check(args, cfg, world)
     if under_torchrun:

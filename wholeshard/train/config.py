@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 MODELS = ("tiny", "small")
@@ -10,6 +11,8 @@ OPTIMIZERS = ("muon", "adamw")
 SCHEDULES = ("cosine", "wsd")
 PARAM_DTYPES = ("auto", "float32", "bfloat16")
 POSITIONS = ("rope", "learned")
+LAYOUTS = ("aligned", "ping_pong")
+PARAM_SYNCS = ("allgather", "broadcast")
 
 # Peak learning rate per optimizer when `--lr` is not given (tuned on the tiny model; see README).
 DEFAULT_LR = {"muon": 1e-2, "adamw": 2e-3}
@@ -67,6 +70,21 @@ class TrainConfig:
     """Show a tqdm progress bar on rank 0."""
     threads: int | None = None
     """CPU threads per process; None divides the available cores among the local processes."""
+    overlap: bool = False
+    """Muon path: reduce-scatter during backward and all-gather during the next forward."""
+    layout: str = "aligned"
+    """Muon path: `aligned` (whole-tensor shards) or the legacy `ping_pong` baseline."""
+    param_sync: str = "allgather"
+    """Muon path: sync updated params by `allgather` or by one `broadcast` per rank."""
+    trace: str | None = None
+    """Write a Chrome trace (torch.profiler) of a few steps to this file (rank 0)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint to `<out>/checkpoints` every this many steps (0: never)."""
+    keep_last: int | None = 3
+    """Keep this many newest checkpoints (None: all)."""
+    resume: str | None = None
+    """Resume from a checkpoint: a `step-N` directory, a checkpoints directory, or `latest`
+    (`<out>/checkpoints`); the run continues in `out`."""
 
     def validate(self) -> None:
         """Raise ValueError naming the field of the first invalid value."""
@@ -78,6 +96,8 @@ class TrainConfig:
             ("optimizer", OPTIMIZERS),
             ("schedule", SCHEDULES),
             ("param_dtype", PARAM_DTYPES),
+            ("layout", LAYOUTS),
+            ("param_sync", PARAM_SYNCS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
@@ -97,11 +117,32 @@ class TrainConfig:
             raise ValueError(f"bucket_size must be >= 1, got {self.bucket_size}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.optimizer != "muon" and (self.checkpoint_every or self.resume):
+            raise ValueError(
+                "checkpoint_every and resume need --optimizer muon (wholeshard checkpoints "
+                "hold DataParallel + LayerwiseOptimizer state)"
+            )
 
     @property
     def peak_lr(self) -> float:
         """The learning rate after warm-up."""
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints of this run go."""
+        return os.path.join(self.out or ".", "checkpoints")
+
+    @property
+    def resume_path(self) -> str | None:
+        """The checkpoint path `resume` names (`latest` is this run's checkpoint directory)."""
+        if self.resume is None:
+            return None
+        return self.checkpoint_dir if self.resume == "latest" else self.resume
 
     @property
     def warmup_steps(self) -> int:

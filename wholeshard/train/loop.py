@@ -146,7 +146,14 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
         import wholeshard
 
         wrapped = wholeshard.DataParallel(
-            model, bucket_size=cfg.bucket_size, use_muon=hidden_matrix, param_dtype=dtype
+            model,
+            bucket_size=cfg.bucket_size,
+            use_muon=hidden_matrix,
+            param_dtype=dtype,
+            overlap_grad_reduce=cfg.overlap,
+            overlap_param_gather=cfg.overlap,
+            layout=cfg.layout,
+            param_sync=cfg.param_sync,
         )
         opt = wholeshard.LayerwiseOptimizer(
             wrapped,
@@ -216,7 +223,15 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
     t = build(cfg, env)
     sched = make_scheduler(t.opt, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
     out = cfg.out or report.default_out_dir()
-    log = report.RunLog(out, cfg.steps, enabled=env.rank == 0, progress=cfg.progress)
+    resumed = _resume(cfg, t, sched) if cfg.resume is not None else None
+    start = 1 if resumed is None else resumed["step"] + 1
+    log = report.RunLog(
+        out,
+        cfg.steps,
+        enabled=env.rank == 0,
+        progress=cfg.progress,
+        resume_step=None if resumed is None else resumed["step"],
+    )
     log.note(
         f"wholeshard train: {cfg.model} GPT ({num_params(t.model) / 1e6:.2f}M params), "
         f"{cfg.optimizer}, {env.world} rank(s) on {env.device.type} "
@@ -225,12 +240,19 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
     )
     tokens_per_step = cfg.batch_size * cfg.seq_len
     max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
+    muon = cfg.optimizer == "muon"
+    tracer = _tracer(cfg, env)
     try:
-        first_val = last_val = evaluate(t, val, env)
-        log.record({"step": 0, "val_loss": first_val, "lr": 0.0, "tokens": 0})
+        if resumed is None:
+            first_val = last_val = evaluate(t, val, env)
+            log.record({"step": 0, "val_loss": first_val, "lr": 0.0, "tokens": 0})
+        else:
+            first_val, last_val = resumed["first_val"], resumed["last_val"]
+            log.note(f"resumed from {resumed['path']} at step {resumed['step']}")
         loss_value = math.nan
-        for step in range(1, cfg.steps + 1):
+        for step in range(start, cfg.steps + 1):
             t0 = time.perf_counter()
+            waited = t.module.comm_wait_s if muon else math.nan
             x, y = data.train_batch(
                 corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed, env.rank, env.world
             )
@@ -241,6 +263,10 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
             t.opt.step()
             t.opt.zero_grad(set_to_none=True)
             sched.step()
+            if tracer is not None:
+                tracer.step()
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                _save(cfg, t, sched, step, first_val, last_val)
             _inject_fault(env.rank, step)
             evaluating = step % cfg.eval_every == 0 or step == cfg.steps
             if not (evaluating or step % cfg.log_every == 0):
@@ -255,6 +281,7 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
                 "tokens": step * tokens_per_step,
                 "tokens_per_s": tokens_per_step / step_s,
                 "step_s": step_s,
+                "comm_wait_s": (t.module.comm_wait_s if muon else math.nan) - waited,
             }
             if evaluating:
                 last_val = rec["val_loss"] = evaluate(t, val, env)
@@ -286,4 +313,58 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
             plot_losses(log.records, os.path.join(out, report.PLOT), title)
         return summary
     finally:
+        if tracer is not None:
+            tracer.stop()
         log.close()
+
+
+TRACE_STEPS = 3  # steps recorded by --trace, after one warm-up step
+
+
+def _tracer(cfg: TrainConfig, env: Dist):
+    """A started torch.profiler that writes `cfg.trace` (rank 0) after a few steps, or None."""
+    if cfg.trace is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def write(prof) -> None:
+        if env.rank == 0:
+            prof.export_chrome_trace(cfg.trace)
+
+    activities = [ProfilerActivity.CPU]
+    if env.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=TRACE_STEPS, repeat=1),
+        on_trace_ready=write,
+    )
+    prof.start()
+    return prof
+
+
+def _save(cfg: TrainConfig, t: Trainee, sched, step: int, first_val: float, last_val: float):
+    from wholeshard.checkpoint import save_checkpoint
+
+    extra = {
+        "step": step,
+        "scheduler": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "first_val": first_val,
+        "last_val": last_val,
+    }
+    save_checkpoint(cfg.checkpoint_dir, t.module, t.opt, extra=extra, keep_last=cfg.keep_last)
+
+
+def _resume(cfg: TrainConfig, t: Trainee, sched) -> dict:
+    """Load `cfg.resume` into the model, optimizer and scheduler; returns its `extra`.
+
+    The data position is the step: batch `s` is a pure function of (seed, s, rank, world).
+    """
+    from wholeshard.checkpoint import load_checkpoint, resolve_checkpoint
+
+    path = resolve_checkpoint(cfg.resume_path)
+    extra = load_checkpoint(path, t.module, t.opt)
+    sched.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"])
+    return dict(extra, path=str(path))

@@ -52,7 +52,15 @@ class RunLog:
     On other ranks (`enabled=False`) every method is a no-op, so the loop needs no rank checks.
     """
 
-    def __init__(self, out: str | os.PathLike, steps: int, enabled: bool, progress: bool = True):
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        steps: int,
+        enabled: bool,
+        progress: bool = True,
+        resume_step: int | None = None,
+    ):
+        """`resume_step`: continue the run in `out`, keeping its records up to that step."""
         self.out = Path(out)
         self.enabled = enabled
         self.records: list[dict] = []
@@ -61,9 +69,15 @@ class RunLog:
         if not enabled:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        for name in RUN_FILES:  # a run we were allowed to replace: drop all of it
+        if resume_step is not None and (self.out / METRICS).exists():
+            with open(self.out / METRICS) as f:
+                kept = [json.loads(line) for line in f if line.strip()]
+            self.records = [r for r in kept if r["step"] <= resume_step]
+        for name in RUN_FILES:  # a run we were allowed to replace or continue: rewrite it
             (self.out / name).unlink(missing_ok=True)
         self._file = open(self.out / METRICS, "w")
+        for rec in self.records:
+            self._file.write(json.dumps(rec) + "\n")
         if progress:
             require("tqdm")
             from tqdm.auto import tqdm

@@ -1,0 +1,109 @@
+"""`wholeshard train` overlap, trace, checkpoint and resume flags, in-process (spawned ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from wholeshard import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "text.py"
+    path.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
+    return path
+
+
+def train(text_file: Path, out: Path, *extra: str, env: dict | None = None) -> dict:
+    argv = [
+        "train", "--data", str(text_file), "--out", str(out), "--steps", "6", "--batch-size",
+        "4", "--seq-len", "16", "--eval-every", "3", "--eval-batches", "1", "--no-progress",
+        "--param-dtype", "float32", *extra,
+    ]  # fmt: skip
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        code = cli.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    summary = json.loads((out / "summary.json").read_text()) if code == 0 else None
+    return {"code": code, "summary": summary}
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_crash_then_resume_latest_continues_the_same_run(text_file: Path, tmp_path: Path) -> None:
+    straight = train(text_file, tmp_path / "straight", "--overlap")
+    crashed = train(
+        text_file,
+        tmp_path / "run",
+        "--overlap",
+        "--checkpoint-every",
+        "3",
+        env={"WHOLESHARD_TRAIN_FAULT": "1:5:raise"},
+    )
+    assert crashed["code"] == 1
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-3\n"
+    resumed = train(
+        text_file, tmp_path / "run", "--overlap", "--checkpoint-every", "3", "--resume", "latest"
+    )
+    assert resumed["code"] == 0
+    assert resumed["summary"]["final_loss"] == straight["summary"]["final_loss"]
+    assert resumed["summary"]["final_val_loss"] == straight["summary"]["final_val_loss"]
+    got, want = metrics(tmp_path / "run"), metrics(tmp_path / "straight")
+    assert [r["step"] for r in got] == [r["step"] for r in want], "one record per step, no gaps"
+    assert [r["loss"] for r in got[1:]] == [r["loss"] for r in want[1:]]
+    assert all(r["comm_wait_s"] >= 0 for r in got[1:])
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-6\n"
+
+
+def test_resume_refuses_to_overwrite_later_checkpoints(
+    text_file: Path, tmp_path: Path, capsys
+) -> None:
+    assert train(text_file, tmp_path / "run", "--checkpoint-every", "3")["code"] == 0
+    with pytest.raises(SystemExit) as e:
+        train(
+            text_file,
+            tmp_path / "run",
+            "--resume",
+            str(tmp_path / "run" / "checkpoints" / "step-3"),
+        )
+    assert e.value.code == 2
+    assert "step-6 come after step-3" in capsys.readouterr().err
+
+
+def test_checkpoints_need_the_muon_path(text_file: Path, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        train(text_file, tmp_path / "run", "--optimizer", "adamw", "--checkpoint-every", "2")
+    assert e.value.code == 2
+    assert "--checkpoint-every" in capsys.readouterr().err
+
+
+def test_trace_shows_the_sync_phases(text_file: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    assert train(text_file, tmp_path / "run", "--overlap", "--trace", str(trace))["code"] == 0
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    for phase in (
+        "wholeshard.grad_sync.start",
+        "wholeshard.grad_sync.finish",
+        "wholeshard.param_sync.start",
+        "wholeshard.param_sync.finish",
+        "wholeshard.optimizer_step",
+    ):
+        assert phase in names, phase
+
+
+@pytest.mark.parametrize("mode", [["--layout", "ping_pong"], ["--param-sync", "broadcast"]])
+def test_legacy_modes_train(text_file: Path, tmp_path: Path, mode: list[str]) -> None:
+    base = train(text_file, tmp_path / "base")["summary"]
+    other = train(text_file, tmp_path / "other", *mode)["summary"]
+    assert other["final_loss"] == pytest.approx(base["final_loss"], rel=1e-3)
