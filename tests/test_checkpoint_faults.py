@@ -73,9 +73,9 @@ def _arm(point: str, marker: Path) -> None:
             path.write_text('{"body": {"format"')
             _die()
 
-        checkpoint._write_manifest = half_manifest
+        checkpoint.write_manifest = half_manifest
     elif point == "before-latest":  # renamed into place, `latest` not yet updated
-        checkpoint._write_latest = lambda root, name: _die()
+        checkpoint.write_latest = lambda root, name: _die()
     elif point == "latest-replace":  # the new `latest` written beside the old, not yet renamed
         original_replace = os.replace
 

@@ -1,6 +1,6 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): save anywhere, resume at any world size.
 
-Directory protocol (`root` is a directory of checkpoints):
+Directory protocol (`root` is a directory of checkpoints; file handling in `checkpoint_dir`):
 
     root/step-N/           one complete checkpoint (N = extra["step"], else the next free number)
         .metadata, __R_I.distcp    DCP's files: logical tensors, see "Format"
@@ -37,14 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import os
-import re
 import shutil
 import warnings
-import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,14 +67,30 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from .checkpoint_dir import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    STEP_DIR,
+    TMP_PREFIX,
+    TRAINER,
+    VERSION,
+    CheckpointError,
+    check_files,
+    choose_step,
+    clean_leftovers,
+    crc32,
+    fsync_dir,
+    read_dcp_metadata,
+    read_manifest,
+    remove,
+    steps,
+    write_durably,
+    write_latest,
+    write_manifest,
+)
 from .data_parallel import DataParallel
 from .optim.layerwise import LayerwiseOptimizer, OwnedPiece
-
-FORMAT, VERSION = "wholeshard-checkpoint", 1
-MANIFEST, TRAINER, LATEST = "wholeshard.json", "trainer.pt", "latest"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_PREFIX, _TRASH_PREFIX = ".tmp-", ".trash-"
-_READ_BLOCK = 16 << 20
 
 __all__ = [
     "CheckpointError",
@@ -86,11 +99,6 @@ __all__ = [
     "resolve_checkpoint",
     "save_checkpoint",
 ]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded. In a process group every rank raises it with
-    the same message; a failed load has changed nothing."""
 
 
 # -- public API --------------------------------------------------------------------------------
@@ -123,12 +131,12 @@ def save_checkpoint(
     _quiesce(ddp)
 
     def prepare() -> tuple[int, Path]:
-        step = _choose_step(root, extra)
+        step = choose_step(root, extra)
         trainer = _trainer_blob(optimizer, extra)
-        tmp = root / f"{_TMP_PREFIX}step-{step}"
-        _clean_leftovers(root)
+        tmp = root / f"{TMP_PREFIX}step-{step}"
+        clean_leftovers(root)
         tmp.mkdir(parents=True)
-        _write_durably(tmp / TRAINER, trainer)
+        write_durably(tmp / TRAINER, trainer)
         return step, tmp
 
     step, tmp = group.on_first(prepare, f"cannot start a checkpoint in {root}")
@@ -170,14 +178,14 @@ def load_checkpoint(
     _quiesce(ddp)
     ckpt = group.on_first(lambda: resolve_checkpoint(path), "cannot find the checkpoint")
 
-    manifest = group.agree(lambda: _read_manifest(ckpt), f"checkpoint {ckpt} is damaged")
+    manifest = group.agree(lambda: read_manifest(ckpt), f"checkpoint {ckpt} is damaged")
     group.agree(
-        lambda: _check_files(ckpt, manifest, sorted(manifest["files"])[group.rank :: group.size]),
+        lambda: check_files(ckpt, manifest, sorted(manifest["files"])[group.rank :: group.size]),
         f"checkpoint {ckpt} is damaged",
     )
 
     def plan() -> tuple[dict[str, Any], _LoadPlanData]:
-        metadata = _read_dcp_metadata(ckpt)
+        metadata = read_dcp_metadata(ckpt)
         trainer = torch.load(ckpt / TRAINER, weights_only=True)
         _check_model(ckpt, manifest, metadata, ddp, optimizer, trainer)
         return trainer, _plan_load(metadata, ddp, optimizer)
@@ -209,12 +217,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if (p / LATEST).is_file():
         name = (p / LATEST).read_text().strip()
         target = p / name
-        if not _STEP_DIR.match(name) or not (target / MANIFEST).is_file():
+        if not STEP_DIR.match(name) or not (target / MANIFEST).is_file():
             raise CheckpointError(
                 f"{p / LATEST} names {name!r}, which is not a complete checkpoint in {p}"
             )
         return target
-    looks_like_one = _STEP_DIR.match(p.name) or (p / ".metadata").exists() or (p / TRAINER).exists()
+    looks_like_one = STEP_DIR.match(p.name) or (p / ".metadata").exists() or (p / TRAINER).exists()
     if p.is_dir() and looks_like_one:
         raise CheckpointError(f"checkpoint {p} is incomplete or damaged: {MANIFEST} is missing")
     raise CheckpointError(
@@ -233,9 +241,9 @@ def load_consolidated(
     were trained in. Verifies sizes and checksums first.
     """
     ckpt = resolve_checkpoint(path)
-    manifest = _read_manifest(ckpt)
-    _check_files(ckpt, manifest, sorted(manifest["files"]))
-    metadata = _read_dcp_metadata(ckpt)
+    manifest = read_manifest(ckpt)
+    check_files(ckpt, manifest, sorted(manifest["files"]))
+    metadata = read_dcp_metadata(ckpt)
     keys: dict[str, str] = {}
     for name in manifest["params"]:
         master = f"optim/{name}/master"
@@ -652,15 +660,7 @@ def _compare_tables(
     return problems
 
 
-# -- files, checksums, the directory protocol --------------------------------------------------
-
-
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(_READ_BLOCK):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
+# -- the directory protocol steps that need the process group ------------------------------
 
 
 def _digest_files(group: _Group, directory: Path) -> dict[str, Any]:
@@ -668,7 +668,7 @@ def _digest_files(group: _Group, directory: Path) -> dict[str, Any]:
     names = group.on_first(lambda: sorted(os.listdir(directory)), f"cannot list {directory}")
     mine = group.agree(
         lambda: {
-            n: {"bytes": (directory / n).stat().st_size, "crc32": _crc32(directory / n)}
+            n: {"bytes": (directory / n).stat().st_size, "crc32": crc32(directory / n)}
             for n in names[group.rank :: group.size]
         },
         f"cannot checksum {directory}",
@@ -677,115 +677,6 @@ def _digest_files(group: _Group, directory: Path) -> dict[str, Any]:
     for part in group.all_gather(mine):
         merged.update(part)
     return merged
-
-
-def _check_files(ckpt: Path, manifest: dict[str, Any], names: list[str]) -> None:
-    problems = []
-    for name in names:
-        want, path = manifest["files"][name], ckpt / name
-        if not path.is_file():
-            problems.append(f"file {name} is missing")
-        elif path.stat().st_size != want["bytes"]:
-            problems.append(
-                f"file {name} has {path.stat().st_size} bytes, {want['bytes']} were written "
-                f"(truncated or overwritten)"
-            )
-        elif _crc32(path) != want["crc32"]:
-            problems.append(f"file {name} fails its checksum (corrupted)")
-    if problems:
-        raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems))
-
-
-def _manifest_checksum(body: dict[str, Any]) -> str:
-    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
-
-
-def _read_manifest(ckpt: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads((ckpt / MANIFEST).read_text())
-        body = doc["body"]
-        ok = doc["checksum"] == _manifest_checksum(body)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {ckpt} has no {MANIFEST}: it is incomplete") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is unreadable ({e})") from None
-    if not ok:
-        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} fails its checksum (corrupted)")
-    if body.get("format") != FORMAT or body.get("version") != VERSION:
-        raise CheckpointError(
-            f"checkpoint {ckpt} has format {body.get('format')!r} version {body.get('version')!r};"
-            f" this wholeshard reads {FORMAT!r} version {VERSION}"
-        )
-    return body
-
-
-def _read_dcp_metadata(ckpt: Path) -> Metadata:
-    return dcp.FileSystemReader(ckpt).read_metadata()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_manifest(path: Path, body: dict[str, Any]) -> None:
-    doc = {"body": body, "checksum": _manifest_checksum(body)}
-    _write_durably(path, json.dumps(doc, indent=1, sort_keys=True).encode())
-
-
-def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f"{LATEST}.tmp"
-    _write_durably(tmp, f"{name}\n".encode())
-    os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
-
-
-def _read_latest(root: Path) -> str | None:
-    try:
-        return (root / LATEST).read_text().strip()
-    except FileNotFoundError:
-        return None
-
-
-def _steps(root: Path) -> dict[int, Path]:
-    if not root.is_dir():
-        return {}
-    return {int(m[1]): p for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()}
-
-
-def _choose_step(root: Path, extra: Mapping[str, Any] | None) -> int:
-    if extra is not None and not isinstance(extra, Mapping):
-        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-    if extra is not None and "step" in extra:
-        step = extra["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f'extra["step"] must be an int >= 0, got {step!r}')
-    else:
-        step = max(_steps(root), default=-1) + 1
-    if _read_latest(root) == f"step-{step}":
-        raise FileExistsError(
-            f"{root / f'step-{step}'} is the latest checkpoint; refusing to replace it "
-            f"(save under another step, or delete it first)"
-        )
-    return step
-
-
-def _clean_leftovers(root: Path) -> None:
-    """Remove what killed saves and prunes left behind (never a `step-N` directory)."""
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and p.is_dir():
-                shutil.rmtree(p)
 
 
 def _commit(
@@ -808,29 +699,19 @@ def _commit(
         "files": files,
         "saved_with": {"world_size": ddp.dp_size, "torch": torch.__version__},
     }
-    _write_manifest(tmp / MANIFEST, body)
-    _fsync_dir(tmp)
+    write_manifest(tmp / MANIFEST, body)
+    fsync_dir(tmp)
     final = root / f"step-{step}"
     if final.exists():  # not the latest (checked before the save): a stale save of this step
-        _remove(root, final)
+        remove(root, final)
     os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_latest(root, final.name)
+    fsync_dir(root)
+    write_latest(root, final.name)
     if keep_last is not None:
-        older = sorted((s, p) for s, p in _steps(root).items() if s < step)
+        older = sorted((s, p) for s, p in steps(root).items() if s < step)
         for _, p in older[: max(0, len(older) - (keep_last - 1))]:
-            _remove(root, p)
+            remove(root, p)
     return final
-
-
-def _remove(root: Path, directory: Path) -> None:
-    """Delete a checkpoint so that no half-deleted `step-N` is ever visible."""
-    trash = root / f"{_TRASH_PREFIX}{directory.name}"
-    if trash.exists():
-        shutil.rmtree(trash)
-    os.rename(directory, trash)
-    _fsync_dir(root)
-    shutil.rmtree(trash)
 
 
 # -- process-group plumbing --------------------------------------------------------------------

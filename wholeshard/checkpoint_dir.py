@@ -1,0 +1,159 @@
+"""The checkpoint directory protocol: atomic `step-N` directories, the `latest` marker,
+checksums and pruning. Plain files only; what goes inside a checkpoint is `checkpoint`'s business.
+
+    root/step-N/      a complete checkpoint, only ever created by renaming a finished temp dir
+    root/latest       names the newest complete checkpoint ("step-N"), replaced atomically
+    root/.tmp-step-N  a save in progress; root/.trash-step-N a checkpoint being pruned
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+
+FORMAT, VERSION = "wholeshard-checkpoint", 1
+MANIFEST, TRAINER, LATEST = "wholeshard.json", "trainer.pt", "latest"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
+_READ_BLOCK = 16 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded. In a process group every rank raises it with
+    the same message; a failed load has changed nothing."""
+
+
+def crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def check_files(ckpt: Path, manifest: dict[str, Any], names: list[str]) -> None:
+    problems = []
+    for name in names:
+        want, path = manifest["files"][name], ckpt / name
+        if not path.is_file():
+            problems.append(f"file {name} is missing")
+        elif path.stat().st_size != want["bytes"]:
+            problems.append(
+                f"file {name} has {path.stat().st_size} bytes, {want['bytes']} were written "
+                f"(truncated or overwritten)"
+            )
+        elif crc32(path) != want["crc32"]:
+            problems.append(f"file {name} fails its checksum (corrupted)")
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems))
+
+
+def manifest_checksum(body: dict[str, Any]) -> str:
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
+def read_manifest(ckpt: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads((ckpt / MANIFEST).read_text())
+        body = doc["body"]
+        ok = doc["checksum"] == manifest_checksum(body)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {ckpt} has no {MANIFEST}: it is incomplete") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is unreadable ({e})") from None
+    if not ok:
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} fails its checksum (corrupted)")
+    if body.get("format") != FORMAT or body.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {ckpt} has format {body.get('format')!r} version {body.get('version')!r};"
+            f" this wholeshard reads {FORMAT!r} version {VERSION}"
+        )
+    return body
+
+
+def read_dcp_metadata(ckpt: Path) -> Metadata:
+    return dcp.FileSystemReader(ckpt).read_metadata()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(path: Path, body: dict[str, Any]) -> None:
+    doc = {"body": body, "checksum": manifest_checksum(body)}
+    write_durably(path, json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{LATEST}.tmp"
+    write_durably(tmp, f"{name}\n".encode())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+def steps(root: Path) -> dict[int, Path]:
+    if not root.is_dir():
+        return {}
+    return {int(m[1]): p for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()}
+
+
+def choose_step(root: Path, extra: Mapping[str, Any] | None) -> int:
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+    if extra is not None and "step" in extra:
+        step = extra["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f'extra["step"] must be an int >= 0, got {step!r}')
+    else:
+        step = max(steps(root), default=-1) + 1
+    if read_latest(root) == f"step-{step}":
+        raise FileExistsError(
+            f"{root / f'step-{step}'} is the latest checkpoint; refusing to replace it "
+            f"(save under another step, or delete it first)"
+        )
+    return step
+
+
+def clean_leftovers(root: Path) -> None:
+    """Remove what killed saves and prunes left behind (never a `step-N` directory)."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and p.is_dir():
+                shutil.rmtree(p)
+
+
+def remove(root: Path, directory: Path) -> None:
+    """Delete a checkpoint so that no half-deleted `step-N` is ever visible."""
+    trash = root / f"{TRASH_PREFIX}{directory.name}"
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.rename(directory, trash)
+    fsync_dir(root)
+    shutil.rmtree(trash)
