@@ -38,6 +38,9 @@ another rank has room; from `_HARD_CEILING_RANKS` ranks on, padding is accepted 
 rank's share of a bucket is then small). Inside a shard params keep backprop order; every bucket
 holds the first free param in backprop order, so buckets are filled in backprop order; tied
 params are isolated exactly as with size matching. Cost of a non-Muon or non-2-D param: 0.
+Last, the size-matching layout of the same params is planned too and taken instead when it is
+at least as good on both counts (no more padding and no more imbalance, one strictly less): a
+stack of identical blocks tiles exactly by size matching, which balancing cannot beat.
 """
 
 from __future__ import annotations
@@ -269,9 +272,27 @@ def _place(
 ) -> Layout:
     """`plan_layout` on validated inputs, without the final check."""
     if strategy == "size_match":
-        bucket_rows = _plan_rows(specs, dp_size, bucket_size, align)
-    else:
-        bucket_rows = _plan_balanced(specs, dp_size, bucket_size, align)
+        return _layout(specs, dp_size, align, _plan_rows(specs, dp_size, bucket_size, align))
+    balanced = _layout(specs, dp_size, align, _plan_balanced(specs, dp_size, bucket_size, align))
+    matched = _layout(specs, dp_size, align, _plan_rows(specs, dp_size, bucket_size, align))
+    b = (balanced.padding_fraction, _imbalance(balanced, specs))
+    m = (matched.padding_fraction, _imbalance(matched, specs))
+    return matched if m != b and m[0] <= b[0] and m[1] <= b[1] else balanced
+
+
+def _imbalance(layout: Layout, specs: tuple[ParamSpec, ...]) -> float:
+    """Max / mean Newton-Schulz cost owned per rank (1.0 when there is none)."""
+    costs = [0] * layout.dp_size
+    for spec, p in zip(specs, layout.placements, strict=True):
+        costs[p.owner] += spec_cost(spec)
+    total = sum(costs)
+    return 1.0 if total == 0 else max(costs) * len(costs) / total
+
+
+def _layout(
+    specs: tuple[ParamSpec, ...], dp_size: int, align: int, bucket_rows: list[list[_Row]]
+) -> Layout:
+    """The layout of planned bucket rows."""
     n = len(specs)
     placements: list[Placement | None] = [None] * n
     buckets: list[Bucket] = []
