@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: venv
-	$(BIN)/ruff check wholeshard tests
-	$(BIN)/ruff format --check wholeshard tests
+	$(BIN)/ruff check wholeshard tests examples
+	$(BIN)/ruff format --check wholeshard tests examples
 	$(BIN)/python -m pytest -q
 
 train: venv
@@ -27,8 +27,8 @@ bench: venv
 	$(BIN)/wholeshard bench --json runs/bench.json --png runs/bench.png $(ARGS)
 
 lint: venv
-	$(BIN)/ruff check wholeshard tests
+	$(BIN)/ruff check wholeshard tests examples
 
 format: venv
-	$(BIN)/ruff format wholeshard tests
-	$(BIN)/ruff check --fix wholeshard tests
+	$(BIN)/ruff format wholeshard tests examples
+	$(BIN)/ruff check --fix wholeshard tests examples

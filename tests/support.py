@@ -1,6 +1,6 @@
 """Shared test pieces: a small transformer, data, the single-process reference, a runner.
 
-The reference (DESIGN §4): one process, the full global batch, torch.optim.Muon on the
+The reference: one process, the full global batch, torch.optim.Muon on the
 Muon-routed params and torch.optim.AdamW on the rest (fp32 masters when params are bf16).
 """
 
@@ -82,12 +82,31 @@ def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.T
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
+    out = model(x)
+    logits = getattr(out, "logits", out)  # a transformers model returns an output object
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def matrices_of(route: wholeshard.Route, t: torch.Tensor) -> list[torch.Tensor]:
+    """`t` (shaped like the route's param) as the fp32 tensors the reference steps: one (out, in)
+    matrix per matrix of a Muon stack, the transpose of a weight stored (in, out), else `t`."""
+    t = t.detach().float()
+    if route.muon and t.ndim > 2:
+        return [m.clone() for m in t.reshape(-1, *t.shape[-2:]).unbind()]
+    if route.muon and route.transposed:
+        return [t.T.contiguous()]
+    return [t.clone()]
+
+
+def from_matrices(route: wholeshard.Route, masters: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `matrices_of`: the param's values in its own layout."""
+    if len(masters) > 1 or route.param.ndim > 2:
+        return torch.stack(masters).view(route.param.shape)
+    return masters[0].T if route.muon and route.transposed else masters[0]
 
 
 def reference_run(
@@ -100,18 +119,25 @@ def reference_run(
     adamw_kw: dict | None = None,
     use_muon: Callable | None = None,
     unused_param: bool = False,
+    make: Callable[[], nn.Module] | None = None,
+    probe: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, Any]:
-    """Train on the full batch in one process with torch's own optimizers."""
-    model = make_model(**(model_kw or {}))
+    """Train on the full batch in one process with torch's own optimizers, each Muon matrix
+    (every matrix of a stack, a transposed weight as (out, in)) a param of its own.
+    `make()` builds the model instead of `make_model(**model_kw)`; `probe(model)` runs on the
+    trained model and its result is returned as "probe" (e.g. generated tokens)."""
+    model = make() if make is not None else make_model(**(model_kw or {}))
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
     model.to(param_dtype)
     routes = route_params(model, use_muon)
-    masters = {r.name: r.param.detach().float().clone() for r in routes}
+    masters = {r.name: matrices_of(r, r.param) for r in routes}
     opts = [
-        torch.optim.Muon([masters[r.name] for r in routes if r.muon], **(muon_kw or MUON_KW)),
+        torch.optim.Muon(
+            [m for r in routes if r.muon for m in masters[r.name]], **(muon_kw or MUON_KW)
+        ),
         torch.optim.AdamW(
-            [masters[r.name] for r in routes if not r.muon], **(adamw_kw or ADAMW_KW)
+            [m for r in routes if not r.muon for m in masters[r.name]], **(adamw_kw or ADAMW_KW)
         ),
     ]
     losses, norms = [], []
@@ -119,18 +145,21 @@ def reference_run(
         loss = lm_loss(model, *batch(step))
         loss.backward()
         for r in routes:
-            g = r.param.grad
-            masters[r.name].grad = torch.zeros_like(masters[r.name]) if g is None else g.float()
+            g = torch.zeros_like(r.param) if r.param.grad is None else r.param.grad
+            for m, gm in zip(masters[r.name], matrices_of(r, g), strict=True):
+                m.grad = gm
             r.param.grad = None
         if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(list(masters.values()), clip).item())
+            every = [m for ms in masters.values() for m in ms]
+            norms.append(torch.nn.utils.clip_grad_norm_(every, clip).item())
         for opt in opts:
             opt.step()
         with torch.no_grad():
             for r in routes:
-                r.param.copy_(masters[r.name])
+                r.param.copy_(from_matrices(r, masters[r.name]))
         losses.append(loss.item())
-    return {"params": full_params(model), "losses": losses, "norms": norms}
+    probed = probe(model) if probe is not None else None
+    return {"params": full_params(model), "losses": losses, "norms": norms, "probe": probed}
 
 
 def wholeshard_run(
@@ -146,14 +175,18 @@ def wholeshard_run(
     unused_param: bool = False,
     micro_batches: int = 1,
     evaluate: bool = False,
+    make: Callable[[], nn.Module] | None = None,
+    probe: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, Any]:
     """The same training on this rank's slice of every batch; returns what the tests compare.
 
     `micro_batches > 1` accumulates gradients under `ddp.no_sync()`; `evaluate` runs a no-grad
-    forward on a fixed batch after every step.
+    forward on a fixed batch after every step; `make()` builds the model as in `reference_run`;
+    `probe(model)` runs on the wrapped module right after the last step (overlapped gathers
+    still in flight) and its result is returned as "probe".
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    model = make_model(**(model_kw or {}))
+    model = make() if make is not None else make_model(**(model_kw or {}))
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
     ddp = wholeshard.DataParallel(
@@ -180,6 +213,7 @@ def wholeshard_run(
         if evaluate:
             with torch.no_grad():
                 evals.append(lm_loss(ddp, *batch(99)).item())
+    probed = probe(model) if probe is not None else None
     ddp.finish_param_sync()
     state = {
         name: {k: v.clone() for k, v in entry.items() if torch.is_tensor(v)}
@@ -192,7 +226,21 @@ def wholeshard_run(
         "evals": evals,
         "opt_state": state,
         "comm_wait_s": ddp.comm_wait_s,
+        "probe": probed,
     }
+
+
+OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+
+
+def assert_overlap_equals_sync(nproc: int, steps: int, ddp_kw: dict, **kw: Any) -> list[dict]:
+    """Train synchronously and overlapped on `nproc` ranks; assert every rank's results are
+    bitwise equal; return the synchronous run's per-rank results."""
+    sync = run(wholeshard_run, nproc, steps, ddp_kw=ddp_kw, **kw)
+    overlap = run(wholeshard_run, nproc, steps, ddp_kw=dict(ddp_kw, **OVERLAP), **kw)
+    for a, b in zip(sync, overlap, strict=True):
+        assert_bitwise_equal(a, b)
+    return sync
 
 
 def _global_mean(x: torch.Tensor) -> float:

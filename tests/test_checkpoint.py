@@ -149,7 +149,7 @@ def test_flat_range_boxes_cover_each_range_exactly_in_order(shape: tuple[int, ..
 
 
 def test_two_ranks_writing_one_chunk_is_refused() -> None:
-    """DESIGN §7: DCP keeps one of two same-key chunks silently; the planner must refuse."""
+    """DCP keeps one of two same-key chunks silently; the planner must refuse."""
     planner = _ChunkSavePlanner()
     t = torch.ones(2, 3)
     from wholeshard.checkpoint import _Chunks
@@ -299,7 +299,8 @@ def _load_state(root: str) -> dict:
 
 
 def test_one_process_load_gets_every_owners_values(saved_at_2: dict) -> None:
-    """Each value comes from its owner on either rank (not only rank 0's: DESIGN §7)."""
+    """Each value comes from its owner on either rank (not only rank 0's: DCP silently keeps one
+    of several same-key chunks, so a shared key would lose the others)."""
     (state,) = run(_load_state, 0, str(saved_at_2["root"]))
     assert_same(merge_states([state]), saved_at_2["state"], "state")
 

@@ -204,8 +204,8 @@ OTHER_MODELS = {  # name: (model, use_muon, what the error must name)
     ),
     "other routing": (
         make_model,
-        lambda name, p: p.ndim == 2 and "head" not in name and "emb" not in name,
-        "head.weight: optimizer muon in the checkpoint, adamw in the model",
+        lambda name, p: p.ndim == 2 and name not in ("pos", "emb.weight"),  # the head to Muon
+        "head.weight: optimizer adamw in the checkpoint, muon in the model",
     ),
     "tied head": (lambda: make_model(tied=True), None, "not in the model: head.weight"),
 }

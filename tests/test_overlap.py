@@ -8,6 +8,7 @@ import torch.distributed as dist
 from support import (
     ADAMW_KW,
     MUON_KW,
+    OVERLAP,
     assert_bitwise_equal,
     assert_matches,
     lm_loss,
@@ -20,7 +21,6 @@ from support import (
 
 import wholeshard
 
-OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has something to overlap
 MODES = {
     "aligned": {},

@@ -219,8 +219,8 @@ def transformer(rng: random.Random) -> list[ParamSpec]:
         specs += [spec(p + "o", d, d), spec(p + "up", ffn, d), spec(p + "down", d, ffn)]
         specs += [spec(p + "gate", ffn, d)] if glu else []
         specs += [spec(p + "norm1", d), spec(p + "norm2", d)]
-    if not tied:
-        specs.append(spec("lm_head.weight", specs[0].shape[0], d))
+    if not tied:  # Muon by choice (the default rule sends a head to AdamW): a widest matrix
+        specs.append(ParamSpec("lm_head.weight", (specs[0].shape[0], d), muon=True))
     return specs
 
 
@@ -258,8 +258,6 @@ def test_moe_preset_at_dp_1024_plans_with_little_padding() -> None:
     plan = plan_buffers(specs, 1024, bucket_size=40_000_000, shard_group_size=128)
     plan.check(specs)
     assert plan.padding_fraction < 0.01
-    # The untied head costs 3.4x the mean per element: the cost ceiling keeps its owner from
-    # being filled up with experts like everyone else.
     assert plan.ns_cost_imbalance <= 1.10
     muon = plan.buffers[0]
     assert {p.owner for p in muon.placements} == set(range(128))

@@ -1,5 +1,5 @@
-"""Tests for `wholeshard.presets`: published sizes, the shapes-only routing rule, GQA and bias
-details, and that every preset plans."""
+"""Tests for `wholeshard.presets`: published sizes, routing from names (`muon_by_name`), GQA and
+bias details, and that every preset plans."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 
 from wholeshard.layout import ParamSpec
 from wholeshard.plan import plan_buffers
-from wholeshard.presets import PRESETS, default_muon, preset, spec
+from wholeshard.presets import PRESETS, preset, spec
+from wholeshard.routing import muon_by_name
 
 # Published totals (HF configs; DeepSeek-V3's 671B main model, without the 14B MTP module).
 TOTALS = {
@@ -43,7 +44,8 @@ def test_moe_preset_is_deepseek_v3_sized() -> None:
     assert names["model.layers.3.mlp.shared_experts.down_proj.weight"].shape == (7168, 2048)
     assert names["model.layers.60.self_attn.kv_b_proj.weight"].shape == (32768, 512)
     assert not names["model.layers.3.mlp.gate.e_score_correction_bias"].muon
-    assert names["lm_head.weight"].muon and not names["model.embed_tokens.weight"].muon
+    assert not names["lm_head.weight"].muon and not names["model.embed_tokens.weight"].muon
+    assert names["model.layers.3.mlp.gate.weight"].muon  # the router is a hidden matrix
 
 
 def test_llama_gqa_shapes_and_untied_head() -> None:
@@ -53,7 +55,8 @@ def test_llama_gqa_shapes_and_untied_head() -> None:
     assert names["model.layers.0.mlp.down_proj.weight"].shape == (8192, 28672)
     head, embed = names["lm_head.weight"], names["model.embed_tokens.weight"]
     assert head.shape == embed.shape == (128256, 8192)
-    assert head.muon and not head.tied and not embed.muon and not embed.tied
+    # the untied output head is AdamW's, like the embedding
+    assert not head.muon and not head.tied and not embed.muon and not embed.tied
 
 
 def test_qwen_has_qkv_biases_only() -> None:
@@ -80,9 +83,19 @@ def test_gpt2_head_is_tied_to_wte() -> None:
     "name, shape, tied, muon",
     [
         ("model.layers.0.mlp.up_proj.weight", (14336, 4096), False, True),
-        ("lm_head.weight", (128256, 4096), False, True),  # an untied head is an nn.Linear
+        ("lm_head.weight", (128256, 4096), False, False),  # the output head, untied
         ("lm_head.weight", (128256, 4096), True, False),  # tied: it is the embedding
         ("output.weight", (32000, 512), True, False),
+        ("output.weight", (32000, 512), False, False),
+        ("model.head.weight", (10, 768), False, False),
+        ("classifier.weight", (2, 768), False, False),
+        ("classifier.bias", (2,), False, False),
+        ("model.layers.0.output.dense.weight", (768, 3072), False, True),  # "output" not last
+        ("model.layers.0.mlp.gate.weight", (8, 64), False, True),  # an MoE router
+        ("model.layers.0.mlp.experts.gate_up_proj", (8, 128, 64), False, True),  # a stack
+        ("model.layers.0.mlp.experts.down_proj", (8, 64, 64), False, True),
+        ("transformer.h.0.attn.c_attn.weight", (768, 2304), False, True),  # Conv1D, (in, out)
+        ("w0", (64, 64), False, True),  # names cannot tell a param of the root module
         ("model.embed_tokens.weight", (128256, 4096), False, False),
         ("tok_embeddings.weight", (32000, 4096), False, False),
         ("bert.embeddings.word_embeddings.weight", (30522, 768), False, False),
@@ -91,13 +104,14 @@ def test_gpt2_head_is_tied_to_wte() -> None:
         ("pos_emb.weight", (1024, 768), False, False),
         ("Model.Embed.Weight", (10, 10), False, False),  # case-insensitive
         ("layers.0.norm.weight", (4096,), False, False),
-        ("layers.0.conv.weight", (64, 3, 3, 3), False, False),
+        ("layers.0.conv.weight", (64, 3, 3, 3), False, False),  # a conv kernel, not a stack
+        ("layers.0.mixer.conv1d.weight", (64, 1, 4), False, False),
         ("scale", (), False, False),
         ("members.weight", (64, 64), False, True),  # "emb" alone is not an embedding
     ],
 )
-def test_default_muon_rule(name: str, shape: tuple[int, ...], tied: bool, muon: bool) -> None:
-    assert default_muon(name, shape, tied) is muon
+def test_muon_by_name_rule(name: str, shape: tuple[int, ...], tied: bool, muon: bool) -> None:
+    assert muon_by_name(name, shape, tied) is muon
     assert spec(name, *shape, tied=tied) == ParamSpec(name, shape, muon=muon, tied=tied)
 
 
@@ -111,4 +125,6 @@ def test_every_dense_preset_plans(name: str) -> None:
     specs = preset(name)
     plan = plan_buffers(specs, 16, bucket_size=40_000_000, shard_group_size=8)
     plan.check(specs)
-    assert [b.kind for b in plan.buffers] == ["muon", "adamw"]
+    fused_experts = name == "qwen3-30b-a3b"
+    kinds = ["muon", "stacked", "adamw"] if fused_experts else ["muon", "adamw"]
+    assert [b.kind for b in plan.buffers] == kinds

@@ -173,13 +173,15 @@ def test_bfloat16_params_train(tmp_path: Path, text_file: Path) -> None:
     assert math.isfinite(s["final_loss"]) and s["final_val_loss"] < s["first_val_loss"]
 
 
+@pytest.mark.parametrize("pos", ["learned", "rope"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_muon_gets_the_block_matrices_only(tie: bool) -> None:
+def test_muon_gets_the_block_matrices_only(tie: bool, pos: str) -> None:
+    """The default routing rule, as the train job uses it: the blocks' matrices to Muon; the
+    embeddings, the head (tied or not) and the norms to AdamW."""
     import wholeshard
-    from wholeshard.train.model import hidden_matrix
 
-    model = GPT(preset("tiny", 16, pos="learned", tie=tie))
-    ddp = wholeshard.DataParallel(model, use_muon=hidden_matrix)
+    model = GPT(preset("tiny", 16, pos=pos, tie=tie))
+    ddp = wholeshard.DataParallel(model)
     muon = {r.name for r in ddp.routes if r.muon}
     assert muon == {
         n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2

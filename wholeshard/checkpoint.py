@@ -349,7 +349,8 @@ def _save_entries(ddp: DataParallel, optimizer: LayerwiseOptimizer, rank: int) -
         name, shape = piece.name, piece.full_shape
         _add(entries, f"model/{name}", shape, _piece_parts(piece, piece.param.detach()))
         if piece.separate_master:
-            _add(entries, f"optim/{name}/master", shape, _piece_parts(piece, piece.master.detach()))
+            master = piece.oriented(piece.master.detach())
+            _add(entries, f"optim/{name}/master", shape, _piece_parts(piece, master))
         for key, value in optimizer.piece_state(piece).items():
             if not torch.is_tensor(value):
                 raise TypeError(
@@ -358,7 +359,12 @@ def _save_entries(ddp: DataParallel, optimizer: LayerwiseOptimizer, rank: int) -
                 )
             value = value.detach()
             if _elementwise(value, piece):
-                _add(entries, f"optim/{name}/{key}", shape, _piece_parts(piece, value))
+                _add(
+                    entries,
+                    f"optim/{name}/{key}",
+                    shape,
+                    _piece_parts(piece, piece.oriented(value)),
+                )
             elif piece.offset == 0:  # same on every piece of the param: element 0's owner writes
                 _add(entries, f"optim/{name}/{key}", value.shape, [((0,) * value.ndim, value)])
     if rank == 0:
@@ -409,7 +415,8 @@ def _trainer_blob(optimizer: LayerwiseOptimizer, extra: dict[str, Any] | None) -
 
 class _ChunkSavePlanner(DefaultSavePlanner):
     """Writes each `_Chunks` part as one DCP chunk. Fails if two ranks offer the same chunk: DCP
-    would keep one of them silently (DESIGN §7)."""
+    would keep only one of them, silently (measured: per-rank tensors saved under one shared key
+    keep rank 0's values alone)."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -525,17 +532,17 @@ def _plan_load(
     for piece in optimizer.owned_pieces():
         name, shape = piece.name, piece.full_shape
         key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"
-        value = torch.empty_like(piece.master, memory_format=torch.contiguous_format)
+        # Read in the storage layout; install through the optimizer-layout view.
+        value = piece.param.new_empty(piece.param.shape, dtype=piece.master.dtype)
         _add(entries, key, shape, _piece_parts(piece, value))
-        data.truth.append((piece, value))
+        data.truth.append((piece, piece.oriented(value)))
         state = {}
         for k in _state_keys(metadata, name):
             saved = md[f"optim/{name}/{k}"]
             if tuple(saved.size) == shape:
-                value = torch.empty(
-                    piece.master.shape, dtype=saved.properties.dtype, device=piece.master.device
-                )
+                value = piece.param.new_empty(piece.param.shape, dtype=saved.properties.dtype)
                 _add(entries, f"optim/{name}/{k}", shape, _piece_parts(piece, value))
+                value = piece.oriented(value)
             else:  # one value per param (AdamW's step): every piece reads the whole of it
                 whole = f"optim/{name}/{k}"
                 if whole not in entries:
@@ -562,11 +569,13 @@ def _install(
     for piece, value in data.truth:
         piece.master.copy_(value)
         if piece.separate_master:
-            piece.param.copy_(piece.master)
+            piece.param.copy_(piece.oriented(piece.master))
     for piece, state in data.state:
         live = optimizer.piece_state(piece)
         live.clear()
-        live.update({k: v if _elementwise(v, piece) else v.clone() for k, v in state.items()})
+        live.update(
+            {k: v.contiguous() if _elementwise(v, piece) else v.clone() for k, v in state.items()}
+        )
     for live, value in data.others:
         live.copy_(value)
     for group, saved in zip(optimizer.param_groups, param_groups, strict=True):
@@ -772,7 +781,8 @@ def _describe(e: Exception, what: str) -> str:
 
 
 def _quiesce(ddp: DataParallel) -> None:
-    """Nothing in flight: pending all-gathers done, overlap gather buffers freed (DESIGN §10)."""
+    """Nothing in flight: pending all-gathers done, and temporary gather buffers freed, since
+    holding them across a save costs memory exactly when the save needs it."""
     ddp.free_overlap_buffers()
 
 

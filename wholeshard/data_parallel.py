@@ -35,27 +35,54 @@ from torch.distributed import ProcessGroup
 from . import collectives
 from .buffers import FlatBuffers
 from .layout import Bucket, ParamSpec, Placement, plan_layout
-from .plan import DEFAULT_STRATEGY, Plan, plan_buffers
+from .plan import DEFAULT_STRATEGY, Buffer, Plan, plan_buffers
 from .routing import Route, UseMuon, route_params
 from .sync import ALLGATHER, BROADCAST, AlignedSync, Pending, PingPongSync
 
 ALIGNED, PING_PONG = "aligned", "ping_pong"
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 @dataclass
 class BufferState:
-    """One planned flat buffer at run time: its storage and how its buckets sync."""
+    """One planned flat buffer at run time: its storage and how its buckets sync.
 
-    kind: str  # "muon" (whole tensors), "adamw" (element-wise) or "mixed" (ping-pong)
+    `plan` is the planned buffer (None for the ping-pong baseline, whose owners come from its
+    sync scheme): the one source of what this rank owns.
+    """
+
+    kind: str  # "muon" (whole tensors), "stacked", "adamw" (element-wise) or "mixed" (ping-pong)
     buckets: tuple[Bucket, ...]
     placements: tuple[Placement, ...]
     flat: FlatBuffers
     sync: AlignedSync | PingPongSync
+    plan: Buffer | None = None
 
-    @property
-    def whole(self) -> bool:
-        """Whether every param is owned whole (not cut element-wise)."""
-        return self.kind != "adamw"
+    def owned(self, rank: int) -> Iterator[tuple[Placement, int, int]]:
+        """(placement, offset, length) of every piece shard-group rank `rank` updates."""
+        if self.plan is not None:
+            yield from self.plan.owned(rank)
+            return
+        for p in self.placements:
+            if self.sync.owners[p.name] == rank:
+                yield p, 0, p.numel
+
+    def buckets_of(self, placement: Placement) -> range:
+        if self.plan is not None:
+            return self.plan.buckets_of(placement)
+        return range(placement.bucket, placement.bucket + 1)
+
+    def views(self, p: Placement, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(param, grad) views of a piece: shaped like the param when whole, like one matrix
+        for a matrix of a stack, 1-D for an element-wise slice."""
+        lo, hi = p.start + offset, p.start + offset + length
+        if length == p.numel and self.kind != "adamw":
+            shape: tuple[int, ...] = p.shape
+        elif self.kind == "stacked":
+            shape = p.shape[-2:]
+        else:
+            shape = (length,)
+        return self.flat.param[lo:hi].view(shape), self.flat.grad[lo:hi].view(shape)
 
 
 @dataclass(frozen=True)
@@ -63,7 +90,7 @@ class OwnedSlice:
     """Elements `[offset, offset + param.numel())` of a flattened param that this rank updates.
 
     `param` and `grad` are views of the flat buffers: shaped like the param when the slice is
-    the whole tensor, 1-D otherwise.
+    the whole tensor, like one matrix when it is a matrix of a stacked param, 1-D otherwise.
     """
 
     route: Route
@@ -116,6 +143,7 @@ class DataParallel(nn.Module):
         if layout == PING_PONG and shard_group_size not in (None, self.dp_size):
             raise ValueError("layout='ping_pong' has no shard groups: leave shard_group_size unset")
         self.routes: list[Route] = route_params(module, use_muon)
+        self.frozen = _cast_frozen(module, param_dtype)
         if self.dp_size > 1:
             _check_same_model(self.routes, self.process_group)
         specs = [ParamSpec(r.name, tuple(r.param.shape), r.muon, r.tied) for r in self.routes]
@@ -160,7 +188,9 @@ class DataParallel(nn.Module):
                     param_sync,
                     replica_group=self.replica_group,
                 )
-                self.buffers.append(BufferState(b.kind, b.buckets, b.placements, storage, sync))
+                self.buffers.append(
+                    BufferState(b.kind, b.buckets, b.placements, storage, sync, plan=b)
+                )
         else:  # one unaligned buffer in backprop order; owners come from the snake rule
             lay = plan_layout(specs, 1, bucket_size=bucket_size, align=1)
             self.shard_group_size, self.shard_rank = self.dp_size, self.rank
@@ -179,20 +209,22 @@ class DataParallel(nn.Module):
         if self.dp_size > 1:
             for state in self.buffers:
                 collectives.broadcast_from_first(state.flat.param, self.process_group)
-            for buf in module.buffers():
-                collectives.broadcast_from_first(buf, self.process_group)
+            for t in [*self.frozen, *module.buffers()]:
+                collectives.broadcast_from_first(t.data, self.process_group)
 
         # Every bucket of every buffer gets one global id: grads are reduced in id order
         # (backprop order: the bucket holding the latest-registered param first) and params
         # gathered in forward order (the bucket holding the earliest-registered param first).
+        # A stacked param spread over several buckets is a member of each.
         index = {r.name: i for i, r in enumerate(self.routes)}
         members: dict[tuple[int, int], list[int]] = {}
         self._where: dict[str, tuple[int, Placement]] = {}
         for i, state in enumerate(self.buffers):
             for p in state.placements:
-                members.setdefault((i, p.bucket), []).append(index[p.name])
+                for b in state.buckets_of(p):
+                    members.setdefault((i, b), []).append(index[p.name])
                 self._where[p.name] = (i, p)
-        order = sorted(members, key=lambda key: -max(members[key]))
+        order = sorted(members, key=lambda key: (-max(members[key]), key))
         self._buckets: list[tuple[int, Bucket]] = [
             (i, self.buffers[i].buckets[b]) for i, b in order
         ]
@@ -222,31 +254,27 @@ class DataParallel(nn.Module):
     # -- ownership ------------------------------------------------------------------------
 
     def owned(self) -> Iterator[OwnedSlice]:
-        """What this rank updates, in registration order: whole params, or flat slices of
-        element-wise ones. Ownership comes from the plan alone (the sync scheme's owners)."""
+        """What this rank updates, in registration order: whole params, whole matrices of
+        stacked params, or flat slices of element-wise ones. Ownership comes from the plan
+        alone (`BufferState.owned`)."""
+        pieces: dict[str, list[tuple[BufferState, Placement, int, int]]] = {}
+        for state in self.buffers:
+            for p, offset, length in state.owned(self.shard_rank):
+                pieces.setdefault(p.name, []).append((state, p, offset, length))
         for route in self.routes:
-            i, p = self._where[route.name]
-            state = self.buffers[i]
-            if state.whole:
-                if state.sync.owners[p.name] == self.shard_rank:
-                    yield OwnedSlice(route, 0, state.flat.param_view(p), state.flat.grad_view(p))
-                continue
-            lo, hi = state.buckets[p.bucket].shard(self.shard_rank)
-            start, end = max(p.start, lo), min(p.end, hi)
-            if start < end:
-                yield OwnedSlice(
-                    route, start - p.start, state.flat.param[start:end], state.flat.grad[start:end]
-                )
+            for state, p, offset, length in pieces.get(route.name, ()):
+                yield OwnedSlice(route, offset, *state.views(p, offset, length))
 
     # -- gradients ------------------------------------------------------------------------
 
     def _make_grad_hook(self, route: Route):
         i, placement = self._where[route.name]
         grad_view = self.buffers[i].flat.grad_view(placement)
-        bucket = self._bucket_id[(i, placement.bucket)]
+        buckets = [self._bucket_id[(i, b)] for b in self.buffers[i].buckets_of(placement)]
+        first = min(buckets)
 
         def hook(param: torch.Tensor) -> None:
-            if self._grads_reduced or bucket < len(self._grad_pending):
+            if self._grads_reduced or first < len(self._grad_pending):
                 raise RuntimeError(
                     f"a gradient for {placement.name!r} arrived after its bucket was reduced: "
                     f"call optimizer.zero_grad() before the next backward, and wrap all but the "
@@ -255,7 +283,8 @@ class DataParallel(nn.Module):
             grad_view.add_(param.grad)
             param.grad = None
             if self.overlap_grad_reduce and self._sync_grads and self.dp_size > 1:
-                self._ready[bucket] += 1
+                for bucket in buckets:
+                    self._ready[bucket] += 1
                 self._dispatch_ready_grads()
 
         return hook
@@ -358,24 +387,51 @@ class DataParallel(nn.Module):
                 self._wait(pending)
 
     def _register_forward_pre_hooks(self) -> list:
-        bucket_of = {}
+        buckets_of: dict[int, list[int]] = {}
         for r in self.routes:
             i, p = self._where[r.name]
-            bucket_of[id(r.param)] = self._bucket_id[(i, p.bucket)]
+            buckets_of[id(r.param)] = [
+                self._bucket_id[(i, b)] for b in self.buffers[i].buckets_of(p)
+            ]
+        # A compiled module (`torch.compile(m)`, or `m.compile()`) runs its submodules' hooks
+        # inside its graph, so it is a leaf: one hook, run eagerly, waits for all its params.
+        # A container (ModuleList, ParameterList, ...) is never called: the params it holds
+        # itself are used by the forward of its nearest callable ancestor, whose hook waits.
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        params_of: dict[int, tuple[nn.Module, list[nn.Parameter]]] = {}
+        seen: set[int] = set()
+        todo: list[tuple[nn.Module, nn.Module]] = [(self.module, self.module)]
+        while todo:
+            mod, caller = todo.pop()
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            compiled = (
+                isinstance(mod, OptimizedModule)
+                or getattr(mod, "_compiled_call_impl", None) is not None
+            )
+            if not isinstance(mod, _CONTAINERS):
+                caller = mod
+            params = mod.parameters() if compiled else mod._parameters.values()
+            params_of.setdefault(id(caller), (caller, []))[1].extend(
+                p for p in params if p is not None
+            )
+            if not compiled:
+                todo.extend((child, caller) for child in reversed(list(mod.children())))
         handles = []
-        for mod in self.module.modules():
+        for mod, params in params_of.values():
             buckets = sorted(
-                {
-                    bucket_of[id(p)]
-                    for p in mod._parameters.values()
-                    if p is not None and id(p) in bucket_of
-                }
+                {bucket for p in params if id(p) in buckets_of for bucket in buckets_of[id(p)]}
             )
             if buckets:
                 handles.append(mod.register_forward_pre_hook(self._make_pre_hook(buckets)))
         return handles
 
     def _make_pre_hook(self, buckets: list[int]):
+        # Waiting on a collective cannot be traced: under torch.compile the hook graph-breaks
+        # and runs eagerly, and dynamo never guards on this engine's state.
+        @torch.compiler.disable
         def pre_hook(module: nn.Module, args: Any) -> None:
             if not (self._gather_todo or self._gather_pending):
                 return
@@ -396,6 +452,19 @@ class DataParallel(nn.Module):
             pending.then = None
         pending.handles = []
         self.comm_wait_s += time.perf_counter() - start
+
+
+def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
+    """Cast every floating-point param with `requires_grad=False` to `dtype` in place (same
+    Parameter objects) and return them. Buffers keep their dtype, as with FSDP2's
+    `MixedPrecisionPolicy`."""
+    frozen = []
+    for p in module.parameters():
+        if not p.requires_grad:
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+            frozen.append(p)
+    return frozen
 
 
 def _shard_groups(

@@ -5,7 +5,7 @@
 
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
 ...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
-to `presets.default_muon`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
+to `routing.muon_by_name`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
 or malformed shapes file, a plan no layout can serve).
 """
 
@@ -20,7 +20,9 @@ from typing import Any
 
 from .layout import STRATEGIES, ParamSpec
 from .plan import DEFAULT_STRATEGY, Buffer, Plan, plan_buffers
-from .presets import PRESETS, default_muon
+from .presets import PRESETS
+from .routing import muon_by_name
+from .stacks import matrices
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 _FIELDS = {"name", "shape", "muon", "tied"}
@@ -31,7 +33,7 @@ class ShapesError(ValueError):
 
 
 def load_shapes(path: str) -> list[ParamSpec]:
-    """The specs in the shapes file at `path`, routed by `default_muon` where `muon` is absent.
+    """The specs in the shapes file at `path`, routed by `muon_by_name` where `muon` is absent.
     Raises ShapesError naming the file, the entry and what is wrong."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -79,7 +81,7 @@ def _spec(path: str, i: int, entry: Any) -> ParamSpec:
         if field in entry and not isinstance(entry[field], bool):
             raise ShapesError(f"{where}: {field} must be true or false, got {entry[field]!r}")
     tied = entry.get("tied", False)
-    muon = entry.get("muon", default_muon(name, shape, tied))
+    muon = entry.get("muon", muon_by_name(name, shape, tied))
     return ParamSpec(name, tuple(shape), muon=muon, tied=tied)
 
 
@@ -90,18 +92,20 @@ def plan_json(plan: Plan, specs: Sequence[ParamSpec], seconds: float) -> dict[st
     params = []
     for spec in specs:
         index, p = where[spec.name]
-        params.append(
-            {
-                "name": p.name,
-                "shape": list(p.shape),
-                "kind": plan.buffers[index].kind,
-                "buffer": index,
-                "bucket": p.bucket,
-                "start": p.start,
-                "end": p.end,
-                "owner": p.owner,
-            }
-        )
+        buffer = plan.buffers[index]
+        entry = {
+            "name": p.name,
+            "shape": list(p.shape),
+            "kind": buffer.kind,
+            "buffer": index,
+            "bucket": p.bucket,
+            "start": p.start,
+            "end": p.end,
+            "owner": p.owner,
+        }
+        if buffer.kind == "stacked":  # the owner of each matrix, in order
+            entry["matrix_owners"] = [m.owner for m in matrices(p, buffer.buckets)]
+        params.append(entry)
     return {
         "dp": plan.dp_size,
         "strategy": plan.strategy,
@@ -142,20 +146,20 @@ def plan_table(plan: Plan, seconds: float, source: str) -> str:
         f"{'padding':>8}  largest param"
     )
     for index, buffer in enumerate(plan.buffers):
-        sharding = "whole tensors" if buffer.whole else "element-wise"
         lines += [
             "",
-            f"buffer {index} ({buffer.kind}, {sharding}): {buffer.numel:,} elements in "
+            f"buffer {index} ({buffer.kind}, {buffer.sharding}): {buffer.numel:,} elements in "
             f"{len(buffer.buckets)} bucket(s)",
             header,
         ]
         members: list[list[Any]] = [[0, 0, None] for _ in buffer.buckets]  # count, used, widest
         for p in buffer.placements:
-            m = members[p.bucket]
-            m[0] += 1
-            m[1] += p.numel
-            if m[2] is None or p.numel > m[2].numel:
-                m[2] = p
+            for i in buffer.buckets_of(p):  # a stack may spread over several buckets
+                b, m = buffer.buckets[i], members[i]
+                m[0] += 1
+                m[1] += min(p.end, b.end) - max(p.start, b.start)
+                if m[2] is None or p.numel > m[2].numel:
+                    m[2] = p
         for b, (count, bucket_used, widest) in zip(buffer.buckets, members, strict=True):
             shape = "x".join(map(str, widest.shape)) or "scalar"
             lines.append(
@@ -196,9 +200,8 @@ def draw_png(plan: Plan, path: str) -> None:
         ax.set_ylim(0, 1)
         ax.set_yticks([])
         ax.set_xlabel("buffer element")
-        sharding = "whole tensors" if buffer.whole else "element-wise"
         ax.set_title(
-            f"buffer {index}: {buffer.kind} ({sharding}), {buffer.numel:,} elements, "
+            f"buffer {index}: {buffer.kind} ({buffer.sharding}), {buffer.numel:,} elements, "
             f"{len(buffer.buckets)} bucket(s), padding {1 - buffer.used / buffer.numel:.2%}",
             fontsize=9,
             loc="left",

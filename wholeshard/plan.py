@@ -5,6 +5,10 @@ Pure planning, like `layout`: param specs in, plain data out. One routing decisi
 
 - `"muon"` buffer: a `Layout` (size-matching or balanced) over the shard group's `k` ranks.
   Every param lies wholly inside one shard; its `owner` is a rank within the shard group.
+- `"stacked"` buffer: Muon params with more than 2 dims (fused MoE experts), each a stack of
+  matrices; every matrix lies wholly inside one shard and a stack spreads over consecutive
+  shards (`wholeshard.stacks`, [Note: stacked layout]). Placements have `owner` None; each
+  matrix's owner follows from its offset.
 - `"adamw"` buffer: element-wise sharded. Params are packed in backprop order (reverse
   registration order), each starting on an `align`-element boundary, and cut into buckets that
   close once they hold `>= bucket_size` elements; each bucket is then padded to a multiple of
@@ -30,8 +34,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .layout import Bucket, Layout, ParamSpec, Placement, _place, ns_cost, validate_inputs
+from .stacks import matrices, matrix_shape, plan_stacked
 
-KINDS = ("muon", "adamw")
+KINDS = ("muon", "stacked", "adamw")
 DEFAULT_STRATEGY = "balanced"
 
 
@@ -40,8 +45,8 @@ class Buffer:
     """One flat buffer of one kind, cut into buckets of `shard_group_size` equal shards.
 
     `placements` are this buffer's params in registration order. Whole-tensor (`"muon"`)
-    buffers keep every `Layout` invariant; element-wise (`"adamw"`) ones are described in the
-    module docstring and checked by `check`.
+    buffers keep every `Layout` invariant; stacked (`"stacked"`) and element-wise (`"adamw"`)
+    ones are described in the module docstring and checked by `check`.
     """
 
     kind: str
@@ -64,6 +69,18 @@ class Buffer:
         """Whether every param lies wholly inside one shard (Muon buffers)."""
         return self.kind == "muon"
 
+    @property
+    def sharding(self) -> str:
+        """What a shard holds whole, for reports."""
+        return {"muon": "whole tensors", "stacked": "whole matrices"}.get(self.kind, "element-wise")
+
+    def buckets_of(self, placement: Placement) -> range:
+        """Indices of the buckets `placement` overlaps (one, except for a spread stack)."""
+        last = placement.bucket
+        while last + 1 < len(self.buckets) and self.buckets[last + 1].start < placement.end:
+            last += 1
+        return range(placement.bucket, last + 1)
+
     def layout(self) -> Layout:
         """This whole-tensor buffer as a `Layout` over the shard group's ranks."""
         if not self.whole:
@@ -80,13 +97,21 @@ class Buffer:
             )
         if self.whole:
             return (0, placement.numel) if placement.owner == rank else (0, 0)
+        if self.kind == "stacked":
+            raise ValueError("a stacked param may have several owned ranges: use owned()")
         lo, hi = self.buckets[placement.bucket].shard(rank)
         start, end = max(placement.start, lo), min(placement.end, hi)
         return (start - placement.start, end - start) if start < end else (0, 0)
 
     def owned(self, rank: int) -> Iterator[tuple[Placement, int, int]]:
         """(placement, offset, length) of every param piece shard-group rank `rank` owns, in
-        registration order."""
+        registration order; a stacked param yields one piece per owned matrix."""
+        if self.kind == "stacked":
+            for p in self.placements:
+                for m in matrices(p, self.buckets):
+                    if m.owner == rank:
+                        yield p, m.start - p.start, m.end - m.start
+            return
         for p in self.placements:
             offset, length = self.owned_range(p, rank)
             if length:
@@ -99,7 +124,10 @@ class Buffer:
         if self.whole:
             self.layout().check(specs)
             return
-        _check_elementwise(self)
+        if self.kind == "stacked":
+            _check_stacked(self)
+        else:
+            _check_elementwise(self)
         if specs is not None:
             assert [(s.name, tuple(s.shape)) for s in specs] == [
                 (p.name, p.shape) for p in self.placements
@@ -135,6 +163,11 @@ class Plan:
             if buffer.whole:
                 for p in buffer.placements:
                     costs[p.owner] += ns_cost(p.shape)
+            elif buffer.kind == "stacked":
+                for p in buffer.placements:
+                    cost = ns_cost(matrix_shape(p.shape))
+                    for m in matrices(p, buffer.buckets):
+                        costs[m.owner] += cost
         return costs
 
     @property
@@ -214,10 +247,13 @@ def plan_buffers(
             f"choose one of {divisors}"
         )
     buffers = []
-    muon = [s for s in specs if s.muon]
+    muon = [s for s in specs if _kind(s) == "muon"]
     if muon:
         layout = _place(tuple(muon), k, bucket_size, align, strategy)  # checked below
         buffers.append(Buffer("muon", k, align, layout.buckets, layout.placements))
+    stacked = [s for s in specs if _kind(s) == "stacked"]
+    if stacked:
+        buffers.append(Buffer("stacked", k, align, *plan_stacked(stacked, k, bucket_size, align)))
     adamw = [s for s in specs if not s.muon]
     if adamw:
         buffers.append(_plan_elementwise(adamw, k, bucket_size, align))
@@ -227,7 +263,9 @@ def plan_buffers(
 
 
 def _kind(spec: ParamSpec) -> str:
-    return "muon" if spec.muon else "adamw"
+    if not spec.muon:
+        return "adamw"
+    return "stacked" if len(spec.shape) > 2 else "muon"
 
 
 def _plan_elementwise(
@@ -252,17 +290,23 @@ def _plan_elementwise(
     return Buffer("adamw", k, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
 
 
-def _check_elementwise(buffer: Buffer) -> None:
+def _check_buckets(buffer: Buffer) -> None:
+    """Buckets contiguous from 0, each `k` equal shards of a positive multiple of `align`."""
     k, align = buffer.shard_group_size, buffer.align
     position = 0
     for i, b in enumerate(buffer.buckets):
-        where = f"adamw bucket {i} [{b.start}, {b.end})"
+        where = f"{buffer.kind} bucket {i} [{b.start}, {b.end})"
         assert b.index == i and b.start == position, f"{where}: buckets must be contiguous from 0"
         assert b.shard_numel > 0 and b.shard_numel % align == 0, (
             f"{where}: shard_numel {b.shard_numel} must be a positive multiple of align={align}"
         )
         assert b.numel == k * b.shard_numel, f"{where}: must be {k} shards of {b.shard_numel}"
         position = b.end
+
+
+def _check_elementwise(buffer: Buffer) -> None:
+    k, align = buffer.shard_group_size, buffer.align
+    _check_buckets(buffer)
     last_end: dict[int, int] = {}  # bucket -> end of its last param so far, in buffer order
     previous: Placement | None = None
     for p in reversed(buffer.placements):  # backprop order = buffer order
@@ -291,6 +335,35 @@ def _check_elementwise(buffer: Buffer) -> None:
             f"adamw bucket {b.index} pads {b.end - last_end[b.index]} elements at its end; "
             f"round it up to a multiple of k * align = {k * align}, no more"
         )
+
+
+def _check_stacked(buffer: Buffer) -> None:
+    """Whole-tensor bucket rules, but with whole matrices: see [Note: stacked layout]."""
+    _check_buckets(buffer)
+    spans, used = [], set()
+    for p in buffer.placements:
+        where = f"stacked param {p.name!r} [{p.start}, {p.end})"
+        assert p.owner is None, f"{where}: stacked params have owner None (matrices own)"
+        assert len(p.shape) > 2 and p.numel == math.prod(p.shape), f"{where}: bad shape {p.shape}"
+        assert p.start % buffer.align == 0, f"{where} does not start on an align boundary"
+        assert 0 <= p.bucket < len(buffer.buckets), f"{where}: no bucket {p.bucket}"
+        b = buffer.buckets[p.bucket]
+        assert b.start <= p.start < b.end, f"{where} does not start in its bucket {p.bucket}"
+        assert p.end <= buffer.numel, f"{where} runs past the buffer's end"
+        for m in matrices(p, buffer.buckets):
+            lo, hi = buffer.buckets[m.bucket].shard(m.owner)
+            assert lo <= m.start and m.end <= hi, (
+                f"{where}: matrix {m.index} [{m.start}, {m.end}) straddles a shard boundary"
+            )
+            used.add(m.bucket)
+        spans.append((p.start, p.end, p.name))
+    spans.sort()
+    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:], strict=False):
+        assert prev_end <= start, f"stacked params {prev!r} and {name!r} overlap"
+    order = [p.start for p in reversed(buffer.placements)]
+    assert order == sorted(order), "stacks must be laid out in backprop order"
+    empty = sorted(set(range(len(buffer.buckets))) - used)
+    assert not empty, f"stacked buckets {empty} hold no matrix; drop them"
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -1,43 +1,39 @@
-"""Param specs from shapes alone: the shapes-file routing rule and published model presets.
+"""Param specs from shapes alone: published model presets, routed from names.
 
 Nothing here allocates a tensor: a preset is a list of `ParamSpec` in registration order, as
 `model.named_parameters()` of the published model would list them (a tied tensor appears once,
 under its first name, with `tied=True`).
 
 [Note: routing from names]
-Shapes files and presets carry no module types, so `default_muon` decides Muon vs AdamW from
-the name and shape, mirroring `routing.route_params` (2-D `nn.Linear` weights to Muon, the rest
-to AdamW):
-- a param goes to Muon iff it is 2-D, not tied, and no dotted component of its name looks like
-  an embedding: a component containing "embed" (`embed_tokens`, `tok_embeddings`,
-  `word_embeddings`, `embeddings`), or one of `wte`, `wpe`, `tok_emb`, `pos_emb`;
-- a tied 2-D param is AdamW whatever its name: in practice the shared tensor is an embedding
-  that doubles as the output head (`lm_head` tied to `wte`), and embeddings are AdamW's;
-- an untied output head (`lm_head`, `output`) is an `nn.Linear` weight, so it goes to Muon,
-  exactly as `route_params` would send it.
+Shapes files and presets carry no module types, so `spec` routes by `routing.muon_by_name`: the
+same rule as `routing.route_params` (the field's: weights of hidden layers with >= 2 dims to
+Muon), told from names and shapes (see the note in `routing.py`):
+- a param goes to Muon iff it has >= 2 dims, is not tied, no dotted component of its name looks
+  like an embedding (a component containing "embed": `embed_tokens`, `tok_embeddings`,
+  `word_embeddings`, `embeddings`; or one of `wte`, `wpe`, `tok_emb`, `pos_emb`), and its module
+  (the last-but-one component) is not an output head (`lm_head`, `output`, `head`,
+  `classifier`);
+- a tied param is AdamW whatever its name: the shared tensor is an embedding that doubles as the
+  output head (`lm_head` tied to `wte`);
+- an untied output head (llama3's `lm_head.weight`) is AdamW too, as `route_params` sends it;
+- a param with more than 2 dims and a component containing "conv" (a convolution kernel) is
+  AdamW. Names cannot tell a param of the root module (a bare position table), which
+  `route_params` sends to AdamW: a shapes file says `"muon": false` for it;
+- stacks (fused MoE experts, (E, out, in)) have 3 dims and go to Muon; the presets here list
+  experts one matrix per param, as the published checkpoints do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from .layout import ParamSpec
-
-_EMBEDDING_COMPONENTS = frozenset({"wte", "wpe", "tok_emb", "pos_emb"})
-
-
-def default_muon(name: str, shape: Sequence[int], tied: bool = False) -> bool:
-    """The shapes-only routing rule (see the module note): True for 2-D, untied, non-embedding."""
-    if len(shape) != 2 or tied:
-        return False
-    return not any(
-        "embed" in part or part in _EMBEDDING_COMPONENTS for part in name.lower().split(".")
-    )
+from .routing import muon_by_name
 
 
 def spec(name: str, *shape: int, tied: bool = False) -> ParamSpec:
-    """A `ParamSpec` routed by `default_muon`."""
-    return ParamSpec(name, tuple(shape), muon=default_muon(name, shape, tied), tied=tied)
+    """A `ParamSpec` routed by `routing.muon_by_name` (see the module note)."""
+    return ParamSpec(name, tuple(shape), muon=muon_by_name(name, shape, tied), tied=tied)
 
 
 def gpt2_small() -> list[ParamSpec]:
@@ -179,12 +175,39 @@ def moe_256x() -> list[ParamSpec]:
     return specs
 
 
+def qwen3_30b_a3b() -> list[ParamSpec]:
+    """Qwen3-30B-A3B with transformers 5's fused experts: 48 layers, d 2048, 32 heads / 4 KV
+    heads of dim 128 (q/k RMSNorms), vocab 151936, untied head; every layer a router (128 x
+    2048) and 128 experts of FFN 768 stored as stacks `gate_up_proj` (128, 1536, 2048) and
+    `down_proj` (128, 2048, 768), each a stack of (out, in) matrices."""
+    d, vocab, experts, ffn, heads, kv_heads, head_dim = 2048, 151936, 128, 768, 32, 4, 128
+    specs = [spec("model.embed_tokens.weight", vocab, d)]
+    for i in range(48):
+        p = f"model.layers.{i}."
+        specs += [
+            spec(p + "self_attn.q_proj.weight", heads * head_dim, d),
+            spec(p + "self_attn.k_proj.weight", kv_heads * head_dim, d),
+            spec(p + "self_attn.v_proj.weight", kv_heads * head_dim, d),
+            spec(p + "self_attn.o_proj.weight", d, heads * head_dim),
+            spec(p + "self_attn.q_norm.weight", head_dim),
+            spec(p + "self_attn.k_norm.weight", head_dim),
+            spec(p + "mlp.experts.gate_up_proj", experts, 2 * ffn, d),
+            spec(p + "mlp.experts.down_proj", experts, d, ffn),
+            spec(p + "mlp.gate.weight", experts, d),
+            spec(p + "input_layernorm.weight", d),
+            spec(p + "post_attention_layernorm.weight", d),
+        ]
+    specs += [spec("model.norm.weight", d), spec("lm_head.weight", vocab, d)]
+    return specs
+
+
 PRESETS: dict[str, Callable[[], list[ParamSpec]]] = {
     "gpt2-small": gpt2_small,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "qwen2.5-7b": qwen25_7b,
     "moe-256x": moe_256x,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
 }
 
 

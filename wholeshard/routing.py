@@ -2,16 +2,56 @@
 
 Layout, DataParallel and LayerwiseOptimizer all read the routes computed here, so they can
 never disagree about a parameter.
+
+[Note: the routing rule]
+The field's rule (KellerJordan/Muon, Moonlight, Megatron, torchtitan, dion): Muon updates the
+weights of hidden layers with >= 2 dims, AdamW everything else. The module class does not
+matter: `nn.Linear`, transformers' `Conv1D`, a bare 2-D `nn.Parameter` (an MoE router) and a
+3-D fused expert stack (E, out, in) all go to Muon. `route_params` sends a param to AdamW when:
+- it has fewer than 2 dims (norms, biases, scalars);
+- it is held by (or tied to) an `nn.Embedding` / `nn.EmbeddingBag`;
+- it belongs to the output head: the module `model.get_output_embeddings()` returns when the
+  model has that method and it returns a module (transformers' convention); otherwise any module
+  whose name's last component is `lm_head`, `output`, `head` or `classifier`. A head tied to an
+  embedding is AdamW by the rule above, whatever it is called;
+- it is registered on the root module itself (a learned position table, a class token): those
+  are not weights of a hidden layer (a model wrapped by `torch.compile` counts its original
+  module as the root);
+- it is the kernel of a torch convolution (`nn.Conv1d/2d/3d`, ...): (out, in, *kernel) is not a
+  stack of (out, in) matrices, which is how Muon treats params with more than 2 dims.
+A param with more than 2 dims routed to Muon is a stack of (out, in) matrices over its leading
+dims, each orthogonalized on its own. `Route.transposed` marks weights stored (in, out)
+(transformers' `Conv1D`), so the optimizer can give Muon's shape-dependent scaling the (out, in)
+shape. `use_muon(name, param)` replaces the Muon/AdamW decision (not `transposed`).
+
+`muon_by_name` is the same rule from names and shapes alone, for shapes files and presets,
+which carry no modules. It agrees with `route_params` on transformers' GPT-2, Llama, Qwen3-MoE
+and Mixtral (`tests/test_routing.py`); where it must guess, it guesses from names:
+- a component containing "embed", or one of `wte`, `wpe`, `tok_emb`, `pos_emb`, is an embedding;
+- a tied param is an embedding (the shared tensor of a tied head);
+- the last-but-one component is the module's name: `lm_head`, `output`, `head`, `classifier`
+  make it the head;
+- a param with more than 2 dims and a component containing "conv" is a convolution kernel.
+It does not apply the root-module rule: a one-component name in a shapes file (`w0`) is more
+often a flat naming than a param of the root module, so such a file says `"muon": false` for a
+root param itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 UseMuon = Callable[[str, nn.Parameter], bool]
+
+HEAD_NAMES = frozenset({"lm_head", "output", "head", "classifier"})
+"""Last name components that make a module the output head (when the model does not say)."""
+
+_EMBEDDING_COMPONENTS = frozenset({"wte", "wpe", "tok_emb", "pos_emb"})
+_COMPILE_WRAPPER = "_orig_mod"  # torch.compile(m) registers m under this name
 
 
 @dataclass(frozen=True)
@@ -22,15 +62,23 @@ class Route:
     param: nn.Parameter
     muon: bool
     tied: bool  # reachable under more than one name (shared between modules)
+    transposed: bool = False  # stored (in, out), e.g. transformers' Conv1D
 
 
 def route_params(module: nn.Module, use_muon: UseMuon | None = None) -> list[Route]:
     """Routes for every `requires_grad` parameter of `module`, in registration order.
 
-    Default rule: a 2-D `weight` of an `nn.Linear` goes to Muon unless it is shared with an
-    `nn.Embedding`; everything else (embeddings, norms, biases) goes to AdamW. `use_muon(name,
-    param)` replaces the rule. Raises ValueError if nothing goes to Muon or a Muon param is not 2-D.
+    Default rule (see the module note): weights of hidden layers with >= 2 dims go to Muon;
+    embeddings, the output head (tied or not), params of the root module, conv kernels, norms
+    and biases go to AdamW. `use_muon(name, param)` replaces the Muon/AdamW decision. Raises
+    ValueError if nothing goes to Muon or a Muon param has fewer than 2 dims.
     """
+    routes = _route(module, use_muon)
+    _validate(routes)
+    return routes
+
+
+def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for mod in module.modules():
         for attr, p in mod._parameters.items():
@@ -39,47 +87,145 @@ def route_params(module: nn.Module, use_muon: UseMuon | None = None) -> list[Rou
     aliases: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         aliases[id(p)] = aliases.get(id(p), 0) + 1
+    roots = _roots(module)
+    heads = _head_modules(roots[-1])
 
     routes = []
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
+        held = holders[id(p)]
         if use_muon is not None:
             muon = bool(use_muon(name, p))
         else:
-            held = holders[id(p)]
-            muon = (
-                p.ndim == 2
-                and any(isinstance(m, nn.Linear) and a == "weight" for m, a in held)
-                and not any(isinstance(m, nn.Embedding) for m, _ in held)
+            muon = p.ndim >= 2 and not any(
+                isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                or id(m) in heads
+                or any(m is r for r in roots)
+                or isinstance(m, nn.modules.conv._ConvNd)
+                for m, _ in held
             )
-        routes.append(Route(name=name, param=p, muon=muon, tied=aliases[id(p)] > 1))
-    _validate(routes)
+        transposed = any(type(m).__name__ == "Conv1D" and a == "weight" for m, a in held)
+        routes.append(
+            Route(name=name, param=p, muon=muon, tied=aliases[id(p)] > 1, transposed=transposed)
+        )
     return routes
 
 
-def routing_table(routes: list[Route]) -> str:
-    """A readable table of every route, for error messages and logs."""
-    lines = [f"  {'param':<40} {'shape':<18} optimizer"]
+def muon_by_name(name: str, shape: Sequence[int], tied: bool = False) -> bool:
+    """The routing rule from a param's name and shape alone (see the module note), for shapes
+    files and presets: True iff >= 2 dims, not tied, not an embedding, not the head and not a
+    conv kernel, as far as the name tells."""
+    if len(shape) < 2 or tied:
+        return False
+    parts = name.lower().split(".")
+    if len(parts) >= 2 and parts[-2] in HEAD_NAMES:
+        return False
+    if any("embed" in part or part in _EMBEDDING_COMPONENTS for part in parts):
+        return False
+    return not (len(shape) > 2 and any("conv" in part for part in parts))
+
+
+def routing_table(routes: nn.Module | Sequence[Route]) -> str:
+    """A readable table of every route (name, shape, optimizer, markers), for errors and logs.
+
+    `routes` is a list of `Route`, or a module, which is routed by the default rule first
+    (without `route_params`' checks, so the table of a model that routes nothing to Muon shows).
+    """
+    if isinstance(routes, nn.Module):
+        routes = _route(routes, None)
+    width = max([40, *(len(r.name) + 1 for r in routes)])
+    lines = [f"  {'param':<{width}} {'shape':<18} optimizer"]
     for r in routes:
         shape = "x".join(map(str, r.param.shape)) or "scalar"
-        tied = " (tied)" if r.tied else ""
-        lines.append(f"  {r.name:<40} {shape:<18} {'muon' if r.muon else 'adamw'}{tied}")
+        marks = []
+        if r.muon and r.param.ndim > 2:
+            marks.append(f"stack of {_matrices(r)}")
+        if r.tied:
+            marks.append("tied")
+        if r.transposed:
+            marks.append("transposed: stored (in, out)")
+        note = f" ({', '.join(marks)})" if marks else ""
+        lines.append(f"  {r.name:<{width}} {shape:<18} {'muon' if r.muon else 'adamw'}{note}")
     return "\n".join(lines)
+
+
+def routing_summary(routes: Sequence[Route]) -> str:
+    """One line: how many matrices and params go to Muon and how many tensors to AdamW.
+
+    A stack (ndim > 2) counts as its matrices; a tied param counts once.
+    """
+    muon = [r for r in routes if r.muon]
+    adamw = [r for r in routes if not r.muon]
+    matrices = sum(_matrices(r) for r in muon)
+    return (
+        f"routing: {_count(matrices, 'matrix', 'matrices')} "
+        f"({_size(sum(r.param.numel() for r in muon))} params) to Muon, "
+        f"{_count(len(adamw), 'tensor', 'tensors')} "
+        f"({_size(sum(r.param.numel() for r in adamw))} params) to AdamW"
+    )
+
+
+def _roots(module: nn.Module) -> list[nn.Module]:
+    """The module and, through `torch.compile` wrappers, the module it wraps (last)."""
+    roots = [module]
+    while type(roots[-1]).__name__ == "OptimizedModule":
+        inner = roots[-1]._modules.get(_COMPILE_WRAPPER)
+        if not isinstance(inner, nn.Module):
+            break
+        roots.append(inner)
+    return roots
+
+
+def _head_modules(root: nn.Module) -> set[int]:
+    """ids of the output head's modules: `root.get_output_embeddings()` if it gives a module,
+    else every module whose name's last component is in HEAD_NAMES."""
+    get = getattr(root, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            head = get()
+        except (NotImplementedError, AttributeError):
+            head = None
+        if isinstance(head, nn.Module):
+            return {id(head)}
+    return {
+        id(m)
+        for name, m in root.named_modules()
+        if name and name.rsplit(".", 1)[-1].lower() in HEAD_NAMES
+    }
+
+
+def _matrices(route: Route) -> int:
+    """Matrices in a Muon param: the product of its leading dims (1 for a matrix)."""
+    return math.prod(route.param.shape[:-2])
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _size(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e4:
+        return f"{n / 1e6:.2f}M"
+    return str(n)
 
 
 def _validate(routes: list[Route]) -> None:
     if not routes:
         raise ValueError("the module has no parameter with requires_grad=True: nothing to train")
-    not_2d = [r.name for r in routes if r.muon and r.param.ndim != 2]
-    if not_2d:
+    too_flat = [r.name for r in routes if r.muon and r.param.ndim < 2]
+    if too_flat:
         raise ValueError(
-            f"Muon orthogonalizes 2-D matrices, but these params routed to Muon are not 2-D: "
-            f"{not_2d}. Route them to AdamW in your use_muon predicate.\n{routing_table(routes)}"
+            f"Muon updates matrices (or stacks of matrices over leading dims), but these params "
+            f"routed to Muon have fewer than 2 dims: {too_flat}. Return False for them from "
+            f"your use_muon predicate (they go to AdamW).\n{routing_table(routes)}"
         )
     if not any(r.muon for r in routes):
         raise ValueError(
-            "no parameter is routed to Muon (the default routes 2-D nn.Linear weights there); "
-            "pass use_muon=... to choose, or use torch.optim.AdamW with torch DDP instead.\n"
-            f"{routing_table(routes)}"
+            "no parameter is routed to Muon (the default routes weights of hidden layers with "
+            ">= 2 dims there: not embeddings, not the output head, not params registered on "
+            "the root module); pass use_muon=... to choose, or use torch.optim.AdamW with "
+            f"torch DDP instead.\n{routing_table(routes)}"
         )

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..routing import route_params
 from .waits import WaitClock
 from .workloads import Workload
 
@@ -69,10 +70,8 @@ class Config:
 
 def split_params(model: nn.Module, workload: Workload) -> tuple[list, list]:
     """(Muon params, other params) by the workload's routing; a tied param appears once."""
-    muon, other = [], []
-    for name, p in model.named_parameters():
-        (muon if workload.use_muon(name, p) else other).append(p)
-    return muon, other
+    routes = route_params(model, workload.use_muon)
+    return [r.param for r in routes if r.muon], [r.param for r in routes if not r.muon]
 
 
 def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.Optimizer]:

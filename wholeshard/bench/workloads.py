@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..train.model import GPT, GPTConfig, hidden_matrix, preset
+from ..routing import UseMuon
+from ..train.model import GPT, GPTConfig, preset
 
 SEED = 0
 WORKLOADS = ("gpt", "mlp")
@@ -30,8 +31,9 @@ class Workload:
     name: str
     make_model: Callable[[], nn.Module]
     """Builds the model with the workload's fixed seed (same weights on every call)."""
-    use_muon: Callable[[str, torch.Tensor], bool]
-    """Which params Muon updates; every configuration uses this same routing."""
+    use_muon: UseMuon | None
+    """Which params Muon updates (None: `routing.route_params`' default rule); every
+    configuration uses this same routing."""
     shard_units: Callable[[nn.Module], list[nn.Module]]
     """The submodules FSDP2 shards one by one (the root is sharded after them)."""
     make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -101,7 +103,7 @@ def _gpt(quick: bool) -> Workload:
     return Workload(
         name="gpt",
         make_model=make_model,
-        use_muon=hidden_matrix,
+        use_muon=None,  # the default rule: the blocks' matrices; embeddings, head, norms AdamW
         shard_units=lambda model: list(model.blocks),
         make_batch=make_batch,
         loss=loss,

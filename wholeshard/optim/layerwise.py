@@ -8,6 +8,15 @@ Invariants:
 - state (momentum, Adam moments, fp32 masters) exists only for params this rank owns;
 - a master's `.grad` is (a cast of) the param's range of this rank's reduced grad shard;
 - when `step()` returns, every rank's params are the updated ones.
+
+[Note: what Muon sees]
+Muon's update depends on the matrix's orientation (`adjust_lr_fn` scales by its shape) and only
+works on 2-D tensors, so every Muon piece is one matrix in (out, in) orientation:
+- a stacked param (more than 2 dims: fused MoE experts) is stepped as one piece per matrix, each
+  its own `torch.optim.Muon` param, exactly as if each expert's slice were a separate param;
+- a weight stored (in, out) (`Route.transposed`: transformers' `Conv1D`) is stepped on a
+  contiguous (out, in) fp32 master, exactly as the same layer stored as `nn.Linear` would be.
+`OwnedPiece.oriented` maps between the storage layout and the optimizer's.
 """
 
 from __future__ import annotations
@@ -23,16 +32,19 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .. import collectives
-from ..data_parallel import DataParallel
+from ..data_parallel import DataParallel, OwnedSlice
 
 MUON, ADAMW = "muon", "adamw"
 
 
 @dataclass
 class OwnedPiece:
-    """A piece of one param that this rank updates: the whole tensor, or a flat slice of it.
+    """A piece of one param that this rank updates: the whole tensor, one matrix of a stacked
+    param, or a flat slice.
 
-    The piece covers elements `[offset, offset + master.numel())` of the flattened param.
+    The piece covers elements `[offset, offset + param.numel())` of the flattened param.
+    `master` is in the optimizer's layout ([Note: what Muon sees]), `param` and `grad` in the
+    storage layout.
     """
 
     name: str
@@ -41,7 +53,14 @@ class OwnedPiece:
     offset: int
     param: torch.Tensor  # view into the param buffer (param dtype)
     grad: torch.Tensor  # view into the reduced grad shard (grad-reduce dtype)
-    master: torch.Tensor  # fp32; the param view itself when the param is already fp32
+    master: torch.Tensor  # fp32; the param view itself when the param is fp32 and not transposed
+    matrix: int | None = None  # index of the matrix within a stacked param
+    transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
+
+    @property
+    def key(self) -> str:
+        """Unique among this rank's pieces: the param name, with `[i]` for matrix i of a stack."""
+        return self.name if self.matrix is None else f"{self.name}[{self.matrix}]"
 
     @property
     def separate_master(self) -> bool:
@@ -49,7 +68,11 @@ class OwnedPiece:
 
     @property
     def is_whole(self) -> bool:
-        return tuple(self.master.shape) == self.full_shape
+        return tuple(self.param.shape) == self.full_shape
+
+    def oriented(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` moved between the storage and the optimizer layout (its own inverse)."""
+        return t.T if self.transposed else t
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -71,16 +94,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
         self.ddp = ddp
-        self._owned: list[OwnedPiece] = []
-        for owned in ddp.owned():
-            param, grad = owned.param, owned.grad
-            master = param if param.dtype == torch.float32 else param.detach().float()
-            master.grad = grad if grad.dtype == torch.float32 else torch.zeros_like(master)
-            kind = MUON if owned.route.muon else ADAMW
-            full_shape = tuple(owned.route.param.shape)
-            self._owned.append(
-                OwnedPiece(owned.route.name, kind, full_shape, owned.offset, param, grad, master)
-            )
+        self._owned = [piece for owned in ddp.owned() for piece in _pieces(owned)]
 
         self._inner = {
             MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
@@ -107,12 +121,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         with record_function("wholeshard.optimizer_step"):
             for o in self._owned:
                 if o.master.grad is not o.grad:
-                    o.master.grad.copy_(o.grad)
+                    o.master.grad.copy_(o.oriented(o.grad))
             for opt in self._inner.values():
                 opt.step()
             for o in self._owned:
                 if o.separate_master:
-                    o.param.copy_(o.master)
+                    o.param.copy_(o.oriented(o.master))
         self.ddp.start_param_sync()
         if not self.ddp.overlap_param_gather:
             self.ddp.finish_param_sync()
@@ -169,7 +183,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             entry = dict(self._inner[o.kind].state.get(o.master, {}))
             if o.separate_master:
                 entry["master"] = o.master
-            state[o.name] = entry
+            state[o.key] = entry
         groups = [
             {k: v for k, v in g.items() if k != "params"} | {"kind": kind}
             for kind, g in zip((MUON, ADAMW), self.param_groups, strict=True)
@@ -178,7 +192,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        owned = {o.name: o for o in self._owned}
+        owned = {o.key: o for o in self._owned}
         saved = state_dict["state"]
         if set(saved) != set(owned):
             missing, extra = sorted(set(owned) - set(saved)), sorted(set(saved) - set(owned))
@@ -194,12 +208,60 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             entry = dict(entry)
             if "master" in entry:
                 o.master.copy_(entry.pop("master"))
-                o.param.copy_(o.master)
+                o.param.copy_(o.oriented(o.master))
             self._inner[o.kind].state[o.master] = {
                 k: _restore(v, o.master) for k, v in entry.items()
             }
         self.ddp.start_param_sync()
         self.ddp.finish_param_sync()
+
+
+def _pieces(owned: OwnedSlice) -> list[OwnedPiece]:
+    """The optimizer's pieces of one owned slice: one per matrix of a Muon stack, else one."""
+    route, full_shape = owned.route, tuple(owned.route.param.shape)
+    if not route.muon:
+        return [_piece(route.name, ADAMW, full_shape, owned.offset, owned.param, owned.grad)]
+    rows, cols = owned.param.shape[-2:]
+    first = owned.offset // (rows * cols)
+    params = owned.param.reshape(-1, rows, cols).unbind()
+    grads = owned.grad.reshape(-1, rows, cols).unbind()
+    stacked = len(full_shape) > 2
+    return [
+        _piece(
+            route.name,
+            MUON,
+            full_shape,
+            owned.offset + i * rows * cols,
+            param,
+            grad,
+            matrix=first + i if stacked else None,
+            transposed=route.transposed,
+        )
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True))
+    ]
+
+
+def _piece(
+    name: str,
+    kind: str,
+    full_shape: tuple[int, ...],
+    offset: int,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    matrix: int | None = None,
+    transposed: bool = False,
+) -> OwnedPiece:
+    """A piece with its fp32 master: the param view itself when fp32 and not transposed."""
+    if param.dtype == torch.float32 and not transposed:
+        master = param
+    else:
+        master = (param.detach().T if transposed else param.detach()).float().contiguous()
+        if master.data_ptr() == param.data_ptr():  # .float() of fp32 returns the same tensor
+            master = master.clone()
+    direct = grad.dtype == torch.float32 and not transposed
+    master.grad = grad if direct else torch.zeros_like(master)
+    return OwnedPiece(name, kind, full_shape, offset, param, grad, master, matrix, transposed)
 
 
 def _restore(value: Any, master: torch.Tensor) -> Any:

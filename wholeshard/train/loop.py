@@ -24,9 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from wholeshard.routing import routing_summary
 from wholeshard.train import data, report
 from wholeshard.train.config import TrainConfig
-from wholeshard.train.model import GPT, VOCAB, hidden_matrix, num_params, preset
+from wholeshard.train.model import GPT, VOCAB, num_params, preset
 from wholeshard.train.plot import plot_losses
 from wholeshard.train.schedule import make_scheduler
 
@@ -148,7 +149,6 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
         wrapped = wholeshard.DataParallel(
             model,
             bucket_size=cfg.bucket_size,
-            use_muon=hidden_matrix,
             param_dtype=dtype,
             overlap_grad_reduce=cfg.overlap,
             overlap_param_gather=cfg.overlap,
@@ -238,6 +238,8 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
         f"({str(t.param_dtype).removeprefix('torch.')}); data: {corpus.source} "
         f"({corpus.files} files, {len(corpus.train) + len(corpus.val)} bytes); out: {out}"
     )
+    if cfg.optimizer == "muon":
+        log.note(routing_summary(t.module.routes))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
     muon = cfg.optimizer == "muon"

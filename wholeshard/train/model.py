@@ -150,11 +150,6 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def hidden_matrix(name: str, param: torch.Tensor) -> bool:
-    """Muon routing for GPT: the blocks' 2-D matrices; embeddings, head and norms go to AdamW."""
-    return name.startswith("blocks.") and param.ndim == 2
-
-
 def num_params(model: nn.Module) -> int:
     """Number of distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters())
