@@ -91,6 +91,7 @@ from .checkpoint_dir import (
 )
 from .data_parallel import DataParallel
 from .optim.layerwise import LayerwiseOptimizer, OwnedPiece
+from .routing import clean_name
 
 __all__ = [
     "CheckpointError",
@@ -377,7 +378,8 @@ def _other_tensors(ddp: DataParallel) -> dict[str, torch.Tensor]:
     """State-dict tensors DataParallel does not shard: persistent buffers and frozen params."""
     routed = {id(r.param) for r in ddp.routes}
     out = {}
-    for name, value in ddp.module.state_dict(keep_vars=True).items():
+    for fqn, value in ddp.module.state_dict(keep_vars=True).items():
+        name = clean_name(fqn)
         if not torch.is_tensor(value):
             raise TypeError(f"module state {name!r} is not a tensor; checkpoints hold tensors only")
         if id(value) not in routed:
@@ -388,10 +390,11 @@ def _other_tensors(ddp: DataParallel) -> dict[str, torch.Tensor]:
 def _aliases(ddp: DataParallel) -> dict[str, str]:
     """Every other name of a routed (tied) param, mapped to its route name."""
     first = {id(r.param): r.name for r in ddp.routes}
+    names = ddp.module.named_parameters(remove_duplicate=False)
     return {
-        name: first[id(p)]
-        for name, p in ddp.module.named_parameters(remove_duplicate=False)
-        if id(p) in first and first[id(p)] != name
+        clean_name(fqn): first[id(p)]
+        for fqn, p in names
+        if id(p) in first and first[id(p)] != clean_name(fqn)
     }
 
 

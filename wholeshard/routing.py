@@ -91,9 +91,10 @@ def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
     heads = _head_modules(roots[-1])
 
     routes = []
-    for name, p in module.named_parameters():
+    for fqn, p in module.named_parameters():
         if not p.requires_grad:
             continue
+        name = clean_name(fqn)
         held = holders[id(p)]
         if use_muon is not None:
             muon = bool(use_muon(name, p))
@@ -110,6 +111,12 @@ def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
             Route(name=name, param=p, muon=muon, tied=aliases[id(p)] > 1, transposed=transposed)
         )
     return routes
+
+
+def clean_name(fqn: str) -> str:
+    """`fqn` without the `_orig_mod.` components `torch.compile(m)` adds, so a compiled model's
+    routes, optimizer state and checkpoints use the model's own names."""
+    return ".".join(part for part in fqn.split(".") if part != _COMPILE_WRAPPER)
 
 
 def muon_by_name(name: str, shape: Sequence[int], tied: bool = False) -> bool:
