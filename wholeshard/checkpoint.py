@@ -390,12 +390,12 @@ def _other_tensors(ddp: DataParallel) -> dict[str, torch.Tensor]:
 def _aliases(ddp: DataParallel) -> dict[str, str]:
     """Every other name of a routed (tied) param, mapped to its route name."""
     first = {id(r.param): r.name for r in ddp.routes}
-    names = ddp.module.named_parameters(remove_duplicate=False)
-    return {
-        clean_name(fqn): first[id(p)]
-        for fqn, p in names
-        if id(p) in first and first[id(p)] != clean_name(fqn)
-    }
+    aliases = {}
+    for fqn, p in ddp.module.named_parameters(remove_duplicate=False):
+        name = clean_name(fqn)
+        if id(p) in first and first[id(p)] != name:
+            aliases[name] = first[id(p)]
+    return aliases
 
 
 def _trainer_blob(optimizer: LayerwiseOptimizer, extra: dict[str, Any] | None) -> bytes:

@@ -265,12 +265,17 @@ class DataParallel(nn.Module):
             for state, p, offset, length in pieces.get(route.name, ()):
                 yield OwnedSlice(route, offset, *state.views(p, offset, length))
 
+    def _bucket_ids(self, route: Route) -> list[int]:
+        """Global ids of the buckets holding `route`'s param (several for a spread stack)."""
+        i, p = self._where[route.name]
+        return [self._bucket_id[(i, b)] for b in self.buffers[i].buckets_of(p)]
+
     # -- gradients ------------------------------------------------------------------------
 
     def _make_grad_hook(self, route: Route):
         i, placement = self._where[route.name]
         grad_view = self.buffers[i].flat.grad_view(placement)
-        buckets = [self._bucket_id[(i, b)] for b in self.buffers[i].buckets_of(placement)]
+        buckets = self._bucket_ids(route)
         first = min(buckets)
 
         def hook(param: torch.Tensor) -> None:
@@ -387,12 +392,7 @@ class DataParallel(nn.Module):
                 self._wait(pending)
 
     def _register_forward_pre_hooks(self) -> list:
-        buckets_of: dict[int, list[int]] = {}
-        for r in self.routes:
-            i, p = self._where[r.name]
-            buckets_of[id(r.param)] = [
-                self._bucket_id[(i, b)] for b in self.buffers[i].buckets_of(p)
-            ]
+        buckets_of = {id(r.param): self._bucket_ids(r) for r in self.routes}
         # A compiled module (`torch.compile(m)`, or `m.compile()`) runs its submodules' hooks
         # inside its graph, so it is a leaf: one hook, run eagerly, waits for all its params.
         # A container (ModuleList, ParameterList, ...) is never called: the params it holds

@@ -280,13 +280,17 @@ def _place(
     return matched if m != b and m[0] <= b[0] and m[1] <= b[1] else balanced
 
 
+def cost_imbalance(costs: Sequence[int]) -> float:
+    """Max / mean of per-rank Newton-Schulz costs (1.0 when there is no Muon work)."""
+    total = sum(costs)
+    return 1.0 if total == 0 else max(costs) * len(costs) / total
+
+
 def _imbalance(layout: Layout, specs: tuple[ParamSpec, ...]) -> float:
-    """Max / mean Newton-Schulz cost owned per rank (1.0 when there is none)."""
     costs = [0] * layout.dp_size
     for spec, p in zip(specs, layout.placements, strict=True):
         costs[p.owner] += spec_cost(spec)
-    total = sum(costs)
-    return 1.0 if total == 0 else max(costs) * len(costs) / total
+    return cost_imbalance(costs)
 
 
 def _layout(

@@ -33,7 +33,16 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .layout import Bucket, Layout, ParamSpec, Placement, _place, ns_cost, validate_inputs
+from .layout import (
+    Bucket,
+    Layout,
+    ParamSpec,
+    Placement,
+    _place,
+    cost_imbalance,
+    ns_cost,
+    validate_inputs,
+)
 from .stacks import matrices, matrix_shape, plan_stacked
 
 KINDS = ("muon", "stacked", "adamw")
@@ -173,9 +182,7 @@ class Plan:
     @property
     def ns_cost_imbalance(self) -> float:
         """Max over shard-group ranks of owned Newton-Schulz cost / mean (1.0: no Muon work)."""
-        costs = self.rank_costs()
-        total = sum(costs)
-        return 1.0 if total == 0 else max(costs) * len(costs) / total
+        return cost_imbalance(self.rank_costs())
 
     def shard_rank(self, rank: int) -> int:
         """The rank within its shard group of global rank `rank` (see [Note: shard groups])."""
