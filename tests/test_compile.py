@@ -82,14 +82,14 @@ def _hooks_fire(kind: str) -> dict:
     ddp = wholeshard.DataParallel(compiled(kind), **SMALL_BUCKETS, **OVERLAP)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
-    reduced_in_backward = len(ddp._grad_pending)
+    reduced_in_backward = sum(b.reducing is not None for b in ddp.buckets)
     opt.step()
     opt.zero_grad()
-    deferred = len(ddp._gather_todo) + len(ddp._gather_pending)
+    deferred = sum(not b.fresh for b in ddp.buckets)
     lm_loss(ddp, *local_batch(1, rank, world)).backward()
-    left_after_forward = len(ddp._gather_todo) + len(ddp._gather_pending)
+    left_after_forward = sum(not b.fresh for b in ddp.buckets)
     return {
-        "buckets": len(ddp._buckets),
+        "buckets": len(ddp.buckets),
         "reduced_in_backward": reduced_in_backward,
         "deferred": deferred,
         "left_after_forward": left_after_forward,

@@ -95,10 +95,10 @@ def _dispatch_points(mode: dict) -> dict:
     ddp = wholeshard.DataParallel(make_model(), **SMALL_BUCKETS, **mode)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
-    during_backward = len(ddp._grad_pending)
+    during_backward = sum(b.reducing is not None for b in ddp.buckets)
     opt.step()
-    after_step = len(ddp._gather_todo) + len(ddp._gather_pending)
-    return {"buckets": len(ddp._buckets), "rs": during_backward, "ag": after_step}
+    after_step = sum(not b.fresh for b in ddp.buckets)
+    return {"buckets": len(ddp.buckets), "rs": during_backward, "ag": after_step}
 
 
 def test_overlap_dispatches_during_backward_and_defers_gathers() -> None:

@@ -1,96 +1,51 @@
 """`DataParallel`: whole-tensor sharded gradient and parameter sync for one module.
 
-Step protocol (the optimizer drives it):
-1. backward: each param's post-accumulate-grad hook adds its grad into the grad buffer; with
-   `overlap_grad_reduce` a bucket whose params are all in starts its reduce-scatter right away;
-2. `finish_grad_sync()`: every bucket reduced (averaged), so this rank's shard of the grad
-   buffer holds the full averaged gradient of every param it owns;
-3. the optimizer writes its owned params into the param buffer;
-4. `start_param_sync()`: one all-gather per bucket restores every param on every rank. With
-   `overlap_param_gather` only the first bucket (in forward order) is dispatched; each module's
-   forward pre-hook waits for its params' buckets and prefetches the next one.
+Step protocol (the optimizer drives it; `wholeshard.schedule` decides when collectives run):
+1. backward: each param's post-accumulate-grad hook adds its grad into its bucket's grad buffer;
+   with `overlap_grad_reduce` a bucket whose params are all in starts its reduce-scatter;
+2. `finish_grad_sync()`: every bucket reduced (averaged), so this rank's grad shards hold the
+   full averaged gradient of every param it owns;
+3. the optimizer writes its owned params (`owned()`: views of this rank's param shards);
+4. `start_param_sync()`: each bucket's all-gather restores every param on every rank: all at
+   once; with `overlap_param_gather` as the next forward reaches them; fully sharded
+   (`reshard_after_forward=True`): before each module's forward and backward, released after.
 
-[Note: collective order]
-Every rank issues the same collectives in the same order whatever it owns: grad buckets are
-dispatched strictly in bucket order (a ready bucket waits for its predecessors), param buckets
-strictly in forward order.
+Buckets are `wholeshard.bucket.CommBucket`s; the legacy ping-pong baseline builds its own in
+`wholeshard.ping_pong`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
-from collections import deque
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
-from . import collectives
-from .buffers import FlatBuffers
-from .layout import Bucket, ParamSpec, Placement, plan_layout
-from .plan import DEFAULT_STRATEGY, Buffer, Plan, plan_buffers
+from . import collectives, hooks
+from .bucket import ALLGATHER, BROADCAST, Comm, CommBucket
+from .layout import ParamSpec, Placement
+from .ping_pong import ping_pong_buckets
+from .plan import DEFAULT_STRATEGY, Buffer, Plan, default_bucket_size, plan_buffers
 from .routing import Route, UseMuon, route_params
-from .sync import ALLGATHER, BROADCAST, AlignedSync, Pending, PingPongSync
+from .schedule import Scheduler
 
 ALIGNED, PING_PONG = "aligned", "ping_pong"
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-
-
-@dataclass
-class BufferState:
-    """One planned flat buffer at run time: its storage and how its buckets sync.
-
-    `plan` is the planned buffer (None for the ping-pong baseline, whose owners come from its
-    sync scheme): the one source of what this rank owns.
-    """
-
-    kind: str  # "muon" (whole tensors), "stacked", "adamw" (element-wise) or "mixed" (ping-pong)
-    buckets: tuple[Bucket, ...]
-    placements: tuple[Placement, ...]
-    flat: FlatBuffers
-    sync: AlignedSync | PingPongSync
-    plan: Buffer | None = None
-
-    def owned(self, rank: int) -> Iterator[tuple[Placement, int, int]]:
-        """(placement, offset, length) of every piece shard-group rank `rank` updates."""
-        if self.plan is not None:
-            yield from self.plan.owned(rank)
-            return
-        for p in self.placements:
-            if self.sync.owners[p.name] == rank:
-                yield p, 0, p.numel
-
-    def buckets_of(self, placement: Placement) -> range:
-        if self.plan is not None:
-            return self.plan.buckets_of(placement)
-        return range(placement.bucket, placement.bucket + 1)
-
-    def views(self, p: Placement, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(param, grad) views of a piece: shaped like the param when whole, like one matrix
-        for a matrix of a stack, 1-D for an element-wise slice."""
-        lo, hi = p.start + offset, p.start + offset + length
-        if length == p.numel and self.kind != "adamw":
-            shape: tuple[int, ...] = p.shape
-        elif self.kind == "stacked":
-            shape = p.shape[-2:]
-        else:
-            shape = (length,)
-        return self.flat.param[lo:hi].view(shape), self.flat.grad[lo:hi].view(shape)
 
 
 @dataclass(frozen=True)
 class OwnedSlice:
     """Elements `[offset, offset + param.numel())` of a flattened param that this rank updates.
 
-    `param` and `grad` are views of the flat buffers: shaped like the param when the slice is
-    the whole tensor, like one matrix when it is a matrix of a stacked param, 1-D otherwise.
+    `param` and `grad` are views of storage this rank keeps between steps: shaped like the param
+    when the slice is the whole tensor, like one matrix when it is a matrix of a stacked param,
+    1-D otherwise.
     """
 
     route: Route
@@ -99,12 +54,21 @@ class OwnedSlice:
     grad: torch.Tensor
 
 
+class StateHolder(Protocol):
+    """What `DataParallel.memory` asks the optimizer attached to it."""
+
+    def state_bytes(self) -> dict[str, int]: ...
+
+
 class DataParallel(nn.Module):
     """Wrap `module` (already on its device) for data-parallel training with whole-tensor owners.
 
     Every rank must build the same module; construction checks this and raises on every rank,
     naming the first difference. Rank 0's initial values are broadcast to all ranks.
     Muon-routed params live in whole-tensor buffers; the others in element-wise sharded buffers.
+    `bucket_size=None` takes `wholeshard.plan.default_bucket_size`. `reshard_after_forward=True`
+    keeps only this rank's shards between steps (fully sharded); `separate_all_gather_group`
+    puts param gathers on a second process group (None: on iff fully sharded).
     `layout="ping_pong"` and `param_sync="broadcast"` select the legacy baselines.
     """
 
@@ -123,6 +87,8 @@ class DataParallel(nn.Module):
         param_sync: str = ALLGATHER,
         layout_strategy: str = DEFAULT_STRATEGY,
         shard_group_size: int | None = None,
+        reshard_after_forward: bool = False,
+        separate_all_gather_group: bool | None = None,
     ) -> None:
         super().__init__()
         if not (param_dtype.is_floating_point and grad_reduce_dtype.is_floating_point):
@@ -136,6 +102,11 @@ class DataParallel(nn.Module):
             raise ValueError(
                 f"param_sync must be {ALLGATHER!r} or {BROADCAST!r}, got {param_sync!r}"
             )
+        if layout == PING_PONG and reshard_after_forward:
+            raise ValueError(
+                "layout='ping_pong' cannot be fully sharded (its owners' params are not in "
+                "equal shards): use the default layout='aligned' with reshard_after_forward=True"
+            )
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
@@ -147,22 +118,13 @@ class DataParallel(nn.Module):
         if self.dp_size > 1:
             _check_same_model(self.routes, self.process_group)
         specs = [ParamSpec(r.name, tuple(r.param.shape), r.muon, r.tied) for r in self.routes]
-        route_of = {r.name: r for r in self.routes}
-        device = self.routes[0].param.device
-
-        def flat(numel: int, placements: tuple[Placement, ...]) -> FlatBuffers:
-            params = [route_of[p.name].param for p in placements]
-            return FlatBuffers(
-                numel,
-                placements,
-                params,
-                param_dtype=param_dtype,
-                grad_dtype=grad_reduce_dtype,
-                device=device,
-            )
+        if bucket_size is None:
+            bucket_size = default_bucket_size(sum(s.numel for s in specs), self.dp_size)
+        self.bucket_size = bucket_size
+        dtypes = dict(param_dtype=param_dtype, grad_dtype=grad_reduce_dtype)
 
         self.plan: Plan | None = None
-        self.buffers: list[BufferState] = []
+        self._owners: dict[str, int] = {}  # ping-pong only: the plan has no owners for it
         if layout == ALIGNED:
             self.plan = plan_buffers(
                 specs,
@@ -172,179 +134,146 @@ class DataParallel(nn.Module):
                 shard_group_size=shard_group_size,
             )
             self.shard_group_size = self.plan.shard_group_size
-            self.shard_group, self.replica_group = _shard_groups(
-                self.process_group, self.dp_size, self.shard_group_size
-            )
             self.shard_rank = self.plan.shard_rank(self.rank)
-            for b in self.plan.buffers:
-                storage = flat(b.numel, b.placements)
-                sync = AlignedSync(
-                    storage,
-                    b.buckets,
-                    b.placements,
-                    self.shard_group,
-                    self.shard_rank,
-                    self.shard_group_size,
-                    param_sync,
-                    replica_group=self.replica_group,
-                )
-                self.buffers.append(
-                    BufferState(b.kind, b.buckets, b.placements, storage, sync, plan=b)
-                )
-        else:  # one unaligned buffer in backprop order; owners come from the snake rule
-            lay = plan_layout(specs, 1, bucket_size=bucket_size, align=1)
+        else:
             self.shard_group_size, self.shard_rank = self.dp_size, self.rank
-            self.shard_group, self.replica_group = self.process_group, None
-            storage = flat(lay.numel, lay.placements)
-            sync = PingPongSync(
-                storage,
-                lay.buckets,
-                lay.placements,
-                self.process_group,
-                self.rank,
-                self.dp_size,
-                param_sync,
+        k = self.shard_group_size
+        gathers = self.dp_size > 1 and k > 1
+        self.reshard_after_forward = reshard_after_forward and gathers
+        if separate_all_gather_group is None:
+            separate_all_gather_group = reshard_after_forward
+        self.shard_group, self.replica_group, self.gather_group = _groups(
+            self.process_group, self.dp_size, k, separate_all_gather_group and gathers
+        )
+        comm = Comm(
+            self.shard_group, self.shard_rank, k, self.gather_group, self.replica_group, param_sync
+        )
+        if self.plan is not None:
+            buckets = _aligned_buckets(
+                self.plan, self.routes, comm, reshard=self.reshard_after_forward, **dtypes
             )
-            self.buffers.append(BufferState("mixed", lay.buckets, lay.placements, storage, sync))
+        else:
+            params = [r.param for r in self.routes]
+            buckets, self._owners = ping_pong_buckets(
+                specs, params, comm, bucket_size=bucket_size, **dtypes
+            )
         if self.dp_size > 1:
-            for state in self.buffers:
-                collectives.broadcast_from_first(state.flat.param, self.process_group)
+            for b in buckets:
+                collectives.broadcast_from_first(b.param, self.process_group)
             for t in [*self.frozen, *module.buffers()]:
                 collectives.broadcast_from_first(t.data, self.process_group)
+        if self.reshard_after_forward:
+            for b in buckets:
+                b.keep_shards()
 
-        # Every bucket of every buffer gets one global id: grads are reduced in id order
-        # (backprop order: the bucket holding the latest-registered param first) and params
-        # gathered in forward order (the bucket holding the earliest-registered param first).
-        # A stacked param spread over several buckets is a member of each.
+        # Reduce order is backprop order: the bucket holding the latest-registered param first;
+        # gather order is forward order: the bucket holding the earliest-registered param first.
         index = {r.name: i for i, r in enumerate(self.routes)}
-        members: dict[tuple[int, int], list[int]] = {}
-        self._where: dict[str, tuple[int, Placement]] = {}
-        for i, state in enumerate(self.buffers):
-            for p in state.placements:
-                for b in state.buckets_of(p):
-                    members.setdefault((i, b), []).append(index[p.name])
-                self._where[p.name] = (i, p)
-        order = sorted(members, key=lambda key: (-max(members[key]), key))
-        self._buckets: list[tuple[int, Bucket]] = [
-            (i, self.buffers[i].buckets[b]) for i, b in order
-        ]
-        self._bucket_id = {key: n for n, key in enumerate(order)}
-        self._bucket_params = [len(members[key]) for key in order]
-        self._forward_order = sorted(range(len(order)), key=lambda n: min(members[order[n]]))
-
-        self.comm_wait_s = 0.0  # seconds blocked waiting on collectives since construction
-        # gradient state of the current step
-        self._sync_grads = True
-        self._ready = [0] * len(self._buckets)
-        self._grad_pending: list[Pending] = []  # one entry per dispatched bucket, in id order
-        self._grads_reduced = False
-        # param-gather state: buckets still to dispatch (forward order) and those in flight
-        self._gather_todo: deque[int] = deque()
-        self._gather_pending: dict[int, Pending] = {}
-
-        self._hooks = [
-            r.param.register_post_accumulate_grad_hook(self._make_grad_hook(r)) for r in self.routes
-        ]
-        if overlap_param_gather and self.dp_size > 1:
-            self._hooks += self._register_forward_pre_hooks()
+        buckets.sort(key=lambda b: -max(index[p.name] for _, p in b.params))
+        forward = sorted(
+            range(len(buckets)), key=lambda n: min(index[p.name] for _, p in buckets[n].params)
+        )
+        self.scheduler = Scheduler(
+            buckets,
+            forward,
+            reduces=self.dp_size > 1,
+            gathers=gathers,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
+            reshard=self.reshard_after_forward,
+        )
+        self._where: dict[str, tuple[CommBucket, Placement]] = {}
+        self._hooks = []
+        for b in buckets:
+            for i, (param, p) in enumerate(b.params):
+                self._where[p.name] = (b, p)
+                self._hooks.append(
+                    param.register_post_accumulate_grad_hook(self._grad_hook(b, i, p.name))
+                )
+        if gathers and (overlap_param_gather or self.reshard_after_forward):
+            bucket_of = {id(param): b for b in buckets for param, _ in b.params}
+            self._hooks += hooks.register(
+                self.scheduler, self.module, bucket_of, reshard=self.reshard_after_forward
+            )
+        self._optimizer: weakref.ref[StateHolder] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def buckets(self) -> list[CommBucket]:
+        """Communication buckets in reduce (backprop) order."""
+        return self.scheduler.buckets
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Seconds blocked waiting on collectives since construction."""
+        return self.scheduler.comm_wait_s
 
     # -- ownership ------------------------------------------------------------------------
 
     def owned(self) -> Iterator[OwnedSlice]:
         """What this rank updates, in registration order: whole params, whole matrices of
-        stacked params, or flat slices of element-wise ones. Ownership comes from the plan
-        alone (`BufferState.owned`)."""
-        pieces: dict[str, list[tuple[BufferState, Placement, int, int]]] = {}
-        for state in self.buffers:
-            for p, offset, length in state.owned(self.shard_rank):
-                pieces.setdefault(p.name, []).append((state, p, offset, length))
+        stacked params, or flat slices of element-wise ones. Ownership comes from the plan."""
+        pieces: dict[str, list[tuple[Placement, int, int, str]]] = {}
+        for p, offset, length, kind in self._owned_ranges():
+            pieces.setdefault(p.name, []).append((p, offset, length, kind))
         for route in self.routes:
-            for state, p, offset, length in pieces.get(route.name, ()):
-                yield OwnedSlice(route, offset, *state.views(p, offset, length))
+            for p, offset, length, kind in pieces.get(route.name, ()):
+                bucket = self._where[p.name][0]
+                lo = p.start + offset
+                param, grad = bucket.owned_views(lo, lo + length)
+                if length == p.numel and kind != "adamw":
+                    shape: tuple[int, ...] = p.shape
+                elif kind == "stacked":
+                    shape = p.shape[-2:]
+                else:
+                    shape = (length,)
+                yield OwnedSlice(route, offset, param.view(shape), grad.view(shape))
 
-    def _bucket_ids(self, route: Route) -> list[int]:
-        """Global ids of the buckets holding `route`'s param (several for a spread stack)."""
-        i, p = self._where[route.name]
-        return [self._bucket_id[(i, b)] for b in self.buffers[i].buckets_of(p)]
+    def _owned_ranges(self) -> Iterator[tuple[Placement, int, int, str]]:
+        if self.plan is not None:
+            for buffer in self.plan.buffers:
+                for p, offset, length in buffer.owned(self.shard_rank):
+                    yield p, offset, length, buffer.kind
+            return
+        for _, p in self._where.values():
+            if self._owners[p.name] == self.rank:
+                yield p, 0, p.numel, "mixed"
 
     # -- gradients ------------------------------------------------------------------------
 
-    def _make_grad_hook(self, route: Route):
-        i, placement = self._where[route.name]
-        grad_view = self.buffers[i].flat.grad_view(placement)
-        buckets = self._bucket_ids(route)
-        first = min(buckets)
-
+    def _grad_hook(self, bucket: CommBucket, i: int, name: str):
         def hook(param: torch.Tensor) -> None:
-            if self._grads_reduced or first < len(self._grad_pending):
-                raise RuntimeError(
-                    f"a gradient for {placement.name!r} arrived after its bucket was reduced: "
-                    f"call optimizer.zero_grad() before the next backward, and wrap all but the "
-                    f"last micro-batch's backward in ddp.no_sync()"
-                )
-            grad_view.add_(param.grad)
-            param.grad = None
-            if self.overlap_grad_reduce and self._sync_grads and self.dp_size > 1:
-                for bucket in buckets:
-                    self._ready[bucket] += 1
-                self._dispatch_ready_grads()
+            self.scheduler.grad_arrived(bucket, i, param, name)
 
         return hook
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces them all."""
-        previous, self._sync_grads = self._sync_grads, False
+        previous, self.scheduler.sync_grads = self.scheduler.sync_grads, False
         try:
             yield
         finally:
-            self._sync_grads = previous
-
-    def _dispatch_ready_grads(self) -> None:
-        n = len(self._grad_pending)
-        while n < len(self._ready) and self._ready[n] == self._bucket_params[n]:
-            self._dispatch_grads(n)
-            n += 1
-
-    def _dispatch_grads(self, bucket: int) -> None:
-        i, b = self._buckets[bucket]
-        with record_function("wholeshard.grad_sync.start"):
-            self._grad_pending.append(self.buffers[i].sync.reduce_grads(b))
+            self.scheduler.sync_grads = previous
 
     def start_grad_sync(self) -> None:
         """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
-        if self.dp_size == 1:
-            return
-        for bucket in range(len(self._grad_pending), len(self._buckets)):
-            self._dispatch_grads(bucket)
+        self.scheduler.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
         """Wait until this rank's grad shards hold the averaged gradients of its owned params.
 
         Params that got no gradient this step count as zero: readiness is settled here.
         """
-        if self._grads_reduced:
-            return
-        self.start_grad_sync()
-        with record_function("wholeshard.grad_sync.finish"):
-            for pending in self._grad_pending:
-                self._wait(pending)
-        self._grads_reduced = True
+        self.scheduler.finish_grad_sync()
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient and open the next accumulation window."""
-        for pending in self._grad_pending:  # never zero under an in-flight reduction
-            self._wait(pending)
-        for state in self.buffers:
-            state.flat.grad.zero_()
+        self.scheduler.zero_grads()
         for r in self.routes:
             r.param.grad = None
-        self._ready = [0] * len(self._ready)
-        self._grad_pending = []
-        self._grads_reduced = False
 
     # -- parameters -----------------------------------------------------------------------
 
@@ -352,106 +281,112 @@ class DataParallel(nn.Module):
         """Begin restoring every param from its owner (after the optimizer wrote its own).
 
         Synchronous mode dispatches every bucket; with `overlap_param_gather` only the first in
-        forward order, the rest as the forward reaches them.
+        forward order, the rest as the forward reaches them; fully sharded, nothing until the
+        next forward (the buckets are released).
         """
-        self.finish_param_sync()
-        if self.dp_size == 1 or self.shard_group_size == 1:
-            return
-        self._gather_todo = deque(self._forward_order)
-        self._dispatch_gather()
-        while self._gather_todo and not self.overlap_param_gather:
-            self._dispatch_gather()
+        self.scheduler.params_updated()
 
     def finish_param_sync(self) -> None:
-        """Complete every pending param sync: afterwards every rank holds every updated param."""
-        while self._gather_todo:
-            self._dispatch_gather()
-        for bucket in list(self._gather_pending):
-            self._wait_gather(bucket)
+        """Complete every pending param sync: afterwards every param outside a released bucket
+        is up to date (in ZeRO-1/2 mode: every param)."""
+        self.scheduler.finish_param_sync()
+
+    @contextlib.contextmanager
+    def full_params(self) -> Iterator[None]:
+        """Every param materialised and up to date on every rank inside the block, for reading
+        outside a forward (comparisons, export, `model.state_dict()`). Fully sharded, what it
+        gathered is released on exit (writes to params are not kept); otherwise it completes
+        pending gathers. Every rank must enter it."""
+        gathered = self.scheduler.gather_all()
+        try:
+            yield
+        finally:
+            self.scheduler.release(gathered)
 
     def free_overlap_buffers(self) -> None:
-        """Wait for anything in flight, then drop temporary gather buffers (safe to repeat)."""
-        self.finish_param_sync()
-        for pending in self._grad_pending:
-            self._wait(pending)
-        for state in self.buffers:
-            state.sync.free()
+        """Wait for anything in flight, then drop temporary buffers and (fully sharded) full
+        buckets. Safe to repeat; call it before a checkpoint save."""
+        self.scheduler.finish_param_sync()
+        for b in self.buckets:
+            b.finish_reduce()
+            b.drop_temporaries()
+        if self.reshard_after_forward:
+            self.scheduler.release_all()
 
-    def _dispatch_gather(self) -> None:
-        bucket = self._gather_todo.popleft()
-        i, b = self._buckets[bucket]
-        with record_function("wholeshard.param_sync.start"):
-            self._gather_pending[bucket] = self.buffers[i].sync.gather_params(b)
+    # -- memory -----------------------------------------------------------------------------
 
-    def _wait_gather(self, bucket: int) -> None:
-        while bucket in self._gather_todo:  # keep the dispatch order identical on every rank
-            self._dispatch_gather()
-        pending = self._gather_pending.pop(bucket, None)
-        if pending is not None:
-            with record_function("wholeshard.param_sync.finish"):
-                self._wait(pending)
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds between steps, by kind.
 
-    def _register_forward_pre_hooks(self) -> list:
-        buckets_of = {id(r.param): self._bucket_ids(r) for r in self.routes}
-        # A compiled module (`torch.compile(m)`, or `m.compile()`) runs its submodules' hooks
-        # inside its graph, so it is a leaf: one hook, run eagerly, waits for all its params.
-        # A container (ModuleList, ParameterList, ...) is never called: the params it holds
-        # itself are used by the forward of its nearest callable ancestor, whose hook waits.
-        from torch._dynamo.eval_frame import OptimizedModule
+        `params` and `grads`: the bucket storage kept between steps (this rank's shards when
+        fully sharded, the full buffers otherwise); `masters` and `optimizer_state`: from the
+        attached `LayerwiseOptimizer` (0 without one); `frozen_params`: params outside the
+        buffers; `transient_bucket`: the largest full param + grad bucket that exists only
+        during forward and backward (0 unless fully sharded).
+        """
+        params = grads = 0
+        for b in self.buckets:
+            p, g = b.persistent_bytes()
+            params, grads = params + p, grads + g
+        out = {
+            "params": params,
+            "grads": grads,
+            "masters": 0,
+            "optimizer_state": 0,
+            "frozen_params": sum(p.numel() * p.element_size() for p in self.frozen),
+            "transient_bucket": max(b.full_bytes() for b in self.buckets)
+            if self.reshard_after_forward
+            else 0,
+        }
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if optimizer is not None:
+            out.update(optimizer.state_bytes())
+        return out
 
-        params_of: dict[int, tuple[nn.Module, list[nn.Parameter]]] = {}
-        seen: set[int] = set()
-        todo: list[tuple[nn.Module, nn.Module]] = [(self.module, self.module)]
-        while todo:
-            mod, caller = todo.pop()
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
-            compiled = (
-                isinstance(mod, OptimizedModule)
-                or getattr(mod, "_compiled_call_impl", None) is not None
+    def attach_optimizer(self, optimizer: StateHolder) -> None:
+        """Let `memory()` report `optimizer`'s masters and state (held by weak reference)."""
+        self._optimizer = weakref.ref(optimizer)
+
+
+def _aligned_buckets(
+    plan: Plan,
+    routes: list[Route],
+    comm: Comm,
+    *,
+    reshard: bool,
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+) -> list[CommBucket]:
+    """One bucket per storage unit of every planned buffer ([Note: storage units])."""
+    param_of = {r.name: r.param for r in routes}
+    buckets = []
+    for buffer in plan.buffers:
+        units = _storage_units(buffer)
+        unit_of = {b: n for n, unit in enumerate(units) for b in unit}
+        members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in units]
+        for p in buffer.placements:
+            members[unit_of[p.bucket]].append((param_of[p.name], p))
+        for unit, params in zip(units, members, strict=True):
+            parts = buffer.buckets[unit.start : unit.stop]
+            buckets.append(
+                CommBucket(
+                    buffer.kind,
+                    parts,
+                    params,
+                    comm,
+                    reshard=reshard,
+                    param_dtype=param_dtype,
+                    grad_dtype=grad_dtype,
+                )
             )
-            if not isinstance(mod, _CONTAINERS):
-                caller = mod
-            params = mod.parameters() if compiled else mod._parameters.values()
-            params_of.setdefault(id(caller), (caller, []))[1].extend(
-                p for p in params if p is not None
-            )
-            if not compiled:
-                todo.extend((child, caller) for child in reversed(list(mod.children())))
-        handles = []
-        for mod, params in params_of.values():
-            buckets = sorted(
-                {bucket for p in params if id(p) in buckets_of for bucket in buckets_of[id(p)]}
-            )
-            if buckets:
-                handles.append(mod.register_forward_pre_hook(self._make_pre_hook(buckets)))
-        return handles
+    return buckets
 
-    def _make_pre_hook(self, buckets: list[int]):
-        # Waiting on a collective cannot be traced: under torch.compile the hook graph-breaks
-        # and runs eagerly, and dynamo never guards on this engine's state.
-        @torch.compiler.disable
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            if not (self._gather_todo or self._gather_pending):
-                return
-            for bucket in buckets:
-                self._wait_gather(bucket)
-            if self._gather_todo:  # prefetch the next bucket in forward order
-                self._dispatch_gather()
 
-        return pre_hook
-
-    def _wait(self, pending: Pending) -> None:
-        start = time.perf_counter()
-        for h in pending.handles:
-            collectives.wait(h)
-        if pending.then is not None:
-            for h in pending.then() or ():
-                collectives.wait(h)
-            pending.then = None
-        pending.handles = []
-        self.comm_wait_s += time.perf_counter() - start
+def _storage_units(buffer: Buffer) -> list[range]:
+    """Runs of planned buckets linked by a param that crosses from one into the next."""
+    continued = {b for p in buffer.placements for b in buffer.buckets_of(p)[1:]}
+    starts = [b for b in range(len(buffer.buckets)) if b not in continued]
+    return [range(a, b) for a, b in zip(starts, [*starts[1:], len(buffer.buckets)], strict=True)]
 
 
 def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
@@ -467,19 +402,28 @@ def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
     return frozen
 
 
-def _shard_groups(
-    group: ProcessGroup | None, dp_size: int, k: int
-) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """(this rank's shard group, its replica group): consecutive blocks of k ranks shard the
-    params; ranks at the same position of every block replicate them. (group, None) if k = dp."""
-    if k == dp_size:
-        return group, None
+def _groups(
+    group: ProcessGroup | None, dp_size: int, k: int, separate_gather: bool
+) -> tuple[ProcessGroup | None, ProcessGroup | None, ProcessGroup | None]:
+    """(this rank's shard group, its replica group, its all-gather group).
+
+    Consecutive blocks of k ranks shard the params; ranks at the same position of every block
+    replicate them (no replica group if k = dp). The all-gather group is the shard group, or a
+    second group over the same ranks when `separate_gather`. Every rank creates the groups in
+    the same order.
+    """
+    if dp_size == 1:
+        return group, None, group
     world = [dist.get_global_rank(group or dist.group.WORLD, r) for r in range(dp_size)]
-    shard, _ = dist.new_subgroups_by_enumeration(
-        [world[g * k : (g + 1) * k] for g in range(dp_size // k)]
-    )
+    blocks = [world[g * k : (g + 1) * k] for g in range(dp_size // k)]
+    if k == dp_size:
+        shard, replica = group, None
+        gather = dist.new_group(world, use_local_synchronization=True) if separate_gather else group
+        return shard, replica, gather
+    shard, _ = dist.new_subgroups_by_enumeration(blocks)
     replica, _ = dist.new_subgroups_by_enumeration([world[r::k] for r in range(k)])
-    return shard, replica
+    gather = dist.new_subgroups_by_enumeration(blocks)[0] if separate_gather else shard
+    return shard, replica, gather
 
 
 def _resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int, int]:

@@ -226,6 +226,24 @@ class Plan:
         assert placed == len(specs), f"{len(specs)} specs but {placed} placements"
 
 
+DEFAULT_BUCKETS = 8
+"""How many buckets `default_bucket_size` aims for: overlap needs several, each a collective."""
+MIN_BUCKET_SIZE = 1 << 16
+"""Below this many elements a collective's fixed cost outweighs its bytes."""
+
+
+def default_bucket_size(numel: int, dp_size: int) -> int:
+    """Elements per bucket when none is given, for `numel` params over `dp_size` ranks.
+
+    About `DEFAULT_BUCKETS` buckets, so a reduce-scatter can start while backward runs and a
+    gather while forward runs, but never below `MIN_BUCKET_SIZE` and never above Megatron's
+    bucket size, `max(40M, 1M x dp)` elements (which keeps each rank's shard at >= 1M elements
+    on large runs). torch DDP's default, 25 MB of fp32 gradients, is 6.5M elements.
+    """
+    megatron = max(40_000_000, 1_000_000 * dp_size)
+    return min(max(-(-numel // DEFAULT_BUCKETS), MIN_BUCKET_SIZE), megatron)
+
+
 def plan_buffers(
     params: Sequence[ParamSpec],
     dp_size: int,

@@ -104,6 +104,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # Share the inner optimizers' group dicts so schedulers and users edit the real thing.
         self.param_groups = [self._inner[MUON].param_groups[0], self._inner[ADAMW].param_groups[0]]
         self.state = ChainMap(self._inner[MUON].state, self._inner[ADAMW].state)
+        ddp.attach_optimizer(self)
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
         return [o.master for o in self._owned if o.kind == kind]
@@ -145,7 +146,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """
         self.ddp.finish_grad_sync()
         norm_type = float(norm_type)
-        device = self.ddp.buffers[0].flat.grad.device
+        device = self.ddp.buckets[0].grad.device
         norms = [
             torch.linalg.vector_norm(o.grad, norm_type, dtype=torch.float32) for o in self._owned
         ]
@@ -171,6 +172,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def owned_pieces(self) -> list[OwnedPiece]:
         """What this rank updates, in registration order."""
         return list(self._owned)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of the separate fp32 masters and of the torch optimizers' state tensors."""
+        masters = sum(_nbytes(o.master) for o in self._owned if o.separate_master)
+        state = sum(
+            _nbytes(v)
+            for opt in self._inner.values()
+            for entry in opt.state.values()
+            for v in entry.values()
+            if torch.is_tensor(v)
+        )
+        return {"masters": masters, "optimizer_state": state}
 
     def piece_state(self, piece: OwnedPiece) -> dict[str, Any]:
         """The torch optimizer's live state dict for `piece` (empty before the first step)."""
@@ -262,6 +275,10 @@ def _piece(
     direct = grad.dtype == torch.float32 and not transposed
     master.grad = grad if direct else torch.zeros_like(master)
     return OwnedPiece(name, kind, full_shape, offset, param, grad, master, matrix, transposed)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _restore(value: Any, master: torch.Tensor) -> Any:

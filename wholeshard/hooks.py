@@ -1,0 +1,135 @@
+"""Module hooks that tell the scheduler when params are needed.
+
+[Note: hooked modules]
+A param is waited for by the module that uses it directly: the module holding it in its own
+`_parameters`. Two exceptions: a container (ModuleList, ParameterList, ...) is never called, so
+the params it holds itself are used by the forward of its nearest callable ancestor, whose hook
+waits for them; and a compiled module (`torch.compile(m)` or `m.compile()`) runs its submodules'
+hooks inside its graph, so it is a leaf whose one hook, run eagerly, covers all of its params.
+Hooks are `torch.compiler.disable`d: waiting on a collective cannot be traced, so a compiled
+caller graph-breaks around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from .bucket import CommBucket
+from .schedule import Scheduler
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def hooked_modules(root: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Every module that waits for params, with the params it waits for ([Note: hooked modules])."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    params_of: dict[int, tuple[nn.Module, list[nn.Parameter]]] = {}
+    seen: set[int] = set()
+    todo: list[tuple[nn.Module, nn.Module]] = [(root, root)]
+    while todo:
+        mod, caller = todo.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        compiled = (
+            isinstance(mod, OptimizedModule)
+            or getattr(mod, "_compiled_call_impl", None) is not None
+        )
+        if not isinstance(mod, _CONTAINERS):
+            caller = mod
+        params = mod.parameters() if compiled else mod._parameters.values()
+        params_of.setdefault(id(caller), (caller, []))[1].extend(p for p in params if p is not None)
+        if not compiled:
+            todo.extend((child, caller) for child in reversed(list(mod.children())))
+    return list(params_of.values())
+
+
+def register(
+    scheduler: Scheduler,
+    root: nn.Module,
+    bucket_of: dict[int, CommBucket],
+    *,
+    reshard: bool,
+) -> list[RemovableHandle]:
+    """Hook every module that holds bucketed params (`bucket_of`: param id -> its bucket).
+
+    Forward pre-hooks make the module's buckets gathered; when `reshard`, forward post-hooks
+    count down and release them and hook the outputs' gradients to gather them again for
+    backward, and the root's hooks open and close each forward.
+    """
+    handles = []
+    for mod, params in hooked_modules(root):
+        buckets = sorted(
+            {bucket_of[id(p)] for p in params if id(p) in bucket_of}, key=lambda b: b.index
+        )
+        if not buckets:
+            continue
+        for b in buckets:
+            scheduler.users[b.index] += 1
+        handles.append(mod.register_forward_pre_hook(_pre_forward(scheduler, buckets)))
+        if reshard:
+            handles.append(mod.register_forward_hook(_post_forward(scheduler, buckets)))
+            handles.append(mod.register_state_dict_pre_hook(_refuse_released(buckets)))
+    if reshard:
+        handles.append(root.register_forward_pre_hook(_root_pre(scheduler), prepend=True))
+        handles.append(root.register_forward_hook(_root_post(scheduler)))
+    return handles
+
+
+def _pre_forward(scheduler: Scheduler, buckets: Sequence[CommBucket]) -> Callable:
+    @torch.compiler.disable
+    def hook(module: nn.Module, args: Any) -> None:
+        scheduler.pre_forward(buckets)
+
+    return hook
+
+
+def _post_forward(scheduler: Scheduler, buckets: Sequence[CommBucket]) -> Callable:
+    def pre_backward(grad: torch.Tensor) -> None:
+        scheduler.pre_backward(buckets)
+
+    @torch.compiler.disable
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        hookable = False
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(pre_backward)
+                    hookable = True
+        scheduler.post_forward(buckets, hookable)
+
+    return hook
+
+
+def _root_pre(scheduler: Scheduler) -> Callable:
+    @torch.compiler.disable
+    def hook(module: nn.Module, args: Any) -> None:
+        scheduler.root_pre_forward()
+
+    return hook
+
+
+def _root_post(scheduler: Scheduler) -> Callable:
+    @torch.compiler.disable
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        scheduler.root_post_forward()
+
+    return hook
+
+
+def _refuse_released(buckets: Sequence[CommBucket]) -> Callable:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars and not all(b.params_materialised for b in buckets):
+            raise RuntimeError(
+                f"{prefix or 'the model'}: params are released between steps in fully sharded "
+                f"mode (reshard_after_forward=True); read them inside `with ddp.full_params():`"
+            )
+
+    return hook

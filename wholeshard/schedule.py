@@ -1,0 +1,299 @@
+"""When each bucket's collectives run: gradient reductions as backward completes buckets, param
+gathers before the modules that use them, and (fully sharded) releases after.
+
+[Note: collective order]
+Every rank issues the same collectives in the same order, whatever it owns and whichever of its
+modules run. Gradients are reduced strictly in bucket order (backprop order; a complete bucket
+waits for its predecessors). Param gathers are dispatched from one queue in a fixed order:
+forward order after an optimizer step (overlapped ZeRO) or at the start of a forward (fully
+sharded), backprop order at the start of a backward (fully sharded). A hook that needs a bucket
+further down the queue first dispatches everything before it, and whatever is left is dispatched
+when the forward or backward ends, so a module that runs on one rank only (an MoE expert no
+token chose) changes no rank's sequence. Gathers outside the queue happen only when a module
+needs a released bucket again (a module called twice; activation checkpointing), which all ranks
+do alike when they run the same modules. On one process group the reductions and gathers must
+also interleave alike, which they do when every rank runs the same modules; a separate
+all-gather group (`separate_all_gather_group`) removes even that requirement.
+
+[Note: fully sharded lifetimes]
+A bucket's full params exist from its gather until every module holding one of its params has
+finished forward (module post-hooks count down `forward_left`), and again from the backward
+pre-hook of such a module (a hook on its outputs' gradients) until all its gradients have landed.
+Two exceptions keep a bucket across the forward/backward boundary when grad is enabled: the first
+bucket in backprop order (it would be gathered again at once, as FSDP2 keeps its root's params),
+and a bucket one of whose modules returned nothing autograd can hook (its backward could not be
+announced). The end of the root's forward and of every backward releases whatever is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch.autograd import Variable
+from torch.autograd.profiler import record_function
+
+from .bucket import CommBucket
+
+
+class Scheduler:
+    """The step's state machine over `buckets` (in backprop order, which is reduce order).
+
+    `gathers`: params need gathering at all (more than one rank per shard group);
+    `reduces`: gradients need reducing (more than one rank).
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[CommBucket],
+        forward_order: Sequence[int],
+        *,
+        reduces: bool,
+        gathers: bool,
+        overlap_grad_reduce: bool,
+        overlap_param_gather: bool,
+        reshard: bool,
+    ) -> None:
+        self.buckets = list(buckets)
+        for i, b in enumerate(self.buckets):
+            b.index = i
+        self.forward_order = [self.buckets[i] for i in forward_order]
+        self.reduces, self.gathers = reduces, gathers
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.reshard = reshard
+        self.users = [0] * len(self.buckets)  # hooked modules holding each bucket's params
+        self.comm_wait_s = 0.0  # seconds blocked waiting on collectives since construction
+        self.sync_grads = True  # False inside no_sync
+        self._next_reduce = 0  # buckets whose reduction was dispatched this step
+        self._grads_reduced = False
+        self._queue: deque[CommBucket] = deque()
+        self._queued: set[int] = set()
+        self._backward_task: int | None = None
+        self._kept: set[int] = set()  # buckets kept gathered across forward/backward
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def grad_arrived(self, bucket: CommBucket, i: int, param: torch.Tensor, name: str) -> None:
+        """A param's gradient is complete for this backward: fold it into the grad buffer."""
+        if self._grads_reduced or bucket.index < self._next_reduce:
+            raise RuntimeError(
+                f"a gradient for {name!r} arrived after its bucket was reduced: call "
+                f"optimizer.zero_grad() before the next backward, and wrap all but the last "
+                f"micro-batch's backward in ddp.no_sync()"
+            )
+        self._enter_backward()
+        bucket.accumulate(i, param.grad)
+        param.grad = None
+        if not self.sync_grads:
+            return
+        bucket.arrived += 1
+        if bucket.arrived < len(bucket.params):
+            return
+        if self.reshard:  # no backward node needs these params any more
+            self._release(bucket)
+        if self.overlap_grad_reduce and self.reduces:
+            while self._next_reduce < len(self.buckets) and self.buckets[
+                self._next_reduce
+            ].arrived == len(self.buckets[self._next_reduce].params):
+                self._start_reduce()
+
+    def _start_reduce(self) -> None:
+        with record_function("wholeshard.grad_sync.start"):
+            self.buckets[self._next_reduce].start_reduce()
+        self._next_reduce += 1
+
+    def start_grad_sync(self) -> None:
+        """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
+        if self.reduces:
+            while self._next_reduce < len(self.buckets):
+                self._start_reduce()
+
+    def finish_grad_sync(self) -> None:
+        """Wait until every owned grad shard holds its average; params that got no gradient
+        count as zero (readiness is settled here)."""
+        if self._grads_reduced:
+            return
+        self.start_grad_sync()
+        with record_function("wholeshard.grad_sync.finish"), self._blocked():
+            for b in self.buckets:
+                b.finish_reduce()
+        self._grads_reduced = True
+
+    def zero_grads(self) -> None:
+        """Zero every gradient and open the next accumulation window."""
+        with self._blocked():  # never zero under an in-flight reduction
+            for b in self.buckets:
+                b.finish_reduce()
+        for b in self.buckets:
+            b.zero_grads()
+        self._next_reduce = 0
+        self._grads_reduced = False
+
+    # -- params -----------------------------------------------------------------------------
+
+    def params_updated(self) -> None:
+        """The optimizer wrote the owned params: gather them back (all now; with
+        `overlap_param_gather` the first in forward order now, the rest as forward reaches them;
+        fully sharded: at the next forward)."""
+        self.finish_param_sync()
+        if not self.gathers:
+            return
+        for b in self.buckets:
+            b.fresh = False
+        if self.reshard:
+            self.release_all()
+            return
+        self._set_queue(self.forward_order)
+        self._dispatch_next()
+        while self._queue and not self.overlap_param_gather:
+            self._dispatch_next()
+
+    def finish_param_sync(self) -> None:
+        """Dispatch everything queued and wait for every gather in flight."""
+        while self._queue:
+            self._dispatch_next()
+        for b in self.buckets:
+            if b.gathering is not None:
+                self._finish_gather(b)
+
+    def gather_all(self) -> list[CommBucket]:
+        """Gather every bucket that is not fresh (in forward order); return them."""
+        self.finish_param_sync()
+        todo = [b for b in self.forward_order if not b.fresh]
+        for b in todo:
+            self._start_gather(b)
+        for b in todo:
+            self._finish_gather(b)
+        return todo
+
+    def release(self, buckets: Iterable[CommBucket]) -> None:
+        for b in buckets:
+            self._release(b)
+
+    def release_all(self) -> None:
+        """Fully sharded: free every full param bucket still materialised."""
+        self.finish_param_sync()
+        self._kept.clear()
+        for b in self.buckets:
+            if b.params_materialised:
+                self._release(b)
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def root_pre_forward(self) -> None:
+        """Fully sharded: a forward begins; queue every released bucket in forward order."""
+        if _in_backward():
+            return
+        self.finish_param_sync()
+        for b in self.buckets:
+            b.forward_left = self.users[b.index]
+        self._set_queue(b for b in self.forward_order if not b.fresh)
+        if self.overlap_param_gather:
+            self._dispatch_next()
+
+    def root_post_forward(self) -> None:
+        """Fully sharded: the forward ended; release all but what backward needs at once."""
+        if _in_backward():
+            return
+        self.finish_param_sync()
+        grad = torch.is_grad_enabled()
+        for b in self.buckets:
+            keep = grad and (b.index == 0 or b.index in self._kept)
+            if b.params_materialised and not keep:
+                self._release(b)
+
+    def pre_forward(self, buckets: Sequence[CommBucket]) -> None:
+        """A module is about to run: its buckets must be gathered."""
+        if self._queue or any(not b.fresh for b in buckets):
+            self._ensure(buckets)
+
+    def post_forward(self, buckets: Sequence[CommBucket], hookable: bool) -> None:
+        """Fully sharded: a module finished forward; `hookable`: its backward is announced."""
+        if _in_backward():  # recomputation: backward releases by gradients
+            return
+        grad = torch.is_grad_enabled()
+        for b in buckets:
+            b.forward_left -= 1
+            if grad and not hookable:
+                self._kept.add(b.index)
+            keep = grad and (b.index == 0 or b.index in self._kept)
+            if b.forward_left <= 0 and not keep and b.params_materialised:
+                self._release(b)
+
+    def pre_backward(self, buckets: Sequence[CommBucket]) -> None:
+        """Fully sharded: the gradient of a module's output arrived; gather its buckets."""
+        self._enter_backward()
+        self._ensure(buckets)
+
+    def _enter_backward(self) -> None:
+        if not self.reshard:
+            return
+        task = torch._C._current_graph_task_id()
+        if task == self._backward_task:
+            return
+        self._backward_task = task
+        Variable._execution_engine.queue_callback(self._backward_done)
+        self.finish_param_sync()
+        self._set_queue(b for b in self.buckets if not b.fresh)
+
+    def _backward_done(self) -> None:
+        self._backward_task = None
+        self.release_all()
+
+    # -- mechanics ------------------------------------------------------------------------------
+
+    def _set_queue(self, buckets: Iterable[CommBucket]) -> None:
+        self._queue = deque(b for b in buckets if b.gathering is None)
+        self._queued = {b.index for b in self._queue}
+
+    def _dispatch_next(self) -> None:
+        if self._queue:
+            b = self._queue.popleft()
+            self._queued.discard(b.index)
+            self._start_gather(b)
+
+    def _ensure(self, buckets: Sequence[CommBucket]) -> None:
+        for b in buckets:
+            if b.fresh and b.gathering is None:
+                continue
+            if b.gathering is None:
+                if b.index in self._queued:  # keep the dispatch order identical on every rank
+                    while b.gathering is None:
+                        self._dispatch_next()
+                else:
+                    self._start_gather(b)
+            self._finish_gather(b)
+        if self.overlap_param_gather:  # prefetch the next bucket in queue order
+            self._dispatch_next()
+
+    def _start_gather(self, b: CommBucket) -> None:
+        with record_function("wholeshard.param_sync.start"):
+            b.start_gather()
+
+    def _finish_gather(self, b: CommBucket) -> None:
+        with record_function("wholeshard.param_sync.finish"), self._blocked():
+            b.finish_gather()
+        b.forward_left = self.users[b.index]
+
+    def _release(self, b: CommBucket) -> None:
+        if b.gathering is not None:
+            self._finish_gather(b)
+        b.release_params()
+
+    @contextlib.contextmanager
+    def _blocked(self) -> Iterator[None]:
+        """Count the time spent inside as blocked on collectives."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm_wait_s += time.perf_counter() - start
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (e.g. recomputation)."""
+    return torch._C._current_graph_task_id() != -1
