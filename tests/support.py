@@ -177,13 +177,15 @@ def wholeshard_run(
     evaluate: bool = False,
     make: Callable[[], nn.Module] | None = None,
     probe: Callable[[nn.Module], Any] | None = None,
+    keep_ddp: bool = False,
 ) -> dict[str, Any]:
     """The same training on this rank's slice of every batch; returns what the tests compare.
 
     `micro_batches > 1` accumulates gradients under `ddp.no_sync()`; `evaluate` runs a no-grad
     forward on a fixed batch after every step; `make()` builds the model as in `reference_run`;
     `probe(model)` runs on the wrapped module right after the last step (overlapped gathers
-    still in flight) and its result is returned as "probe".
+    still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
+    "ddp" (for inspection inside the worker: it does not pickle).
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = make() if make is not None else make_model(**(model_kw or {}))
@@ -214,13 +216,14 @@ def wholeshard_run(
             with torch.no_grad():
                 evals.append(lm_loss(ddp, *batch(99)).item())
     probed = probe(model) if probe is not None else None
-    ddp.finish_param_sync()
+    with ddp.full_params():
+        params = full_params(model)
     state = {
         name: {k: v.clone() for k, v in entry.items() if torch.is_tensor(v)}
         for name, entry in opt.state_dict()["state"].items()
     }
-    return {
-        "params": full_params(model),
+    out = {
+        "params": params,
         "losses": losses,
         "norms": norms,
         "evals": evals,
@@ -228,6 +231,7 @@ def wholeshard_run(
         "comm_wait_s": ddp.comm_wait_s,
         "probe": probed,
     }
+    return out | {"ddp": ddp} if keep_ddp else out
 
 
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)

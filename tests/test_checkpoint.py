@@ -168,18 +168,20 @@ def _resume_bitwise(root: str, ddp_kw: dict, dtype: torch.dtype) -> dict:
     train(ddp, opt, range(SAVE_AT))
     rng = torch.get_rng_state()
     save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT, "rng": rng, "data": [SAVE_AT, 7]})
-    saved = params_of(model)
+    with ddp.full_params():  # params are read outside a forward
+        saved = params_of(model)
     train(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
-    ddp.finish_param_sync()  # params are read outside a forward
-    straight = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
+    with ddp.full_params():
+        straight = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
 
     # A different init and lr: everything must come from the checkpoint.
     model, ddp, opt = setup(seed=123, dtype=dtype, ddp_kw=ddp_kw, muon_lr=1.0)
     extra = load_checkpoint(root, ddp, opt)
-    loaded = params_of(model)
+    with ddp.full_params():
+        loaded = params_of(model)
     train(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
-    ddp.finish_param_sync()
-    resumed = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
+    with ddp.full_params():
+        resumed = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
     assert_same(loaded, saved, "params right after load")
     assert_same(resumed[0], straight[0], "params")
     assert_same(resumed[1], straight[1], "optimizer state")
@@ -198,6 +200,7 @@ def _resume_bitwise(root: str, ddp_kw: dict, dtype: torch.dtype) -> dict:
 MODES = [
     pytest.param({}, id="sync"),
     pytest.param(dict(overlap_grad_reduce=True, overlap_param_gather=True), id="overlap"),
+    pytest.param(dict(reshard_after_forward=True, bucket_size=3000), id="fully_sharded"),
 ]
 
 
@@ -213,21 +216,31 @@ def test_resume_at_same_world_size_is_bitwise(tmp_path: Path, ddp_kw: dict, dtyp
 # -- resharding: save at 2 ranks, load at 1, 3, 4 -------------------------------------------------
 
 
-def _train_and_save(root: str) -> dict:
-    model, ddp, opt = setup()
+def _train_and_save(root: str, ddp_kw: dict) -> dict:
+    model, ddp, opt = setup(ddp_kw=ddp_kw)
     losses = train(ddp, opt, range(SAVE_AT))
     save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT})
-    return {"state": owned_state(opt), "params": params_of(model), "losses": losses}
+    with ddp.full_params():
+        params = params_of(model)
+    return {"state": owned_state(opt), "params": params, "losses": losses}
+
+
+def _saved_at_2(root: Path, ddp_kw: dict) -> dict:
+    """A 2-rank fp32 checkpoint after SAVE_AT steps and the owners' full state at that point."""
+    outs = run(_train_and_save, 2, str(root), ddp_kw)
+    assert all(out["state"] for out in outs)
+    state = merge_states([out["state"] for out in outs])
+    return {"root": root, "state": state, "params": outs[0]["params"]}
 
 
 @pytest.fixture(scope="module")
 def saved_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A 2-rank fp32 checkpoint after SAVE_AT steps and the owners' full state at that point."""
-    root = tmp_path_factory.mktemp("ckpt2")
-    outs = run(_train_and_save, 2, str(root))
-    assert all(out["state"] for out in outs)
-    state = merge_states([out["state"] for out in outs])
-    return {"root": root, "state": state, "params": outs[0]["params"]}
+    return _saved_at_2(tmp_path_factory.mktemp("ckpt2"), {})
+
+
+@pytest.fixture(scope="module")
+def saved_fully_sharded_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _saved_at_2(tmp_path_factory.mktemp("ckpt2fs"), {"reshard_after_forward": True})
 
 
 def reference_continue(state: dict, steps: range) -> dict:
@@ -264,25 +277,44 @@ def reference_continue(state: dict, steps: range) -> dict:
 def _load_and_train(root: str, ddp_kw: dict) -> dict:
     model, ddp, opt = setup(seed=7, ddp_kw=ddp_kw, muon_lr=1.0)
     extra = load_checkpoint(root, ddp, opt)
-    loaded = params_of(model)
+    with ddp.full_params():
+        loaded = params_of(model)
     losses = train(ddp, opt, range(extra["step"], extra["step"] + MORE))
     if dist.is_initialized():
         for loss in losses:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-    return {"loaded": loaded, "params": params_of(model), "losses": [x.item() for x in losses]}
+    with ddp.full_params():
+        params = params_of(model)
+    return {"loaded": loaded, "params": params, "losses": [x.item() for x in losses]}
+
+
+FULLY_SHARDED = {"reshard_after_forward": True, "bucket_size": 3000}
 
 
 @pytest.mark.parametrize(
     "nproc,ddp_kw",
-    [(1, {}), (3, {}), (3, {"bucket_size": 3000}), (4, {})],
-    ids=["1", "3", "3-small-buckets", "4"],
+    [(1, {}), (3, {}), (3, {"bucket_size": 3000}), (4, {}), (3, FULLY_SHARDED)],
+    ids=["1", "3", "3-small-buckets", "4", "3-fully-sharded"],
 )
 def test_reshard_2_ranks_to_n(saved_at_2: dict, nproc: int, ddp_kw: dict) -> None:
-    ref = reference_continue(saved_at_2["state"], range(SAVE_AT, SAVE_AT + MORE))
-    outs = run(_load_and_train, nproc, str(saved_at_2["root"]), ddp_kw)
+    _assert_loads_and_continues(saved_at_2, nproc, ddp_kw)
+
+
+@pytest.mark.parametrize(
+    "nproc,ddp_kw", [(3, {}), (2, FULLY_SHARDED)], ids=["3-zero", "2-fully-sharded"]
+)
+def test_fully_sharded_checkpoint_loads_in_any_mode(
+    saved_fully_sharded_at_2: dict, nproc: int, ddp_kw: dict
+) -> None:
+    _assert_loads_and_continues(saved_fully_sharded_at_2, nproc, ddp_kw)
+
+
+def _assert_loads_and_continues(saved: dict, nproc: int, ddp_kw: dict) -> None:
+    ref = reference_continue(saved["state"], range(SAVE_AT, SAVE_AT + MORE))
+    outs = run(_load_and_train, nproc, str(saved["root"]), ddp_kw)
     for out in outs:
         # Every rank holds every param right after the load, not only the ones it owns.
-        assert_same(out["loaded"], saved_at_2["params"], "params right after load")
+        assert_same(out["loaded"], saved["params"], "params right after load")
         if nproc == 1:  # one rank does the reference's arithmetic
             assert_same(out["params"], ref["params"], "params")
             assert out["losses"] == ref["losses"]

@@ -48,6 +48,7 @@ MODES = {
     "ping_pong-overlap": dict(layout="ping_pong", **OVERLAP),
     "ping_pong-broadcast": dict(layout="ping_pong", param_sync="broadcast"),
     "shard_group_size=1-overlap": dict(shard_group_size=1, **OVERLAP),
+    "fully_sharded-overlap": dict(reshard_after_forward=True, **OVERLAP),
 }
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has something to overlap
 PREFIX = "_orig_mod."  # torch.compile(m) holds m under this attribute
@@ -106,6 +107,7 @@ def _everything() -> dict:
         out["whole", name] = _train("whole", mode)
     for kind in ("in_place", "blocks"):
         out[kind, "aligned-overlap"] = _train(kind, OVERLAP)
+        out[kind, "fully_sharded-overlap"] = _train(kind, MODES["fully_sharded-overlap"])
         out["hooks", kind] = _hooks_fire(kind)
     out["hooks", "whole"] = _hooks_fire("whole")
     return out
@@ -140,6 +142,14 @@ def test_other_compile_styles(results: list[dict], kind: str) -> None:
     if kind == "in_place":  # the same graph as torch.compile(m); per block, other fusions
         for out in results:
             assert_bitwise_equal(out[kind, "aligned-overlap"], out["whole", "aligned-overlap"])
+
+
+@pytest.mark.parametrize("kind", ["whole", "in_place", "blocks"])
+def test_compiled_fully_sharded_is_bitwise_equal_to_compiled_zero(
+    results: list[dict], kind: str
+) -> None:
+    for out in results:
+        assert_bitwise_equal(out[kind, "fully_sharded-overlap"], out[kind, "aligned-overlap"])
 
 
 @pytest.mark.parametrize("kind", ["whole", "in_place", "blocks"])

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from support import (
     DIM,
     VOCAB,
+    assert_bitwise_equal,
     assert_matches,
     assert_overlap_equals_sync,
     reference_run,
@@ -25,8 +26,8 @@ from support import (
 from torch import nn
 
 from wholeshard import ParamSpec, plan_buffers
-from wholeshard.layout import ns_cost
-from wholeshard.stacks import matrices
+from wholeshard.layout import Bucket, Placement, ns_cost
+from wholeshard.stacks import matrices, storage_units
 
 EXPERTS, HIDDEN = 4, 16
 
@@ -95,6 +96,24 @@ def test_stacked_overlap_equals_sync_bitwise(dtype: torch.dtype) -> None:
     assert_overlap_equals_sync(2, 3, dict(bucket_size=1500), make=make_moe, param_dtype=dtype)
 
 
+def _zero_and_fully_sharded(dtype: torch.dtype) -> dict:
+    import wholeshard
+
+    kw = dict(make=make_moe, param_dtype=dtype, evaluate=True)
+    zero = wholeshard_run(3, ddp_kw=dict(bucket_size=1500), **kw)
+    fs = wholeshard_run(3, ddp_kw=dict(bucket_size=1500, reshard_after_forward=True), **kw)
+    ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, reshard_after_forward=True)
+    return {"zero": zero, "fs": fs, "parts": max(len(b.parts) for b in ddp.buckets)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_fully_sharded_equals_zero_bitwise(dtype: torch.dtype) -> None:
+    for out in run(_zero_and_fully_sharded, 2, dtype):
+        assert out["parts"] > 1, "a stack spans planned buckets: they share one storage unit"
+        assert_bitwise_equal(out["fs"], out["zero"])
+        assert out["fs"]["evals"] == out["zero"]["evals"]
+
+
 def test_stacks_spread_over_ranks_in_engine() -> None:
     def owners() -> list[str]:
         import torch.distributed as dist
@@ -116,6 +135,27 @@ def test_stacks_spread_over_ranks_in_engine() -> None:
 
 
 # -- planning ----------------------------------------------------------------------------------
+
+
+def _place(name: str, start: int, end: int) -> Placement:
+    return Placement(name, (end - start,), 0, start, end, None)
+
+
+def test_storage_units_join_buckets_a_placement_crosses() -> None:
+    buckets = [Bucket(i, 10 * i, 10 * i + 10, 5) for i in range(5)]
+    singles = tuple(range(i, i + 1) for i in range(5))
+    assert storage_units(buckets, []) == singles
+    assert storage_units([], []) == ()
+    on_edges = [_place("a", 0, 10), _place("b", 10, 20), _place("c", 20, 25), _place("d", 30, 40)]
+    assert storage_units(buckets, on_edges) == singles  # touching a boundary is not crossing
+    crossing = [_place("a", 5, 15), _place("b", 25, 45)]  # b spans three buckets
+    assert storage_units(buckets, crossing) == (range(0, 2), range(2, 5))
+    assert storage_units(buckets, [_place("a", 19, 21)]) == (
+        range(0, 1),
+        range(1, 3),
+        range(3, 4),
+        range(4, 5),
+    )
 
 
 def qwen3_moe_layer(i: int, experts: int = 128, hidden: int = 2048, inter: int = 768) -> list:

@@ -107,3 +107,36 @@ def test_legacy_modes_train(text_file: Path, tmp_path: Path, mode: list[str]) ->
     base = train(text_file, tmp_path / "base")["summary"]
     other = train(text_file, tmp_path / "other", *mode)["summary"]
     assert other["final_loss"] == pytest.approx(base["final_loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [["--reshard-after-forward"], ["--overlap", "--reshard-after-forward"]],
+    ids=["sync", "overlap"],
+)
+def test_fully_sharded_train_is_bitwise_like_zero(
+    text_file: Path, tmp_path: Path, mode: list[str]
+) -> None:
+    zero = train(text_file, tmp_path / "zero", *[m for m in mode if m == "--overlap"])["summary"]
+    fs = train(text_file, tmp_path / "fs", *mode)
+    one_group = train(text_file, tmp_path / "one", *mode, "--no-separate-all-gather-group")
+    for run in (fs, one_group):
+        assert run["code"] == 0
+        for key in ("final_loss", "final_val_loss", "params"):
+            assert run["summary"][key] == zero[key], key
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--optimizer", "adamw", "--reshard-after-forward"], "need --optimizer muon"),
+        (["--layout", "ping_pong", "--reshard-after-forward"], "cannot be fully sharded"),
+    ],
+)
+def test_fully_sharded_flags_are_checked(
+    text_file: Path, tmp_path: Path, capsys, flags: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        train(text_file, tmp_path / "run", *flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -39,6 +39,7 @@ HIDDEN, LAYERS, HEADS = 32, 2, 2
 # gradient, has rank head_dim (16 of 32). Newton-Schulz lifts the null directions' rounding
 # noise to full size, and the summation order of the gradient average would show (3e-3).
 BUCKET = dict(bucket_size=4000)  # several buckets per model, so overlap has work to overlap
+FS = dict(reshard_after_forward=True)
 
 
 def gpt2() -> nn.Module:
@@ -136,13 +137,20 @@ def greedy(model: nn.Module) -> list[list[int]]:
 
 
 def _all_modes(name: str) -> dict[str, dict]:
-    """One launch per model: sync, overlapped (+ generate), overlapped with checkpointing."""
+    """One launch per model: sync, overlapped (+ generate), overlapped with checkpointing, and
+    both fully sharded."""
     make, steps = MODELS[name], STEPS[name]
     return {
         "sync": wholeshard_run(steps, make=make, ddp_kw=BUCKET),
         "overlap": wholeshard_run(steps, make=make, ddp_kw=dict(BUCKET, **OVERLAP), probe=greedy),
         "checkpointed": wholeshard_run(
             steps, make=functools.partial(checkpointed, make), ddp_kw=dict(BUCKET, **OVERLAP)
+        ),
+        "fully_sharded": wholeshard_run(
+            steps, make=make, ddp_kw=dict(BUCKET, **OVERLAP, **FS), probe=greedy
+        ),
+        "fully_sharded_checkpointed": wholeshard_run(
+            steps, make=functools.partial(checkpointed, make), ddp_kw=dict(BUCKET, **OVERLAP, **FS)
         ),
     }
 
@@ -172,6 +180,10 @@ def test_model_trains_like_the_reference(name: str) -> None:
         # some gradients in another order, so later steps are close, not equal.
         assert out["checkpointed"]["losses"][0] == out["overlap"]["losses"][0]
         assert_matches(modulo_router_shift(out["checkpointed"]), ref)
+        # Fully sharded: the same arithmetic, params gathered per module and released.
+        assert_bitwise_equal(out["fully_sharded"], out["overlap"])
+        assert out["fully_sharded"]["probe"] == out["overlap"]["probe"]
+        assert_bitwise_equal(out["fully_sharded_checkpointed"], out["checkpointed"])
         tokens = out["overlap"]["probe"]
         assert tokens == outs[0]["overlap"]["probe"], f"rank {rank} generated other tokens"
         assert tokens == ref["probe"], "generated tokens differ from the reference model's"

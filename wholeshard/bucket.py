@@ -40,6 +40,10 @@ class InFlight:
     handles: list[Work | None]
     then: Callable[[], list[Work | None] | None] | None = None
 
+    def done(self) -> bool:
+        """Whether every handle has completed and no second stage is left (never blocks)."""
+        return self.then is None and all(h is None or h.is_completed() for h in self.handles)
+
     def wait(self) -> None:
         for h in self.handles:
             collectives.wait(h)
@@ -194,6 +198,11 @@ class CommBucket:
             self.grad.zero_()
 
     # -- gradients --------------------------------------------------------------------------
+
+    @property
+    def complete(self) -> bool:
+        """Every param's gradient has landed (counted in synchronising backwards only)."""
+        return self.arrived == len(self.params)
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
         """Add `grad` into the grad range of `self.params[i]`."""

@@ -594,7 +594,7 @@ def _install(
 def _model_table(ddp: DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
     params = {
         r.name: {
-            "shape": list(r.param.shape),
+            "shape": list(r.shape),
             "dtype": str(r.param.dtype).removeprefix("torch."),
             "optimizer": "muon" if r.muon else "adamw",
         }

@@ -39,6 +39,9 @@ class _CopyOnWait:
     def __init__(self, work: Work, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.work, self.dst, self.src = work, dst, src
 
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
     def wait(self) -> bool:
         self.work.wait()
         self.dst.copy_(self.src)

@@ -32,7 +32,7 @@ from . import collectives, hooks
 from .bucket import ALLGATHER, BROADCAST, Comm, CommBucket
 from .layout import ParamSpec, Placement
 from .ping_pong import ping_pong_buckets
-from .plan import DEFAULT_STRATEGY, Buffer, Plan, default_bucket_size, plan_buffers
+from .plan import DEFAULT_STRATEGY, Plan, default_bucket_size, plan_buffers
 from .routing import Route, UseMuon, route_params
 from .schedule import Scheduler
 
@@ -117,7 +117,7 @@ class DataParallel(nn.Module):
         self.frozen = _cast_frozen(module, param_dtype)
         if self.dp_size > 1:
             _check_same_model(self.routes, self.process_group)
-        specs = [ParamSpec(r.name, tuple(r.param.shape), r.muon, r.tied) for r in self.routes]
+        specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in self.routes]
         if bucket_size is None:
             bucket_size = default_bucket_size(sum(s.numel for s in specs), self.dp_size)
         self.bucket_size = bucket_size
@@ -361,7 +361,7 @@ def _aligned_buckets(
     param_of = {r.name: r.param for r in routes}
     buckets = []
     for buffer in plan.buffers:
-        units = _storage_units(buffer)
+        units = buffer.storage_units()
         unit_of = {b: n for n, unit in enumerate(units) for b in unit}
         members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in units]
         for p in buffer.placements:
@@ -380,13 +380,6 @@ def _aligned_buckets(
                 )
             )
     return buckets
-
-
-def _storage_units(buffer: Buffer) -> list[range]:
-    """Runs of planned buckets linked by a param that crosses from one into the next."""
-    continued = {b for p in buffer.placements for b in buffer.buckets_of(p)[1:]}
-    starts = [b for b in range(len(buffer.buckets)) if b not in continued]
-    return [range(a, b) for a, b in zip(starts, [*starts[1:], len(buffer.buckets)], strict=True)]
 
 
 def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
@@ -443,7 +436,7 @@ def _resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int
 
 def _check_same_model(routes: list[Route], group: ProcessGroup | None) -> None:
     """Raise on every rank, naming the first difference, if ranks built different models."""
-    mine = [(r.name, tuple(r.param.shape), str(r.param.dtype), r.muon) for r in routes]
+    mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]

@@ -75,7 +75,10 @@ def register(
             scheduler.users[b.index] += 1
         handles.append(mod.register_forward_pre_hook(_pre_forward(scheduler, buckets)))
         if reshard:
-            handles.append(mod.register_forward_hook(_post_forward(scheduler, buckets)))
+            # The root's output gradient arrives before any backward node runs: its own params
+            # stay gathered for backward instead (as FSDP2 keeps its root's).
+            announce = mod is not root
+            handles.append(mod.register_forward_hook(_post_forward(scheduler, buckets, announce)))
             handles.append(mod.register_state_dict_pre_hook(_refuse_released(buckets)))
     if reshard:
         handles.append(root.register_forward_pre_hook(_root_pre(scheduler), prepend=True))
@@ -91,14 +94,16 @@ def _pre_forward(scheduler: Scheduler, buckets: Sequence[CommBucket]) -> Callabl
     return hook
 
 
-def _post_forward(scheduler: Scheduler, buckets: Sequence[CommBucket]) -> Callable:
+def _post_forward(scheduler: Scheduler, buckets: Sequence[CommBucket], announce: bool) -> Callable:
+    """`announce`: hook the outputs' gradients to gather the buckets again for backward."""
+
     def pre_backward(grad: torch.Tensor) -> None:
         scheduler.pre_backward(buckets)
 
     @torch.compiler.disable
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         hookable = False
-        if torch.is_grad_enabled():
+        if announce and torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(pre_backward)

@@ -43,7 +43,7 @@ from .layout import (
     ns_cost,
     validate_inputs,
 )
-from .stacks import matrices, matrix_shape, plan_stacked
+from .stacks import matrices, matrix_shape, plan_stacked, storage_units
 
 KINDS = ("muon", "stacked", "adamw")
 DEFAULT_STRATEGY = "balanced"
@@ -89,6 +89,12 @@ class Buffer:
         while last + 1 < len(self.buckets) and self.buckets[last + 1].start < placement.end:
             last += 1
         return range(placement.bucket, last + 1)
+
+    def storage_units(self) -> tuple[range, ...]:
+        """Runs of bucket indices a fully sharded buffer materialises together: a param crossing
+        a bucket boundary joins the buckets it overlaps (`wholeshard.stacks.storage_units`).
+        One bucket each in whole-tensor and element-wise buffers."""
+        return storage_units(self.buckets, self.placements)
 
     def layout(self) -> Layout:
         """This whole-tensor buffer as a `Layout` over the shard group's ranks."""

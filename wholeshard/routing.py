@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -56,13 +56,18 @@ _COMPILE_WRAPPER = "_orig_mod"  # torch.compile(m) registers m under this name
 
 @dataclass(frozen=True)
 class Route:
-    """One trainable parameter, under its first registered name."""
+    """One trainable parameter, under its first registered name. `shape` is the param's shape
+    as built: it stays valid while a fully sharded wrapper has the param released."""
 
     name: str
     param: nn.Parameter
     muon: bool
     tied: bool  # reachable under more than one name (shared between modules)
     transposed: bool = False  # stored (in, out), e.g. transformers' Conv1D
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.param.shape))
 
 
 def route_params(module: nn.Module, use_muon: UseMuon | None = None) -> list[Route]:
@@ -144,7 +149,7 @@ def routing_table(routes: nn.Module | Sequence[Route]) -> str:
     width = max([40, *(len(r.name) + 1 for r in routes)])
     lines = [f"  {'param':<{width}} {'shape':<18} optimizer"]
     for r in routes:
-        shape = "x".join(map(str, r.param.shape)) or "scalar"
+        shape = "x".join(map(str, r.shape)) or "scalar"
         marks = []
         if r.muon and r.param.ndim > 2:
             marks.append(f"stack of {_matrices(r)}")
@@ -167,9 +172,9 @@ def routing_summary(routes: Sequence[Route]) -> str:
     matrices = sum(_matrices(r) for r in muon)
     return (
         f"routing: {_count(matrices, 'matrix', 'matrices')} "
-        f"({_size(sum(r.param.numel() for r in muon))} params) to Muon, "
+        f"({_size(sum(math.prod(r.shape) for r in muon))} params) to Muon, "
         f"{_count(len(adamw), 'tensor', 'tensors')} "
-        f"({_size(sum(r.param.numel() for r in adamw))} params) to AdamW"
+        f"({_size(sum(math.prod(r.shape) for r in adamw))} params) to AdamW"
     )
 
 
@@ -204,7 +209,7 @@ def _head_modules(root: nn.Module) -> set[int]:
 
 def _matrices(route: Route) -> int:
     """Matrices in a Muon param: the product of its leading dims (1 for a matrix)."""
-    return math.prod(route.param.shape[:-2])
+    return math.prod(route.shape[:-2])
 
 
 def _count(n: int, one: str, many: str) -> str:

@@ -72,6 +72,7 @@ class Scheduler:
         self._grads_reduced = False
         self._queue: deque[CommBucket] = deque()
         self._queued: set[int] = set()
+        self._gathering = 0  # gathers in flight
         self._backward_task: int | None = None
         self._kept: set[int] = set()  # buckets kept gathered across forward/backward
 
@@ -91,15 +92,22 @@ class Scheduler:
         if not self.sync_grads:
             return
         bucket.arrived += 1
-        if bucket.arrived < len(bucket.params):
+        if not bucket.complete:
             return
         if self.reshard:  # no backward node needs these params any more
             self._release(bucket)
         if self.overlap_grad_reduce and self.reduces:
-            while self._next_reduce < len(self.buckets) and self.buckets[
-                self._next_reduce
-            ].arrived == len(self.buckets[self._next_reduce].params):
+            n = len(self.buckets)
+            while self._next_reduce < n and self.buckets[self._next_reduce].complete:
                 self._start_reduce()
+            self._reap_reductions()
+
+    def _reap_reductions(self) -> None:
+        """Fully sharded: free the full grads of reductions that have completed (never blocks)."""
+        if self.reshard:
+            for b in self.buckets[: self._next_reduce]:
+                if b.reducing is not None and b.reducing.done():
+                    b.finish_reduce()
 
     def _start_reduce(self) -> None:
         with record_function("wholeshard.grad_sync.start"):
@@ -243,6 +251,7 @@ class Scheduler:
     def _backward_done(self) -> None:
         self._backward_task = None
         self.release_all()
+        self._reap_reductions()
 
     # -- mechanics ------------------------------------------------------------------------------
 
@@ -267,16 +276,18 @@ class Scheduler:
                 else:
                     self._start_gather(b)
             self._finish_gather(b)
-        if self.overlap_param_gather:  # prefetch the next bucket in queue order
+        if self.overlap_param_gather and not self._gathering:  # prefetch one, in queue order
             self._dispatch_next()
 
     def _start_gather(self, b: CommBucket) -> None:
         with record_function("wholeshard.param_sync.start"):
             b.start_gather()
+        self._gathering += 1
 
     def _finish_gather(self, b: CommBucket) -> None:
         with record_function("wholeshard.param_sync.finish"), self._blocked():
             b.finish_gather()
+        self._gathering -= 1
         b.forward_left = self.users[b.index]
 
     def _release(self, b: CommBucket) -> None:

@@ -28,6 +28,7 @@ last bucket takes the smallest `c` that still holds what is left, so its padding
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,22 @@ def matrices(placement: Placement, buckets: Sequence[Bucket]) -> Iterator[Matrix
             b += 1
         bucket = buckets[b]
         yield Matrix(index, start, start + unit, b, (start - bucket.start) // bucket.shard_numel)
+
+
+def storage_units(buckets: Sequence[Bucket], placements: Sequence[Placement]) -> tuple[range, ...]:
+    """The storage units of a buffer: runs of consecutive bucket indices, in order, covering every
+    bucket once, where buckets b and b + 1 share a unit iff some placement crosses the boundary
+    between them (starts before bucket b + 1's start and ends after it). A param's data is one
+    view of its buffer, so every param lies inside one unit, and a fully sharded buffer
+    materialises a unit's buckets together. Whole-tensor and element-wise buffers: one bucket each.
+    """
+    starts = [b.start for b in buckets]
+    joined = [False] * len(buckets)  # joined[b]: bucket b is in the unit of bucket b - 1
+    for p in placements:
+        for b in range(bisect_right(starts, p.start), bisect_left(starts, p.end)):
+            joined[b] = True
+    firsts = [b for b in range(len(buckets)) if not joined[b]]
+    return tuple(map(range, firsts, [*firsts[1:], len(buckets)]))
 
 
 def plan_stacked(

@@ -231,7 +231,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
 def _pieces(owned: OwnedSlice) -> list[OwnedPiece]:
     """The optimizer's pieces of one owned slice: one per matrix of a Muon stack, else one."""
-    route, full_shape = owned.route, tuple(owned.route.param.shape)
+    route, full_shape = owned.route, owned.route.shape
     if not route.muon:
         return [_piece(route.name, ADAMW, full_shape, owned.offset, owned.param, owned.grad)]
     rows, cols = owned.param.shape[-2:]

@@ -154,6 +154,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--param-sync", choices=C.PARAM_SYNCS, default=d.param_sync, help="param sync collective"
     )
     g.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        help="fully sharded: keep only owned params between steps, gather them per module",
+    )
+    g.add_argument(
+        "--separate-all-gather-group",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="param all-gathers on their own process group (default: on iff fully sharded)",
+    )
+    g.add_argument(
         "--trace", default=None, metavar="FILE", help="write a Chrome trace of a few steps"
     )
     g = p.add_argument_group("checkpoints (muon)")

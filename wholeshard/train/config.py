@@ -76,6 +76,10 @@ class TrainConfig:
     """Muon path: `aligned` (whole-tensor shards) or the legacy `ping_pong` baseline."""
     param_sync: str = "allgather"
     """Muon path: sync updated params by `allgather` or by one `broadcast` per rank."""
+    reshard_after_forward: bool = False
+    """Muon path: fully sharded; between steps each rank keeps only the params it owns."""
+    separate_all_gather_group: bool | None = None
+    """Muon path: param all-gathers on a second process group; None: on iff fully sharded."""
     trace: str | None = None
     """Write a Chrome trace (torch.profiler) of a few steps to this file (rank 0)."""
     checkpoint_every: int = 0
@@ -121,6 +125,18 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.optimizer != "muon" and (
+            self.reshard_after_forward or self.separate_all_gather_group is not None
+        ):
+            raise ValueError(
+                "reshard_after_forward and separate_all_gather_group need --optimizer muon "
+                "(they are wholeshard DataParallel modes)"
+            )
+        if self.reshard_after_forward and self.layout == "ping_pong":
+            raise ValueError(
+                "reshard_after_forward needs layout 'aligned': the ping_pong baseline cannot be "
+                "fully sharded"
+            )
         if self.optimizer != "muon" and (self.checkpoint_every or self.resume):
             raise ValueError(
                 "checkpoint_every and resume need --optimizer muon (wholeshard checkpoints "

@@ -127,6 +127,7 @@ class Trainee:
     module: nn.Module
     opt: torch.optim.Optimizer
     clip: Callable[[float], torch.Tensor]
+    params: int  # counted before wrapping: a fully sharded wrapper releases params
     autocast: torch.dtype | None = None
     param_dtype: torch.dtype = torch.float32
 
@@ -141,6 +142,7 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
     """The model, wrapped for data parallelism, and its optimizer, as `cfg.optimizer` says."""
     torch.manual_seed(cfg.seed)  # identical init on every rank
     model = GPT(preset(cfg.model, cfg.seq_len, cfg.pos, cfg.tie)).to(env.device)
+    params = num_params(model)
     dtype = resolve_param_dtype(cfg.param_dtype, env.device)
     lr, wd = cfg.peak_lr, cfg.weight_decay
     if cfg.optimizer == "muon":
@@ -154,13 +156,15 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
             overlap_param_gather=cfg.overlap,
             layout=cfg.layout,
             param_sync=cfg.param_sync,
+            reshard_after_forward=cfg.reshard_after_forward,
+            separate_all_gather_group=cfg.separate_all_gather_group,
         )
         opt = wholeshard.LayerwiseOptimizer(
             wrapped,
             muon=dict(lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=wd, momentum=0.95),
             adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=wd),
         )
-        return Trainee(model, wrapped, opt, opt.clip_grad_norm_, None, dtype)
+        return Trainee(model, wrapped, opt, opt.clip_grad_norm_, params, None, dtype)
     wrapped: nn.Module = model
     if env.world > 1:
         kwargs = {}
@@ -174,7 +178,7 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     autocast = dtype if dtype != torch.float32 else None
-    return Trainee(model, wrapped, opt, clip, autocast, dtype)
+    return Trainee(model, wrapped, opt, clip, params, autocast, dtype)
 
 
 def _global_mean(t: torch.Tensor, env: Dist) -> float:
@@ -233,7 +237,7 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
         resume_step=None if resumed is None else resumed["step"],
     )
     log.note(
-        f"wholeshard train: {cfg.model} GPT ({num_params(t.model) / 1e6:.2f}M params), "
+        f"wholeshard train: {cfg.model} GPT ({t.params / 1e6:.2f}M params), "
         f"{cfg.optimizer}, {env.world} rank(s) on {env.device.type} "
         f"({str(t.param_dtype).removeprefix('torch.')}); data: {corpus.source} "
         f"({corpus.files} files, {len(corpus.train) + len(corpus.val)} bytes); out: {out}"
@@ -299,7 +303,7 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
             "world_size": env.world,
             "optimizer": cfg.optimizer,
             "model": cfg.model,
-            "params": num_params(t.model),
+            "params": t.params,
             "param_dtype": str(t.param_dtype).removeprefix("torch."),
             "seed": cfg.seed,
             "lr": cfg.peak_lr,
