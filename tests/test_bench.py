@@ -1,7 +1,8 @@
 """Smoke test of `python -m wholeshard.bench --quick`: every row present, the JSON schema exact.
 
 Times are never asserted (they vary 2x on a shared machine); final losses must agree (the bench
-flags them otherwise).
+flags them otherwise). A configuration this version of `DataParallel` cannot run must carry its
+availability check's reason; rows that ran must have every field of the right type.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from wholeshard.bench.configs import CONFIGS, REFERENCE
 from wholeshard.bench.workloads import WORKLOADS
+from wholeshard.data_parallel import DataParallel
 
 ROW_TYPES = {
     "workload": str,
@@ -23,11 +25,16 @@ ROW_TYPES = {
     "comm_wait_s": float,
     "bytes_sent_per_rank": int,
     "peak_rss_bytes": int,
+    "peak_rss_delta_bytes": int,
     "optimizer_state_bytes": int,
+    "persistent_bytes": int,
+    "persistent_bytes_all_ranks": int,
     "ratio_vs_ddp_torch_muon": float,
     "final_loss": float,
     "error": type(None),
 }
+PERSISTENT = ("persistent_bytes", "persistent_bytes_all_ranks")
+"""Only wholeshard rows report these, and only with a `DataParallel` that has `memory()`."""
 
 
 def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
@@ -45,8 +52,8 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
 
     doc = json.loads(out.read_text())
-    assert set(doc) == {"machine", "world_size", "results"}
-    assert doc["world_size"] == 2
+    assert set(doc) == {"machine", "world_size", "overrides", "results"}
+    assert doc["world_size"] == 2 and doc["overrides"] == {}
     machine = doc["machine"]
     assert isinstance(machine["cpu"], str) and isinstance(machine["torch"], str)
     assert isinstance(machine["cores"], int) and machine["cores"] >= 1
@@ -56,15 +63,31 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
         (w, c) for w in WORKLOADS for c in CONFIGS
     ]
     kj_importable = importlib.util.find_spec("muon") is not None
+    ran = 0
     for row in rows:
         where = f"{row['workload']}/{row['config']}"
         assert set(row) == set(ROW_TYPES), where
+        config = CONFIGS[row["config"]]
         if row["config"] == "ddp_kj_muon" and not kj_importable:
             assert "muon" in row["error"], where
             continue
+        reason = config.unavailable()
+        if reason is not None:  # e.g. a fully sharded row before DataParallel has the mode
+            assert row["error"] == reason, where
+            assert all(
+                row[k] is None for k in ROW_TYPES if k not in ("workload", "config", "error")
+            )
+            continue
         assert row["error"] is None, f"{where}: {row['error']}"
+        ran += 1
+        reports_memory = config.ddp_kwargs is not None and hasattr(DataParallel, "memory")
         for key, kind in ROW_TYPES.items():
+            kind = type(None) if key in PERSISTENT and not reports_memory else kind
             assert type(row[key]) is kind, f"{where}: {key}={row[key]!r} is not {kind.__name__}"
         assert row["step_s"] > 0 and row["peak_rss_bytes"] > 0 and row["bytes_sent_per_rank"] > 0
+        assert 0 <= row["peak_rss_delta_bytes"] <= row["peak_rss_bytes"], where
+        if reports_memory:
+            assert 0 < row["persistent_bytes"] <= row["persistent_bytes_all_ranks"], where
         if row["config"] == REFERENCE:
             assert row["ratio_vs_ddp_torch_muon"] == 1.0
+    assert ran >= 2 * len(WORKLOADS)  # at least the reference and a wholeshard row per workload

@@ -1,22 +1,40 @@
-"""Units of `wholeshard bench`: the traffic model, the report, availability, CLI wiring."""
+"""Units of `wholeshard bench`: the traffic model, the report, memory figures, availability,
+overrides, CLI wiring."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from wholeshard import collectives
+from wholeshard import collectives, data_parallel
 from wholeshard.bench import add_parser, main
 from wholeshard.bench import configs as bench_configs
-from wholeshard.bench.configs import wholeshard_config
-from wholeshard.bench.memory import optimizer_state_bytes
-from wholeshard.bench.report import Row, disagreements, fill_ratios, markdown, merge_rounds
+from wholeshard.bench.command import flag_overrides
+from wholeshard.bench.configs import CONFIGS, wholeshard_config, with_overrides
+from wholeshard.bench.memory import (
+    optimizer_state_bytes,
+    peak_rss_bytes,
+    persistent_bytes,
+    rss_bytes,
+)
+from wholeshard.bench.report import (
+    Row,
+    disagreements,
+    fill_ratios,
+    footer,
+    from_ranks,
+    markdown,
+    merge_rounds,
+)
 from wholeshard.bench.traffic import bytes_sent
 from wholeshard.bench.waits import WaitClock
+from wholeshard.bench.workloads import get_workload
 
 MB = torch.zeros(1 << 18)  # 1 MiB of fp32
 
@@ -57,6 +75,31 @@ def test_ratios_and_loss_agreement() -> None:
     assert len(flagged) == 1 and flagged[0].startswith("mlp/odd:")
     table = markdown(rows, flagged)
     assert "LOSS DISAGREES" in table and "boom" in table
+    assert "| peak RSS delta MB |" in table and "| persistent MB/rank |" in table
+    widths = {line.count("|") for line in table.splitlines()}
+    assert len(widths) == 1  # every line has as many cells as the header
+
+
+def _rank(persistent: int | None, delta: int) -> dict:
+    return dict(
+        step_s=1.0,
+        optimizer_s=0.5,
+        comm_wait_s=0.1,
+        bytes_sent_per_rank=8,
+        peak_rss_bytes=300,
+        peak_rss_delta_bytes=delta,
+        optimizer_state_bytes=4,
+        persistent_bytes=persistent,
+        final_loss=0.5,
+    )
+
+
+def test_ranks_combine_to_the_fullest_rank_and_persistent_bytes_also_to_a_sum() -> None:
+    row = from_ranks("mlp", "ws_sync", [_rank(10, 50), _rank(30, 40)])
+    assert (row.peak_rss_delta_bytes, row.persistent_bytes) == (50, 30)
+    assert row.persistent_bytes_all_ranks == 40
+    other = from_ranks("mlp", "ddp_torch_muon", [_rank(None, 50), _rank(None, 40)])
+    assert other.persistent_bytes is None and other.persistent_bytes_all_ranks is None
 
 
 def test_rounds_merge_to_medians_and_survive_a_failed_round() -> None:
@@ -69,13 +112,20 @@ def test_rounds_merge_to_medians_and_survive_a_failed_round() -> None:
             comm_wait_s=0.1,
             bytes_sent_per_rank=8,
             peak_rss_bytes=m,
+            peak_rss_delta_bytes=m // 10,
             optimizer_state_bytes=4,
+            persistent_bytes=m // 100,
+            persistent_bytes_all_ranks=m // 50,
             final_loss=0.5,
         )
         for s, m in ((3.0, 100), (1.0, 300), (2.0, 200))
     ] + [Row("mlp", "ws_sync", error="killed")]
     merged = merge_rounds(rounds)
     assert (merged.step_s, merged.optimizer_s, merged.peak_rss_bytes) == (2.0, 1.0, 300)
+    assert (merged.peak_rss_delta_bytes, merged.persistent_bytes) == (30, 3)
+    assert merged.persistent_bytes_all_ranks == 6
+    unknown = from_ranks("mlp", "ddp_torch_muon", [_rank(None, 1)])  # no persistent figure
+    assert merge_rounds([unknown, unknown]).persistent_bytes is None
     assert merged.error is None
     assert merge_rounds([Row("mlp", "x", error="boom")]).error == "boom"
 
@@ -89,12 +139,129 @@ def test_optimizer_state_bytes_counts_each_tensor_once() -> None:
     assert optimizer_state_bytes([opt]) == 804
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS is read from procfs")
+def test_rss_is_positive_and_at_most_the_peak() -> None:
+    rss = rss_bytes()
+    assert rss is not None and 0 < rss <= peak_rss_bytes()
+
+
+def test_persistent_bytes_sum_what_outlives_a_step() -> None:
+    memory = dict(params=1, grads=2, masters=4, optimizer_state=8, transient_bucket=100, later=1000)
+    assert persistent_bytes(memory) == 15
+
+
 def test_missing_wholeshard_keyword_is_unavailable_not_an_error() -> None:
     config = wholeshard_config("ws_future", "a mode from a later issue", no_such_mode=True)
     reason = config.unavailable()
     assert reason is not None and reason.startswith("not available in this version")
     for name in ("ws_sync", "ws_overlap", "ws_ping_pong"):
         assert bench_configs.CONFIGS[name].unavailable() is None
+
+
+def test_fully_sharded_rows_sit_between_overlap_and_ping_pong() -> None:
+    names = list(CONFIGS)
+    i = names.index("ws_overlap")
+    fully_sharded = ["ws_fully_sharded", "ws_fully_sharded_one_group"]
+    assert names[i + 1 : i + 4] == [*fully_sharded, "ws_ping_pong"]
+    overlap = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+    assert CONFIGS["ws_fully_sharded"].ddp_kwargs == dict(reshard_after_forward=True, **overlap)
+    assert CONFIGS["ws_fully_sharded_one_group"].ddp_kwargs == dict(
+        reshard_after_forward=True, separate_all_gather_group=False, **overlap
+    )
+    assert CONFIGS["ddp_torch_muon"].ddp_kwargs is None
+    assert "bucket_size" not in CONFIGS["ws_sync"].ddp_kwargs  # the library's default
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_override_flags_parse_to_keywords_only_when_given() -> None:
+    assert flag_overrides(_bench_args()) == {}
+    assert flag_overrides(_bench_args("--separate-all-gather-group")) == {
+        "separate_all_gather_group": True
+    }
+    args = _bench_args("--reshard-after-forward", "--no-separate-all-gather-group")
+    assert flag_overrides(args) == {
+        "reshard_after_forward": True,
+        "separate_all_gather_group": False,
+    }
+
+
+def test_overrides_replace_wholeshard_keywords_only() -> None:
+    one_group = with_overrides("ws_overlap", {"separate_all_gather_group": False})
+    assert one_group.name == "ws_overlap"
+    assert one_group.ddp_kwargs == dict(
+        overlap_grad_reduce=True, overlap_param_gather=True, separate_all_gather_group=False
+    )
+    assert "separate_all_gather_group" not in CONFIGS["ws_overlap"].ddp_kwargs  # not mutated
+    sharded = with_overrides("ws_fully_sharded", {"separate_all_gather_group": False})
+    assert sharded.ddp_kwargs == CONFIGS["ws_fully_sharded_one_group"].ddp_kwargs
+    for name in ("ddp_torch_muon", "fsdp2_torch_muon"):
+        assert with_overrides(name, {"reshard_after_forward": True}) is CONFIGS[name]
+    assert with_overrides("ws_sync", {}) is CONFIGS["ws_sync"]
+    reason = with_overrides("ws_sync", {"no_such_mode": True}).unavailable()
+    assert reason is not None and "no_such_mode" in reason  # the check sees the override
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_overrides_reach_the_data_parallel_call(monkeypatch) -> None:
+    seen: dict = {}
+
+    class Recorder:
+        def __init__(self, module, **kwargs) -> None:
+            seen.update(kwargs)
+            raise _Stop
+
+    monkeypatch.setattr(data_parallel, "DataParallel", Recorder)
+    config = with_overrides("ws_ping_pong", {"reshard_after_forward": True})
+    with pytest.raises(_Stop):
+        config.build(get_workload("mlp", quick=True), WaitClock())
+    assert seen["reshard_after_forward"] is True and seen["layout"] == "ping_pong"
+
+
+def test_footer_names_the_overrides_in_effect() -> None:
+    machine = dict(
+        threads_per_rank=1,
+        cpu="cpu",
+        cores=2,
+        torch="2.x",
+        load_average_start=[0.5],
+        load_average_end=[0.7],
+    )
+    plain = footer(machine, 2, 3, 1, 1)
+    assert plain.startswith("2 gloo ranks x 1 thread(s) on cpu (2 cores)")
+    assert "overrid" not in plain
+    line = footer(machine, 2, 3, 1, 1, {"separate_all_gather_group": False})
+    assert line.startswith(plain) and "separate_all_gather_group=False" in line
+
+
+def test_a_configuration_rejecting_an_override_gets_an_error_row(
+    monkeypatch, tmp_path, capfd
+) -> None:
+    """As `DataParallel` rejects ping-pong with resharding: the row carries the error, the run
+    goes on and its footer names the override (forked workers inherit the stand-in)."""
+
+    class Rejecting:
+        def __init__(self, module, *, layout="aligned", reshard_after_forward=False, **kw):
+            if layout == "ping_pong" and reshard_after_forward:
+                raise ValueError("ping_pong cannot reshard after forward")
+            raise AssertionError("not reached")
+
+    monkeypatch.setattr(data_parallel, "DataParallel", Rejecting)
+    out = tmp_path / "bench.json"
+    argv = "--quick --workload mlp --config ws_ping_pong --reshard-after-forward --json".split()
+    assert main(_bench_args(*argv, str(out))) == 0
+    assert "overridden with reshard_after_forward=True" in capfd.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["overrides"] == {"reshard_after_forward": True}
+    (row,) = doc["results"]
+    assert "ValueError: ping_pong cannot reshard after forward" in row["error"]
 
 
 def test_registers_as_a_subcommand() -> None:
@@ -104,13 +271,16 @@ def test_registers_as_a_subcommand() -> None:
     assert args.run is main and args.workload == "mlp" and args.steps == 3 and args.quick
 
 
-def test_rejects_bad_counts_without_starting_workers(capsys) -> None:
+def test_rejects_bad_input_without_starting_workers(capsys) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command", required=True))
     assert main(parser.parse_args(["bench", "--nproc", "0"])) == 2
     assert main(parser.parse_args(["bench", "--steps", "0"])) == 2
     assert main(parser.parse_args(["bench", "--repeat", "0"])) == 2
     assert "must be >= 1" in capsys.readouterr().err
+    no_ws = ["bench", "--config", "ddp_torch_muon", "--no-separate-all-gather-group"]
+    assert main(parser.parse_args(no_ws)) == 2
+    assert "--no-separate-all-gather-group" in capsys.readouterr().err
 
 
 def test_wait_clock_counts_nested_blocks_once_and_restores_patches() -> None:

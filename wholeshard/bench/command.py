@@ -3,7 +3,9 @@
 Each configuration runs in its own `launch` (fresh processes, a fresh gloo group) with the same
 model init, data, seed and world size. Workers are spawned (a clean interpreter each, so memory
 figures are the worker's own); `--quick` forks them instead, to start in milliseconds. Progress
-goes to stderr; stdout carries the markdown table.
+goes to stderr; stdout carries the markdown table. `--reshard-after-forward` and
+`--[no-]separate-all-gather-group` set that `DataParallel` keyword on every wholeshard (ws_*)
+configuration of the run; the line under the table names them.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 from ..launch import WorkerFailed, launch
 from . import report
-from .configs import CONFIGS
-from .worker import run_rank
+from .configs import CONFIGS, with_overrides
+from .worker import preload, run_rank
 from .workloads import WORKLOADS
 
 DEFAULT_STEPS = 10
@@ -51,6 +53,20 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         choices=tuple(CONFIGS),
         help="run only this configuration (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        default=None,
+        help="run every wholeshard (ws_*) configuration fully sharded: "
+        "DataParallel(reshard_after_forward=True)",
+    )
+    p.add_argument(
+        "--separate-all-gather-group",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="give every wholeshard (ws_*) configuration a second process group for param "
+        "all-gathers, or none (default: each configuration's own setting)",
     )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--png", metavar="FILE", help="write a bar chart of step time and memory")
@@ -93,6 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+OVERRIDABLE = ("reshard_after_forward", "separate_all_gather_group")
+"""The `DataParallel` keywords a flag of the same name overrides on every wholeshard
+configuration."""
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The `DataParallel` keywords the parsed flags impose on every wholeshard configuration
+    (a flag not given imposes nothing)."""
+    return {k: getattr(args, k) for k in OVERRIDABLE if getattr(args, k) is not None}
+
+
+def _flag(keyword: str, value: bool) -> str:
+    return "--" + ("" if value else "no-") + keyword.replace("_", "-")
+
+
 def _error_line(text: str) -> str:
     """The exception line of a traceback (its last non-empty line)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
@@ -100,11 +131,18 @@ def _error_line(text: str) -> str:
 
 
 def _run_one(
-    workload: str, config: str, nproc: int, steps: int, warmup: int, quick: bool
+    workload: str,
+    config: str,
+    nproc: int,
+    steps: int,
+    warmup: int,
+    quick: bool,
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[report.Row, list[str]]:
-    """One configuration on fresh workers: its row, and any collectives the traffic model
-    could not charge."""
-    reason = CONFIGS[config].unavailable()
+    """One configuration (wholeshard keywords replaced by `overrides`) on fresh workers: its
+    row, and any collectives the traffic model could not charge. A configuration that cannot
+    run or fails gets a row carrying the reason."""
+    reason = with_overrides(config, overrides or {}).unavailable()
     if reason is not None:
         return report.Row(workload, config, error=reason), []
     timeout = 120 + 30 * (warmup + 1 + steps)
@@ -112,7 +150,7 @@ def _run_one(
         ranks = launch(
             run_rank,
             nproc,
-            (workload, config, steps, warmup, quick),
+            (workload, config, steps, warmup, quick, overrides),
             start_method="fork" if quick else "spawn",
             timeout=timeout,
             collective_timeout_s=timeout,
@@ -128,14 +166,6 @@ def _make_parent(path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
-def _preload_for_fork() -> None:
-    """Import once here what every worker imports lazily (torch's optimizers pull in dynamo, ~3 s),
-    so forked workers inherit it."""
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
     if args.nproc < 1:
@@ -149,9 +179,18 @@ def main(args: argparse.Namespace) -> int:
     warmup = QUICK_WARMUP if args.quick else WARMUP
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     configs = [c for c in CONFIGS if not args.config or c in args.config]
+    imposed = flag_overrides(args)
+    if imposed and all(CONFIGS[c].ddp_kwargs is None for c in configs):
+        flags = " ".join(_flag(k, v) for k, v in imposed.items())
+        print(
+            f"error: {flags}: overrides wholeshard (ws_*) configurations only, and --config "
+            f"selects none",
+            file=sys.stderr,
+        )
+        return 2
     machine = report.machine(args.nproc, forked=args.quick)
     if args.quick:
-        _preload_for_fork()
+        preload()  # forked workers inherit it
 
     runs = [(w, c) for w in workloads for c in configs]
     rounds: dict[tuple[str, str], list[report.Row]] = {run: [] for run in runs}
@@ -160,7 +199,9 @@ def main(args: argparse.Namespace) -> int:
             where = f"{workload} / {config}" + (f" (round {round_ + 1})" if args.repeat > 1 else "")
             print(f"[bench] {where} on {args.nproc} ranks ...", file=sys.stderr)
             start = time.monotonic()
-            row, unmodelled = _run_one(workload, config, args.nproc, steps, warmup, args.quick)
+            row, unmodelled = _run_one(
+                workload, config, args.nproc, steps, warmup, args.quick, imposed
+            )
             took = time.monotonic() - start
             result = row.error or f"{row.step_s:.3f} s/step"
             print(f"[bench]   {result} ({took:.0f} s)", file=sys.stderr)
@@ -173,18 +214,13 @@ def main(args: argparse.Namespace) -> int:
     report.fill_ratios(rows)
     flagged = report.disagreements(rows)
     print(report.markdown(rows, flagged))
-    print(
-        f"\n{args.nproc} gloo ranks x {machine['threads_per_rank']} thread(s) on "
-        f"{machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}; medians of "
-        f"{steps} steps after {warmup} warm-up, {args.repeat} round(s); load average "
-        f"{machine['load_average_start'][0]:.2f} -> {machine['load_average_end'][0]:.2f}"
-    )
+    print("\n" + report.footer(machine, args.nproc, steps, warmup, args.repeat, imposed))
     for message in flagged:
         print(f"WARNING: {message}")
     if args.json:
         _make_parent(args.json)
         with open(args.json, "w") as f:
-            f.write(report.to_json(machine, args.nproc, rows) + "\n")
+            f.write(report.to_json(machine, args.nproc, rows, imposed) + "\n")
     if args.png:
         from .plot import write_png
 

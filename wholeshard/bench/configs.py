@@ -6,6 +6,10 @@ and hooks whatever blocking it hides from Python into the rank's `WaitClock`. Th
 the launching process before any worker starts; a configuration that is unavailable (a missing
 package, a keyword this version of `DataParallel` lacks) gets a row carrying the reason.
 
+A wholeshard configuration also records its `DataParallel` keywords, so a run can override them
+on every wholeshard configuration at once (`with_overrides`); wholeshard buckets are the
+library's default size.
+
 Every configuration uses the same hyperparameters (`MUON_KW`, `ADAMW_KW`), chosen so that
 `torch.optim.Muon` and `muon.MuonWithAuxAdam` compute the same update: Nesterov momentum 0.95,
 the "original" shape scaling `sqrt(max(1, rows / cols))`, AdamW eps 1e-10, no weight decay.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +33,6 @@ from .workloads import Workload
 
 MUON_KW: dict[str, Any] = dict(lr=0.02, momentum=0.95, weight_decay=0.0)
 ADAMW_KW: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
-WS_BUCKET_SIZE = 1 << 21
-"""Elements per wholeshard bucket (8 MiB of fp32 grads; DDP's defaults are 1 MiB, then 25 MiB).
-Overlap needs several buckets: with one, its reduce-scatter can only start when backward ends."""
 REFERENCE = "ddp_torch_muon"
 """The configuration every step time is compared with."""
 
@@ -44,6 +45,9 @@ class Setup:
     optimizers: list[torch.optim.Optimizer]
     after_backward: Callable[[], None] = lambda: None
     """Called after each backward; DDP uses it to book the comm hook's tail into the clock."""
+    memory: Callable[[], dict[str, int]] | None = None
+    """Bytes this rank holds between steps, by kind (`DataParallel.memory`); None when the
+    configuration cannot say."""
 
     def step(self) -> None:
         for opt in self.optimizers:
@@ -66,6 +70,8 @@ class Config:
     build: Builder
     unavailable: Callable[[], str | None] = field(default=lambda: None)
     """The reason this configuration cannot run here, or None."""
+    ddp_kwargs: Mapping[str, Any] | None = None
+    """A wholeshard configuration's `DataParallel` keywords; None for any other configuration."""
 
 
 def split_params(model: nn.Module, workload: Workload) -> tuple[list, list]:
@@ -180,9 +186,7 @@ def _wholeshard_unavailable(ddp_kwargs: dict[str, Any]) -> Callable[[], str | No
 
 
 def wholeshard_config(name: str, description: str, **ddp_kwargs: Any) -> Config:
-    """A configuration of `DataParallel(model, bucket_size=WS_BUCKET_SIZE, **ddp_kwargs)` +
-    `LayerwiseOptimizer`."""
-    ddp_kwargs = {"bucket_size": WS_BUCKET_SIZE, **ddp_kwargs}
+    """A configuration of `DataParallel(model, **ddp_kwargs)` + `LayerwiseOptimizer`."""
 
     def build(workload: Workload, clock: WaitClock) -> Setup:
         from ..data_parallel import DataParallel
@@ -196,9 +200,21 @@ def wholeshard_config(name: str, description: str, **ddp_kwargs: Any) -> Config:
                 raise
             raise RuntimeError(f"not available in this version: {e}") from e
         opt = LayerwiseOptimizer(ddp, muon=dict(MUON_KW, adjust_lr_fn="original"), adamw=ADAMW_KW)
-        return Setup(ddp, [opt])
+        # A DataParallel older than `memory()` cannot report its persistent bytes.
+        return Setup(ddp, [opt], memory=getattr(ddp, "memory", None))
 
-    return Config(name, description, build, _wholeshard_unavailable(ddp_kwargs))
+    unavailable = _wholeshard_unavailable(ddp_kwargs)
+    return Config(name, description, build, unavailable, ddp_kwargs=dict(ddp_kwargs))
+
+
+def with_overrides(name: str, overrides: Mapping[str, Any]) -> Config:
+    """`CONFIGS[name]`, with `overrides` replacing its `DataParallel` keywords if it is a
+    wholeshard configuration; any other configuration, or no overrides, returns it unchanged.
+    The availability check sees the overridden keywords."""
+    config = CONFIGS[name]
+    if config.ddp_kwargs is None or not overrides:
+        return config
+    return wholeshard_config(config.name, config.description, **{**config.ddp_kwargs, **overrides})
 
 
 # -- the registry: benchmarks run in this order ----------------------------------------------
@@ -228,6 +244,21 @@ CONFIGS: dict[str, Config] = {
             "wholeshard with grad-reduce and param-gather overlap",
             overlap_grad_reduce=True,
             overlap_param_gather=True,
+        ),
+        wholeshard_config(
+            "ws_fully_sharded",
+            "wholeshard fully sharded (reshard after forward) + overlap, own all-gather group",
+            reshard_after_forward=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+        ),
+        wholeshard_config(
+            "ws_fully_sharded_one_group",
+            "ws_fully_sharded with every collective on one process group",
+            reshard_after_forward=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            separate_all_gather_group=False,
         ),
         wholeshard_config("ws_ping_pong", "wholeshard, ping-pong layout", layout="ping_pong"),
     )

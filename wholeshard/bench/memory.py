@@ -1,13 +1,30 @@
-"""Per-process memory figures: peak resident set and optimizer-state bytes."""
+"""Per-process memory figures: resident set (peak and current), optimizer-state bytes, and the
+persistent bytes a `DataParallel` reports holding between steps."""
 
 from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+PERSISTENT_KINDS = ("params", "grads", "masters", "optimizer_state")
+"""The kinds of `DataParallel.memory()` a rank keeps between steps (its other keys, such as
+`transient_bucket`, exist only during forward/backward)."""
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    """A `kB` figure of /proc/self/status (e.g. `VmRSS`) in bytes; None without procfs."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def peak_rss_bytes() -> int:
@@ -17,15 +34,22 @@ def peak_rss_bytes() -> int:
     worker starts at its launcher's peak (the kernel carries the old address space's high-water
     mark across `exec`), so it would report the launcher's memory, not the worker's.
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def rss_bytes() -> int | None:
+    """This process's current resident set size in bytes (`VmRSS`); never above the peak that
+    `peak_rss_bytes` reports afterwards. None without procfs (not Linux)."""
+    return _proc_status_bytes("VmRSS")
+
+
+def persistent_bytes(memory: Mapping[str, int]) -> int:
+    """The bytes of a `DataParallel.memory()` breakdown that outlive a step (`PERSISTENT_KINDS`)."""
+    return sum(memory[kind] for kind in PERSISTENT_KINDS)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

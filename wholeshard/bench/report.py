@@ -1,9 +1,11 @@
-"""Rows of results: aggregation over ranks, the agreement check, markdown and JSON output.
+"""Rows of results: aggregation over ranks, the agreement check, markdown (the table and its
+footer) and JSON output.
 
 Aggregation: each rank reports medians over its timed steps; a row takes the largest value over
-ranks (the slowest rank sets the pace; memory is what the fullest rank needs). With several
-rounds, a row's times are medians over rounds. Final losses are global means, equal on every
-rank.
+ranks (the slowest rank sets the pace; memory is what the fullest rank needs), except
+`persistent_bytes_all_ranks`, the sum over ranks. A size some rank cannot report is None. With
+several rounds, a row's times are medians over rounds, its sizes the largest. Final losses are
+global means, equal on every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ class Row:
     comm_wait_s: float | None = None
     bytes_sent_per_rank: int | None = None
     peak_rss_bytes: int | None = None
+    peak_rss_delta_bytes: int | None = None
+    """Peak RSS minus the RSS just before the model was built: what the model, its optimizers
+    and training (first use of their kernels included) added at the peak."""
     optimizer_state_bytes: int | None = None
+    persistent_bytes: int | None = None
+    """Params + grads + masters + optimizer state a wholeshard rank holds between steps, by
+    `DataParallel.memory()`; None for other configurations."""
+    persistent_bytes_all_ranks: int | None = None
     ratio_vs_ddp_torch_muon: float | None = None
     final_loss: float | None = None
     error: str | None = None
@@ -45,8 +54,9 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
     """Combine the per-rank figures of one run into a row."""
 
     def worst(key: str) -> Any:
-        return max(r[key] for r in ranks)
+        return _largest([r[key] for r in ranks])
 
+    persistent = [r["persistent_bytes"] for r in ranks]
     return Row(
         workload=workload,
         config=config,
@@ -55,7 +65,10 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
         comm_wait_s=worst("comm_wait_s"),
         bytes_sent_per_rank=worst("bytes_sent_per_rank"),
         peak_rss_bytes=worst("peak_rss_bytes"),
+        peak_rss_delta_bytes=worst("peak_rss_delta_bytes"),
         optimizer_state_bytes=worst("optimizer_state_bytes"),
+        persistent_bytes=_largest(persistent),
+        persistent_bytes_all_ranks=None if None in persistent else sum(persistent),
         final_loss=ranks[0]["final_loss"],
     )
 
@@ -70,8 +83,8 @@ def merge_rounds(rounds: list[Row]) -> Row:
     def median(key: str) -> float:
         return statistics.median(getattr(r, key) for r in done)
 
-    def largest(key: str) -> int:
-        return max(getattr(r, key) for r in done)
+    def largest(key: str) -> int | None:
+        return _largest([getattr(r, key) for r in done])
 
     return Row(
         workload=done[0].workload,
@@ -81,9 +94,17 @@ def merge_rounds(rounds: list[Row]) -> Row:
         comm_wait_s=median("comm_wait_s"),
         bytes_sent_per_rank=largest("bytes_sent_per_rank"),
         peak_rss_bytes=largest("peak_rss_bytes"),
+        peak_rss_delta_bytes=largest("peak_rss_delta_bytes"),
         optimizer_state_bytes=largest("optimizer_state_bytes"),
+        persistent_bytes=largest("persistent_bytes"),
+        persistent_bytes_all_ranks=largest("persistent_bytes_all_ranks"),
         final_loss=done[0].final_loss,
     )
+
+
+def _largest(values: list[Any]) -> Any:
+    """The largest of `values`, or None if any is None (a figure some process could not give)."""
+    return None if None in values else max(values)
 
 
 def fill_ratios(rows: list[Row]) -> None:
@@ -151,11 +172,18 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def to_json(machine_info: dict[str, Any], world_size: int, rows: list[Row]) -> str:
-    """The `--json` document."""
+def to_json(
+    machine_info: dict[str, Any],
+    world_size: int,
+    rows: list[Row],
+    overrides: dict[str, Any] | None = None,
+) -> str:
+    """The `--json` document; `overrides` are the `DataParallel` keywords the run imposed on
+    every wholeshard configuration (`{}` if none)."""
     doc = {
         "machine": machine_info,
         "world_size": world_size,
+        "overrides": dict(overrides or {}),
         "results": [asdict(r) for r in rows],
     }
     return json.dumps(doc, indent=2)
@@ -173,9 +201,10 @@ def markdown(rows: list[Row], flagged: list[str]) -> str:
     """The results table (README-ready), one line per row, errors and disagreements noted."""
     bad = {m.split(":", 1)[0] for m in flagged}
     lines = [
-        "| workload | config | step s | optimizer s | comm wait s | sent/rank MB "
-        "| peak RSS MB | opt state MB | vs ddp_torch_muon | final loss | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| workload | config | step s | optimizer s | comm wait s | sent/rank MB | peak RSS MB "
+        "| peak RSS delta MB | opt state MB | persistent MB/rank | vs ddp_torch_muon "
+        "| final loss | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ratio = "" if r.ratio_vs_ddp_torch_muon is None else f"{r.ratio_vs_ddp_torch_muon:.2f}x"
@@ -185,6 +214,29 @@ def markdown(rows: list[Row], flagged: list[str]) -> str:
         lines.append(
             f"| {r.workload} | {r.config} | {_s(r.step_s)} | {_s(r.optimizer_s)} "
             f"| {_s(r.comm_wait_s)} | {_mb(r.bytes_sent_per_rank)} | {_mb(r.peak_rss_bytes)} "
-            f"| {_mb(r.optimizer_state_bytes)} | {ratio} | {loss} | {note} |"
+            f"| {_mb(r.peak_rss_delta_bytes)} | {_mb(r.optimizer_state_bytes)} "
+            f"| {_mb(r.persistent_bytes)} | {ratio} | {loss} | {note} |"
         )
     return "\n".join(lines)
+
+
+def footer(
+    machine_info: dict[str, Any],
+    nproc: int,
+    steps: int,
+    warmup: int,
+    repeat: int,
+    overrides: dict[str, Any] | None = None,
+) -> str:
+    """The line under the table: machine, step counts, load, and any overrides in effect."""
+    m = machine_info
+    line = (
+        f"{nproc} gloo ranks x {m['threads_per_rank']} thread(s) on {m['cpu']} "
+        f"({m['cores']} cores), torch {m['torch']}; medians of {steps} steps after {warmup} "
+        f"warm-up, {repeat} round(s); load average {m['load_average_start'][0]:.2f} -> "
+        f"{m['load_average_end'][0]:.2f}"
+    )
+    if overrides:
+        keywords = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        line += f"; every wholeshard (ws_*) configuration overridden with {keywords}"
+    return line

@@ -3,6 +3,11 @@
 Step sequence on every rank: `warmup` untimed steps (lazy optimizer state, DDP's bucket rebuild),
 one untimed step under the `TrafficCounter`, then `steps` timed steps. A step is forward +
 backward + optimizer step + zero_grad; batches are made before the loop.
+
+Memory: the RSS delta is the peak resident set at the end minus the resident set just before
+the configuration builds the model (batches are made and lazy imports done before that), so it
+isolates the model, its optimizers and training from the interpreter and its imports.
+Persistent bytes are what the setup reports holding between steps, read after the timed steps.
 """
 
 from __future__ import annotations
@@ -10,24 +15,46 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .configs import CONFIGS
-from .memory import optimizer_state_bytes, peak_rss_bytes
+from .configs import with_overrides
+from .memory import optimizer_state_bytes, peak_rss_bytes, persistent_bytes, rss_bytes
 from .traffic import TrafficCounter
 from .waits import WaitClock
 from .workloads import get_workload
 
 
-def run_rank(workload_name: str, config_name: str, steps: int, warmup: int, quick: bool) -> dict:
-    """Benchmark one configuration on this rank; returns this rank's figures (medians in s)."""
+def preload() -> None:
+    """Import what the configurations import lazily (torch's optimizers pull in dynamo, ~3 s and
+    ~30 MB), so it is neither in the RSS delta nor, for forked workers, paid per worker."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    from .. import data_parallel, optim  # noqa: F401
+
+
+def run_rank(
+    workload_name: str,
+    config_name: str,
+    steps: int,
+    warmup: int,
+    quick: bool,
+    overrides: dict[str, Any] | None = None,
+) -> dict:
+    """Benchmark one configuration (its wholeshard keywords replaced by `overrides`) on this
+    rank; returns this rank's figures (medians in s, sizes in bytes, None where unknown)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     workload = get_workload(workload_name, quick)
+    config = with_overrides(config_name, overrides or {})
     clock = WaitClock()
-    setup = CONFIGS[config_name].build(workload, clock)
     batches = [workload.local_batch(s, rank, world) for s in range(warmup + 1 + steps)]
+    preload()
+    rss_before_build = rss_bytes()
+    setup = config.build(workload, clock)
     counter = TrafficCounter()
     step_s: list[float] = []
     optimizer_s: list[float] = []
@@ -51,6 +78,8 @@ def run_rank(workload_name: str, config_name: str, steps: int, warmup: int, quic
                 step_s.append(t3 - t0)
                 optimizer_s.append(t2 - t1)
                 wait_s.append(clock.seconds - blocked_before)
+    persistent = None if setup.memory is None else persistent_bytes(setup.memory())
+    peak = peak_rss_bytes()
     final = loss.detach().float().reshape(1)
     dist.all_reduce(final, op=dist.ReduceOp.AVG)
     return {
@@ -59,7 +88,9 @@ def run_rank(workload_name: str, config_name: str, steps: int, warmup: int, quic
         "comm_wait_s": statistics.median(wait_s),
         "bytes_sent_per_rank": counter.bytes,
         "unmodelled": sorted(counter.unmodelled),
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak,
+        "peak_rss_delta_bytes": None if rss_before_build is None else peak - rss_before_build,
+        "persistent_bytes": persistent,
         "optimizer_state_bytes": optimizer_state_bytes(setup.optimizers),
         "final_loss": final.item(),
     }
