@@ -95,6 +95,7 @@ def worker(args) -> None:
         param_dtype=getattr(torch, args.param_dtype),
         overlap_grad_reduce=args.overlap,
         overlap_param_gather=args.overlap,
+        reshard_after_forward=args.reshard_after_forward,
     )
     opt = wholeshard.LayerwiseOptimizer(
         ddp,
@@ -128,9 +129,9 @@ def worker(args) -> None:
         if rank == 0:
             print(f"step {step + 1:3d}  loss {loss.item():.4f}  grad_norm {norm:.3f}  ", end="")
             print(f"lr {lr:.2e}  {took:.2f}s")
-    ddp.finish_param_sync()
-    if args.save and rank == 0:
-        model.save_pretrained(args.save)  # plain transformers weights, loadable with --model
+    with ddp.full_params():  # every rank enters: fully sharded, this gathers the params
+        if args.save and rank == 0:
+            model.save_pretrained(args.save)  # plain transformers weights, loadable with --model
 
 
 def main() -> None:
@@ -150,6 +151,11 @@ def main() -> None:
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--bucket-size", type=int, default=None)
     p.add_argument("--overlap", action="store_true", help="overlap grad reduce + param gather")
+    p.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        help="fully sharded: keep only owned params between steps",
+    )
     p.add_argument("--compile", action="store_true", help="model.compile() before wrapping")
     p.add_argument("--save", help="rank 0 saves the trained model here (save_pretrained)")
     args = p.parse_args()

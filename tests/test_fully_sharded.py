@@ -23,6 +23,7 @@ from support import (
     run,
     wholeshard_run,
 )
+from test_frozen import make_adapted
 
 import wholeshard
 from wholeshard import collectives
@@ -65,6 +66,20 @@ def test_hybrid_sharding_in_shard_groups(overlap: bool) -> None:
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_no_sync_accumulation(overlap: bool) -> None:
     _assert_fs_equals_zero(2, OVERLAP if overlap else {}, torch.float32, micro_batches=3)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        pytest.param(dict(model_kw=dict(tied=True)), id="tied-head"),
+        pytest.param(dict(unused_param=True), id="unused-param"),
+        pytest.param(dict(make=make_adapted, param_dtype=torch.bfloat16), id="frozen-base"),
+    ],
+)
+def test_models_with_shared_unused_or_frozen_params(kw: dict) -> None:
+    for out in run(_both, 2, OVERLAP, **kw):
+        assert_bitwise_equal(out["fs"], out["zero"])
+        assert out["fs"]["evals"] == out["zero"]["evals"]
 
 
 def test_clipping_and_broadcast_param_sync() -> None:

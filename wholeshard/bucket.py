@@ -94,10 +94,15 @@ class CommBucket:
         self.comm = comm
         self.reshard = reshard
         device = self.params[0][0].device
-        self.param = torch.zeros(self.end - self.start, dtype=param_dtype, device=device)
-        self.grad = torch.zeros(self.end - self.start, dtype=grad_dtype, device=device)
+        numel = self.end - self.start
+        self.param = torch.zeros(numel, dtype=param_dtype, device=device)
+        # Resharding, the grads are materialised by the first gradient ([Note: resharding]).
+        make = torch.empty if reshard else torch.zeros
+        self.grad = make(numel, dtype=grad_dtype, device=device)
         self._param_views = [self._local(self.param, p).view(p.shape) for _, p in self.params]
         self._grad_views = [self._local(self.grad, p).view(p.shape) for _, p in self.params]
+        if reshard:
+            _free(self.grad)
         for (param, _), view in zip(self.params, self._param_views, strict=True):
             view.copy_(param.detach())
             param.data = view

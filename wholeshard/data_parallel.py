@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -148,23 +148,26 @@ class DataParallel(nn.Module):
         comm = Comm(
             self.shard_group, self.shard_rank, k, self.gather_group, self.replica_group, param_sync
         )
+        built: Iterable[CommBucket]
         if self.plan is not None:
-            buckets = _aligned_buckets(
+            built = _aligned_buckets(
                 self.plan, self.routes, comm, reshard=self.reshard_after_forward, **dtypes
             )
         else:
             params = [r.param for r in self.routes]
-            buckets, self._owners = ping_pong_buckets(
+            built, self._owners = ping_pong_buckets(
                 specs, params, comm, bucket_size=bucket_size, **dtypes
             )
-        if self.dp_size > 1:
-            for b in buckets:
+        buckets = []
+        for b in built:  # one at a time: fully sharded, one full bucket exists beside the model
+            if self.dp_size > 1:
                 collectives.broadcast_from_first(b.param, self.process_group)
+            if self.reshard_after_forward:
+                b.keep_shards()
+            buckets.append(b)
+        if self.dp_size > 1:
             for t in [*self.frozen, *module.buffers()]:
                 collectives.broadcast_from_first(t.data, self.process_group)
-        if self.reshard_after_forward:
-            for b in buckets:
-                b.keep_shards()
 
         # Reduce order is backprop order: the bucket holding the latest-registered param first;
         # gather order is forward order: the bucket holding the earliest-registered param first.
@@ -356,10 +359,10 @@ def _aligned_buckets(
     reshard: bool,
     param_dtype: torch.dtype,
     grad_dtype: torch.dtype,
-) -> list[CommBucket]:
-    """One bucket per storage unit of every planned buffer ([Note: storage units])."""
+) -> Iterator[CommBucket]:
+    """One bucket per storage unit of every planned buffer ([Note: storage units]), built as
+    the caller asks for them."""
     param_of = {r.name: r.param for r in routes}
-    buckets = []
     for buffer in plan.buffers:
         units = buffer.storage_units()
         unit_of = {b: n for n, unit in enumerate(units) for b in unit}
@@ -367,19 +370,15 @@ def _aligned_buckets(
         for p in buffer.placements:
             members[unit_of[p.bucket]].append((param_of[p.name], p))
         for unit, params in zip(units, members, strict=True):
-            parts = buffer.buckets[unit.start : unit.stop]
-            buckets.append(
-                CommBucket(
-                    buffer.kind,
-                    parts,
-                    params,
-                    comm,
-                    reshard=reshard,
-                    param_dtype=param_dtype,
-                    grad_dtype=grad_dtype,
-                )
+            yield CommBucket(
+                buffer.kind,
+                buffer.buckets[unit.start : unit.stop],
+                params,
+                comm,
+                reshard=reshard,
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
             )
-    return buckets
 
 
 def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:

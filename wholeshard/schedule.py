@@ -38,6 +38,11 @@ from torch.autograd.profiler import record_function
 
 from .bucket import CommBucket
 
+REDUCES_IN_FLIGHT = 1
+"""Fully sharded: dispatching a reduction first finishes the one this many places earlier, so
+at most this many full grad buckets wait on the network (FSDP2 keeps one reduce-scatter in
+flight while the next bucket's gradients are computed)."""
+
 
 class Scheduler:
     """The step's state machine over `buckets` (in backprop order, which is reduce order).
@@ -100,18 +105,15 @@ class Scheduler:
             n = len(self.buckets)
             while self._next_reduce < n and self.buckets[self._next_reduce].complete:
                 self._start_reduce()
-            self._reap_reductions()
-
-    def _reap_reductions(self) -> None:
-        """Fully sharded: free the full grads of reductions that have completed (never blocks)."""
-        if self.reshard:
-            for b in self.buckets[: self._next_reduce]:
-                if b.reducing is not None and b.reducing.done():
-                    b.finish_reduce()
 
     def _start_reduce(self) -> None:
+        n = self._next_reduce
+        if self.reshard and n >= REDUCES_IN_FLIGHT:
+            # Bound the full grads alive at once: finish the oldest reduction still in flight.
+            with self._blocked():
+                self.buckets[n - REDUCES_IN_FLIGHT].finish_reduce()
         with record_function("wholeshard.grad_sync.start"):
-            self.buckets[self._next_reduce].start_reduce()
+            self.buckets[n].start_reduce()
         self._next_reduce += 1
 
     def start_grad_sync(self) -> None:
@@ -251,7 +253,6 @@ class Scheduler:
     def _backward_done(self) -> None:
         self._backward_task = None
         self.release_all()
-        self._reap_reductions()
 
     # -- mechanics ------------------------------------------------------------------------------
 
