@@ -19,7 +19,7 @@ in place, so the views autograd saved during forward see the re-gathered values 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,8 @@ from torch.distributed import ProcessGroup, Work
 
 from . import collectives
 from .layout import Bucket, Placement
+from .plan import Plan
+from .routing import Route
 
 ALLGATHER, BROADCAST = "allgather", "broadcast"
 
@@ -288,6 +290,36 @@ class CommBucket:
 
     def drop_temporaries(self) -> None:
         """Free temporary buffers a scheme keeps between steps (none here)."""
+
+
+def aligned_buckets(
+    plan: Plan,
+    routes: list[Route],
+    comm: Comm,
+    *,
+    reshard: bool,
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+) -> Iterator[CommBucket]:
+    """One bucket per storage unit of every planned buffer ([Note: storage units]), built as
+    the caller asks for them."""
+    param_of = {r.name: r.param for r in routes}
+    for buffer in plan.buffers:
+        units = buffer.storage_units()
+        unit_of = {b: n for n, unit in enumerate(units) for b in unit}
+        members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in units]
+        for p in buffer.placements:
+            members[unit_of[p.bucket]].append((param_of[p.name], p))
+        for unit, params in zip(units, members, strict=True):
+            yield CommBucket(
+                buffer.kind,
+                buffer.buckets[unit.start : unit.stop],
+                params,
+                comm,
+                reshard=reshard,
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+            )
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -17,19 +17,18 @@ Buckets are `wholeshard.bucket.CommBucket`s; the legacy ping-pong baseline build
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from . import collectives, hooks
-from .bucket import ALLGATHER, BROADCAST, Comm, CommBucket
+from .bucket import ALLGATHER, BROADCAST, Comm, CommBucket, aligned_buckets
+from .groups import check_same_model, make_groups, resolve_group
 from .layout import ParamSpec, Placement
 from .ping_pong import ping_pong_buckets
 from .plan import DEFAULT_STRATEGY, Plan, default_bucket_size, plan_buffers
@@ -91,37 +90,21 @@ class DataParallel(nn.Module):
         separate_all_gather_group: bool | None = None,
     ) -> None:
         super().__init__()
-        if not (param_dtype.is_floating_point and grad_reduce_dtype.is_floating_point):
-            raise ValueError(
-                f"param_dtype and grad_reduce_dtype must be floating point, got "
-                f"{param_dtype} and {grad_reduce_dtype}"
-            )
-        if layout not in (ALIGNED, PING_PONG):
-            raise ValueError(f"layout must be {ALIGNED!r} or {PING_PONG!r}, got {layout!r}")
-        if param_sync not in (ALLGATHER, BROADCAST):
-            raise ValueError(
-                f"param_sync must be {ALLGATHER!r} or {BROADCAST!r}, got {param_sync!r}"
-            )
-        if layout == PING_PONG and reshard_after_forward:
-            raise ValueError(
-                "layout='ping_pong' cannot be fully sharded (its owners' params are not in "
-                "equal shards): use the default layout='aligned' with reshard_after_forward=True"
-            )
+        _check_modes(param_dtype, grad_reduce_dtype, layout, param_sync, reshard_after_forward)
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
-        self.process_group, self.dp_size, self.rank = _resolve_group(process_group)
+        self.process_group, self.dp_size, self.rank = resolve_group(process_group)
         if layout == PING_PONG and shard_group_size not in (None, self.dp_size):
             raise ValueError("layout='ping_pong' has no shard groups: leave shard_group_size unset")
         self.routes: list[Route] = route_params(module, use_muon)
         self.frozen = _cast_frozen(module, param_dtype)
         if self.dp_size > 1:
-            _check_same_model(self.routes, self.process_group)
+            check_same_model(self.routes, self.process_group)
         specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in self.routes]
         if bucket_size is None:
             bucket_size = default_bucket_size(sum(s.numel for s in specs), self.dp_size)
         self.bucket_size = bucket_size
-        dtypes = dict(param_dtype=param_dtype, grad_dtype=grad_reduce_dtype)
 
         self.plan: Plan | None = None
         self._owners: dict[str, int] = {}  # ping-pong only: the plan has no owners for it
@@ -137,20 +120,28 @@ class DataParallel(nn.Module):
             self.shard_rank = self.plan.shard_rank(self.rank)
         else:
             self.shard_group_size, self.shard_rank = self.dp_size, self.rank
-        k = self.shard_group_size
-        gathers = self.dp_size > 1 and k > 1
+        gathers = self.dp_size > 1 and self.shard_group_size > 1
         self.reshard_after_forward = reshard_after_forward and gathers
         if separate_all_gather_group is None:
             separate_all_gather_group = reshard_after_forward
-        self.shard_group, self.replica_group, self.gather_group = _groups(
-            self.process_group, self.dp_size, k, separate_all_gather_group and gathers
+        self.shard_group, self.replica_group, self.gather_group = make_groups(
+            self.process_group,
+            self.dp_size,
+            self.shard_group_size,
+            separate_all_gather_group and gathers,
         )
         comm = Comm(
-            self.shard_group, self.shard_rank, k, self.gather_group, self.replica_group, param_sync
+            self.shard_group,
+            self.shard_rank,
+            self.shard_group_size,
+            self.gather_group,
+            self.replica_group,
+            param_sync,
         )
+        dtypes = dict(param_dtype=param_dtype, grad_dtype=grad_reduce_dtype)
         built: Iterable[CommBucket]
         if self.plan is not None:
-            built = _aligned_buckets(
+            built = aligned_buckets(
                 self.plan, self.routes, comm, reshard=self.reshard_after_forward, **dtypes
             )
         else:
@@ -158,47 +149,43 @@ class DataParallel(nn.Module):
             built, self._owners = ping_pong_buckets(
                 specs, params, comm, bucket_size=bucket_size, **dtypes
             )
-        buckets = []
-        for b in built:  # one at a time: fully sharded, one full bucket exists beside the model
-            if self.dp_size > 1:
-                collectives.broadcast_from_first(b.param, self.process_group)
-            if self.reshard_after_forward:
-                b.keep_shards()
-            buckets.append(b)
+        buckets = [self._settle(b) for b in built]
         if self.dp_size > 1:
             for t in [*self.frozen, *module.buffers()]:
                 collectives.broadcast_from_first(t.data, self.process_group)
 
-        # Reduce order is backprop order: the bucket holding the latest-registered param first;
-        # gather order is forward order: the bucket holding the earliest-registered param first.
-        index = {r.name: i for i, r in enumerate(self.routes)}
-        buckets.sort(key=lambda b: -max(index[p.name] for _, p in b.params))
-        forward = sorted(
-            range(len(buckets)), key=lambda n: min(index[p.name] for _, p in buckets[n].params)
-        )
+        reduce_order, forward_order = _orders(buckets, self.routes)
+        position = {n: i for i, n in enumerate(reduce_order)}
         self.scheduler = Scheduler(
-            buckets,
-            forward,
+            [buckets[n] for n in reduce_order],
+            [position[n] for n in forward_order],
             reduces=self.dp_size > 1,
             gathers=gathers,
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
             reshard=self.reshard_after_forward,
         )
-        self._where: dict[str, tuple[CommBucket, Placement]] = {}
-        self._hooks = []
-        for b in buckets:
-            for i, (param, p) in enumerate(b.params):
-                self._where[p.name] = (b, p)
-                self._hooks.append(
-                    param.register_post_accumulate_grad_hook(self._grad_hook(b, i, p.name))
-                )
+        self._where = {p.name: (b, p) for b in buckets for _, p in b.params}
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._grad_hook(b, i, p.name))
+            for b in buckets
+            for i, (param, p) in enumerate(b.params)
+        ]
         if gathers and (overlap_param_gather or self.reshard_after_forward):
             bucket_of = {id(param): b for b in buckets for param, _ in b.params}
             self._hooks += hooks.register(
                 self.scheduler, self.module, bucket_of, reshard=self.reshard_after_forward
             )
         self._optimizer: weakref.ref[StateHolder] | None = None
+
+    def _settle(self, bucket: CommBucket) -> CommBucket:
+        """Give a new bucket rank 0's values and, fully sharded, keep only this rank's shards:
+        buckets are settled one at a time, so one full bucket exists beside the model."""
+        if self.dp_size > 1:
+            collectives.broadcast_from_first(bucket.param, self.process_group)
+        if self.reshard_after_forward:
+            bucket.keep_shards()
+        return bucket
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -351,34 +338,40 @@ class DataParallel(nn.Module):
         self._optimizer = weakref.ref(optimizer)
 
 
-def _aligned_buckets(
-    plan: Plan,
-    routes: list[Route],
-    comm: Comm,
-    *,
-    reshard: bool,
+def _check_modes(
     param_dtype: torch.dtype,
-    grad_dtype: torch.dtype,
-) -> Iterator[CommBucket]:
-    """One bucket per storage unit of every planned buffer ([Note: storage units]), built as
-    the caller asks for them."""
-    param_of = {r.name: r.param for r in routes}
-    for buffer in plan.buffers:
-        units = buffer.storage_units()
-        unit_of = {b: n for n, unit in enumerate(units) for b in unit}
-        members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in units]
-        for p in buffer.placements:
-            members[unit_of[p.bucket]].append((param_of[p.name], p))
-        for unit, params in zip(units, members, strict=True):
-            yield CommBucket(
-                buffer.kind,
-                buffer.buckets[unit.start : unit.stop],
-                params,
-                comm,
-                reshard=reshard,
-                param_dtype=param_dtype,
-                grad_dtype=grad_dtype,
-            )
+    grad_reduce_dtype: torch.dtype,
+    layout: str,
+    param_sync: str,
+    reshard_after_forward: bool,
+) -> None:
+    if not (param_dtype.is_floating_point and grad_reduce_dtype.is_floating_point):
+        raise ValueError(
+            f"param_dtype and grad_reduce_dtype must be floating point, got "
+            f"{param_dtype} and {grad_reduce_dtype}"
+        )
+    if layout not in (ALIGNED, PING_PONG):
+        raise ValueError(f"layout must be {ALIGNED!r} or {PING_PONG!r}, got {layout!r}")
+    if param_sync not in (ALLGATHER, BROADCAST):
+        raise ValueError(f"param_sync must be {ALLGATHER!r} or {BROADCAST!r}, got {param_sync!r}")
+    if layout == PING_PONG and reshard_after_forward:
+        raise ValueError(
+            "layout='ping_pong' cannot be fully sharded (its owners' params are not in "
+            "equal shards): use the default layout='aligned' with reshard_after_forward=True"
+        )
+
+
+def _orders(buckets: list[CommBucket], routes: list[Route]) -> tuple[list[int], list[int]]:
+    """(reduce order, gather order) of `buckets`, as indices. Reduce order is backprop order:
+    the bucket holding the latest-registered param first; gather order is forward order: the
+    bucket holding the earliest-registered param first."""
+    index = {r.name: i for i, r in enumerate(routes)}
+    last = [max(index[p.name] for _, p in b.params) for b in buckets]
+    first = [min(index[p.name] for _, p in b.params) for b in buckets]
+    return (
+        sorted(range(len(buckets)), key=lambda n: -last[n]),
+        sorted(range(len(buckets)), key=lambda n: first[n]),
+    )
 
 
 def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
@@ -392,62 +385,3 @@ def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
                 p.data = p.data.to(dtype)
             frozen.append(p)
     return frozen
-
-
-def _groups(
-    group: ProcessGroup | None, dp_size: int, k: int, separate_gather: bool
-) -> tuple[ProcessGroup | None, ProcessGroup | None, ProcessGroup | None]:
-    """(this rank's shard group, its replica group, its all-gather group).
-
-    Consecutive blocks of k ranks shard the params; ranks at the same position of every block
-    replicate them (no replica group if k = dp). The all-gather group is the shard group, or a
-    second group over the same ranks when `separate_gather`. Every rank creates the groups in
-    the same order.
-    """
-    if dp_size == 1:
-        return group, None, group
-    world = [dist.get_global_rank(group or dist.group.WORLD, r) for r in range(dp_size)]
-    blocks = [world[g * k : (g + 1) * k] for g in range(dp_size // k)]
-    if k == dp_size:
-        shard, replica = group, None
-        gather = dist.new_group(world, use_local_synchronization=True) if separate_gather else group
-        return shard, replica, gather
-    shard, _ = dist.new_subgroups_by_enumeration(blocks)
-    replica, _ = dist.new_subgroups_by_enumeration([world[r::k] for r in range(k)])
-    gather = dist.new_subgroups_by_enumeration(blocks)[0] if separate_gather else shard
-    return shard, replica, gather
-
-
-def _resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int, int]:
-    if group is not None:
-        return group, dist.get_world_size(group), dist.get_rank(group)
-    if dist.is_available() and dist.is_initialized():
-        return None, dist.get_world_size(), dist.get_rank()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise RuntimeError(
-            f"WORLD_SIZE={world} but torch.distributed is not initialised: call "
-            f"torch.distributed.init_process_group(...) before wrapping the model in "
-            f"wholeshard.DataParallel (or pass process_group=...)"
-        )
-    return None, 1, 0
-
-
-def _check_same_model(routes: list[Route], group: ProcessGroup | None) -> None:
-    """Raise on every rank, naming the first difference, if ranks built different models."""
-    mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == reference:
-            continue
-        for i in range(max(len(reference), len(theirs))):
-            a = reference[i] if i < len(reference) else "<missing>"
-            b = theirs[i] if i < len(theirs) else "<missing>"
-            if a != b:
-                raise RuntimeError(
-                    f"ranks built different models: param #{i} is {a} on rank 0 but {b} on "
-                    f"rank {rank} (fields: name, shape, dtype, routed to Muon). Build the same "
-                    f"model with the same routing on every rank."
-                )

@@ -1,0 +1,71 @@
+"""Process groups of a `DataParallel`: the data-parallel group, shard and replica groups, the
+all-gather group, and the check that every rank built the same model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .routing import Route
+
+
+def make_groups(
+    group: ProcessGroup | None, dp_size: int, k: int, separate_gather: bool
+) -> tuple[ProcessGroup | None, ProcessGroup | None, ProcessGroup | None]:
+    """(this rank's shard group, its replica group, its all-gather group).
+
+    Consecutive blocks of k ranks shard the params; ranks at the same position of every block
+    replicate them (no replica group if k = dp). The all-gather group is the shard group, or a
+    second group over the same ranks when `separate_gather`. Every rank creates the groups in
+    the same order.
+    """
+    if dp_size == 1:
+        return group, None, group
+    world = [dist.get_global_rank(group or dist.group.WORLD, r) for r in range(dp_size)]
+    blocks = [world[g * k : (g + 1) * k] for g in range(dp_size // k)]
+    if k == dp_size:
+        shard, replica = group, None
+        gather = dist.new_group(world, use_local_synchronization=True) if separate_gather else group
+        return shard, replica, gather
+    shard, _ = dist.new_subgroups_by_enumeration(blocks)
+    replica, _ = dist.new_subgroups_by_enumeration([world[r::k] for r in range(k)])
+    gather = dist.new_subgroups_by_enumeration(blocks)[0] if separate_gather else shard
+    return shard, replica, gather
+
+
+def resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int, int]:
+    if group is not None:
+        return group, dist.get_world_size(group), dist.get_rank(group)
+    if dist.is_available() and dist.is_initialized():
+        return None, dist.get_world_size(), dist.get_rank()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but torch.distributed is not initialised: call "
+            f"torch.distributed.init_process_group(...) before wrapping the model in "
+            f"wholeshard.DataParallel (or pass process_group=...)"
+        )
+    return None, 1, 0
+
+
+def check_same_model(routes: list[Route], group: ProcessGroup | None) -> None:
+    """Raise on every rank, naming the first difference, if ranks built different models."""
+    mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for i in range(max(len(reference), len(theirs))):
+            a = reference[i] if i < len(reference) else "<missing>"
+            b = theirs[i] if i < len(theirs) else "<missing>"
+            if a != b:
+                raise RuntimeError(
+                    f"ranks built different models: param #{i} is {a} on rank 0 but {b} on "
+                    f"rank {rank} (fields: name, shape, dtype, routed to Muon). Build the same "
+                    f"model with the same routing on every rank."
+                )
