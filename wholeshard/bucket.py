@@ -131,11 +131,10 @@ class CommBucket:
         return self._range(full, p.start, p.end)
 
     def _part(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
-        return full[b.start - self.start : b.end - self.start]
+        return self._range(full, b.start, b.end)
 
     def _slot(self, full: torch.Tensor, b: Bucket, rank: int) -> torch.Tensor:
-        lo, hi = b.shard(rank)
-        return full[lo - self.start : hi - self.start]
+        return self._range(full, *b.shard(rank))
 
     def _mine(self, full: torch.Tensor, shard: torch.Tensor | None, i: int) -> torch.Tensor:
         """This rank's shard of part `i`: in the separate shard tensor when resharding."""
