@@ -140,3 +140,12 @@ def test_fully_sharded_flags_are_checked(
         train(text_file, tmp_path / "run", *flags)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "tensorwise"])
+def test_fp8_compute_trains_close_to_bf16(text_file: Path, tmp_path: Path, recipe: str) -> None:
+    base = train(text_file, tmp_path / "base")["summary"]
+    run = train(text_file, tmp_path / "fp8", "--fp8", recipe)
+    assert run["code"] == 0
+    assert run["summary"]["final_loss"] != base["final_loss"], "the forward used FP8 weights"
+    assert run["summary"]["final_loss"] == pytest.approx(base["final_loss"], rel=0.05)

@@ -142,6 +142,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="gradient bucket size in elements (default: the library's)",
     )
+    g.add_argument(
+        "--fp8",
+        choices=C.FP8_RECIPES,
+        default=None,
+        help="FP8 compute for the hidden linear layers (default: off)",
+    )
     g.add_argument("--seed", type=_nonneg_int, default=d.seed, help="model init and batch order")
     g = p.add_argument_group("data parallelism (muon)")
     g.add_argument(

@@ -13,6 +13,7 @@ PARAM_DTYPES = ("auto", "float32", "bfloat16")
 POSITIONS = ("rope", "learned")
 LAYOUTS = ("aligned", "ping_pong")
 PARAM_SYNCS = ("allgather", "broadcast")
+FP8_RECIPES = ("mxfp8", "tensorwise")
 
 # Peak learning rate per optimizer when `--lr` is not given (tuned on the tiny model; see README).
 DEFAULT_LR = {"muon": 1e-2, "adamw": 2e-3}
@@ -76,6 +77,9 @@ class TrainConfig:
     """Muon path: `aligned` (whole-tensor shards) or the legacy `ping_pong` baseline."""
     param_sync: str = "allgather"
     """Muon path: sync updated params by `allgather` or by one `broadcast` per rank."""
+    fp8: str | None = None
+    """FP8 compute for the Muon-routed linear layers (`wholeshard.fp8.convert`): `mxfp8` or
+    `tensorwise`; None: off."""
     reshard_after_forward: bool = False
     """Muon path: fully sharded; between steps each rank keeps only the params it owns."""
     separate_all_gather_group: bool | None = None
@@ -105,6 +109,8 @@ class TrainConfig:
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8 must be one of {FP8_RECIPES} or None, got {self.fp8!r}")
         if self.pos is not None and self.pos not in POSITIONS:
             raise ValueError(f"pos must be one of {POSITIONS}, got {self.pos!r}")
         if self.lr is not None and not self.lr > 0:

@@ -143,6 +143,10 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
     torch.manual_seed(cfg.seed)  # identical init on every rank
     model = GPT(preset(cfg.model, cfg.seq_len, cfg.pos, cfg.tie)).to(env.device)
     params = num_params(model)
+    if cfg.fp8 is not None:
+        from wholeshard import fp8
+
+        fp8.convert(model, cfg.fp8)
     dtype = resolve_param_dtype(cfg.param_dtype, env.device)
     lr, wd = cfg.peak_lr, cfg.weight_decay
     if cfg.optimizer == "muon":

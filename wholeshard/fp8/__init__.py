@@ -1,0 +1,28 @@
+"""FP8 in wholeshard: the number formats (`formats`) and FP8 compute for the Muon-routed linear
+layers (`linear`: `convert`, `Fp8Linear`)."""
+
+from .formats import MXFP8, Fp8Tensorwise, dequantize, quantize_mxfp8, quantize_tensorwise
+from .linear import (
+    RECIPES,
+    Fp8Linear,
+    Fp8Weight,
+    convert,
+    fp8_linear,
+    fp8_modules,
+    quantize_weight,
+)
+
+__all__ = [
+    "MXFP8",
+    "RECIPES",
+    "Fp8Linear",
+    "Fp8Tensorwise",
+    "Fp8Weight",
+    "convert",
+    "dequantize",
+    "fp8_linear",
+    "fp8_modules",
+    "quantize_mxfp8",
+    "quantize_tensorwise",
+    "quantize_weight",
+]

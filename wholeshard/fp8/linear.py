@@ -1,0 +1,130 @@
+"""FP8 compute for Muon-routed linear layers: `convert(module, recipe)` and `Fp8Linear`.
+
+`Fp8Linear` multiplies with its weight quantized (`quantize_weight`): a rowwise copy for the
+forward GEMM `y = x W^T` (blocks along `in`, the reduction dim) and a columnwise copy for the
+input-gradient GEMM `dx = dy W` (blocks along `out`); the weight gradient `dW = dy^T x` stays in
+high precision. A tensorwise scale has no orientation, so one copy serves both. The source of
+every quantization is `bf16(weight)`.
+
+The GEMM is emulated (`fp8_linear`: dequantize, then a matmul in the activation dtype): exact
+for the FP8 values, but as slow as bf16 on CPU. A real FP8 GEMM (`torch._scaled_mm`,
+TransformerEngine) plugs in there on GPUs that have one.
+
+Without `DataParallel(..., fp8_param_gather=True)` the weight stays a bf16 param and is
+quantized at every forward; with it, the wrapper sets `fp8_weight` once per step and the forward
+uses that instead (the same bits, so both paths train identically).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..routing import UseMuon, route_params
+from .formats import (
+    BLOCK,
+    MXFP8,
+    Fp8Tensorwise,
+    dequantize,
+    quantize_mxfp8,
+    quantize_tensorwise,
+)
+
+RECIPES = ("mxfp8", "tensorwise")
+
+
+class Fp8Weight(NamedTuple):
+    """A weight in FP8: `rowwise` for the forward GEMM, `colwise` for the input gradient (the
+    same object for tensorwise)."""
+
+    rowwise: MXFP8 | Fp8Tensorwise
+    colwise: MXFP8 | Fp8Tensorwise
+
+
+def quantize_weight(weight: torch.Tensor, recipe: str) -> Fp8Weight:
+    """`bf16(weight)` (out, in) in FP8 as `recipe` says."""
+    source = weight.detach().to(torch.bfloat16)
+    if recipe == "mxfp8":
+        return Fp8Weight(quantize_mxfp8(source, axis=-1), quantize_mxfp8(source, axis=0))
+    if recipe == "tensorwise":
+        q = quantize_tensorwise(source)
+        return Fp8Weight(q, q)
+    raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x dequantize(rowwise)^T; dx = dy dequantize(colwise); dW = dy^T x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8: Fp8Weight):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.fp8, ctx.weight_dtype, ctx.has_bias = fp8, weight.dtype, bias is not None
+        return F.linear(x, dequantize(fp8.rowwise, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        dx = dy @ dequantize(ctx.fp8.colwise, dy.dtype)
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dw = (dy2.t() @ x2).to(ctx.weight_dtype)
+        db = dy2.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Weight
+) -> torch.Tensor:
+    """The linear layer with `fp8` standing for `weight` in both GEMMs (emulated FP8 GEMM)."""
+    return _Fp8Linear.apply(x, weight, bias, fp8)
+
+
+class Fp8Linear(nn.Linear):
+    """An `nn.Linear` that computes with its weight in FP8 (module docstring). `convert` turns
+    existing `nn.Linear`s into this class in place: same module and Parameter objects."""
+
+    recipe: str
+    fp8_weight: Fp8Weight | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fp8 = self.fp8_weight
+        if fp8 is None:
+            fp8 = quantize_weight(self.weight, self.recipe)
+        return fp8_linear(x, self.weight, self.bias, fp8)
+
+
+def convert(
+    module: nn.Module, recipe: str = "mxfp8", *, use_muon: UseMuon | None = None
+) -> nn.Module:
+    """Turn every Muon-routed `nn.Linear` of `module` into an `Fp8Linear` (in place; returns
+    `module`). Routing is `wholeshard.route_params(module, use_muon)`'s. Only modules whose class
+    is exactly `nn.Linear` are converted (a subclass may not call its own forward). With
+    `mxfp8`, a weight whose dims are not both multiples of 32 stays bf16, with a warning naming
+    it. Convert before wrapping the model in `DataParallel`."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")
+    muon = {id(r.param) for r in route_params(module, use_muon) if r.muon}
+    skipped = []
+    for name, mod in module.named_modules():
+        if type(mod) is not nn.Linear or id(mod.weight) not in muon:
+            continue
+        if recipe == "mxfp8" and any(d % BLOCK for d in mod.weight.shape):
+            skipped.append(f"{name}.weight {tuple(mod.weight.shape)}")
+            continue
+        mod.__class__ = Fp8Linear
+        mod.recipe, mod.fp8_weight = recipe, None
+    if skipped:
+        warnings.warn(
+            f"mxfp8 needs both dims of a weight to be multiples of {BLOCK}; left in bf16: "
+            + ", ".join(skipped),
+            stacklevel=2,
+        )
+    return module
+
+
+def fp8_modules(module: nn.Module) -> list[tuple[str, Fp8Linear]]:
+    """Every `Fp8Linear` of `module`, with its name."""
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, Fp8Linear)]
