@@ -24,6 +24,7 @@ ROW_TYPES = {
     "optimizer_s": float,
     "comm_wait_s": float,
     "bytes_sent_per_rank": int,
+    "gather_bytes_per_rank": int,
     "peak_rss_bytes": int,
     "peak_rss_delta_bytes": int,
     "optimizer_state_bytes": int,
@@ -86,6 +87,9 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
             assert type(row[key]) is kind, f"{where}: {key}={row[key]!r} is not {kind.__name__}"
         assert row["step_s"] > 0 and row["peak_rss_bytes"] > 0 and row["bytes_sent_per_rank"] > 0
         assert 0 <= row["peak_rss_delta_bytes"] <= row["peak_rss_bytes"], where
+        assert 0 <= row["gather_bytes_per_rank"] <= row["bytes_sent_per_rank"], where
+        if config.ddp_kwargs is not None:  # wholeshard syncs params by all-gather or broadcast
+            assert row["gather_bytes_per_rank"] > 0, where
         if reports_memory:
             assert 0 < row["persistent_bytes"] <= row["persistent_bytes_all_ranks"], where
         if row["config"] == REFERENCE:

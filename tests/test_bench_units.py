@@ -32,7 +32,7 @@ from wholeshard.bench.report import (
     markdown,
     merge_rounds,
 )
-from wholeshard.bench.traffic import bytes_sent
+from wholeshard.bench.traffic import TrafficCounter, bytes_sent
 from wholeshard.bench.waits import WaitClock
 from wholeshard.bench.workloads import get_workload
 
@@ -62,6 +62,68 @@ def test_unknown_collective_is_reported_not_guessed() -> None:
     assert bytes_sent("c10d", "gather_", ([MB],), 4, 0) is None
 
 
+class _Op:
+    """A stand-in for an `OpOverload` as `TrafficCounter.__torch_dispatch__` sees it."""
+
+    def __init__(self, namespace: str, name: str) -> None:
+        self.namespace, self._opname = namespace, name
+
+    def __call__(self, *args, **kwargs) -> None:
+        return None
+
+
+PARAM_GATHERS = [
+    ("c10d", "_allgather_base_", (MB, MB[: 1 << 16])),
+    ("c10d", "allgather_", ([list(MB.chunk(4))], [MB[: 1 << 16]])),
+    ("c10d", "allgather_into_tensor_coalesced_", ([MB], [MB[: 1 << 16]])),
+    ("c10d", "broadcast_", ([MB], None, 0)),
+    ("_c10d_functional", "all_gather_into_tensor", (MB, 4, "g")),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced", ([MB], 4, "g")),
+    ("_c10d_functional", "broadcast", (MB, 0, "g")),
+    ("c10d_functional", "all_gather_into_tensor", (MB, 4, "g")),
+]
+GRADIENT_TRAFFIC = [
+    ("c10d", "allreduce_", ([MB], None)),
+    ("c10d", "allreduce_coalesced_", ([MB], None)),
+    ("c10d", "_reduce_scatter_base_", (MB[: 1 << 16], MB)),
+    ("c10d", "reduce_scatter_", ([MB[:1]], [list(MB.chunk(4))])),
+    ("c10d", "reduce_scatter_tensor_coalesced_", ([MB[: 1 << 16]], [MB])),
+    ("_c10d_functional", "all_reduce", (MB, "sum", "g")),
+    ("_c10d_functional", "all_reduce_coalesced", ([MB], "sum", "g")),
+    ("_c10d_functional", "reduce_scatter_tensor", (MB, "avg", 4, "g")),
+]
+
+
+def _counter_on_four_ranks(*ops: tuple) -> TrafficCounter:
+    counter = TrafficCounter()
+    counter.world, counter.rank = 4, 1
+    for namespace, name, args in ops:
+        counter.__torch_dispatch__(_Op(namespace, name), (), args)
+    return counter
+
+
+@pytest.mark.parametrize("namespace, name, args", PARAM_GATHERS)
+def test_all_gathers_and_broadcasts_count_as_param_gathers(namespace, name, args) -> None:
+    counter = _counter_on_four_ranks((namespace, name, args))
+    assert counter.gather_bytes == counter.bytes == bytes_sent(namespace, name, args, 4, 1) > 0
+    assert not counter.unmodelled
+
+
+@pytest.mark.parametrize("namespace, name, args", GRADIENT_TRAFFIC)
+def test_reduce_scatters_and_all_reduces_are_not_param_gathers(namespace, name, args) -> None:
+    counter = _counter_on_four_ranks((namespace, name, args))
+    assert counter.bytes == bytes_sent(namespace, name, args, 4, 1) > 0
+    assert counter.gather_bytes == 0 and not counter.unmodelled
+
+
+def test_gather_bytes_are_the_gather_part_of_a_mixed_step() -> None:
+    counter = _counter_on_four_ranks(*GRADIENT_TRAFFIC, *PARAM_GATHERS, ("c10d", "gather_", ()))
+    gathers = sum(bytes_sent(ns, name, args, 4, 1) for ns, name, args in PARAM_GATHERS)
+    grads = sum(bytes_sent(ns, name, args, 4, 1) for ns, name, args in GRADIENT_TRAFFIC)
+    assert (counter.gather_bytes, counter.bytes) == (gathers, gathers + grads)
+    assert counter.unmodelled == {"c10d::gather_"}  # unmodelled: in neither figure
+
+
 def test_ratios_and_loss_agreement() -> None:
     rows = [
         Row("mlp", "ddp_torch_muon", step_s=2.0, final_loss=1.0),
@@ -76,16 +138,18 @@ def test_ratios_and_loss_agreement() -> None:
     table = markdown(rows, flagged)
     assert "LOSS DISAGREES" in table and "boom" in table
     assert "| peak RSS delta MB |" in table and "| persistent MB/rank |" in table
+    assert "| sent/rank MB | gather MB/rank |" in table
     widths = {line.count("|") for line in table.splitlines()}
     assert len(widths) == 1  # every line has as many cells as the header
 
 
-def _rank(persistent: int | None, delta: int) -> dict:
+def _rank(persistent: int | None, delta: int, gather: int = 2) -> dict:
     return dict(
         step_s=1.0,
         optimizer_s=0.5,
         comm_wait_s=0.1,
         bytes_sent_per_rank=8,
+        gather_bytes_per_rank=gather,
         peak_rss_bytes=300,
         peak_rss_delta_bytes=delta,
         optimizer_state_bytes=4,
@@ -95,8 +159,9 @@ def _rank(persistent: int | None, delta: int) -> dict:
 
 
 def test_ranks_combine_to_the_fullest_rank_and_persistent_bytes_also_to_a_sum() -> None:
-    row = from_ranks("mlp", "ws_sync", [_rank(10, 50), _rank(30, 40)])
+    row = from_ranks("mlp", "ws_sync", [_rank(10, 50, gather=3), _rank(30, 40, gather=5)])
     assert (row.peak_rss_delta_bytes, row.persistent_bytes) == (50, 30)
+    assert row.gather_bytes_per_rank == 5
     assert row.persistent_bytes_all_ranks == 40
     other = from_ranks("mlp", "ddp_torch_muon", [_rank(None, 50), _rank(None, 40)])
     assert other.persistent_bytes is None and other.persistent_bytes_all_ranks is None
@@ -111,6 +176,7 @@ def test_rounds_merge_to_medians_and_survive_a_failed_round() -> None:
             optimizer_s=s / 2,
             comm_wait_s=0.1,
             bytes_sent_per_rank=8,
+            gather_bytes_per_rank=m // 25,
             peak_rss_bytes=m,
             peak_rss_delta_bytes=m // 10,
             optimizer_state_bytes=4,
@@ -123,7 +189,7 @@ def test_rounds_merge_to_medians_and_survive_a_failed_round() -> None:
     merged = merge_rounds(rounds)
     assert (merged.step_s, merged.optimizer_s, merged.peak_rss_bytes) == (2.0, 1.0, 300)
     assert (merged.peak_rss_delta_bytes, merged.persistent_bytes) == (30, 3)
-    assert merged.persistent_bytes_all_ranks == 6
+    assert (merged.persistent_bytes_all_ranks, merged.gather_bytes_per_rank) == (6, 12)
     unknown = from_ranks("mlp", "ddp_torch_muon", [_rank(None, 1)])  # no persistent figure
     assert merge_rounds([unknown, unknown]).persistent_bytes is None
     assert merged.error is None

@@ -36,6 +36,10 @@ class Row:
     optimizer_s: float | None = None
     comm_wait_s: float | None = None
     bytes_sent_per_rank: int | None = None
+    gather_bytes_per_rank: int | None = None
+    """The part of `bytes_sent_per_rank` sent by all-gathers and broadcasts
+    (`TrafficCounter.gather_bytes`): param sync for wholeshard and `ddp_kj_muon`; see the note
+    in `traffic.py` for what else it holds on DDP and FSDP2 rows."""
     peak_rss_bytes: int | None = None
     peak_rss_delta_bytes: int | None = None
     """Peak RSS minus the RSS just before the model was built: what the model, its optimizers
@@ -64,6 +68,7 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
         optimizer_s=worst("optimizer_s"),
         comm_wait_s=worst("comm_wait_s"),
         bytes_sent_per_rank=worst("bytes_sent_per_rank"),
+        gather_bytes_per_rank=worst("gather_bytes_per_rank"),
         peak_rss_bytes=worst("peak_rss_bytes"),
         peak_rss_delta_bytes=worst("peak_rss_delta_bytes"),
         optimizer_state_bytes=worst("optimizer_state_bytes"),
@@ -93,6 +98,7 @@ def merge_rounds(rounds: list[Row]) -> Row:
         optimizer_s=median("optimizer_s"),
         comm_wait_s=median("comm_wait_s"),
         bytes_sent_per_rank=largest("bytes_sent_per_rank"),
+        gather_bytes_per_rank=largest("gather_bytes_per_rank"),
         peak_rss_bytes=largest("peak_rss_bytes"),
         peak_rss_delta_bytes=largest("peak_rss_delta_bytes"),
         optimizer_state_bytes=largest("optimizer_state_bytes"),
@@ -201,10 +207,10 @@ def markdown(rows: list[Row], flagged: list[str]) -> str:
     """The results table (README-ready), one line per row, errors and disagreements noted."""
     bad = {m.split(":", 1)[0] for m in flagged}
     lines = [
-        "| workload | config | step s | optimizer s | comm wait s | sent/rank MB | peak RSS MB "
-        "| peak RSS delta MB | opt state MB | persistent MB/rank | vs ddp_torch_muon "
-        "| final loss | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| workload | config | step s | optimizer s | comm wait s | sent/rank MB "
+        "| gather MB/rank | peak RSS MB | peak RSS delta MB | opt state MB | persistent MB/rank "
+        "| vs ddp_torch_muon | final loss | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ratio = "" if r.ratio_vs_ddp_torch_muon is None else f"{r.ratio_vs_ddp_torch_muon:.2f}x"
@@ -213,7 +219,8 @@ def markdown(rows: list[Row], flagged: list[str]) -> str:
         note = note.replace("|", "\\|").replace("\n", " ")
         lines.append(
             f"| {r.workload} | {r.config} | {_s(r.step_s)} | {_s(r.optimizer_s)} "
-            f"| {_s(r.comm_wait_s)} | {_mb(r.bytes_sent_per_rank)} | {_mb(r.peak_rss_bytes)} "
+            f"| {_s(r.comm_wait_s)} | {_mb(r.bytes_sent_per_rank)} "
+            f"| {_mb(r.gather_bytes_per_rank)} | {_mb(r.peak_rss_bytes)} "
             f"| {_mb(r.peak_rss_delta_bytes)} | {_mb(r.optimizer_state_bytes)} "
             f"| {_mb(r.persistent_bytes)} | {ratio} | {loss} | {note} |"
         )

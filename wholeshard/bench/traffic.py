@@ -16,6 +16,24 @@ bandwidth-optimal ring algorithm sends per rank for a payload of S bytes on n ra
 
 Gloo picks its own algorithms, so these are the volumes an NCCL ring would move: the fair unit to
 compare configurations by. The mode slows every op, so it is used on one untimed step only.
+
+Besides the total, the counter keeps `gather_bytes`: the part sent by all-gathers (every form
+above, c10d and functional) and broadcasts, classified by collective type alone
+(`is_param_gather`); reduce-scatters and all-reduces (gradients) never count. The figure reads
+as param-sync traffic only under an invariant: every all-gather and broadcast a configuration
+issues in the counted step syncs params. It holds for the wholeshard rows (all-gather or
+`param_sync="broadcast"`, ping-pong included) and for `ddp_kj_muon`'s all-gather of updated
+params, but not everywhere (measured with torch 2.13, 2 ranks, `--quick`):
+
+- FSDP2 + `torch.optim.Muon`: besides FSDP2's unshard all-gathers (forward and backward), the
+  Newton-Schulz matmuls on sharded DTensors all-gather inside the optimizer step: two thirds
+  (gpt) to four fifths (mlp) of the figure;
+- DDP (both DDP rows) broadcasts module buffers in every forward (the GPT's rotary tables:
+  4096 bytes per rank on the gpt workload), and in the step after the first it broadcasts its
+  rebuilt bucket indices (a few bytes, in the counted step only when warm-up is 1: `--quick`).
+
+So `ddp_torch_muon` is not 0 on gpt, `ddp_kj_muon` carries the same few KB on top of its param
+all-gather, and the FSDP2 rows overstate its param gathers.
 """
 
 from __future__ import annotations
@@ -44,6 +62,24 @@ def bytes_sent(namespace: str, name: str, args: tuple, world: int, rank: int) ->
     if namespace == "c10d":
         return _c10d_bytes(name.rstrip("_"), args, world, rank)
     return _functional_bytes(name, args, world, rank)
+
+
+_PARAM_GATHERS = {
+    "c10d": frozenset(
+        {"_allgather_base", "allgather_into_tensor_coalesced", "allgather", "broadcast"}
+    ),
+    "functional": frozenset(
+        {"all_gather_into_tensor", "all_gather_into_tensor_coalesced", "broadcast"}
+    ),
+}
+
+
+def is_param_gather(namespace: str, name: str) -> bool:
+    """Whether an op `bytes_sent` models is an all-gather or a broadcast: the collectives whose
+    bytes count as param sync (`gather_bytes`, see the module note on the invariant)."""
+    if namespace == "c10d":
+        return name.rstrip("_") in _PARAM_GATHERS["c10d"]
+    return name in _PARAM_GATHERS["functional"]
 
 
 def _c10d_bytes(name: str, args: tuple, world: int, rank: int) -> int | None:
@@ -92,13 +128,16 @@ def _all_to_all_bytes(inp: torch.Tensor, in_splits: list[int], world: int, rank:
 
 
 class TrafficCounter(TorchDispatchMode):
-    """Within the context, add up the modelled bytes this rank sends (see the module note)."""
+    """Within the context, add up the modelled bytes this rank sends (`bytes`), and separately
+    those of its all-gathers and broadcasts (`gather_bytes`, the param-sync part under the
+    invariant in the module note)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.bytes = 0
+        self.gather_bytes = 0
         self.unmodelled: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -114,4 +153,6 @@ class TrafficCounter(TorchDispatchMode):
                     self.unmodelled.add(f"{func.namespace}::{name}")
                 else:
                     self.bytes += sent
+                    if is_param_gather(func.namespace, name):
+                        self.gather_bytes += sent
         return func(*args, **(kwargs or {}))

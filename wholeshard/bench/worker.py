@@ -87,6 +87,7 @@ def run_rank(
         "optimizer_s": statistics.median(optimizer_s),
         "comm_wait_s": statistics.median(wait_s),
         "bytes_sent_per_rank": counter.bytes,
+        "gather_bytes_per_rank": counter.gather_bytes,
         "unmodelled": sorted(counter.unmodelled),
         "peak_rss_bytes": peak,
         "peak_rss_delta_bytes": None if rss_before_build is None else peak - rss_before_build,
