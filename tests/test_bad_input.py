@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -130,3 +132,10 @@ def test_launcher_reports_the_failing_rank_and_stops_the_rest() -> None:
         launch(_fail_on_rank_one, 2, start_method="fork", timeout=60)
     assert e.value.rank == 1
     assert "boom on purpose" in e.value.traceback
+
+
+def test_launcher_reports_a_worker_that_cannot_start() -> None:
+    """A spawn that fails (here: a function pickle cannot send) raises its own error, not one
+    from stopping the workers that never started."""
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        launch(lambda: 1, 2, start_method="spawn", timeout=60)

@@ -97,6 +97,7 @@ def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
 
 
 def _stop(procs: list[mp.process.BaseProcess]) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a failed start leaves the rest unstarted
     for p in procs:
         if p.is_alive():
             p.terminate()
