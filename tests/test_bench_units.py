@@ -224,11 +224,13 @@ def test_missing_wholeshard_keyword_is_unavailable_not_an_error() -> None:
         assert bench_configs.CONFIGS[name].unavailable() is None
 
 
-def test_fully_sharded_rows_sit_between_overlap_and_ping_pong() -> None:
+def test_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong() -> None:
     names = list(CONFIGS)
     i = names.index("ws_overlap")
     fully_sharded = ["ws_fully_sharded", "ws_fully_sharded_one_group"]
-    assert names[i + 1 : i + 4] == [*fully_sharded, "ws_ping_pong"]
+    fp8 = ["ws_fp8_mxfp8", "ws_fp8_tensorwise"]
+    assert names[i + 1 : i + 6] == [*fully_sharded, *fp8, "ws_ping_pong"]
+    assert CONFIGS["ws_fp8_tensorwise"].ddp_kwargs["fp8_param_gather"] is True
     overlap = dict(overlap_grad_reduce=True, overlap_param_gather=True)
     assert CONFIGS["ws_fully_sharded"].ddp_kwargs == dict(reshard_after_forward=True, **overlap)
     assert CONFIGS["ws_fully_sharded_one_group"].ddp_kwargs == dict(

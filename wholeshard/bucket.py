@@ -254,8 +254,9 @@ class CommBucket:
 
     # -- params -----------------------------------------------------------------------------
 
-    def start_gather(self) -> None:
-        """Dispatch the param sync that restores every param of the bucket from its owner."""
+    def start_gather(self, full: bool = False) -> None:
+        """Dispatch the param sync that restores every param of the bucket from its owner.
+        (`full`: the full-precision values even where a subclass syncs another form.)"""
         assert self.gathering is None
         if self.reshard and not _allocated(self.param):
             _alloc(self.param)
@@ -299,6 +300,7 @@ def aligned_buckets(
     reshard: bool,
     param_dtype: torch.dtype,
     grad_dtype: torch.dtype,
+    factory: Callable[..., CommBucket] | None = None,
 ) -> Iterator[CommBucket]:
     """One bucket per storage unit of every planned buffer ([Note: storage units]), built as
     the caller asks for them."""
@@ -310,7 +312,7 @@ def aligned_buckets(
         for p in buffer.placements:
             members[unit_of[p.bucket]].append((param_of[p.name], p))
         for unit, params in zip(units, members, strict=True):
-            yield CommBucket(
+            yield (factory or CommBucket)(
                 buffer.kind,
                 buffer.buckets[unit.start : unit.stop],
                 params,

@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from . import collectives, hooks
 from .bucket import ALLGATHER, BROADCAST, Comm, CommBucket, aligned_buckets
+from .fp8 import gather as fp8_gather
 from .groups import check_same_model, make_groups, resolve_group
 from .layout import ParamSpec, Placement
 from .ping_pong import ping_pong_buckets
@@ -88,9 +89,17 @@ class DataParallel(nn.Module):
         shard_group_size: int | None = None,
         reshard_after_forward: bool = False,
         separate_all_gather_group: bool | None = None,
+        fp8_param_gather: bool = False,
     ) -> None:
         super().__init__()
         _check_modes(param_dtype, grad_reduce_dtype, layout, param_sync, reshard_after_forward)
+        if fp8_param_gather and layout == PING_PONG:
+            raise ValueError("fp8_param_gather needs layout='aligned' (ping_pong has no shards)")
+        if fp8_param_gather and not fp8_gather.has_fp8_weights(module):
+            raise ValueError(
+                "fp8_param_gather=True but the model has no FP8 layers: convert it first with "
+                "wholeshard.fp8.convert(model, recipe) (before wrapping)"
+            )
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
@@ -107,6 +116,7 @@ class DataParallel(nn.Module):
         self.bucket_size = bucket_size
 
         self.plan: Plan | None = None
+        self.fp8_param_gather = False
         self._owners: dict[str, int] = {}  # ping-pong only: the plan has no owners for it
         if layout == ALIGNED:
             self.plan = plan_buffers(
@@ -141,8 +151,15 @@ class DataParallel(nn.Module):
         dtypes = dict(param_dtype=param_dtype, grad_dtype=grad_reduce_dtype)
         built: Iterable[CommBucket]
         if self.plan is not None:
+            self.fp8_param_gather = fp8_param_gather and gathers
+            factory = fp8_gather.bucket_factory(module) if self.fp8_param_gather else None
             built = aligned_buckets(
-                self.plan, self.routes, comm, reshard=self.reshard_after_forward, **dtypes
+                self.plan,
+                self.routes,
+                comm,
+                reshard=self.reshard_after_forward,
+                factory=factory,
+                **dtypes,
             )
         else:
             params = [r.param for r in self.routes]
@@ -171,19 +188,24 @@ class DataParallel(nn.Module):
             for b in buckets
             for i, (param, p) in enumerate(b.params)
         ]
+        bucket_of = {id(param): b for b in buckets for param, _ in b.params}
         if gathers and (overlap_param_gather or self.reshard_after_forward):
-            bucket_of = {id(param): b for b in buckets for param, _ in b.params}
             self._hooks += hooks.register(
                 self.scheduler, self.module, bucket_of, reshard=self.reshard_after_forward
             )
+        if self.reshard_after_forward or self.fp8_param_gather:
+            self._hooks += hooks.refuse_released_reads(self.module, bucket_of)
         self._optimizer: weakref.ref[StateHolder] | None = None
+        if self.fp8_param_gather:  # the first FP8 weights, before any forward
+            self.scheduler.params_updated()
+            self.scheduler.finish_param_sync()
 
     def _settle(self, bucket: CommBucket) -> CommBucket:
         """Give a new bucket rank 0's values and, fully sharded, keep only this rank's shards:
         buckets are settled one at a time, so one full bucket exists beside the model."""
         if self.dp_size > 1:
             collectives.broadcast_from_first(bucket.param, self.process_group)
-        if self.reshard_after_forward:
+        if bucket.reshard:
             bucket.keep_shards()
         return bucket
 

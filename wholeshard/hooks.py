@@ -79,10 +79,20 @@ def register(
             # stay gathered for backward instead (as FSDP2 keeps its root's).
             announce = mod is not root
             handles.append(mod.register_forward_hook(_post_forward(scheduler, buckets, announce)))
-            handles.append(mod.register_state_dict_pre_hook(_refuse_released(buckets)))
     if reshard:
         handles.append(root.register_forward_pre_hook(_root_pre(scheduler), prepend=True))
         handles.append(root.register_forward_hook(_root_post(scheduler)))
+    return handles
+
+
+def refuse_released_reads(root: nn.Module, bucket_of: dict[int, CommBucket]) -> list:
+    """Make `state_dict()` of a module raise while one of its params is released (fully
+    sharded between steps, or an FP8-gathered weight), instead of returning empty values."""
+    handles = []
+    for mod, params in hooked_modules(root):
+        buckets = {bucket_of[id(p)] for p in params if id(p) in bucket_of}
+        if buckets:
+            handles.append(mod.register_state_dict_pre_hook(_refuse_released(list(buckets))))
     return handles
 
 
@@ -133,8 +143,8 @@ def _refuse_released(buckets: Sequence[CommBucket]) -> Callable:
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not keep_vars and not all(b.params_materialised for b in buckets):
             raise RuntimeError(
-                f"{prefix or 'the model'}: params are released between steps in fully sharded "
-                f"mode (reshard_after_forward=True); read them inside `with ddp.full_params():`"
+                f"{prefix or 'the model'}: params are released between steps (fully sharded, "
+                f"or FP8-gathered weights); read them inside `with ddp.full_params():`"
             )
 
     return hook

@@ -171,11 +171,14 @@ class Scheduler:
                 self._finish_gather(b)
 
     def gather_all(self) -> list[CommBucket]:
-        """Gather every bucket that is not fresh (in forward order); return them."""
+        """Gather every bucket whose params are not all materialised and up to date, in forward
+        order, in full precision; return them."""
         self.finish_param_sync()
-        todo = [b for b in self.forward_order if not b.fresh]
+        todo = [b for b in self.forward_order if not (b.fresh and b.params_materialised)]
         for b in todo:
-            self._start_gather(b)
+            with record_function("wholeshard.param_sync.start"):
+                b.start_gather(full=True)
+            self._gathering += 1
         for b in todo:
             self._finish_gather(b)
         return todo

@@ -185,14 +185,21 @@ def _wholeshard_unavailable(ddp_kwargs: dict[str, Any]) -> Callable[[], str | No
     return check
 
 
-def wholeshard_config(name: str, description: str, **ddp_kwargs: Any) -> Config:
-    """A configuration of `DataParallel(model, **ddp_kwargs)` + `LayerwiseOptimizer`."""
+def wholeshard_config(
+    name: str, description: str, *, fp8: str | None = None, **ddp_kwargs: Any
+) -> Config:
+    """A configuration of `DataParallel(model, **ddp_kwargs)` + `LayerwiseOptimizer`; with
+    `fp8`, the model's Muon-routed linears are converted to that FP8 recipe first."""
 
     def build(workload: Workload, clock: WaitClock) -> Setup:
         from ..data_parallel import DataParallel
         from ..optim import LayerwiseOptimizer
 
         model = workload.make_model()
+        if fp8 is not None:
+            from .. import fp8 as fp8_module
+
+            fp8_module.convert(model, fp8, use_muon=workload.use_muon)
         try:
             ddp = DataParallel(model, use_muon=workload.use_muon, **ddp_kwargs)
         except TypeError as e:  # a keyword the availability check could not rule out
@@ -259,6 +266,22 @@ CONFIGS: dict[str, Config] = {
             overlap_grad_reduce=True,
             overlap_param_gather=True,
             separate_all_gather_group=False,
+        ),
+        wholeshard_config(
+            "ws_fp8_mxfp8",
+            "wholeshard overlap, MXFP8 linears, FP8 param gather (bf16 on the wire)",
+            fp8="mxfp8",
+            fp8_param_gather=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+        ),
+        wholeshard_config(
+            "ws_fp8_tensorwise",
+            "wholeshard overlap, tensorwise FP8 linears, FP8 bytes on the wire",
+            fp8="tensorwise",
+            fp8_param_gather=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
         ),
         wholeshard_config("ws_ping_pong", "wholeshard, ping-pong layout", layout="ping_pong"),
     )

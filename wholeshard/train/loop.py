@@ -161,6 +161,7 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
             layout=cfg.layout,
             param_sync=cfg.param_sync,
             reshard_after_forward=cfg.reshard_after_forward,
+            fp8_param_gather=cfg.fp8 is not None,
             separate_all_gather_group=cfg.separate_all_gather_group,
         )
         opt = wholeshard.LayerwiseOptimizer(

@@ -1,0 +1,234 @@
+"""FP8 param gather (`DataParallel(..., fp8_param_gather=True)`): the same training as quantizing
+at every forward (bitwise), FP8 bytes on the wire for tensorwise, and the staging-order trap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    OVERLAP,
+    assert_bitwise_equal,
+    lm_loss,
+    local_batch,
+    make_model,
+    run,
+    wholeshard_run,
+)
+from torch import nn
+
+import wholeshard
+from wholeshard import collectives, fp8
+from wholeshard.fp8.gather import Fp8Bucket
+from wholeshard.schedule import Scheduler
+
+STEPS = 5
+BUCKETS = dict(bucket_size=3000)
+MODES = {"zero": {}, "fully_sharded": dict(reshard_after_forward=True)}
+
+
+def converted(recipe: str):
+    return lambda: fp8.convert(make_model(), recipe)
+
+
+def _on_and_off(mode: dict) -> dict:
+    """For both recipes, sync and overlapped: the run with FP8 param gather and without."""
+    out = {}
+    for recipe in fp8.RECIPES:
+        for overlap in (False, True):
+            kw = dict(BUCKETS, **mode, **(OVERLAP if overlap else {}))
+            common = dict(make=converted(recipe), param_dtype=torch.bfloat16, evaluate=True)
+            off = wholeshard_run(STEPS, ddp_kw=kw, **common)
+            on = wholeshard_run(
+                STEPS, ddp_kw=dict(kw, fp8_param_gather=True), keep_ddp=True, **common
+            )
+            ddp = on.pop("ddp")
+            on["fp8_buckets"] = sum(isinstance(b, Fp8Bucket) for b in ddp.buckets)
+            out[recipe, overlap] = (off, on)
+    return out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_fp8_param_gather_is_bitwise_equal_to_quantizing_every_forward(
+    nproc: int, mode: str
+) -> None:
+    for rank_out in run(_on_and_off, nproc, MODES[mode]):
+        for (recipe, overlap), (off, on) in rank_out.items():
+            assert on["fp8_buckets"] > 0, (recipe, overlap)
+            assert_bitwise_equal(on, off)
+            assert on["evals"] == off["evals"], (recipe, overlap)
+
+
+def _gathered_vs_local(recipe: str) -> list[bool]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = converted(recipe)()
+    ddp = wholeshard.DataParallel(
+        model, **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=True
+    )
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    opt.step()
+    held = {name: m.fp8_weight for name, m in fp8.fp8_modules(model)}
+    same = []
+    with ddp.full_params():  # the bf16 values, gathered; quantized here, locally
+        for name, m in fp8.fp8_modules(model):
+            local = fp8.quantize_weight(m.weight, recipe)
+            for a, b in zip(held[name], local, strict=True):
+                same.append(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)))
+                same.append(torch.equal(a.scale.float(), b.scale.float()))
+    return same
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_weights_equal_a_bf16_gather_then_a_local_quantize(recipe: str) -> None:
+    for same in run(_gathered_vs_local, 3, recipe):
+        assert same and all(same)
+
+
+class Deep(nn.Module):
+    """Only converted weights: every byte of the param sync is theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def _gather_bytes(fp8_param_gather: bool) -> int:
+    torch.manual_seed(0)
+    model = fp8.convert(Deep(), "tensorwise", use_muon=lambda name, p: True)
+    ddp = wholeshard.DataParallel(
+        model, bucket_size=8192, param_dtype=torch.bfloat16, fp8_param_gather=fp8_param_gather
+    )
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW)
+    sent = []
+    original = collectives.all_gather
+
+    def counting(full, shard, group):
+        sent.append(shard.numel() * shard.element_size())
+        return original(full, shard, group)
+
+    ddp(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    collectives.all_gather = counting
+    try:
+        opt.step()
+    finally:
+        collectives.all_gather = original
+    return sum(sent)
+
+
+def test_tensorwise_sends_fp8_bytes() -> None:
+    bf16 = run(_gather_bytes, 2, False)[0]
+    tensorwise = run(_gather_bytes, 2, True)[0]
+    assert 0 < tensorwise <= 0.52 * bf16, (tensorwise, bf16)
+
+
+def _staged_at_step() -> list:
+    """The seed's trap: stage bf16(master) at the step and let `zero_grad` clear the (grad-
+    aliased) staging before the deferred gathers of the next forward ship it."""
+    updated, gather, zero = Scheduler.params_updated, Fp8Bucket._gather_mxfp8, Fp8Bucket.zero_grads
+
+    def stage_at_step(self) -> None:
+        for b in self.buckets:
+            if isinstance(b, Fp8Bucket):
+                b.grad.untyped_storage().resize_(b.grad.numel() * b.grad.element_size())
+                for i, part in enumerate(b.parts):
+                    b._slot(b._staging(), part, b.comm.rank).copy_(
+                        b._mine(b.param, b.param_shard, i)
+                    )
+        updated(self)
+
+    def gather_what_is_staged(self):
+        staging = self._staging()
+        handles = [
+            collectives.all_gather(
+                self._part(staging, p),
+                self._slot(staging, p, self.comm.rank),
+                self.comm.gather_group,
+            )
+            for p in self.parts
+        ]
+        return fp8.gather.InFlight(handles)
+
+    def zero_like_megatron(self) -> None:  # zero the grad buffer in place, staging included
+        self.arrived = 0
+        self.grad_shard.zero_()
+        if self.grad.untyped_storage().size():
+            self.grad.zero_()
+
+    Scheduler.params_updated = stage_at_step
+    Fp8Bucket._gather_mxfp8 = gather_what_is_staged
+    Fp8Bucket.zero_grads = zero_like_megatron
+    try:
+        return _on_and_off_mxfp8_overlap()
+    finally:
+        Scheduler.params_updated, Fp8Bucket._gather_mxfp8, Fp8Bucket.zero_grads = (
+            updated,
+            gather,
+            zero,
+        )
+
+
+def _on_and_off_mxfp8_overlap() -> list:
+    kw = dict(BUCKETS, **OVERLAP)
+    common = dict(make=converted("mxfp8"), param_dtype=torch.bfloat16)
+    off = wholeshard_run(STEPS, ddp_kw=kw, **common)
+    on = wholeshard_run(STEPS, ddp_kw=dict(kw, fp8_param_gather=True), **common)
+    return [off["losses"], on["losses"]]
+
+
+def test_staging_at_the_step_would_ship_zeros_and_staging_at_dispatch_does_not() -> None:
+    off, on = run(_on_and_off_mxfp8_overlap, 2)[0]
+    assert on == off
+    off, buggy = run(_staged_at_step, 2)[0]
+    assert buggy != off, "the trap must show: deferred gathers shipped a cleared staging buffer"
+
+
+def test_fp8_param_gather_needs_fp8_layers_and_the_aligned_layout() -> None:
+    with pytest.raises(ValueError, match="convert it first"):
+        wholeshard.DataParallel(make_model(), fp8_param_gather=True)
+    with pytest.raises(ValueError, match="layout='aligned'"):
+        wholeshard.DataParallel(converted("mxfp8")(), layout="ping_pong", fp8_param_gather=True)
+
+
+def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[float]]:
+    """Train with FP8 param gather on (or off), save, go on; load into a run with it off (or
+    on) and go on: the same losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def setup(on: bool):
+        ddp = wholeshard.DataParallel(
+            converted("mxfp8")(), **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=on
+        )
+        return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+
+    def train(ddp, opt, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            loss = lm_loss(ddp, *local_batch(step, rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    ddp, opt = setup(save_on)
+    train(ddp, opt, range(3))
+    wholeshard.save_checkpoint(root, ddp, opt, extra={"step": 3})
+    straight = train(ddp, opt, range(3, 6))
+    ddp, opt = setup(not save_on)
+    wholeshard.load_checkpoint(root, ddp, opt)
+    return straight, train(ddp, opt, range(3, 6))
+
+
+@pytest.mark.parametrize("save_on", [True, False], ids=["saved-fp8", "saved-bf16"])
+def test_checkpoints_hold_masters_and_load_either_way(tmp_path, save_on: bool) -> None:
+    for straight, resumed in run(_across_a_checkpoint, 2, str(tmp_path), save_on):
+        assert resumed == straight
