@@ -232,3 +232,24 @@ def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[fl
 def test_checkpoints_hold_masters_and_load_either_way(tmp_path, save_on: bool) -> None:
     for straight, resumed in run(_across_a_checkpoint, 2, str(tmp_path), save_on):
         assert resumed == straight
+
+
+def _mixed_on_and_off() -> dict:
+    """`pos` (8 x 32, a bare param) routed to Muon lands in buckets with converted weights."""
+    kw = dict(make=converted("mxfp8"), param_dtype=torch.bfloat16, use_muon=_muon_with_pos)
+    off = wholeshard_run(3, ddp_kw=dict(BUCKETS, **OVERLAP), **kw)
+    on = wholeshard_run(
+        3, ddp_kw=dict(BUCKETS, fp8_param_gather=True, **OVERLAP), keep_ddp=True, **kw
+    )
+    kinds = {type(b).__name__ for b in on.pop("ddp").buckets}
+    return {"off": off, "on": on, "kinds": kinds}
+
+
+def _muon_with_pos(name: str, param: torch.nn.Parameter) -> bool:
+    return param.ndim == 2 and not name.startswith(("emb", "head"))
+
+
+def test_buckets_mixing_converted_and_other_params_sync_once_correctly() -> None:
+    for out in run(_mixed_on_and_off, 2):
+        assert "MixedFp8Bucket" in out["kinds"]
+        assert_bitwise_equal(out["on"], out["off"])

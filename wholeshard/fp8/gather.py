@@ -122,8 +122,12 @@ class Fp8Bucket(CommBucket):
         return self.grad.view(torch.bfloat16)[: self.end - self.start]
 
     def _gather_mxfp8(self) -> InFlight:
-        if not _allocated(self.grad):
-            _alloc(self.grad)
+        if _allocated(self.grad):  # gathers run between a step and the next backward
+            raise RuntimeError(
+                "an FP8 param gather would overwrite gradients accumulated in its bucket: run "
+                "optimizer.step() (and zero_grad()) before the next forward"
+            )
+        _alloc(self.grad)
         staging = self._staging()
         group, rank = self.comm.gather_group, self.comm.rank
         handles = []
