@@ -17,6 +17,7 @@ from support import (
     run,
     wholeshard_run,
 )
+from test_checkpoint import train
 from torch import nn
 
 import wholeshard
@@ -201,7 +202,6 @@ def test_fp8_param_gather_needs_fp8_layers_and_the_aligned_layout() -> None:
 def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[float]]:
     """Train with FP8 param gather on (or off), save, go on; load into a run with it off (or
     on) and go on: the same losses."""
-    rank, world = dist.get_rank(), dist.get_world_size()
 
     def setup(on: bool):
         ddp = wholeshard.DataParallel(
@@ -209,23 +209,13 @@ def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[fl
         )
         return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
 
-    def train(ddp, opt, steps: range) -> list[float]:
-        losses = []
-        for step in steps:
-            loss = lm_loss(ddp, *local_batch(step, rank, world))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
     ddp, opt = setup(save_on)
     train(ddp, opt, range(3))
     wholeshard.save_checkpoint(root, ddp, opt, extra={"step": 3})
-    straight = train(ddp, opt, range(3, 6))
+    straight = [x.item() for x in train(ddp, opt, range(3, 6))]
     ddp, opt = setup(not save_on)
     wholeshard.load_checkpoint(root, ddp, opt)
-    return straight, train(ddp, opt, range(3, 6))
+    return straight, [x.item() for x in train(ddp, opt, range(3, 6))]
 
 
 @pytest.mark.parametrize("save_on", [True, False], ids=["saved-fp8", "saved-bf16"])

@@ -267,10 +267,17 @@ class CommBucket:
             return
         self.gathering.wait()
         self.gathering = None
+        self._gathered()
+
+    def _gathered(self) -> None:
+        """A gather has landed: the params are up to date (resharding: point them at it)."""
         if self.reshard:
-            for (param, _), view in zip(self.params, self._param_views, strict=True):
-                param.data = view
+            self._point_params_at_full()
         self.fresh = True
+
+    def _point_params_at_full(self) -> None:
+        for (param, _), view in zip(self.params, self._param_views, strict=True):
+            param.data = view
 
     def _gather(self) -> InFlight:
         group, k, rank = self.comm.gather_group, self.comm.size, self.comm.rank

@@ -98,14 +98,9 @@ class Fp8Bucket(CommBucket):
         assert self.gathering is None
         self.gathering = self._gather_mxfp8() if self.recipe == "mxfp8" else self._gather_bytes()
 
-    def finish_gather(self) -> None:
-        if self.gathering is None:
-            return
-        self.gathering.wait()
-        self.gathering = None
-        if self._bf16:
-            for (param, _), view in zip(self.params, self._param_views, strict=True):
-                param.data = view
+    def _gathered(self) -> None:
+        if self._bf16:  # full_params(): the FP8 weights are untouched, so is `fresh`
+            self._point_params_at_full()
             return
         if self.recipe == "mxfp8":
             staging = self._staging()
@@ -176,12 +171,10 @@ class MixedFp8Bucket(CommBucket):
         super().__init__(*args, **kwargs)
         self.fp8_members = list(fp8_members)
 
-    def finish_gather(self) -> None:
-        gathered = self.gathering is not None
-        super().finish_gather()
-        if gathered:
-            for n, module in self.fp8_members:
-                module.fp8_weight = quantize_weight(self.params[n][0], module.recipe)
+    def _gathered(self) -> None:
+        super()._gathered()
+        for n, module in self.fp8_members:
+            module.fp8_weight = quantize_weight(self.params[n][0], module.recipe)
 
 
 def bucket_factory(module: nn.Module) -> Callable[..., CommBucket]:
