@@ -176,9 +176,7 @@ class Scheduler:
         self.finish_param_sync()
         todo = [b for b in self.forward_order if not (b.fresh and b.params_materialised)]
         for b in todo:
-            with record_function("wholeshard.param_sync.start"):
-                b.start_gather(full=True)
-            self._gathering += 1
+            self._start_gather(b, full=True)
         for b in todo:
             self._finish_gather(b)
         return todo
@@ -283,9 +281,9 @@ class Scheduler:
         if self.overlap_param_gather and not self._gathering:  # prefetch one, in queue order
             self._dispatch_next()
 
-    def _start_gather(self, b: CommBucket) -> None:
+    def _start_gather(self, b: CommBucket, full: bool = False) -> None:
         with record_function("wholeshard.param_sync.start"):
-            b.start_gather()
+            b.start_gather(full)
         self._gathering += 1
 
     def _finish_gather(self, b: CommBucket) -> None:

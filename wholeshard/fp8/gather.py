@@ -51,10 +51,9 @@ class Fp8Bucket(CommBucket):
             self._shard_params = [
                 [self._in_shard(b, r) for r in range(self.comm.size)] for b in self.parts
             ]
-            self._slots = [max(len(s) for s in shards) for shards in self._shard_params]
             self._scales = [
-                torch.zeros(self.comm.size * max(n, 1), device=self.param.device)
-                for n in self._slots
+                torch.zeros(self.comm.size * max(1, *map(len, shards)), device=self.param.device)
+                for shards in self._shard_params
             ]
 
     def _in_shard(self, b: Bucket, rank: int) -> list[int]:
@@ -82,9 +81,10 @@ class Fp8Bucket(CommBucket):
             _free(self.grad)
 
     def persistent_bytes(self) -> tuple[int, int]:
-        fp8 = sum(_nbytes(t) for m in self.modules if m.fp8_weight for t in _tensors(m))
         if self.recipe == "tensorwise":
             fp8 = _nbytes(self._bytes) + sum(_nbytes(s) for s in self._scales)
+        else:
+            fp8 = sum(_nbytes(t) for m in self.modules if m.fp8_weight for t in _tensors(m))
         return _nbytes(self.param_shard) + fp8, _nbytes(self.grad_shard)
 
     # -- gathers ----------------------------------------------------------------------------
