@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .layout import STRATEGIES, ParamSpec
-from .plan import DEFAULT_STRATEGY, Buffer, Plan, plan_buffers
+from .layout import STRATEGIES, Layout, ParamSpec
+from .plan import DEFAULT_STRATEGY, Plan, plan_buffers
 from .presets import PRESETS
 from .routing import muon_by_name
 from .stacks import matrices
@@ -222,7 +222,7 @@ def draw_png(plan: Plan, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _gaps(buffer: Buffer) -> list[tuple[int, int]]:
+def _gaps(buffer: Layout) -> list[tuple[int, int]]:
     """(start, length) of every buffer range no param covers."""
     gaps = []
     cursor = 0
