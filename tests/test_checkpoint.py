@@ -27,12 +27,12 @@ import wholeshard
 from wholeshard import export
 from wholeshard.checkpoint import (
     CheckpointError,
-    _ChunkSavePlanner,
     flat_range_boxes,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
+from wholeshard.checkpoint.chunks import Chunks, ChunkSavePlanner
 from wholeshard.optim.layerwise import OwnedPiece
 from wholeshard.routing import route_params
 
@@ -150,11 +150,9 @@ def test_flat_range_boxes_cover_each_range_exactly_in_order(shape: tuple[int, ..
 
 def test_two_ranks_writing_one_chunk_is_refused() -> None:
     """DCP keeps one of two same-key chunks silently; the planner must refuse."""
-    planner = _ChunkSavePlanner()
+    planner = ChunkSavePlanner()
     t = torch.ones(2, 3)
-    from wholeshard.checkpoint import _Chunks
-
-    planner.set_up_planner({"model/w": _Chunks(t.shape, [((0, 0), t)])})
+    planner.set_up_planner({"model/w": Chunks(t.shape, [((0, 0), t)])})
     plan = planner.create_local_plan()
     with pytest.raises(AssertionError, match="both write model/w"):
         planner.create_global_plan([plan, plan])
@@ -372,7 +370,7 @@ class SlicedAdamW:
 
 def _sliced_view(state: dict, piece: OwnedPiece) -> dict:
     """What a piece should hold, cut from the full state."""
-    if piece.is_whole:
+    if tuple(piece.master.shape) == piece.full_shape:
         return dict(state[piece.name])
     lo, hi = piece.offset, piece.offset + piece.master.numel()
     return {

@@ -16,7 +16,7 @@ from support import ADAMW_KW, MUON_KW, VOCAB, lm_loss, local_batch, make_model, 
 from torch import nn
 
 import wholeshard
-from wholeshard import checkpoint
+from wholeshard import checkpoint_dir
 from wholeshard.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wholeshard.launch import WorkerFailed
 
@@ -73,9 +73,9 @@ def _arm(point: str, marker: Path) -> None:
             path.write_text('{"body": {"format"')
             _die()
 
-        checkpoint.write_manifest = half_manifest
+        checkpoint_dir.write_manifest = half_manifest
     elif point == "before-latest":  # renamed into place, `latest` not yet updated
-        checkpoint.write_latest = lambda root, name: _die()
+        checkpoint_dir.write_latest = lambda root, name: _die()
     elif point == "latest-replace":  # the new `latest` written beside the old, not yet renamed
         original_replace = os.replace
 
