@@ -46,24 +46,14 @@ class Group:
 
     def on_first(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn` on rank 0 only; every rank returns its result or raises its error."""
-        result, error = None, None
-        if self.rank == 0:
-            try:
-                result = fn()
-            except Exception as e:
-                error = _describe(e, what)
-        result, error = self.broadcast((result, error))
+        result, error = self.broadcast(_attempt(fn, what) if self.rank == 0 else None)
         if error is not None:
             raise CheckpointError(error)
         return result
 
     def agree(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn` on every rank; if any rank fails, every rank raises all their errors."""
-        result, error = None, None
-        try:
-            result = fn()
-        except Exception as e:
-            error = _describe(e, what)
+        result, error = _attempt(fn, what)
         errors = self.all_gather(error)
         distinct = list(dict.fromkeys(e for e in errors if e is not None))
         if distinct:
@@ -71,5 +61,11 @@ class Group:
         return result
 
 
-def _describe(e: Exception, what: str) -> str:
-    return str(e) if isinstance(e, CheckpointError) else f"{what}: {type(e).__name__}: {e}"
+def _attempt(fn: Callable[[], T], what: str) -> tuple[T | None, str | None]:
+    """`fn()` and no error, or None and what went wrong (a CheckpointError's own message)."""
+    try:
+        return fn(), None
+    except CheckpointError as e:
+        return None, str(e)
+    except Exception as e:
+        return None, f"{what}: {type(e).__name__}: {e}"
