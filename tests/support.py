@@ -178,6 +178,7 @@ def wholeshard_run(
     make: Callable[[], nn.Module] | None = None,
     probe: Callable[[nn.Module], Any] | None = None,
     keep_ddp: bool = False,
+    lr_lambda: Callable[[int], float] | None = None,
 ) -> dict[str, Any]:
     """The same training on this rank's slice of every batch; returns what the tests compare.
 
@@ -185,7 +186,8 @@ def wholeshard_run(
     forward on a fixed batch after every step; `make()` builds the model as in `reference_run`;
     `probe(model)` runs on the wrapped module right after the last step (overlapped gathers
     still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
-    "ddp" (for inspection inside the worker: it does not pickle).
+    "ddp" (for inspection inside the worker: it does not pickle); `lr_lambda` drives a
+    `LambdaLR` scheduler stepped after every optimizer step.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = make() if make is not None else make_model(**(model_kw or {}))
@@ -195,6 +197,7 @@ def wholeshard_run(
         model, param_dtype=param_dtype, use_muon=use_muon, **(ddp_kw or {})
     )
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=muon_kw or MUON_KW, adamw=adamw_kw or ADAMW_KW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
     losses, norms, evals = [], [], []
     for step in range(steps):
         x, y = local_batch(step, rank, world)
@@ -211,6 +214,8 @@ def wholeshard_run(
             norms.append(opt.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         losses.append(_global_mean(total))
         if evaluate:
             with torch.no_grad():
