@@ -5,7 +5,11 @@ from __future__ import annotations
 from .report import Row
 
 _PANELS = (
-    ("median step time (s)", 1.0, (("step_s", None, "tab:blue"),)),
+    (
+        "median step time (s)",
+        1.0,
+        (("step_s", "step", "tab:blue"), ("floor_s", "floor (floor.py)", "tab:purple")),
+    ),
     (
         "peak RSS per rank (MB)",
         1e6,
