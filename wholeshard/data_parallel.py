@@ -296,11 +296,9 @@ class DataParallel(nn.Module):
             r.param.grad = None
 
     def reduced_buckets(self) -> Iterator[int]:
-        """The pipelined step: yield each bucket's index (in `buckets`, reduce order) once this
-        rank's grad shards in it hold their averages; on coming back the caller has written the
-        bucket's owned params, and its param sync is dispatched at once (fully sharded: at the
-        next forward). Walk it to the end on every rank; `finish_param_sync()` waits for the
-        gathers it left in flight (with `overlap_param_gather`, the next forward does)."""
+        """The pipelined step: yield each bucket's index (in `buckets`) once its grads are
+        reduced; when the caller, having written its owned params, comes back, its param sync
+        is dispatched. Every rank walks it to the end (`wholeshard.schedule.Scheduler`)."""
         return self.scheduler.reduced_in_order()
 
     # -- parameters -----------------------------------------------------------------------
