@@ -193,6 +193,7 @@ def wholeshard_run(
     make: Callable[[], nn.Module] | None = None,
     probe: Callable[[nn.Module], Any] | None = None,
     keep_ddp: bool = False,
+    lr_lambda: Callable[[int], float] | None = None,
 ) -> dict[str, Any]:
     """The same training on this rank's slice of every batch; returns what the tests compare.
 
@@ -200,7 +201,8 @@ def wholeshard_run(
     forward on a fixed batch after every step; `make()` builds the model as in `reference_run`;
     `probe(model)` runs on the wrapped module right after the last step (overlapped gathers
     still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
-    "ddp" (for inspection inside the worker: it does not pickle).
+    "ddp" (for inspection inside the worker: it does not pickle); `lr_lambda` drives a
+    `LambdaLR` scheduler stepped after every optimizer step.
     """
     rank, world = rank_world()
     model = make() if make is not None else make_model(**(model_kw or {}))
@@ -210,6 +212,7 @@ def wholeshard_run(
         model, param_dtype=param_dtype, use_muon=use_muon, **(ddp_kw or {})
     )
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=muon_kw or MUON_KW, adamw=adamw_kw or ADAMW_KW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
     losses, norms, evals = [], [], []
     for step in range(steps):
         x, y = local_batch(step, rank, world)
@@ -226,6 +229,8 @@ def wholeshard_run(
             norms.append(opt.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         losses.append(_global_mean(total))
         if evaluate:
             with torch.no_grad():

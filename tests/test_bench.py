@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from wholeshard.bench.configs import CONFIGS, REFERENCE
 from wholeshard.bench.workloads import WORKLOADS
 from wholeshard.data_parallel import DataParallel
@@ -31,6 +33,10 @@ ROW_TYPES = {
     "persistent_bytes": int,
     "persistent_bytes_all_ranks": int,
     "ratio_vs_ddp_torch_muon": float,
+    "floor_forward_backward_s": float,
+    "floor_optimizer_s": float,
+    "floor_s": float,
+    "ratio_vs_floor": float,
     "final_loss": float,
     "error": type(None),
 }
@@ -92,6 +98,9 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
             assert row["gather_bytes_per_rank"] > 0, where
         if reports_memory:
             assert 0 < row["persistent_bytes"] <= row["persistent_bytes_all_ranks"], where
+        parts = row["floor_forward_backward_s"] + row["floor_optimizer_s"]
+        assert row["floor_s"] == pytest.approx(parts), where
+        assert row["ratio_vs_floor"] == pytest.approx(row["step_s"] / row["floor_s"]), where
         if row["config"] == REFERENCE:
             assert row["ratio_vs_ddp_torch_muon"] == 1.0
     assert ran >= 2 * len(WORKLOADS)  # at least the reference and a wholeshard row per workload

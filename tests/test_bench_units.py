@@ -16,7 +16,7 @@ from wholeshard import collectives, data_parallel
 from wholeshard.bench import add_parser, main
 from wholeshard.bench import configs as bench_configs
 from wholeshard.bench.command import flag_overrides
-from wholeshard.bench.configs import CONFIGS, wholeshard_config, with_overrides
+from wholeshard.bench.configs import CONFIGS, every_param, wholeshard_config, with_overrides
 from wholeshard.bench.memory import (
     optimizer_state_bytes,
     peak_rss_bytes,
@@ -35,6 +35,8 @@ from wholeshard.bench.report import (
 from wholeshard.bench.traffic import TrafficCounter, bytes_sent
 from wholeshard.bench.waits import WaitClock
 from wholeshard.bench.workloads import get_workload
+from wholeshard.launch import launch
+from wholeshard.routing import route_params
 
 MB = torch.zeros(1 << 18)  # 1 MiB of fp32
 
@@ -126,25 +128,29 @@ def test_gather_bytes_are_the_gather_part_of_a_mixed_step() -> None:
 
 def test_ratios_and_loss_agreement() -> None:
     rows = [
-        Row("mlp", "ddp_torch_muon", step_s=2.0, final_loss=1.0),
-        Row("mlp", "ws_sync", step_s=1.0, final_loss=1.001),
+        Row("mlp", "ddp_torch_muon", step_s=2.0, final_loss=1.0, floor_s=1.6),
+        Row("mlp", "ws_sync", step_s=1.0, final_loss=1.001, floor_s=0.8),
         Row("mlp", "odd", step_s=1.5, final_loss=1.5),
         Row("mlp", "broken", error="boom"),
     ]
     fill_ratios(rows)
     assert [r.ratio_vs_ddp_torch_muon for r in rows] == [1.0, 0.5, 0.75, None]
+    assert [r.ratio_vs_floor for r in rows] == [1.25, 1.25, None, None]
     flagged = disagreements(rows)
     assert len(flagged) == 1 and flagged[0].startswith("mlp/odd:")
     table = markdown(rows, flagged)
     assert "LOSS DISAGREES" in table and "boom" in table
     assert "| peak RSS delta MB |" in table and "| persistent MB/rank |" in table
     assert "| sent/rank MB | gather MB/rank |" in table
+    assert "| floor s | vs floor |" in table and "| 0.800 | 1.25x |" in table
     widths = {line.count("|") for line in table.splitlines()}
     assert len(widths) == 1  # every line has as many cells as the header
 
 
-def _rank(persistent: int | None, delta: int, gather: int = 2) -> dict:
+def _rank(persistent: int | None, delta: int, gather: int = 2, floor=(0.2, 0.3)) -> dict:
     return dict(
+        floor_forward_backward_s=floor[0],
+        floor_optimizer_s=floor[1],
         step_s=1.0,
         optimizer_s=0.5,
         comm_wait_s=0.1,
@@ -159,7 +165,9 @@ def _rank(persistent: int | None, delta: int, gather: int = 2) -> dict:
 
 
 def test_ranks_combine_to_the_fullest_rank_and_persistent_bytes_also_to_a_sum() -> None:
-    row = from_ranks("mlp", "ws_sync", [_rank(10, 50, gather=3), _rank(30, 40, gather=5)])
+    ranks = [_rank(10, 50, gather=3, floor=(0.25, 0.5)), _rank(30, 40, gather=5, floor=(0.5, 0.25))]
+    row = from_ranks("mlp", "ws_sync", ranks)
+    assert row.floor_s == 1.0, "the slowest forward + backward and the busiest owned share"
     assert (row.peak_rss_delta_bytes, row.persistent_bytes) == (50, 30)
     assert row.gather_bytes_per_rank == 5
     assert row.persistent_bytes_all_ranks == 40
@@ -182,6 +190,9 @@ def test_rounds_merge_to_medians_and_survive_a_failed_round() -> None:
             optimizer_state_bytes=4,
             persistent_bytes=m // 100,
             persistent_bytes_all_ranks=m // 50,
+            floor_forward_backward_s=s / 8,
+            floor_optimizer_s=s / 4,
+            floor_s=s * 3 / 8,
             final_loss=0.5,
         )
         for s, m in ((3.0, 100), (1.0, 300), (2.0, 200))
@@ -190,6 +201,8 @@ def test_rounds_merge_to_medians_and_survive_a_failed_round() -> None:
     assert (merged.step_s, merged.optimizer_s, merged.peak_rss_bytes) == (2.0, 1.0, 300)
     assert (merged.peak_rss_delta_bytes, merged.persistent_bytes) == (30, 3)
     assert (merged.persistent_bytes_all_ranks, merged.gather_bytes_per_rank) == (6, 12)
+    assert (merged.floor_forward_backward_s, merged.floor_optimizer_s) == (0.25, 0.5)
+    assert merged.floor_s == 0.75
     unknown = from_ranks("mlp", "ddp_torch_muon", [_rank(None, 1)])  # no persistent figure
     assert merge_rounds([unknown, unknown]).persistent_bytes is None
     assert merged.error is None
@@ -216,6 +229,35 @@ def test_persistent_bytes_sum_what_outlives_a_step() -> None:
     assert persistent_bytes(memory) == 15
 
 
+def _floor_share(config: str) -> int:
+    """How many of the bare model's params this rank's floor optimizers step, after checking
+    each is a fresh copy holding a param's values and gradient."""
+    workload = get_workload("mlp", quick=True)
+    setup = CONFIGS[config].build(workload, WaitClock())
+    model = (setup.bare_model or workload.make_model)()
+    routes = route_params(model, workload.use_muon)
+    for r in routes:
+        r.param.grad = torch.randn_like(r.param)
+    optimizers = (setup.owned_optimizers or every_param)(routes)
+    copies = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    for c in copies:
+        assert all(c.data_ptr() != r.param.data_ptr() for r in routes)
+        assert any(torch.equal(c, r.param) and torch.equal(c.grad, r.param.grad) for r in routes)
+    return len(copies)
+
+
+@pytest.mark.parametrize(
+    "config, shares",
+    [("ddp_torch_muon", [3, 3]), ("ddp_kj_muon", [2, 1]), ("ws_pipelined", [2, 1])],
+)
+def test_floor_steps_each_configurations_own_share(config: str, shares: list[int]) -> None:
+    """`mlp --quick` has 3 matrices: torch DDP steps all on every rank, the round-robin and
+    the plan split them 2 + 1."""
+    if config == "ddp_kj_muon":
+        pytest.importorskip("muon")
+    assert launch(_floor_share, 2, (config,), start_method="fork", timeout=120) == shares
+
+
 def test_missing_wholeshard_keyword_is_unavailable_not_an_error() -> None:
     config = wholeshard_config("ws_future", "a mode from a later issue", no_such_mode=True)
     reason = config.unavailable()
@@ -224,12 +266,15 @@ def test_missing_wholeshard_keyword_is_unavailable_not_an_error() -> None:
         assert bench_configs.CONFIGS[name].unavailable() is None
 
 
-def test_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong() -> None:
+def test_pipelined_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong() -> None:
     names = list(CONFIGS)
     i = names.index("ws_overlap")
     fully_sharded = ["ws_fully_sharded", "ws_fully_sharded_one_group"]
     fp8 = ["ws_fp8_mxfp8", "ws_fp8_tensorwise"]
-    assert names[i + 1 : i + 6] == [*fully_sharded, *fp8, "ws_ping_pong"]
+    assert names[i + 1 : i + 7] == ["ws_pipelined", *fully_sharded, *fp8, "ws_ping_pong"]
+    assert CONFIGS["ws_pipelined"].ddp_kwargs == dict(
+        overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True
+    )
     assert CONFIGS["ws_fp8_tensorwise"].ddp_kwargs["fp8_param_gather"] is True
     overlap = dict(overlap_grad_reduce=True, overlap_param_gather=True)
     assert CONFIGS["ws_fully_sharded"].ddp_kwargs == dict(reshard_after_forward=True, **overlap)

@@ -9,6 +9,8 @@ Step protocol (the optimizer drives it; `wholeshard.schedule` decides when colle
 4. `start_param_sync()`: each bucket's all-gather restores every param on every rank: all at
    once; with `overlap_param_gather` as the next forward reaches them; fully sharded
    (`reshard_after_forward=True`): before each module's forward and backward, released after.
+With `pipelined_step` the optimizer does 2-4 bucket by bucket instead (`reduced_buckets()`):
+each bucket is updated as soon as its reduction lands and gathered at once.
 
 Buckets are `wholeshard.bucket.CommBucket`s; the legacy ping-pong baseline builds its own in
 `wholeshard.ping_pong`.
@@ -52,6 +54,8 @@ class OwnedSlice:
     offset: int
     param: torch.Tensor
     grad: torch.Tensor
+    bucket: int
+    """Index of the bucket holding the slice in `DataParallel.buckets` (reduce order)."""
 
 
 class StateHolder(Protocol):
@@ -68,7 +72,9 @@ class DataParallel(nn.Module):
     Muon-routed params live in whole-tensor buffers; the others in element-wise sharded buffers.
     `bucket_size=None` takes `wholeshard.plan.default_bucket_size`. `reshard_after_forward=True`
     keeps only this rank's shards between steps (fully sharded); `separate_all_gather_group`
-    puts param gathers on a second process group (None: on iff fully sharded).
+    puts param gathers on a second process group (None: on iff fully sharded or pipelined).
+    `pipelined_step=True` makes the optimizer update each bucket as soon as its reduction lands
+    and dispatch its gather at once (`reduced_buckets()`); the results are bitwise the same.
     `layout="ping_pong"` and `param_sync="broadcast"` select the legacy baselines.
     """
 
@@ -90,6 +96,7 @@ class DataParallel(nn.Module):
         reshard_after_forward: bool = False,
         separate_all_gather_group: bool | None = None,
         fp8_param_gather: bool = False,
+        pipelined_step: bool = False,
     ) -> None:
         super().__init__()
         _check_modes(param_dtype, grad_reduce_dtype, layout, param_sync, reshard_after_forward)
@@ -103,6 +110,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
+        self.pipelined_step = pipelined_step
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
         if layout == PING_PONG and shard_group_size not in (None, self.dp_size):
             raise ValueError("layout='ping_pong' has no shard groups: leave shard_group_size unset")
@@ -133,7 +141,7 @@ class DataParallel(nn.Module):
         gathers = self.dp_size > 1 and self.shard_group_size > 1
         self.reshard_after_forward = reshard_after_forward and gathers
         if separate_all_gather_group is None:
-            separate_all_gather_group = reshard_after_forward
+            separate_all_gather_group = reshard_after_forward or pipelined_step
         self.shard_group, self.replica_group, self.gather_group = make_groups(
             self.process_group,
             self.dp_size,
@@ -241,7 +249,7 @@ class DataParallel(nn.Module):
                     shape = p.shape[-2:]
                 else:
                     shape = (length,)
-                yield OwnedSlice(route, offset, param.view(shape), grad.view(shape))
+                yield OwnedSlice(route, offset, param.view(shape), grad.view(shape), bucket.index)
 
     def _owned_ranges(self) -> Iterator[tuple[Placement, int, int, str]]:
         if self.plan is not None:
@@ -286,6 +294,12 @@ class DataParallel(nn.Module):
         self.scheduler.zero_grads()
         for r in self.routes:
             r.param.grad = None
+
+    def reduced_buckets(self) -> Iterator[int]:
+        """The pipelined step: yield each bucket's index (in `buckets`) once its grads are
+        reduced; when the caller, having written its owned params, comes back, its param sync
+        is dispatched. Every rank walks it to the end (`wholeshard.schedule.Scheduler`)."""
+        return self.scheduler.reduced_in_order()
 
     # -- parameters -----------------------------------------------------------------------
 

@@ -23,6 +23,15 @@ Two exceptions keep a bucket across the forward/backward boundary when grad is e
 bucket in backprop order (it would be gathered again at once, as FSDP2 keeps its root's params),
 and a bucket one of whose modules returned nothing autograd can hook (its backward could not be
 announced). The end of the root's forward and of every backward releases whatever is left.
+
+[Note: pipelined step]
+With `pipelined_step` the optimizer walks the buckets in reduce order (`reduced_in_order`): wait
+for bucket b's reduction, let the caller update b's owned params, dispatch b's gather at once,
+then bucket b + 1, whose reduction and b's gather are in flight meanwhile. Gathers then leave in
+reduce order, which every rank walks alike; they belong on the separate all-gather group, where
+they do not queue behind the reductions. Fully sharded, nothing is gathered between steps: the
+walk only overlaps the updates with the reductions still in flight, and the next forward gathers
+as usual.
 """
 
 from __future__ import annotations
@@ -121,6 +130,26 @@ class Scheduler:
         if self.reduces:
             while self._next_reduce < len(self.buckets):
                 self._start_reduce()
+
+    def reduced_in_order(self) -> Iterator[int]:
+        """The pipelined step ([Note: pipelined step]): yield each bucket's index in reduce order
+        once this rank's grad shards hold its averages; when the caller comes back, having
+        written the bucket's owned params, dispatch the bucket's gather (fully sharded: mark it
+        stale for the next forward). Every rank must walk it to the end."""
+        self.finish_param_sync()  # a gather still in flight must land before params are written
+        self.start_grad_sync()
+        for b in self.buckets:
+            with record_function(f"wholeshard.step.bucket{b.index}"):
+                with record_function("wholeshard.grad_sync.finish"), self._blocked():
+                    b.finish_reduce()
+                yield b.index
+                if self.gathers:
+                    b.fresh = False
+                    if not self.reshard:
+                        self._start_gather(b)
+        self._grads_reduced = True
+        if self.gathers and self.reshard:
+            self.release_all()
 
     def finish_grad_sync(self) -> None:
         """Wait until every owned grad shard holds its average; params that got no gradient

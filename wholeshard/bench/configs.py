@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..routing import route_params
+from ..routing import Route, route_params
+from .floor import OwnedOptimizers, copy_with_grad
 from .waits import WaitClock
 from .workloads import Workload
 
@@ -48,6 +49,12 @@ class Setup:
     memory: Callable[[], dict[str, int]] | None = None
     """Bytes this rank holds between steps, by kind (`DataParallel.memory`); None when the
     configuration cannot say."""
+    bare_model: Callable[[], nn.Module] | None = None
+    """The model as this configuration computes it, unwrapped, for the floor (None: the
+    workload's own)."""
+    owned_optimizers: OwnedOptimizers | None = None
+    """This rank's owned share for the floor (`floor.OwnedOptimizers`); None: every param
+    under torch's Muon/AdamW, the share of a rank that updates everything."""
 
     def step(self) -> None:
         for opt in self.optimizers:
@@ -82,11 +89,24 @@ def split_params(model: nn.Module, workload: Workload) -> tuple[list, list]:
 
 def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.Optimizer]:
     """`torch.optim.Muon` on the matrices and `torch.optim.AdamW` on the rest (if any)."""
-    muon, other = split_params(model, workload)
-    opts: list[torch.optim.Optimizer] = [torch.optim.Muon(muon, adjust_lr_fn="original", **MUON_KW)]
+    return torch_pair(*split_params(model, workload))
+
+
+def torch_pair(muon: list, other: list) -> list[torch.optim.Optimizer]:
+    """`torch.optim.Muon` on `muon` and `torch.optim.AdamW` on `other`, each if not empty."""
+    opts: list[torch.optim.Optimizer] = []
+    if muon:
+        opts.append(torch.optim.Muon(muon, adjust_lr_fn="original", **MUON_KW))
     if other:
         opts.append(torch.optim.AdamW(other, **ADAMW_KW))
     return opts
+
+
+def every_param(routes: list[Route]) -> list[torch.optim.Optimizer]:
+    """The floor's share of a rank that updates every param (torch DDP; FSDP2, whose
+    `torch.optim.Muon` orthogonalizes every full matrix on every rank)."""
+    copies = [(r.muon, copy_with_grad(r.param, r.param.grad)) for r in routes]
+    return torch_pair([c for m, c in copies if m], [c for m, c in copies if not m])
 
 
 # -- torch DDP -----------------------------------------------------------------------------
@@ -151,7 +171,23 @@ def _build_ddp_kj_muon(workload: Workload, clock: WaitClock) -> Setup:
     groups = [dict(params=muon, use_muon=True, **MUON_KW)]
     if other:
         groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
-    return Setup(ddp, [MuonWithAuxAdam(groups)], settle)
+    return Setup(ddp, [MuonWithAuxAdam(groups)], settle, owned_optimizers=_kj_share)
+
+
+def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
+    """`MuonWithAuxAdam`'s share: of the matrices sorted by size, largest first, every
+    world-th from this rank's index (Newton–Schulz in bf16, its own); AdamW on every other
+    param, which every rank updates."""
+    from muon import SingleDeviceMuonWithAuxAdam
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    matrices = sorted((r for r in routes if r.muon), key=lambda r: r.param.size(), reverse=True)
+    mine = [copy_with_grad(r.param, r.param.grad) for r in matrices[rank::world]]
+    other = [copy_with_grad(r.param, r.param.grad) for r in routes if not r.muon]
+    groups = [dict(params=mine, use_muon=True, **MUON_KW)] if mine else []
+    if other:
+        groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
+    return [SingleDeviceMuonWithAuxAdam(groups)] if groups else []
 
 
 # -- torch FSDP2 ---------------------------------------------------------------------------
@@ -195,23 +231,49 @@ def wholeshard_config(
         from ..data_parallel import DataParallel
         from ..optim import LayerwiseOptimizer
 
-        model = workload.make_model()
-        if fp8 is not None:
-            from .. import fp8 as fp8_module
+        def make_model() -> nn.Module:
+            model = workload.make_model()
+            if fp8 is not None:
+                from .. import fp8 as fp8_module
 
-            fp8_module.convert(model, fp8, use_muon=workload.use_muon)
+                fp8_module.convert(model, fp8, use_muon=workload.use_muon)
+            return model
+
         try:
-            ddp = DataParallel(model, use_muon=workload.use_muon, **ddp_kwargs)
+            ddp = DataParallel(make_model(), use_muon=workload.use_muon, **ddp_kwargs)
         except TypeError as e:  # a keyword the availability check could not rule out
             if "unexpected keyword" not in str(e):
                 raise
             raise RuntimeError(f"not available in this version: {e}") from e
         opt = LayerwiseOptimizer(ddp, muon=dict(MUON_KW, adjust_lr_fn="original"), adamw=ADAMW_KW)
-        # A DataParallel older than `memory()` cannot report its persistent bytes.
-        return Setup(ddp, [opt], memory=getattr(ddp, "memory", None))
+        return Setup(
+            ddp,
+            [opt],
+            # A DataParallel older than `memory()` cannot report its persistent bytes.
+            memory=getattr(ddp, "memory", None),
+            bare_model=make_model,
+            owned_optimizers=_planned_share(opt),
+        )
 
     unavailable = _wholeshard_unavailable(ddp_kwargs)
     return Config(name, description, build, unavailable, ddp_kwargs=dict(ddp_kwargs))
+
+
+def _planned_share(opt: Any) -> OwnedOptimizers:
+    """A `LayerwiseOptimizer`'s share, its owned pieces under the plan, stepped as it steps
+    them (`OwnedPiece.master` in the optimizer's layout; a piece of a param is its range of the
+    flattened gradient)."""
+
+    def build(routes: list[Route]) -> list[torch.optim.Optimizer]:
+        grads = {r.name: r.param.grad.reshape(-1) for r in routes}
+        muon, other = [], []
+        for piece in opt.owned_pieces():
+            flat = grads[piece.name][piece.offset : piece.offset + piece.param.numel()]
+            grad = piece.oriented(flat.view(piece.param.shape))
+            (muon if piece.kind == "muon" else other).append(copy_with_grad(piece.master, grad))
+        return torch_pair(muon, other)
+
+    return build
 
 
 def with_overrides(name: str, overrides: Mapping[str, Any]) -> Config:
@@ -251,6 +313,14 @@ CONFIGS: dict[str, Config] = {
             "wholeshard with grad-reduce and param-gather overlap",
             overlap_grad_reduce=True,
             overlap_param_gather=True,
+        ),
+        wholeshard_config(
+            "ws_pipelined",
+            "ws_overlap with the pipelined step: each bucket updated as its reduction lands, "
+            "gathered at once",
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            pipelined_step=True,
         ),
         wholeshard_config(
             "ws_fully_sharded",

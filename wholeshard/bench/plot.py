@@ -7,7 +7,11 @@ from wholeshard.plotting import figure
 from .report import Row
 
 _PANELS = (
-    ("median step time (s)", 1.0, (("step_s", None, "tab:blue"),)),
+    (
+        "median step time (s)",
+        1.0,
+        (("step_s", "step", "tab:blue"), ("floor_s", "floor (floor.py)", "tab:purple")),
+    ),
     (
         "peak RSS per rank (MB)",
         1e6,

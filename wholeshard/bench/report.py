@@ -3,7 +3,8 @@ footer) and JSON output.
 
 Aggregation: each rank reports medians over its timed steps; a row takes the largest value over
 ranks (the slowest rank sets the pace; memory is what the fullest rank needs), except
-`persistent_bytes_all_ranks`, the sum over ranks. A size some rank cannot report is None. With
+`persistent_bytes_all_ranks`, the sum over ranks; `floor_s` is the sum of its two parts, each
+the largest over ranks (`floor.py`). A size some rank cannot report is None. With
 several rounds, a row's times are medians over rounds, its sizes the largest. Final losses are
 global means, equal on every rank.
 """
@@ -50,6 +51,13 @@ class Row:
     `DataParallel.memory()`; None for other configurations."""
     persistent_bytes_all_ranks: int | None = None
     ratio_vs_ddp_torch_muon: float | None = None
+    floor_forward_backward_s: float | None = None
+    """Forward + backward of one rank's micro-batch on the bare model, no communication."""
+    floor_optimizer_s: float | None = None
+    """One optimizer step over the busiest rank's owned share alone, no collectives."""
+    floor_s: float | None = None
+    """The sum of the two: the part of a step no distributed scheme can remove (`floor.py`)."""
+    ratio_vs_floor: float | None = None
     final_loss: float | None = None
     error: str | None = None
 
@@ -61,6 +69,7 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
         return _largest([r[key] for r in ranks])
 
     persistent = [r["persistent_bytes"] for r in ranks]
+    forward_backward, optimizer = worst("floor_forward_backward_s"), worst("floor_optimizer_s")
     return Row(
         workload=workload,
         config=config,
@@ -74,6 +83,9 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
         optimizer_state_bytes=worst("optimizer_state_bytes"),
         persistent_bytes=_largest(persistent),
         persistent_bytes_all_ranks=None if None in persistent else sum(persistent),
+        floor_forward_backward_s=forward_backward,
+        floor_optimizer_s=optimizer,
+        floor_s=forward_backward + optimizer,
         final_loss=ranks[0]["final_loss"],
     )
 
@@ -104,6 +116,9 @@ def merge_rounds(rounds: list[Row]) -> Row:
         optimizer_state_bytes=largest("optimizer_state_bytes"),
         persistent_bytes=largest("persistent_bytes"),
         persistent_bytes_all_ranks=largest("persistent_bytes_all_ranks"),
+        floor_forward_backward_s=median("floor_forward_backward_s"),
+        floor_optimizer_s=median("floor_optimizer_s"),
+        floor_s=median("floor_s"),
         final_loss=done[0].final_loss,
     )
 
@@ -114,12 +129,15 @@ def _largest(values: list[Any]) -> Any:
 
 
 def fill_ratios(rows: list[Row]) -> None:
-    """Set `ratio_vs_ddp_torch_muon` on every row whose workload has a reference time."""
+    """Set `ratio_vs_ddp_torch_muon` on every row whose workload has a reference time, and
+    `ratio_vs_floor` on every row with a floor."""
     reference = {r.workload: r.step_s for r in rows if r.config == REFERENCE and r.error is None}
     for r in rows:
         ref = reference.get(r.workload)
         if r.error is None and ref:
             r.ratio_vs_ddp_torch_muon = r.step_s / ref
+        if r.error is None and r.floor_s:
+            r.ratio_vs_floor = r.step_s / r.floor_s
 
 
 def disagreements(rows: list[Row], rtol: float = LOSS_RTOL) -> list[str]:
@@ -203,17 +221,21 @@ def _s(x: float | None) -> str:
     return "" if x is None else f"{x:.3f}"
 
 
+def _x(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
 def markdown(rows: list[Row], flagged: list[str]) -> str:
     """The results table (README-ready), one line per row, errors and disagreements noted."""
     bad = {m.split(":", 1)[0] for m in flagged}
     lines = [
         "| workload | config | step s | optimizer s | comm wait s | sent/rank MB "
         "| gather MB/rank | peak RSS MB | peak RSS delta MB | opt state MB | persistent MB/rank "
-        "| vs ddp_torch_muon | final loss | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| vs ddp_torch_muon | floor s | vs floor | final loss | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        ratio = "" if r.ratio_vs_ddp_torch_muon is None else f"{r.ratio_vs_ddp_torch_muon:.2f}x"
+        ratio = _x(r.ratio_vs_ddp_torch_muon)
         loss = "" if r.final_loss is None else f"{r.final_loss:.5f}"
         note = r.error or ("LOSS DISAGREES" if f"{r.workload}/{r.config}" in bad else "")
         note = note.replace("|", "\\|").replace("\n", " ")
@@ -222,7 +244,8 @@ def markdown(rows: list[Row], flagged: list[str]) -> str:
             f"| {_s(r.comm_wait_s)} | {_mb(r.bytes_sent_per_rank)} "
             f"| {_mb(r.gather_bytes_per_rank)} | {_mb(r.peak_rss_bytes)} "
             f"| {_mb(r.peak_rss_delta_bytes)} | {_mb(r.optimizer_state_bytes)} "
-            f"| {_mb(r.persistent_bytes)} | {ratio} | {loss} | {note} |"
+            f"| {_mb(r.persistent_bytes)} | {ratio} | {_s(r.floor_s)} | {_x(r.ratio_vs_floor)} "
+            f"| {loss} | {note} |"
         )
     return "\n".join(lines)
 

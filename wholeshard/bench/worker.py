@@ -2,7 +2,8 @@
 
 Step sequence on every rank: `warmup` untimed steps (lazy optimizer state, DDP's bucket rebuild),
 one untimed step under the `TrafficCounter`, then `steps` timed steps. A step is forward +
-backward + optimizer step + zero_grad; batches are made before the loop.
+backward + optimizer step + zero_grad; batches are made before the loop. Then, once the
+memory figures are read, the floor (`floor.py`) on the same batches.
 
 Memory: the RSS delta is the peak resident set at the end minus the resident set just before
 the configuration builds the model (batches are made and lazy imports done before that), so it
@@ -20,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .configs import with_overrides
+from . import floor
+from .configs import every_param, with_overrides
 from .memory import optimizer_state_bytes, peak_rss_bytes, persistent_bytes, rss_bytes
 from .traffic import TrafficCounter
 from .waits import WaitClock
@@ -80,6 +82,13 @@ def run_rank(
                 wait_s.append(clock.seconds - blocked_before)
     persistent = None if setup.memory is None else persistent_bytes(setup.memory())
     peak = peak_rss_bytes()
+    floor_figures = floor.measure(
+        (setup.bare_model or workload.make_model)(),
+        workload,
+        setup.owned_optimizers or every_param,
+        batches,
+        warmup,
+    )
     final = loss.detach().float().reshape(1)
     dist.all_reduce(final, op=dist.ReduceOp.AVG)
     return {
@@ -94,4 +103,5 @@ def run_rank(
         "persistent_bytes": persistent,
         "optimizer_state_bytes": optimizer_state_bytes(setup.optimizers),
         "final_loss": final.item(),
+        **floor_figures,
     }

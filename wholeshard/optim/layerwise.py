@@ -21,9 +21,10 @@ works on 2-D tensors, so every Muon piece is one matrix in (out, in) orientation
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import ChainMap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     `muon` and `adamw` are keyword arguments of `torch.optim.Muon` and `torch.optim.AdamW`.
     `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
     LR schedulers work unchanged. `zero_grad()` zeros the grad buffer (grads are views into it,
-    never set to None); a param that got no gradient is stepped with a zero gradient.
+    never set to None); a param that got no gradient is stepped with a zero gradient. With
+    `DataParallel(pipelined_step=True)`, `step()` updates bucket by bucket as the reductions land
+    (`DataParallel.reduced_buckets`): the same per-param arithmetic, so the same bits.
     """
 
     def __init__(
@@ -91,7 +94,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
         self.ddp = ddp
-        self._owned = [piece for owned in ddp.owned() for piece in _pieces(owned)]
+        self._owned: list[OwnedPiece] = []
+        self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
+        for owned in ddp.owned():
+            pieces = _pieces(owned)
+            self._owned += pieces
+            self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
 
         self._inner = {
             MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
@@ -114,21 +122,35 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.ddp.finish_grad_sync()
-        self.ddp.finish_param_sync()  # a gather still in flight must land before we write params
-        with record_function("wholeshard.optimizer_step"):
-            for o in self._owned:
-                if o.master.grad is not o.grad:
-                    o.master.grad.copy_(o.oriented(o.grad))
-            for opt in self._inner.values():
-                opt.step()
-            for o in self._owned:
-                if o.separate_master:
-                    o.param.copy_(o.oriented(o.master))
-        self.ddp.start_param_sync()
+        if self.ddp.pipelined_step:
+            for bucket in self.ddp.reduced_buckets():
+                self._update(self._by_bucket.get(bucket, []))
+        else:
+            self.ddp.finish_grad_sync()
+            self.ddp.finish_param_sync()  # a gather in flight must land before we write params
+            self._update(self._owned)
+            self.ddp.start_param_sync()
         if not self.ddp.overlap_param_gather:
             self.ddp.finish_param_sync()
         return loss
+
+    def _update(self, pieces: list[OwnedPiece]) -> None:
+        """Step `pieces` with the torch optimizers. Their updates are per param, so which pieces
+        step together does not change a bit of the result."""
+        if not pieces:
+            return
+        with record_function("wholeshard.optimizer_step"):
+            for o in pieces:
+                if o.master.grad is not o.grad:
+                    o.master.grad.copy_(o.oriented(o.grad))
+            for kind, opt in self._inner.items():
+                masters = [o.master for o in pieces if o.kind == kind]
+                if masters:
+                    with _holding(opt.param_groups[0], masters):
+                        opt.step()
+            for o in pieces:
+                if o.separate_master:
+                    o.param.copy_(o.oriented(o.master))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""
@@ -139,7 +161,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Scale all gradients so their global `norm_type`-norm is at most `max_norm`.
 
         Same result as `torch.nn.utils.clip_grad_norm_` over every param of the model on the
-        averaged gradient; returns the total norm before clipping. Every rank must call it.
+        averaged gradient; returns the total norm before clipping. Every rank must call it. It
+        waits for every reduction, so a pipelined `step()` after it only overlaps the gathers.
         """
         self.ddp.finish_grad_sync()
         norm_type = float(norm_type)
@@ -219,6 +242,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             pieces.append(LoadedPiece(o, entry.get("master"), state))
         groups = [{k: v for k, v in g.items() if k != "kind"} for g in state_dict["param_groups"]]
         install_state(self.ddp, self, pieces, groups)
+
+
+@contextlib.contextmanager
+def _holding(group: dict[str, Any], params: list[torch.Tensor]) -> Iterator[None]:
+    """`group` holds only `params` (a subset of its own) inside the block: a torch optimizer
+    steps what its groups hold; group settings and per-param state are untouched."""
+    every = group["params"]
+    group["params"] = params
+    try:
+        yield
+    finally:
+        group["params"] = every
 
 
 def _pieces(owned: OwnedSlice) -> list[OwnedPiece]:
