@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from wholeshard import cli, layout_tool
 from wholeshard.bench import command as bench_command
 
-FUZZ = settings(max_examples=40, deadline=timedelta(seconds=30))
+FUZZ = settings(max_examples=25, deadline=timedelta(seconds=30))
 WATCHDOG_S = 120  # a call that takes this long is hung: fail instead of blocking the suite
 
 
