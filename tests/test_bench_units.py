@@ -387,10 +387,16 @@ def test_registers_as_a_subcommand() -> None:
 def test_rejects_bad_input_without_starting_workers(capsys) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command", required=True))
-    assert main(parser.parse_args(["bench", "--nproc", "0"])) == 2
-    assert main(parser.parse_args(["bench", "--steps", "0"])) == 2
-    assert main(parser.parse_args(["bench", "--repeat", "0"])) == 2
-    assert "must be >= 1" in capsys.readouterr().err
+    for flag, value in (
+        ("--nproc", "0"),
+        ("--nproc", "100000"),
+        ("--steps", "0"),
+        ("--repeat", "-1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["bench", flag, value])
+        assert exit_info.value.code == 2
+        assert f"argument {flag}: expected an integer" in capsys.readouterr().err
     no_ws = ["bench", "--config", "ddp_torch_muon", "--no-separate-all-gather-group"]
     assert main(parser.parse_args(no_ws)) == 2
     assert "--no-separate-all-gather-group" in capsys.readouterr().err

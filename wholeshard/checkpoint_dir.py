@@ -89,6 +89,47 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     return body
 
 
+def verify(ckpt: Path) -> dict[str, Any]:
+    """The manifest of `ckpt`, once the whole directory verifies against it: the manifest's own
+    checksum and format, its tables well formed, and every other file listed, with the size and
+    crc32 it was saved with. Nothing unlisted may sit beside them, so nothing is read (DCP's
+    `.metadata` is a pickle) that the manifest does not vouch for. Raises CheckpointError.
+
+    [Note: the checksums catch corruption, truncation and stray or swapped files, not forgery:
+    whoever can edit the files can rewrite the manifest. A checkpoint must come from a trusted
+    source.]"""
+    body = read_manifest(ckpt)
+    files = body.get("files")
+    tables_ok = (
+        isinstance(files, dict)
+        and all(_plain_name(n) and _file_entry(e) for n, e in files.items())
+        and isinstance(body.get("step"), int)
+        and all(isinstance(body.get(k), dict) for k in ("params", "others", "aliases"))
+        and all(isinstance(v, str) for v in body["aliases"].values())
+    )
+    if not tables_ok:
+        raise CheckpointError(f"checkpoint {ckpt} does not verify: {MANIFEST} is malformed")
+    unlisted = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST and p.name not in files)
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not verify: {', '.join(unlisted)} not in its {MANIFEST}"
+        )
+    check_files(ckpt, body, sorted(files))
+    return body
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and os.sep not in name
+
+
+def _file_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and type(entry.get("bytes")) is int
+        and isinstance(entry.get("crc32"), str)
+    )
+
+
 def read_dcp_metadata(ckpt: Path) -> Metadata:
     return dcp.FileSystemReader(ckpt).read_metadata()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 SUBCOMMANDS = (
     "wholeshard.train.command",
@@ -17,6 +17,24 @@ SUBCOMMANDS = (
     "wholeshard.bench",
     "wholeshard.export",
 )
+
+
+def positive_int(high: int | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer >= 1, and <= `high` when given; anything else is an
+    argparse error naming the flag and the accepted range."""
+    what = "an integer >= 1" if high is None else f"an integer in [1, {high:,}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < 1 or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,14 +61,18 @@ def write_safetensors(
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for data in blobs:
-            f.write(memoryview(data))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for data in blobs:
+                f.write(memoryview(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def export_checkpoint(
@@ -78,7 +82,9 @@ def export_checkpoint(
 
     `checkpoint` is resolved like `load_checkpoint`'s path (a `step-N` directory, or a
     checkpoints directory whose `latest` is followed). With `dtype`, floating tensors are cast
-    (params from their fp32 masters when the checkpoint has them).
+    (params from their fp32 masters when the checkpoint has them). A checkpoint that does not
+    verify against its manifest (`checkpoint_dir.verify`) raises CheckpointError before anything
+    in it is unpickled or anything is written.
     """
     tensors, manifest = load_consolidated(checkpoint, dtype=dtype)
     metadata = {"format": "pt", "wholeshard_step": str(manifest["step"])}
@@ -111,7 +117,7 @@ def export_main(args: argparse.Namespace) -> int:
     dtype = _DTYPE_FLAGS[args.dtype] if args.dtype else None
     try:
         tensors = export_checkpoint(args.checkpoint, args.out, dtype=dtype)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:  # OSError: an unreadable file, an unwritable `out`
         print(f"wholeshard export: {e}", file=sys.stderr)
         return 1
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -6,26 +6,35 @@
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
 ...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
 to `routing.muon_by_name`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
-or malformed shapes file, a plan no layout can serve).
+or malformed shapes file, a model no torch process could hold, a plan no layout can serve).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from .cli import positive_int
 from .layout import STRATEGIES, Layout, ParamSpec
 from .plan import DEFAULT_STRATEGY, Plan, plan_buffers
 from .plotting import figure
 from .presets import PRESETS
 from .routing import muon_by_name
-from .stacks import matrices
+from .stacks import matrices, matrix_count
 
 DEFAULT_BUCKET_SIZE = 40_000_000
+MAX_DP = 1 << 20
+"""Largest `--dp`: beyond any cluster, and the plan keeps per-rank tables."""
+MAX_NUMEL = (1 << 63) - 1
+"""Elements a param, and the model's buffers, can hold at most: torch counts them in int64."""
+MAX_MATRICES = 1 << 20
+"""Matrices all stacked (Muon, more than 2 dims) params may hold together: the plan places
+each one, and real MoE models have thousands."""
 _FIELDS = {"name", "shape", "muon", "tied"}
 
 
@@ -41,6 +50,8 @@ def load_shapes(path: str) -> list[ParamSpec]:
             text = f.read()
     except OSError as e:
         raise ShapesError(f"cannot read shapes file {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ShapesError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -48,12 +59,27 @@ def load_shapes(path: str) -> list[ParamSpec]:
             f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); expected "
             '{"params": [{"name": ..., "shape": [...]}, ...]}'
         ) from None
+    except RecursionError:
+        raise ShapesError(f"{path}: JSON nested too deeply to be a shapes file") from None
     if not isinstance(data, dict) or not isinstance(data.get("params"), list):
         raise ShapesError(
             f'{path}: expected an object with a "params" list, e.g. {{"params": [{{"name": '
             f'"fc.weight", "shape": [1024, 256]}}]}}'
         )
-    return [_spec(path, i, entry) for i, entry in enumerate(data["params"])]
+    specs = [_spec(path, i, entry) for i, entry in enumerate(data["params"])]
+    total = sum(spec.numel for spec in specs)
+    if total > MAX_NUMEL:
+        raise ShapesError(
+            f"{path}: the params hold {total:,} elements together, more than a torch buffer can "
+            f"(2**63 - 1)"
+        )
+    stacked = sum(matrix_count(s.shape) for s in specs if s.muon and len(s.shape) > 2)
+    if stacked > MAX_MATRICES:
+        raise ShapesError(
+            f"{path}: the stacked (Muon, more than 2 dims) params hold {stacked:,} matrices "
+            f'together, more than {MAX_MATRICES:,}; route some to AdamW with "muon": false'
+        )
+    return specs
 
 
 def _spec(path: str, i: int, entry: Any) -> ParamSpec:
@@ -78,6 +104,11 @@ def _spec(path: str, i: int, entry: Any) -> ParamSpec:
         raise ShapesError(f"{where}: shape {shape} has a negative size")
     if any(d == 0 for d in shape):
         raise ShapesError(f"{where}: shape {shape} has no elements; leave such params out")
+    if math.prod(shape) > MAX_NUMEL:
+        raise ShapesError(
+            f"{where}: shape {shape} has {math.prod(shape):,} elements, more than a torch "
+            f"tensor can hold (2**63 - 1)"
+        )
     for field in ("muon", "tied"):
         if field in entry and not isinstance(entry[field], bool):
             raise ShapesError(f"{where}: {field} must be true or false, got {entry[field]!r}")
@@ -233,16 +264,6 @@ def _gaps(buffer: Layout) -> list[tuple[int, int]]:
     return gaps
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `wholeshard layout`."""
     source = parser.add_mutually_exclusive_group(required=True)
@@ -253,11 +274,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--preset", choices=sorted(PRESETS), help="a published model's shapes")
     parser.add_argument(
-        "--dp", type=_positive_int, required=True, metavar="N", help="data-parallel ranks"
+        "--dp", type=positive_int(MAX_DP), required=True, metavar="N", help="data-parallel ranks"
     )
     parser.add_argument(
         "--bucket-size",
-        type=_positive_int,
+        type=positive_int(),
         default=DEFAULT_BUCKET_SIZE,
         metavar="N",
         help=f"elements per bucket, at least (default {DEFAULT_BUCKET_SIZE:,})",
@@ -270,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shard-group-size",
-        type=_positive_int,
+        type=positive_int(),
         default=None,
         metavar="K",
         help="shard params within groups of K ranks, replicated across the dp/K groups; "

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from ..cli import positive_int
 from ..launch import WorkerFailed, launch
 from . import report
 from .configs import CONFIGS, with_overrides
@@ -26,23 +27,30 @@ DEFAULT_STEPS = 10
 WARMUP = 2
 QUICK_STEPS = 2
 QUICK_WARMUP = 1
+MAX_NPROC = 1024
+"""Most local ranks `--nproc` starts: each is a full Python + torch process."""
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload", choices=(*WORKLOADS, "all"), default="all", help="what to train (all)"
     )
-    p.add_argument("--nproc", type=int, default=2, help="local gloo ranks (2)")
+    p.add_argument(
+        "--nproc",
+        type=positive_int(MAX_NPROC),
+        default=2,
+        help=f"local gloo ranks, at most {MAX_NPROC} (2)",
+    )
     p.add_argument(
         "--steps",
-        type=int,
+        type=positive_int(),
         default=None,
         help=f"timed steps per configuration, after {WARMUP} warm-up steps and one "
         f"traffic-counting step ({DEFAULT_STEPS}; {QUICK_STEPS} with --quick)",
     )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=positive_int(),
         default=1,
         metavar="R",
         help="run every configuration R times, interleaved, and report medians over the rounds "
@@ -168,14 +176,7 @@ def _make_parent(path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
-    if args.nproc < 1:
-        print(f"error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
-        return 2
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    for flag, value in (("--steps", steps), ("--repeat", args.repeat)):
-        if value < 1:
-            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
     warmup = QUICK_WARMUP if args.quick else WARMUP
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     configs = [c for c in CONFIGS if not args.config or c in args.config]

@@ -18,6 +18,7 @@ from ..checkpoint_dir import (
     read_dcp_metadata,
     read_manifest,
     resolve_checkpoint,
+    verify,
 )
 from ..data_parallel import DataParallel
 from ..optim.checkpointable import Checkpointable, LoadedPiece, elementwise, install_state
@@ -74,11 +75,10 @@ def load_consolidated(
     Returns `(tensors, manifest)`: `tensors` maps every `model.state_dict()` key, tied aliases
     included, to a full CPU tensor. With `dtype`, floating tensors are cast to it, taking params
     from their fp32 masters when the checkpoint has them; without it, params keep the dtype they
-    were trained in. Verifies sizes and checksums first.
+    were trained in. Reads nothing before the directory verifies (`checkpoint_dir.verify`).
     """
     ckpt = resolve_checkpoint(path)
-    manifest = read_manifest(ckpt)
-    check_files(ckpt, manifest, sorted(manifest["files"]))
+    manifest = verify(ckpt)
     metadata = read_dcp_metadata(ckpt)
     keys: dict[str, str] = {}
     for name in manifest["params"]:
