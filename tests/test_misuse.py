@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
-from support import lm_loss, local_batch, make_model, run
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    assert_bitwise_equal,
+    lm_loss,
+    local_batch,
+    make_model,
+    run,
+)
 from torch import nn
 
 import wholeshard
@@ -116,3 +126,113 @@ def test_model_changes_after_wrapping_are_named(change, what: str) -> None:
     message = ddp.model_changes()
     assert message is not None and what in message, message
     assert "before wrapping" in message
+
+
+# -- at the step: every rank raises, or every rank skips ---------------------------------------
+
+INJECTED = "blocks.0.fc.weight"
+
+
+def _poison(g: torch.Tensor) -> torch.Tensor:
+    g = g.clone()
+    g.view(-1)[3] = float("inf")
+    return g
+
+
+def _train(
+    *,
+    nonfinite: str | None = "error",
+    poison_step: int | None = None,
+    leave_out: int | None = None,
+    overlap: bool = False,
+    micro: int = 1,
+    clip: bool = False,
+    change: str | None = None,
+) -> dict | str:
+    """Four steps of `micro` micro-batches (all but the last under no_sync). Rank 1 poisons one
+    gradient of `INJECTED` with an inf in step `poison_step`'s first micro-batch; step
+    `leave_out` is not run at all. Returns params, optimizer state and counters, or the error."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    ddp = wholeshard.DataParallel(model, overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
+    losses = []
+    try:
+        for step in range(4):
+            if step == leave_out:
+                continue
+            if change == "steps" and step == 1 and rank == 1:
+                opt.steps += 1  # as if this rank had loaded another step's state
+            if change == "model" and step == 2 and rank == 0:
+                model.ln.weight.requires_grad_(False)
+            x, y = local_batch(step, rank, world)
+            for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+                hook = None
+                if step == poison_step and rank == 1 and i == 0:
+                    hook = dict(model.named_parameters())[INJECTED].register_hook(_poison)
+                sync = contextlib.nullcontext() if i == micro - 1 else ddp.no_sync()
+                with sync:
+                    loss = lm_loss(ddp, xs, ys) / micro
+                    loss.backward()
+                if hook is not None:
+                    hook.remove()
+            losses.append(loss.item())
+            if clip:
+                opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+    except (FloatingPointError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    with ddp.full_params():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {k: dict(v) for k, v in opt.state_dict()["state"].items()}
+    return dict(
+        params=params, opt_state=state, losses=losses, skipped=opt.skipped_steps, steps=opt.steps
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize(
+    "micro, clip", [(1, False), (2, False), (1, True)], ids=["plain", "no_sync", "clip"]
+)
+def test_nonfinite_error_names_the_param_on_every_rank(
+    overlap: bool, micro: int, clip: bool
+) -> None:
+    messages = run(_train, 2, poison_step=2, overlap=overlap, micro=micro, clip=clip)
+    for m in messages:
+        assert isinstance(m, str) and m.startswith("FloatingPointError"), m
+        assert f"optimizer step 2: {INJECTED!r}" in m and "nonfinite='skip'" in m, m
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize(
+    "micro, clip", [(1, False), (2, False), (1, True)], ids=["plain", "no_sync", "clip"]
+)
+def test_nonfinite_skip_is_as_if_the_step_never_happened(
+    overlap: bool, micro: int, clip: bool
+) -> None:
+    kw = dict(nonfinite="skip", overlap=overlap, micro=micro, clip=clip)
+    skipped = run(_train, 2, poison_step=2, **kw)
+    never = run(_train, 2, leave_out=2, **kw)
+    for a, b in zip(skipped, never, strict=True):
+        assert a["skipped"] == 1 and b["skipped"] == 0
+        assert a["steps"] == 4 and b["steps"] == 3
+        del a["losses"][2]  # the skipped step's loss
+        assert_bitwise_equal(a, b)
+
+
+def test_nonfinite_none_does_not_look() -> None:
+    out = run(_train, 2, nonfinite=None, poison_step=3)
+    assert all(isinstance(o, dict) and o["skipped"] == 0 for o in out)
+
+
+def test_ranks_at_different_steps_all_raise() -> None:
+    messages = run(_train, 2, change="steps")
+    for m in messages:
+        assert "ranks disagree on the step" in m and "range from 1 to 2" in m, m
+
+
+def test_a_model_changed_on_one_rank_raises_on_every_rank() -> None:
+    messages = run(_train, 2, change="model")
+    assert "'ln.weight' has requires_grad=False" in messages[0]
+    assert "another rank's model changed" in messages[1]

@@ -33,6 +33,7 @@ from torch.autograd.profiler import record_function
 
 from .. import collectives
 from ..data_parallel import DataParallel, OwnedSlice
+from .agreement import ERROR, NONFINITE_POLICIES, SKIP, agree, peak_norms
 
 MUON, ADAMW = "muon", "adamw"
 
@@ -82,6 +83,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
     LR schedulers work unchanged. `zero_grad()` zeros the grad buffer (grads are views into it,
     never set to None); a param that got no gradient is stepped with a zero gradient.
+
+    Before any update, every rank takes one small all-reduce (`wholeshard.optim.agreement`):
+    `step()` raises on every rank if some rank's model changed after wrapping
+    (`DataParallel.model_changes`) or ranks are at different steps. `nonfinite` says what an
+    inf or nan in the averaged gradients does: "error" raises `FloatingPointError` naming the
+    param and the step, "skip" leaves params and optimizer state untouched, zeroes the grads and
+    counts `skipped_steps`, None does not look. The check reuses the per-param norms
+    `clip_grad_norm_` computed in the same step, else it takes one max-norm pass over the owned
+    grads.
     """
 
     def __init__(
@@ -90,11 +100,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         *,
         muon: dict[str, Any] | None = None,
         adamw: dict[str, Any] | None = None,
+        nonfinite: str | None = ERROR,
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
         self.ddp = ddp
+        self.nonfinite = nonfinite
+        self.steps = 0  # step() calls taken (skipped ones included)
+        self.skipped_steps = 0
+        self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
         self._owned = [piece for owned in ddp.owned() for piece in _pieces(owned)]
+        index = {r.name: i for i, r in enumerate(ddp.routes)}
+        self._indices = [index[o.name] for o in self._owned]
 
         self._inner = {
             MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
@@ -119,6 +138,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.ddp.finish_grad_sync()
         self.ddp.finish_param_sync()  # a gather still in flight must land before we write params
+        if self._agree_to_skip():
+            self.skipped_steps += 1
+            self.ddp.zero_grad_buffer()
+            return loss
         with record_function("wholeshard.optimizer_step"):
             for o in self._owned:
                 if o.master.grad is not o.grad:
@@ -132,6 +155,47 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not self.ddp.overlap_param_gather:
             self.ddp.finish_param_sync()
         return loss
+
+    def _agree_to_skip(self) -> bool:
+        """Take the step's agreement (`wholeshard.optim.agreement`) with every rank: raise on a
+        changed model, ranks at different steps, or (policy "error") a non-finite gradient;
+        True when every rank skips this step (policy "skip")."""
+        norms, self._piece_norms = self._piece_norms, None
+        if self.nonfinite is None:
+            norms = None
+        elif norms is None and self._owned:  # not clipped this step: one pass
+            norms = peak_norms([o.grad for o in self._owned])
+        change = self.ddp.model_changes()
+        ddp = self.ddp
+        verdict = agree(
+            self.steps,
+            indices=self._indices,
+            norms=norms,
+            changed=change is not None,
+            group=ddp.process_group,
+            world=ddp.dp_size,
+            device=ddp.buckets[0].grad.device,
+        )
+        step, self.steps = self.steps, self.steps + 1
+        if verdict.changed:
+            raise RuntimeError(change or "another rank's model changed after it was wrapped")
+        low, high = verdict.steps
+        if low != high:
+            raise RuntimeError(
+                f"ranks disagree on the step: this rank is at optimizer step {step}, the ranks "
+                f"range from {low} to {high}. Every rank must call optimizer.step() the same "
+                f"number of times and load the same checkpoint"
+            )
+        if verdict.first_nonfinite is None:
+            return False
+        if self.nonfinite == SKIP:
+            return True
+        raise FloatingPointError(
+            f"non-finite gradient at optimizer step {step}: "
+            f"{ddp.routes[verdict.first_nonfinite].name!r} is the first param (in registration "
+            f"order) whose averaged gradient has an inf or nan. Nothing was updated; pass "
+            f"nonfinite='skip' to LayerwiseOptimizer to skip such steps instead"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""
@@ -150,6 +214,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         norms = [
             torch.linalg.vector_norm(o.grad, norm_type, dtype=torch.float32) for o in self._owned
         ]
+        self._piece_norms = torch.stack(norms) if norms else None
         if math.isinf(norm_type):
             local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
             op = dist.ReduceOp.MAX
@@ -201,7 +266,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             {k: v for k, v in g.items() if k != "params"} | {"kind": kind}
             for kind, g in zip((MUON, ADAMW), self.param_groups, strict=True)
         ]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups, "steps": self.steps}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -214,6 +279,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 f"unexpected {extra[:5]}); it was saved at another world size or layout: use "
                 f"wholeshard checkpoints to reshard"
             )
+        self.steps = state_dict.get("steps", self.steps)
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved_group.items() if k != "kind"})
         for name, entry in saved.items():
