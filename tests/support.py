@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import strategies as st
 from torch import nn
 
 import wholeshard
+from wholeshard import ParamSpec
 from wholeshard.launch import launch
 from wholeshard.routing import route_params
 
@@ -300,3 +302,80 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
         for k, v in a["opt_state"][name].items():
             assert torch.equal(v, b["opt_state"][name][k]), (name, k)
     assert a["losses"] == b["losses"]
+
+
+# -- planning (shapes only) ------------------------------------------------------------------
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def spec(name: str, *shape: int, muon: bool | None = None, tied: bool = False) -> ParamSpec:
+    """A `ParamSpec`; Muon iff 2-D unless `muon` says otherwise."""
+    return ParamSpec(name, shape, muon=len(shape) == 2 if muon is None else muon, tied=tied)
+
+
+@st.composite
+def spec_lists(draw: st.DrawFn, max_params: int = 40, tied_one_in: int = 20) -> list[ParamSpec]:
+    """1..`max_params` specs of 0-, 1- and 2-D shapes (Muon iff 2-D), about half of them drawn
+    from a small pool so that exact-numel partners exist; each tied with chance 1/`tied_one_in`."""
+    dim = st.integers(1, 300)
+    pool = draw(st.lists(st.one_of(st.tuples(dim), st.tuples(dim, dim)), min_size=1, max_size=6))
+    specs = []
+    for i in range(draw(st.integers(1, max_params))):
+        shape = draw(
+            st.one_of(st.sampled_from(pool), st.tuples(dim), st.tuples(dim, dim), st.just(()))
+        )
+        tied = draw(st.integers(0, tied_one_in - 1)) == 0
+        specs.append(ParamSpec(f"p{i}", shape, muon=len(shape) == 2, tied=tied))
+    return specs
+
+
+def verify_layout(layout: wholeshard.Layout, specs: list[ParamSpec]) -> None:
+    """Re-check every invariant of a whole-tensor layout (either strategy) without calling
+    `Layout.check`."""
+    k, align = layout.shard_group_size, layout.align
+    assert layout.kind == "muon" and layout.whole
+    # Buckets: numbered in order, contiguous from 0, k equal aligned shards.
+    pos = 0
+    for i, b in enumerate(layout.buckets):
+        assert b.index == i and b.start == pos and b.numel == k * b.shard_numel > 0
+        assert b.shard_numel % align == 0
+        pos = b.end
+    assert layout.numel == pos
+
+    # Placements: spec order, exact sizes, aligned, inside one shard, owner by the offset rule.
+    assert [(p.name, p.shape) for p in layout.placements] == [(s.name, s.shape) for s in specs]
+    for s, p in zip(specs, layout.placements, strict=True):
+        b = layout.buckets[p.bucket]
+        assert p.end - p.start == s.numel and p.start % align == 0
+        owner = (p.start - b.start) // b.shard_numel
+        assert p.owner == owner and 0 <= owner < k
+        lo, hi = b.shard(owner)
+        assert lo <= p.start and p.end <= hi, f"{p.name} leaves shard {owner}"
+
+    # No two params share an element.
+    spans = sorted((p.start, p.end) for p in layout.placements)
+    assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:], strict=False)), "overlap"
+
+    # Rank r owns exactly the params that lie in its shards, whole.
+    for r in sorted({0, k // 2, k - 1}):
+        mine = [(p, 0, p.numel) for p in layout.placements if p.owner == r]
+        assert list(layout.owned(r)) == mine
+
+    # Backprop order: bucket b holds the last-registered param not in buckets < b.
+    members: list[list[int]] = [[] for _ in layout.buckets]
+    for i, p in enumerate(layout.placements):
+        members[p.bucket].append(i)
+    remaining = set(range(len(specs)))
+    for idx in members:
+        assert idx and max(remaining) in idx
+        remaining -= set(idx)
+
+    # Tied params sit alone at the start of a bucket whose shard is exactly their aligned size.
+    for i, (s, p) in enumerate(zip(specs, layout.placements, strict=True)):
+        if s.tied:
+            b = layout.buckets[p.bucket]
+            assert members[p.bucket] == [i] and p.start == b.start
+            assert b.shard_numel == round_up(s.numel, align)

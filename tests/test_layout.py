@@ -10,16 +10,10 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import round_up, spec, spec_lists, verify_layout
 
-from wholeshard.layout import Bucket, Layout, ParamSpec, Placement, _FirstFit, plan_layout
-
-
-def round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def spec(name: str, *shape: int, tied: bool = False) -> ParamSpec:
-    return ParamSpec(name, tuple(shape), muon=len(shape) == 2, tied=tied)
+from wholeshard.layout import Bucket, Layout, ParamSpec, Placement, plan_layout
+from wholeshard.planning.packing import FirstFit
 
 
 def aligned_total(specs: list[ParamSpec], align: int) -> int:
@@ -27,57 +21,12 @@ def aligned_total(specs: list[ParamSpec], align: int) -> int:
 
 
 def verify(layout: Layout, specs: list[ParamSpec], bucket_size: int | None = None) -> None:
-    """Re-check every layout invariant without calling `Layout.check`."""
-    dp, align = layout.dp_size, layout.align
-    buckets = layout.buckets
-    # Buckets: numbered in order, contiguous from 0, dp equal aligned shards.
-    pos = 0
-    for i, b in enumerate(buckets):
-        assert b.index == i and b.start == pos and b.end > b.start
-        assert b.numel % dp == 0 and b.numel == dp * b.shard_numel
-        assert b.shard_numel % align == 0
-        pos = b.end
-    assert layout.numel == pos
-
-    # Placements: spec order, exact sizes, aligned, inside one shard, owner by the offset rule.
-    assert [p.name for p in layout.placements] == [s.name for s in specs]
-    for s, p in zip(specs, layout.placements, strict=True):
-        assert p.shape == s.shape
-        assert p.end - p.start == s.numel
-        assert p.start % align == 0
-        b = buckets[p.bucket]
-        owner = (p.start - b.start) // b.shard_numel
-        assert 0 <= owner < dp
-        assert p.owner == owner == layout.shard_of(p)
-        lo, hi = b.shard(owner)
-        assert lo <= p.start and p.end <= hi, f"{p.name} leaves shard {owner}"
-
-    # No two params share an element.
-    spans = sorted((p.start, p.end) for p in layout.placements)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
-
-    # owned_by(r) is exactly what lies in rank r's shards.
-    for r in sorted({0, dp // 2, dp - 1}):
-        mine = [p for p in layout.placements if buckets[p.bucket].shard(r)[0] <= p.start]
-        mine = [p for p in mine if p.end <= buckets[p.bucket].shard(r)[1]]
-        assert layout.owned_by(r) == mine
-
-    # Backprop order: bucket b holds the last-registered param not in buckets < b.
+    """`verify_layout`, and the size-matching rule for closing buckets."""
+    verify_layout(layout, specs)
+    dp, align, buckets = layout.shard_group_size, layout.align, layout.buckets
     members: list[list[int]] = [[] for _ in buckets]
     for i, p in enumerate(layout.placements):
         members[p.bucket].append(i)
-    assert all(members), "empty bucket"
-    remaining = set(range(len(specs)))
-    for idx in members:
-        assert max(remaining) in idx
-        remaining -= set(idx)
-
-    # Tied params sit alone at the start of a bucket whose shard is exactly their aligned size.
-    for s, p in zip(specs, layout.placements, strict=True):
-        if s.tied:
-            b = buckets[p.bucket]
-            assert members[p.bucket] == [specs.index(s)]
-            assert p.start == b.start and b.shard_numel == round_up(s.numel, align)
 
     # Bucket cutting: a bucket is closed as soon as it reaches bucket_size, so dropping its last
     # row (at most its widest param wide) brings it below bucket_size.
@@ -362,22 +311,6 @@ def test_placement_fields() -> None:
 # ---------------------------------------------------------------- property-based
 
 
-@st.composite
-def spec_lists(draw: st.DrawFn) -> list[ParamSpec]:
-    dim = st.integers(1, 300)
-    pool = draw(st.lists(st.one_of(st.tuples(dim), st.tuples(dim, dim)), min_size=1, max_size=6))
-    n = draw(st.integers(1, 40))
-    specs = []
-    for i in range(n):
-        # Half the time reuse a pooled shape, so exact-numel partners exist.
-        shape = draw(
-            st.one_of(st.sampled_from(pool), st.tuples(dim), st.tuples(dim, dim), st.just(()))
-        )
-        tied = draw(st.integers(0, 19)) == 0
-        specs.append(ParamSpec(f"p{i}", shape, muon=len(shape) == 2, tied=tied))
-    return specs
-
-
 @settings(max_examples=150, deadline=None)
 @given(
     specs=spec_lists(),
@@ -427,7 +360,7 @@ def test_shapes_repeated_dp_times_have_no_padding_beyond_alignment(
 @settings(max_examples=100, deadline=None)
 @given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=40), data=st.data())
 def test_first_fit_tree_matches_linear_scan(sizes: list[int], data: st.DataObject) -> None:
-    tree = _FirstFit(sizes)
+    tree = FirstFit(sizes)
     live = [float(x) for x in sizes]
     position = st.integers(0, len(sizes) - 1)
     for pos in data.draw(st.lists(position, max_size=2 * len(sizes))):
@@ -451,7 +384,7 @@ def good_layout() -> tuple[Layout, list[ParamSpec]]:
 def test_check_catches_param_straddling_shards() -> None:
     bucket = Bucket(index=0, start=0, end=256, shard_numel=128)
     straddler = Placement("w", (192,), bucket=0, start=0, end=192, owner=0)
-    layout = Layout(dp_size=2, align=64, buckets=(bucket,), placements=(straddler,))
+    layout = Layout("muon", 2, 64, buckets=(bucket,), placements=(straddler,))
     with pytest.raises(AssertionError, match=r"'w'.*straddles shards 0"):
         layout.check()
 
@@ -507,6 +440,7 @@ def test_check_catches_overlap_and_backprop_order() -> None:
     b0 = Bucket(0, 0, 128, 64)
     b1 = Bucket(1, 128, 256, 64)
     overlap = Layout(
+        "muon",
         2,
         64,
         (b0,),
@@ -515,13 +449,14 @@ def test_check_catches_overlap_and_backprop_order() -> None:
     with pytest.raises(AssertionError, match="overlap"):
         overlap.check()
     forward_order = Layout(
+        "muon",
         2,
         64,
         (b0, b1),
         (Placement("x", (64,), 1, 128, 192, 0), Placement("y", (64,), 0, 0, 64, 0)),
     )
     forward_order.check()  # y (registered last) is in bucket 0: backprop order
-    wrong = Layout(2, 64, (b0, b1), forward_order.placements[::-1])
+    wrong = Layout("muon", 2, 64, (b0, b1), forward_order.placements[::-1])
     with pytest.raises(AssertionError, match="backprop order"):
         wrong.check()
 

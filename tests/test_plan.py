@@ -10,59 +10,29 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import round_up, spec, verify_layout
 
-from wholeshard.layout import Bucket, ParamSpec, Placement, ns_cost
-from wholeshard.plan import Buffer, Plan, plan_buffers
-
-
-def round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def spec(name: str, *shape: int, muon: bool | None = None, tied: bool = False) -> ParamSpec:
-    return ParamSpec(name, shape, muon=len(shape) == 2 if muon is None else muon, tied=tied)
+from wholeshard.layout import Bucket, Layout, ParamSpec, Placement, ns_cost
+from wholeshard.plan import Plan, plan_buffers
 
 
 def verify(plan: Plan, specs: list[ParamSpec]) -> None:
-    """Re-check every plan invariant without calling `Plan.check`."""
-    k, align = plan.shard_group_size, plan.align
+    """Re-check every plan invariant without calling `Plan.check`: whole-tensor buffers by
+    `verify_layout`, element-wise ones by `verify_elementwise`."""
+    k = plan.shard_group_size
     assert plan.dp_size % k == 0
     kinds = {"muon": [s for s in specs if s.muon], "adamw": [s for s in specs if not s.muon]}
     assert [b.kind for b in plan.buffers] == [kind for kind in kinds if kinds[kind]]
     padded = total = 0
     for buffer in plan.buffers:
         mine = kinds[buffer.kind]
-        assert [(p.name, p.shape) for p in buffer.placements] == [(s.name, s.shape) for s in mine]
-        pos = 0
-        for i, b in enumerate(buffer.buckets):
-            assert (b.index, b.start) == (i, pos)
-            assert b.numel == k * b.shard_numel and b.shard_numel % align == 0 and b.numel > 0
-            pos = b.end
-        assert buffer.numel == pos
-        spans = sorted((p.start, p.end) for p in buffer.placements)
-        assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:], strict=False)), "overlap"
-        for s, p in zip(mine, buffer.placements, strict=True):
-            b = buffer.buckets[p.bucket]
-            assert p.end - p.start == s.numel and p.start % align == 0
-            assert b.start <= p.start and p.end <= b.end
-            if buffer.whole:
-                assert p.owner == (p.start - b.start) // b.shard_numel
-                lo, hi = b.shard(p.owner)
-                assert lo <= p.start and p.end <= hi
-            else:
-                assert p.owner is None
+        assert (buffer.shard_group_size, buffer.align) == (k, plan.align)
+        if buffer.whole:
+            verify_layout(buffer, mine)
+        else:
+            verify_elementwise(buffer, mine)
+        for p in buffer.placements:
             verify_ownership(buffer, p)
-        # Backprop order: every bucket holds the last-registered param not in earlier buckets.
-        remaining = set(range(len(mine)))
-        for i in range(len(buffer.buckets)):
-            members = {j for j, p in enumerate(buffer.placements) if p.bucket == i}
-            assert members and max(remaining) in members
-            remaining -= members
-        if not buffer.whole:  # packed tightly in backprop order
-            starts = [p.start for p in buffer.placements]
-            assert starts == sorted(starts, reverse=True) and len(set(starts)) == len(starts)
-            bound = len(mine) * (align - 1) + len(buffer.buckets) * (k * align - 1)
-            assert buffer.numel - sum(s.numel for s in mine) <= bound
         padded += buffer.numel - sum(s.numel for s in mine)
         total += buffer.numel
     assert math.isclose(plan.padding_fraction, padded / total if total else 0.0, abs_tol=1e-12)
@@ -76,7 +46,34 @@ def verify(plan: Plan, specs: list[ParamSpec]) -> None:
     assert plan.rank_costs() == costs
 
 
-def verify_ownership(buffer: Buffer, p: Placement) -> None:
+def verify_elementwise(buffer: Layout, specs: list[ParamSpec]) -> None:
+    """An element-wise buffer: k equal aligned shards per bucket, params packed tightly in
+    backprop order, padding only for alignment."""
+    k, align = buffer.shard_group_size, buffer.align
+    assert [(p.name, p.shape) for p in buffer.placements] == [(s.name, s.shape) for s in specs]
+    pos = 0
+    for i, b in enumerate(buffer.buckets):
+        assert (b.index, b.start) == (i, pos)
+        assert b.numel == k * b.shard_numel and b.shard_numel % align == 0 and b.numel > 0
+        pos = b.end
+    assert buffer.numel == pos
+    for s, p in zip(specs, buffer.placements, strict=True):
+        b = buffer.buckets[p.bucket]
+        assert p.end - p.start == s.numel and p.start % align == 0
+        assert b.start <= p.start and p.end <= b.end and p.owner is None
+    # Backprop order: every bucket holds the last-registered param not in earlier buckets.
+    remaining = set(range(len(specs)))
+    for i in range(len(buffer.buckets)):
+        members = {j for j, p in enumerate(buffer.placements) if p.bucket == i}
+        assert members and max(remaining) in members
+        remaining -= members
+    starts = [p.start for p in buffer.placements]
+    assert starts == sorted(starts, reverse=True) and len(set(starts)) == len(starts)
+    bound = len(specs) * (align - 1) + len(buffer.buckets) * (k * align - 1)
+    assert buffer.numel - sum(s.numel for s in specs) <= bound
+
+
+def verify_ownership(buffer: Layout, p: Placement) -> None:
     """The owned ranges of all shard-group ranks tile the param, each being exactly the part
     of the param inside that rank's shard of its bucket."""
     b = buffer.buckets[p.bucket]
@@ -108,7 +105,7 @@ def test_tied_embedding_adds_no_padding() -> None:
     muon, adamw = plan.buffers
     assert adamw.kind == "adamw" and adamw.used == 64 + 64_000
     assert adamw.numel == round_up(adamw.used, 8 * 64)  # only the bucket's end is padded
-    assert plan.find("wte") == (1, adamw.placements[0])
+    assert adamw.placements[0].name == "wte"
     assert adamw.placements[0].start == 64  # backprop order: ln first
     assert muon.numel == 8 * 4096  # one 64x64 matrix on rank 0, padding on ranks 1..7
 
@@ -160,9 +157,6 @@ def test_owned_range_of_whole_tensor_buffer_and_bad_rank() -> None:
         assert muon.owned_range(p, 1 - p.owner) == (0, 0)
     with pytest.raises(ValueError, match="shard group 0..1"):
         muon.owned_range(muon.placements[0], 2)
-    assert muon.layout().placements == muon.placements
-    with pytest.raises(ValueError, match="element-wise"):
-        plan_buffers([spec("b", 4)], 2).buffers[0].layout()
 
 
 # ---------------------------------------------------------------- shard groups
@@ -203,8 +197,6 @@ def test_only_one_kind_and_empty() -> None:
     empty = plan_buffers([], 4)
     assert empty.buffers == () and empty.padding_fraction == 0.0
     assert empty.ns_cost_imbalance == 1.0
-    with pytest.raises(KeyError, match="no param named 'x'"):
-        empty.find("x")
 
 
 def test_imbalance_counts_muon_costs_per_rank() -> None:
@@ -334,9 +326,9 @@ def test_check_catches_elementwise_buckets_out_of_backprop_order() -> None:
     a = Placement("a", (8,), 1, 8, 16, None)
     b = Placement("b", (8,), 0, 0, 8, None)
     buckets = (Bucket(0, 0, 8, 8), Bucket(1, 8, 16, 8))
-    ok = Buffer("adamw", 1, 8, buckets, (a, b))
+    ok = Layout("adamw", 1, 8, buckets, (a, b))
     ok.check()
-    swapped = Buffer(
+    swapped = Layout(
         "adamw", 1, 8, buckets, (dataclasses.replace(a, bucket=0, start=0, end=8),
                                  dataclasses.replace(b, bucket=1, start=8, end=16))
     )  # fmt: skip

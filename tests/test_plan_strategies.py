@@ -9,58 +9,16 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import round_up, spec_lists, verify_layout
 
-from wholeshard.layout import (
-    STRATEGIES,
-    Layout,
-    ParamSpec,
-    _FirstFit,
-    ns_cost,
-    plan_layout,
-    spec_cost,
-)
+from wholeshard.layout import STRATEGIES, Layout, ParamSpec, ns_cost, plan_layout, spec_cost
 from wholeshard.plan import plan_buffers
+from wholeshard.planning.packing import FirstFit
 from wholeshard.presets import moe_256x, spec
 
 
-def round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def verify(layout: Layout, specs: list[ParamSpec]) -> None:
-    """Every invariant both strategies promise, re-checked without `Layout.check`."""
-    dp, align = layout.dp_size, layout.align
-    pos = 0
-    for i, b in enumerate(layout.buckets):
-        assert b.index == i and b.start == pos and b.numel == dp * b.shard_numel > 0
-        assert b.shard_numel % align == 0
-        pos = b.end
-    assert [(p.name, p.shape) for p in layout.placements] == [(s.name, s.shape) for s in specs]
-    for s, p in zip(specs, layout.placements, strict=True):
-        b = layout.buckets[p.bucket]
-        assert p.end - p.start == s.numel and p.start % align == 0
-        owner = (p.start - b.start) // b.shard_numel
-        assert p.owner == owner and 0 <= owner < dp
-        lo, hi = b.shard(owner)
-        assert lo <= p.start and p.end <= hi, f"{p.name} leaves shard {owner}"
-    spans = sorted((p.start, p.end) for p in layout.placements)
-    assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:], strict=False)), "overlap"
-    members: list[list[int]] = [[] for _ in layout.buckets]
-    for i, p in enumerate(layout.placements):
-        members[p.bucket].append(i)
-    remaining = set(range(len(specs)))
-    for idx in members:  # backprop order
-        assert idx and max(remaining) in idx
-        remaining -= set(idx)
-    for s, p in zip(specs, layout.placements, strict=True):
-        if s.tied:
-            b = layout.buckets[p.bucket]
-            assert len(members[p.bucket]) == 1 and p.start == b.start
-            assert b.shard_numel == round_up(s.numel, align)
-
-
 def rank_costs(layout: Layout, specs: list[ParamSpec]) -> list[int]:
-    costs = [0] * layout.dp_size
+    costs = [0] * layout.shard_group_size
     for s, p in zip(specs, layout.placements, strict=True):
         costs[p.owner] += spec_cost(s)
     return costs
@@ -74,23 +32,9 @@ def imbalance(layout: Layout, specs: list[ParamSpec]) -> float:
 # ---------------------------------------------------------------- property-based
 
 
-@st.composite
-def spec_lists(draw: st.DrawFn) -> list[ParamSpec]:
-    dim = st.integers(1, 300)
-    pool = draw(st.lists(st.one_of(st.tuples(dim), st.tuples(dim, dim)), min_size=1, max_size=6))
-    specs = []
-    for i in range(draw(st.integers(1, 50))):
-        shape = draw(
-            st.one_of(st.sampled_from(pool), st.tuples(dim), st.tuples(dim, dim), st.just(()))
-        )
-        tied = draw(st.integers(0, 15)) == 0
-        specs.append(ParamSpec(f"p{i}", shape, muon=len(shape) == 2, tied=tied))
-    return specs
-
-
 @settings(max_examples=150, deadline=None)
 @given(
-    specs=spec_lists(),
+    specs=spec_lists(max_params=50, tied_one_in=16),
     dp=st.integers(1, 64),
     bucket_size=st.one_of(st.none(), st.integers(1, 400_000)),
     align=st.sampled_from([1, 8, 64, 100]),
@@ -101,7 +45,7 @@ def test_both_strategies_keep_every_invariant(
 ) -> None:
     layout = plan_layout(specs, dp, bucket_size=bucket_size, align=align, strategy=strategy)
     layout.check(specs)
-    verify(layout, specs)
+    verify_layout(layout, specs)
     if strategy == "balanced" and bucket_size is not None:
         # Every bucket holds >= bucket_size elements, except the last before a tied param or
         # the end (the tail of a run of untied params).
@@ -134,7 +78,7 @@ def test_balanced_splits_shapes_repeated_dp_times_exactly(
     copies = data.draw(st.permutations([s for s in shapes for _ in range(dp)]))
     specs = [ParamSpec(f"s{i}", shape, muon=len(shape) == 2) for i, shape in enumerate(copies)]
     layout = plan_layout(specs, dp, strategy="balanced")
-    verify(layout, specs)
+    verify_layout(layout, specs)
     assert layout.numel == sum(round_up(s.numel, 64) for s in specs)
     costs = rank_costs(layout, specs)
     assert costs == [costs[0]] * dp
@@ -143,7 +87,7 @@ def test_balanced_splits_shapes_repeated_dp_times_exactly(
 @settings(max_examples=80, deadline=None)
 @given(sizes=st.lists(st.integers(-50, 50), min_size=1, max_size=30), data=st.data())
 def test_first_fit_put_and_range_min_match_a_list(sizes: list[int], data: st.DataObject) -> None:
-    tree = _FirstFit(sizes)
+    tree = FirstFit(sizes)
     live: list[float] = [float(x) for x in sizes]
     n = len(sizes)
     for _ in range(data.draw(st.integers(1, 2 * n))):
@@ -174,7 +118,7 @@ def test_balanced_spreads_cost_where_size_matching_cannot() -> None:
     sizes = plan_layout(specs, 2, strategy="size_match")
     balanced = plan_layout(specs, 2, strategy="balanced")
     for layout in (sizes, balanced):
-        verify(layout, specs)
+        verify_layout(layout, specs)
         assert layout.padding_fraction == 0.0
     owners = {p.name: p.owner for p in balanced.placements}
     assert owners["sq1"] != owners["sq2"]  # the two expensive ones apart
@@ -189,7 +133,7 @@ def test_balanced_carries_cost_across_buckets() -> None:
     specs = [spec("mid1", 16, 256), spec("mid2", 16, 256), spec("cheap1", 4, 1024)]
     specs += [spec("cheap2", 4, 1024), ParamSpec("hog", (64, 64), muon=True, tied=True)]
     layout = plan_layout(specs, 2, strategy="balanced")
-    verify(layout, specs)
+    verify_layout(layout, specs)
     owners = {p.name: p.owner for p in layout.placements}
     assert owners == {"hog": 0, "cheap1": 0, "cheap2": 0, "mid1": 1, "mid2": 1}
     sizes = plan_layout(specs, 2, strategy="size_match")
@@ -199,7 +143,7 @@ def test_balanced_carries_cost_across_buckets() -> None:
 def test_balanced_isolates_tied_params() -> None:
     specs = [spec("emb", 1000, 64, tied=True)] + [spec(f"w{i}", 64, 64) for i in range(6)]
     layout = plan_layout(specs, 3, strategy="balanced", bucket_size=10)
-    verify(layout, specs)
+    verify_layout(layout, specs)
     emb = layout.placements[0]
     assert emb.owner == 0 and emb.bucket == len(layout.buckets) - 1
 
@@ -243,7 +187,7 @@ def test_balanced_beats_size_matching_on_random_transformers() -> None:
                 for strategy in STRATEGIES
             }
             for plan in plans.values():
-                verify(plan.buffers[0].layout(), muon)
+                verify_layout(plan.buffers[0], muon)
             sizes, balanced = plans["size_match"], plans["balanced"]
             case = (seed, k, sizes.padding_fraction, balanced.padding_fraction)
             assert balanced.padding_fraction <= max(0.01, sizes.padding_fraction), case

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 import wholeshard.launch
-from wholeshard.cli import main
+from wholeshard.cli import build_parser, main
 from wholeshard.train import report
+from wholeshard.train.command import config_from_args
+from wholeshard.train.config import TrainConfig, field_docs
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +56,13 @@ def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
         (["--min-lr-ratio", "2"], "--min-lr-ratio"),
         (["--batch-size", "5", "--nproc", "2"], "--batch-size"),
         (["--no-such-flag"], "--no-such-flag"),
+        (["--seed", "-1"], "--seed"),
+        (["--keep-last", "0"], "--keep-last"),
+        (["--weight-decay", "inf"], "--weight-decay"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every"),
+        (["--fp8", "e5m2"], "--fp8"),
+        (["--optimizer", "adamw", "--no-separate-all-gather-group"], "--separate-all-gather-group"),
+        (["--optimizer", "adamw", "--resume", "latest"], "--resume"),
     ],
 )
 def test_invalid_flag_values_exit_2_naming_the_flag(capsys, argv, flag) -> None:
@@ -98,3 +108,22 @@ def test_help_lists_the_flags(capsys) -> None:
                  "--lr", "--seed", "--out", "--data", "--eval-every", "--param-dtype",
                  "--bucket-size", "--clip-grad", "--json", "--overwrite"):  # fmt: skip
         assert flag in out
+
+
+def _config(*argv: str) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_every_config_field_is_a_documented_flag() -> None:
+    assert _config() == TrainConfig()
+    fields = dataclasses.fields(TrainConfig)
+    assert all(field_docs().get(f.name) for f in fields), "a field without a docstring"
+    cfg = _config(
+        "--steps", "7", "--lr", "0.5", "--pos", "learned", "--tie", "--no-progress", "--overlap",
+        "--no-separate-all-gather-group", "--data", "x.txt", "--keep-last", "2",
+    )  # fmt: skip
+    assert cfg == TrainConfig(
+        steps=7, lr=0.5, pos="learned", tie=True, progress=False, overlap=True,
+        separate_all_gather_group=False, data="x.txt", keep_last=2,
+    )  # fmt: skip
+    assert _config("--no-tie", "--reshard-after-forward").tie is False

@@ -143,8 +143,8 @@ def test_torchrun_gives_the_same_losses(
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_crashed_worker_stops_the_run(text_file: Path, tmp_path: Path, kind: str) -> None:
     args = _args(text_file, tmp_path, "--nproc", "2", "--steps", "1000")
-    cmd = [sys.executable, "-m", "wholeshard", *args]
-    proc, _ = _run(cmd, WHOLESHARD_TRAIN_FAULT=f"1:2:{kind}")  # rank 0 blocks in a collective
+    cmd = [sys.executable, str(ROOT / "tests" / "train_faults.py"), f"1:2:{kind}", *args]
+    proc, _ = _run(cmd)  # rank 0 blocks in a collective
     assert proc.returncode != 0
     assert "worker failed" in proc.stderr
     if kind == "raise":  # (a killed worker leaves no traceback; its peer's error may come first)

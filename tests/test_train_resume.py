@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from train_faults import Fault, run_train
 
 from wholeshard import cli
 
@@ -20,19 +20,13 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def train(text_file: Path, out: Path, *extra: str, env: dict | None = None) -> dict:
+def train(text_file: Path, out: Path, *extra: str, fault: Fault | None = None) -> dict:
     argv = [
         "train", "--data", str(text_file), "--out", str(out), "--steps", "6", "--batch-size",
         "4", "--seq-len", "16", "--eval-every", "3", "--eval-batches", "1", "--no-progress",
         "--param-dtype", "float32", *extra,
     ]  # fmt: skip
-    saved = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        code = cli.main(argv)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    code = cli.main(argv) if fault is None else run_train(argv, fault)
     summary = json.loads((out / "summary.json").read_text()) if code == 0 else None
     return {"code": code, "summary": summary}
 
@@ -41,25 +35,37 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_crash_then_resume_latest_continues_the_same_run(text_file: Path, tmp_path: Path) -> None:
-    straight = train(text_file, tmp_path / "straight", "--overlap")
+@pytest.fixture(scope="module")
+def straight(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output directory of an uninterrupted `--overlap` run."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    assert train(text_file, out, "--overlap")["code"] == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Fault(1, 5, "raise"), Fault(1, 6, "kill", "mid_save")],
+    ids=["raise-after-step-5", "kill-mid-save-6"],
+)
+def test_crash_then_resume_latest_continues_the_same_run(
+    text_file: Path, tmp_path: Path, straight: Path, fault: Fault
+) -> None:
     crashed = train(
-        text_file,
-        tmp_path / "run",
-        "--overlap",
-        "--checkpoint-every",
-        "3",
-        env={"WHOLESHARD_TRAIN_FAULT": "1:5:raise"},
+        text_file, tmp_path / "run", "--overlap", "--checkpoint-every", "3", fault=fault
     )
     assert crashed["code"] == 1
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-3\n"
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step-3\n"
+    assert not (ckpts / "step-6").exists()  # (without the fault, the save of step 6 succeeds)
     resumed = train(
         text_file, tmp_path / "run", "--overlap", "--checkpoint-every", "3", "--resume", "latest"
     )
     assert resumed["code"] == 0
-    assert resumed["summary"]["final_loss"] == straight["summary"]["final_loss"]
-    assert resumed["summary"]["final_val_loss"] == straight["summary"]["final_val_loss"]
-    got, want = metrics(tmp_path / "run"), metrics(tmp_path / "straight")
+    want_summary = json.loads((straight / "summary.json").read_text())
+    assert resumed["summary"]["final_loss"] == want_summary["final_loss"]
+    assert resumed["summary"]["final_val_loss"] == want_summary["final_val_loss"]
+    got, want = metrics(tmp_path / "run"), metrics(straight)
     assert [r["step"] for r in got] == [r["step"] for r in want], "one record per step, no gaps"
     assert [r["loss"] for r in got[1:]] == [r["loss"] for r in want[1:]]
     assert all(r["comm_wait_s"] >= 0 for r in got[1:])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wholeshard.train import data, report
-from wholeshard.train.config import TrainConfig
+from wholeshard.train.config import ConfigError, TrainConfig
 from wholeshard.train.loop import train
 from wholeshard.train.model import GPT, PRESETS, num_params, preset
 from wholeshard.train.schedule import lr_factor
@@ -116,9 +116,18 @@ def test_schedule_warms_up_then_decays_to_the_floor(schedule: str) -> None:
 
 def test_config_validation_names_the_field() -> None:
     TrainConfig().validate()
-    for field, value in [("steps", 0), ("lr", -1.0), ("model", "huge"), ("clip_grad", -1.0)]:
-        with pytest.raises(ValueError, match=f"^{field} "):
-            TrainConfig(**{field: value}).validate()
+    for field, value in [("steps", 0), ("lr", -1.0), ("model", "huge"), ("clip_grad", -1.0),
+                         ("lr", math.nan), ("pos", "alibi"), ("keep_last", 0)]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"^{field} ") as e:
+            TrainConfig(**{field: value})
+        assert e.value.field == field
+    with pytest.raises(ConfigError, match="need --optimizer muon") as e:
+        TrainConfig(optimizer="adamw", resume="latest")
+    assert e.value.field == "resume"
+    cfg = TrainConfig()
+    cfg.warmup = cfg.steps + 1  # a config changed after construction is checked again
+    with pytest.raises(ConfigError, match="^warmup "):
+        cfg.validate()
 
 
 def test_out_dir_with_a_run_is_refused(tmp_path: Path) -> None:

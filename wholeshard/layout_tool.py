@@ -18,8 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .layout import STRATEGIES, ParamSpec
-from .plan import DEFAULT_STRATEGY, Buffer, Plan, plan_buffers
+from .layout import STRATEGIES, Layout, ParamSpec
+from .plan import DEFAULT_STRATEGY, Plan, plan_buffers
+from .plotting import figure
 from .presets import PRESETS
 from .routing import muon_by_name
 from .stacks import matrices
@@ -172,10 +173,8 @@ def plan_table(plan: Plan, seconds: float, source: str) -> str:
 def draw_png(plan: Plan, path: str) -> None:
     """Draw each buffer as a bar of its shards coloured by owning rank, padding in grey."""
     from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import ListedColormap, Normalize
-    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     k = plan.shard_group_size
@@ -184,8 +183,7 @@ def draw_png(plan: Plan, path: str) -> None:
     else:
         cmap = colormaps["turbo"]
     colours = ScalarMappable(norm=Normalize(vmin=-0.5, vmax=k - 0.5), cmap=cmap)
-    fig = Figure(figsize=(12, 0.6 + 1.3 * len(plan.buffers)), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(12, 0.6 + 1.3 * len(plan.buffers)), layout="constrained")
     axes = fig.subplots(max(1, len(plan.buffers)), 1, squeeze=False)[:, 0]
     for ax, (index, buffer) in zip(axes, enumerate(plan.buffers), strict=False):
         shards, owners = [], []
@@ -222,7 +220,7 @@ def draw_png(plan: Plan, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _gaps(buffer: Buffer) -> list[tuple[int, int]]:
+def _gaps(buffer: Layout) -> list[tuple[int, int]]:
     """(start, length) of every buffer range no param covers."""
     gaps = []
     cursor = 0

@@ -12,8 +12,8 @@ contiguous (its param is one view of the buffer) and starting on an `align` boun
 is cut into shards of one width `S`; `k` consecutive shards form a bucket. A matrix never
 straddles a shard boundary, and a stack may continue from the end of one shard into the start of
 the next, so a stack spreads its matrices over consecutive shards (ranks), even across buckets.
-The owner of a matrix is `(matrix start - bucket.start) // shard_numel`, the same rule as every
-whole-tensor buffer.
+The owner of a matrix is `Bucket.owner(matrix start)`, i.e. `(matrix start - bucket.start) //
+shard_numel`, the same rule as every whole-tensor buffer.
 
 For a stack to continue across a boundary its matrices must tile the shard exactly, so `S` is a
 multiple of `L = lcm(align, matrix numel of every stack)`: then every stack fills whole shards,
@@ -32,7 +32,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .layout import Bucket, ParamSpec, Placement
+from .planning.records import Bucket, ParamSpec, Placement, round_up
 
 _MAX_LCM_FACTOR = 64
 
@@ -68,7 +68,7 @@ def matrices(placement: Placement, buckets: Sequence[Bucket]) -> Iterator[Matrix
         while start >= buckets[b].end:
             b += 1
         bucket = buckets[b]
-        yield Matrix(index, start, start + unit, b, (start - bucket.start) // bucket.shard_numel)
+        yield Matrix(index, start, start + unit, b, bucket.owner(start))
 
 
 def storage_units(buckets: Sequence[Bucket], placements: Sequence[Placement]) -> tuple[range, ...]:
@@ -94,7 +94,7 @@ def plan_stacked(
     order = list(reversed(specs))  # backprop order = buffer order
     units = [math.prod(matrix_shape(s.shape)) for s in order]
     counts = [matrix_count(s.shape) for s in order]
-    widest = max(_round_up(u * c, align) for u, c in zip(units, counts, strict=True))
+    widest = max(round_up(u * c, align) for u, c in zip(units, counts, strict=True))
     base = math.lcm(align, *units)
     if base > _MAX_LCM_FACTOR * max(units):
         base, units = widest, [u * c for u, c in zip(units, counts, strict=True)]
@@ -161,12 +161,8 @@ class _Stream:
                 if self.placed < self.counts[self.stack]:
                     break  # the stack fills this shard exactly and goes on in the next
                 self.stack, self.placed = self.stack + 1, 0
-                offset = _round_up(offset, self.align)
+                offset = round_up(offset, self.align)
                 if offset >= width:
                     break
             if self.done():
                 return
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple

@@ -1,6 +1,8 @@
-"""`--png`: bar charts of step time and memory per configuration (matplotlib, imported lazily)."""
+"""`--png`: bar charts of step time and memory per configuration."""
 
 from __future__ import annotations
+
+from wholeshard.plotting import figure
 
 from .report import Row
 
@@ -23,15 +25,9 @@ series are drawn side by side, a figure a row lacks (None) as no bar."""
 def write_png(rows: list[Row], path: str, title: str) -> None:
     """One row of panels per workload: step time, peak resident memory (and its growth from
     building the model on), optimizer state."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     workloads = list(dict.fromkeys(r.workload for r in rows))
-    fig, axes = plt.subplots(
-        len(workloads), len(_PANELS), figsize=(15, 3.8 * len(workloads)), squeeze=False
-    )
+    fig = figure(figsize=(15, 3.8 * len(workloads)))
+    axes = fig.subplots(len(workloads), len(_PANELS), squeeze=False)
     for panels, workload in zip(axes, workloads, strict=True):
         done = [r for r in rows if r.workload == workload and r.error is None]
         xs = list(range(len(done)))
@@ -51,4 +47,3 @@ def write_png(rows: list[Row], path: str, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

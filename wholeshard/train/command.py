@@ -1,6 +1,8 @@
 """`wholeshard train`: flags, checks made before any worker starts, and the launch.
 
-Without torchrun it spawns `--nproc` CPU workers (gloo over 127.0.0.1) with
+Every TrainConfig field is a flag, made from the field (`_add_config_flags`); only the launch
+and output options that are not part of the job (`--nproc`, `--overwrite`, `--json`) are written
+here. Without torchrun it spawns `--nproc` CPU workers (gloo over 127.0.0.1) with
 `wholeshard.launch`; under torchrun every launched process runs `train()` itself. Both paths
 end in the same `wholeshard.train.loop.train(config)`.
 """
@@ -8,35 +10,18 @@ end in the same `wholeshard.train.loop.train(config)`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import os
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from wholeshard.train import config as C
 from wholeshard.train import extras, report
-from wholeshard.train.config import TrainConfig
-
-
-def _number(kind, low, strict: bool, what: str):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    parse.__name__ = what
-    return parse
-
-
-_pos_int = _number(int, 1, False, "an integer >= 1")
-_nonneg_int = _number(int, 0, False, "an integer >= 0")
-_pos_float = _number(float, 0.0, True, "a number > 0")
-_nonneg_float = _number(float, 0.0, False, "a number >= 0")
+from wholeshard.train.config import ConfigError, TrainConfig
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -48,9 +33,64 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+_GROUPS = {
+    "launch": ("threads",),
+    "model and data": ("model", "pos", "tie", "data", "seq_len", "batch_size"),
+    "optimization": (
+        "optimizer", "steps", "lr", "warmup", "schedule", "min_lr_ratio", "weight_decay",
+        "clip_grad", "param_dtype", "bucket_size", "fp8", "seed",
+    ),
+    "data parallelism (muon)": (
+        "overlap", "layout", "param_sync", "reshard_after_forward", "separate_all_gather_group",
+        "trace",
+    ),
+    "checkpoints (muon)": ("checkpoint_every", "keep_last", "resume"),
+    "output": ("out", "eval_every", "eval_batches", "log_every", "progress"),
+}  # fmt: skip
+"""Where each TrainConfig field's flag is listed in `--help`; fields not named here go to
+"more options"."""
+
+_METAVARS = {"data": "PATH", "trace": "FILE", "resume": "PATH|latest", "out": "DIR"}
+
+
+def flag_name(field: str) -> str:
+    """The command-line spelling of a TrainConfig field: `batch_size` -> `--batch-size`."""
+    return "--" + field.replace("_", "-")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, groups: dict) -> None:
+    """One flag per TrainConfig field: its type, default, choices (`config.CHOICES`) and help
+    (the field's docstring). A switch off by default is `--x`; one on by default, or None (the
+    field decides), is `--x/--no-x`."""
+    hints = typing.get_type_hints(TrainConfig)
+    docs = C.field_docs()
+    listed = {name: title for title, names in _GROUPS.items() for name in names}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name in list(listed) + [name for name in fields if name not in listed]:
+        title = listed.get(name, "more options")
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        kind = _flag_type(name, hints[name])
+        default = fields[name].default
+        kwargs = dict(default=default, help=docs.get(name, "").replace("%", "%%"))
+        if kind is bool and default is False:
+            kwargs.update(action="store_true")
+        elif kind is bool:
+            kwargs.update(action=argparse.BooleanOptionalAction)
+        else:
+            kwargs.update(type=kind, choices=C.CHOICES.get(name), metavar=_METAVARS.get(name))
+        groups[title].add_argument(flag_name(name), **kwargs)
+
+
+def _flag_type(name: str, hint: Any) -> type:
+    kinds = [k for k in typing.get_args(hint) or (hint,) if k is not type(None)]
+    if len(kinds) != 1 or kinds[0] not in (bool, int, float, str):
+        raise TypeError(f"TrainConfig.{name}: no command-line flag for type {hint}")
+    return kinds[0]
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `train` subcommand."""
-    d = TrainConfig()
     p = subparsers.add_parser(
         "train",
         help="train a small GPT with layer-wise Muon (or AdamW) across processes",
@@ -58,160 +98,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--data) with wholeshard DataParallel + layer-wise Muon, or torch DDP + AdamW.",
         formatter_class=_HelpFormatter,
     )
-    g = p.add_argument_group("launch")
-    g.add_argument(
+    launch = p.add_argument_group("launch")
+    launch.add_argument(
         "--nproc",
-        type=_pos_int,
+        type=int,
         default=2,
         help="worker processes (ignored under torchrun, which sets the world)",
     )
-    g.add_argument(
-        "--threads",
-        type=_pos_int,
-        default=None,
-        help="CPU threads per worker (default: cores / local workers)",
-    )
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", choices=C.MODELS, default=d.model, help="model preset")
-    g.add_argument(
-        "--pos", choices=C.POSITIONS, default=None, help="position encoding (default: the preset's)"
-    )
-    g.add_argument(
-        "--tie",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="tie the output head to the embedding (default: the preset's)",
-    )
-    g.add_argument(
-        "--data",
-        default=None,
-        metavar="PATH",
-        help="text file or directory (default: the Python stdlib's .py sources)",
-    )
-    g.add_argument("--seq-len", type=_pos_int, default=d.seq_len, help="bytes per sequence")
-    g.add_argument(
-        "--batch-size",
-        type=_pos_int,
-        default=d.batch_size,
-        help="global batch in sequences (split across ranks)",
-    )
-    g = p.add_argument_group("optimization")
-    g.add_argument(
-        "--optimizer",
-        choices=C.OPTIMIZERS,
-        default=d.optimizer,
-        help="muon: DataParallel + LayerwiseOptimizer; adamw: torch DDP + AdamW",
-    )
-    g.add_argument("--steps", type=_pos_int, default=d.steps, help="optimizer steps")
-    g.add_argument(
-        "--lr", type=_pos_float, default=None, help=f"peak learning rate (default: {C.DEFAULT_LR})"
-    )
-    g.add_argument(
-        "--warmup",
-        type=_nonneg_int,
-        default=None,
-        help="linear warm-up steps (default: 5%% of --steps)",
-    )
-    g.add_argument(
-        "--schedule", choices=C.SCHEDULES, default=d.schedule, help="decay after warm-up"
-    )
-    g.add_argument(
-        "--min-lr-ratio",
-        type=_nonneg_float,
-        default=d.min_lr_ratio,
-        help="final lr as a fraction of the peak",
-    )
-    g.add_argument(
-        "--weight-decay", type=_nonneg_float, default=d.weight_decay, help="decoupled weight decay"
-    )
-    g.add_argument(
-        "--clip-grad",
-        type=_nonneg_float,
-        default=d.clip_grad,
-        help="max global grad norm (0: no clipping)",
-    )
-    g.add_argument(
-        "--param-dtype",
-        choices=C.PARAM_DTYPES,
-        default=d.param_dtype,
-        help="param dtype in forward/backward (optimizers keep fp32 masters)",
-    )
-    g.add_argument(
-        "--bucket-size",
-        type=_pos_int,
-        default=None,
-        help="gradient bucket size in elements (default: the library's)",
-    )
-    g.add_argument(
-        "--fp8",
-        choices=C.FP8_RECIPES,
-        default=None,
-        help="FP8 compute for the hidden linear layers (default: off)",
-    )
-    g.add_argument("--seed", type=_nonneg_int, default=d.seed, help="model init and batch order")
-    g = p.add_argument_group("data parallelism (muon)")
-    g.add_argument(
-        "--overlap",
-        action="store_true",
-        help="reduce-scatter during backward, all-gather during the next forward",
-    )
-    g.add_argument("--layout", choices=C.LAYOUTS, default=d.layout, help="ownership layout")
-    g.add_argument(
-        "--param-sync", choices=C.PARAM_SYNCS, default=d.param_sync, help="param sync collective"
-    )
-    g.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        help="fully sharded: keep only owned params between steps, gather them per module",
-    )
-    g.add_argument(
-        "--separate-all-gather-group",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="param all-gathers on their own process group (default: on iff fully sharded)",
-    )
-    g.add_argument(
-        "--trace", default=None, metavar="FILE", help="write a Chrome trace of a few steps"
-    )
-    g = p.add_argument_group("checkpoints (muon)")
-    g.add_argument(
-        "--checkpoint-every",
-        type=_nonneg_int,
-        default=d.checkpoint_every,
-        help="save to <out>/checkpoints every N steps (0: never)",
-    )
-    g.add_argument("--keep-last", type=_pos_int, default=d.keep_last, help="checkpoints to keep")
-    g.add_argument(
-        "--resume",
-        default=None,
-        metavar="PATH|latest",
-        help="continue from a checkpoint (latest: <out>/checkpoints); needs --out of the run",
-    )
-    g = p.add_argument_group("output")
-    g.add_argument(
-        "--out", default=None, metavar="DIR", help="output directory (default: runs/<timestamp>)"
-    )
-    g.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-    g.add_argument(
-        "--eval-every",
-        type=_pos_int,
-        default=d.eval_every,
-        help="steps between validation evaluations",
-    )
-    g.add_argument(
-        "--eval-batches",
-        type=_pos_int,
-        default=d.eval_batches,
-        help="validation batches per evaluation",
-    )
-    g.add_argument(
-        "--log-every",
-        type=_pos_int,
-        default=d.log_every,
-        help="steps between metrics.jsonl records",
-    )
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    g.add_argument(
+    groups = {"launch": launch}
+    _add_config_flags(p, groups)
+    output = groups["output"]
+    output.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    output.add_argument(
         "--json",
         action="store_true",
         help="print the summary as one JSON line on stdout at the end",
@@ -220,26 +118,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-_FIELDS = [f for f in TrainConfig.__dataclass_fields__]
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig the parsed flags describe (not yet validated)."""
-    return TrainConfig(**{name: getattr(args, name) for name in _FIELDS})
-
-
-def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    """The TrainConfig the parsed flags describe; an invalid value exits 2 naming its flag."""
+    try:
+        return TrainConfig(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+        )
+    except ConfigError as e:
+        args.parser.error(f"argument {flag_name(e.field)}: {e}")
 
 
 def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
     """Everything that can be checked before any worker starts; exits 2 like argparse."""
     parser: argparse.ArgumentParser = args.parser
-    try:
-        cfg.validate()
-    except ValueError as e:
-        field = str(e).split()[0]
-        parser.error(f"argument {_flag(field)}: {e}")
     if cfg.batch_size % world:
         parser.error(
             f"argument --batch-size: {cfg.batch_size} sequences do not split evenly across "
@@ -312,10 +203,17 @@ def _print_summary(summary: dict, as_json: bool) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Check the flags, then train locally (spawned workers) or as one torchrun process."""
+def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None = None) -> int:
+    """Check the flags, then train locally (spawned workers) or as one torchrun process.
+
+    Every process runs `worker(config)`, by default `loop.train`; another worker (e.g. one that
+    installs hooks) must be picklable to reach spawned processes.
+    """
     from wholeshard.train.loop import torchrun_env, train
 
+    worker = worker or train
+    if args.nproc < 1:
+        args.parser.error(f"argument --nproc: must be >= 1, got {args.nproc}")
     cfg = config_from_args(args)
     under_torchrun = torchrun_env()
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
@@ -323,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.out = report.default_out_dir()
     _check(args, cfg, world)
     if under_torchrun:
-        summary = train(cfg)
+        summary = worker(cfg)
         if int(os.environ["RANK"]) == 0:
             _print_summary(summary, args.json)
         return 0
@@ -331,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     from wholeshard.launch import WorkerFailed, launch
 
     try:
-        summary = launch(train, args.nproc, args=(cfg,))[0]
+        summary = launch(worker, args.nproc, args=(cfg,))[0]
     except WorkerFailed as e:
         print(f"wholeshard train: worker failed; all workers stopped.\n{e}", file=sys.stderr)
         return 1

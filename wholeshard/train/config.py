@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import math
 import os
 from dataclasses import dataclass
 
@@ -15,13 +19,42 @@ LAYOUTS = ("aligned", "ping_pong")
 PARAM_SYNCS = ("allgather", "broadcast")
 FP8_RECIPES = ("mxfp8", "tensorwise")
 
-# Peak learning rate per optimizer when `--lr` is not given (tuned on the tiny model; see README).
+# Peak learning rate per optimizer when `lr` is not given (tuned on the tiny model; see README).
 DEFAULT_LR = {"muon": 1e-2, "adamw": 2e-3}
+
+CHOICES = {
+    "model": MODELS,
+    "pos": POSITIONS,
+    "optimizer": OPTIMIZERS,
+    "schedule": SCHEDULES,
+    "param_dtype": PARAM_DTYPES,
+    "layout": LAYOUTS,
+    "param_sync": PARAM_SYNCS,
+    "fp8": FP8_RECIPES,
+}
+"""The values a field may take (besides None where None is its default)."""
+
+_AT_LEAST = {
+    **dict.fromkeys(("steps", "batch_size", "seq_len", "eval_every", "eval_batches"), 1),
+    **dict.fromkeys(("log_every", "bucket_size", "threads", "keep_last"), 1),
+    **dict.fromkeys(("seed", "weight_decay", "clip_grad", "checkpoint_every"), 0),
+}
+"""Lower bounds of numeric fields (None, where allowed, is not checked)."""
+
+
+class ConfigError(ValueError):
+    """An invalid TrainConfig value; `field` names the field to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
 class TrainConfig:
-    """Everything `train()` needs. Field names map to CLI flags (`batch_size` -> `--batch-size`)."""
+    """Everything `train()` needs; each field is a `wholeshard train` flag (`batch_size` ->
+    `--batch-size`) whose help is the field's docstring. Construction validates: an invalid
+    value raises ConfigError (call `validate()` again after changing a field)."""
 
     steps: int = 300
     """Optimizer steps to run."""
@@ -38,7 +71,8 @@ class TrainConfig:
     optimizer: str = "muon"
     """`muon`: wholeshard DataParallel + LayerwiseOptimizer; `adamw`: torch DDP + AdamW."""
     lr: float | None = None
-    """Peak learning rate for every param group; None takes `DEFAULT_LR[optimizer]`."""
+    """Peak learning rate for every param group; None takes `DEFAULT_LR[optimizer]`, tuned on the
+    tiny model."""
     weight_decay: float = 0.0
     """Decoupled weight decay for every param group."""
     warmup: int | None = None
@@ -94,59 +128,55 @@ class TrainConfig:
     """Resume from a checkpoint: a `step-N` directory, a checkpoints directory, or `latest`
     (`<out>/checkpoints`); the run continues in `out`."""
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        """Raise ValueError naming the field of the first invalid value."""
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name, choices in (
-            ("model", MODELS),
-            ("optimizer", OPTIMIZERS),
-            ("schedule", SCHEDULES),
-            ("param_dtype", PARAM_DTYPES),
-            ("layout", LAYOUTS),
-            ("param_sync", PARAM_SYNCS),
-        ):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"fp8 must be one of {FP8_RECIPES} or None, got {self.fp8!r}")
-        if self.pos is not None and self.pos not in POSITIONS:
-            raise ValueError(f"pos must be one of {POSITIONS}, got {self.pos!r}")
+        """Raise ConfigError naming the field of the first invalid value."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f.name, f"{f.name} must be a finite number, got {value}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices and (value is not None or _default(name) is not None):
+                raise ConfigError(name, f"{name} must be one of {choices}, got {value!r}")
+        for name, low in _AT_LEAST.items():
+            value = getattr(self, name)
+            if value is not None and not value >= low:
+                raise ConfigError(name, f"{name} must be >= {low}, got {value}")
         if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+            raise ConfigError("lr", f"lr must be > 0, got {self.lr}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
-            raise ValueError(f"warmup must be in [0, steps={self.steps}], got {self.warmup}")
+            raise ConfigError(
+                "warmup", f"warmup must be in [0, steps={self.steps}], got {self.warmup}"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not self.clip_grad >= 0:
-            raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1, got {self.bucket_size}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
-        if self.optimizer != "muon" and (
-            self.reshard_after_forward or self.separate_all_gather_group is not None
-        ):
-            raise ValueError(
-                "reshard_after_forward and separate_all_gather_group need --optimizer muon "
-                "(they are wholeshard DataParallel modes)"
+            raise ConfigError(
+                "min_lr_ratio", f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
             )
+        if self.optimizer != "muon":
+            modes = (
+                "reshard_after_forward and separate_all_gather_group need --optimizer muon (they "
+                "are wholeshard DataParallel modes)"
+            )
+            state = (
+                "checkpoint_every and resume need --optimizer muon (wholeshard checkpoints hold "
+                "DataParallel + LayerwiseOptimizer state)"
+            )
+            for name, used, message in (
+                ("reshard_after_forward", self.reshard_after_forward, modes),
+                ("separate_all_gather_group", self.separate_all_gather_group is not None, modes),
+                ("checkpoint_every", self.checkpoint_every, state),
+                ("resume", self.resume, state),
+            ):
+                if used:
+                    raise ConfigError(name, message)
         if self.reshard_after_forward and self.layout == "ping_pong":
-            raise ValueError(
+            raise ConfigError(
+                "reshard_after_forward",
                 "reshard_after_forward needs layout 'aligned': the ping_pong baseline cannot be "
-                "fully sharded"
-            )
-        if self.optimizer != "muon" and (self.checkpoint_every or self.resume):
-            raise ValueError(
-                "checkpoint_every and resume need --optimizer muon (wholeshard checkpoints "
-                "hold DataParallel + LayerwiseOptimizer state)"
+                "fully sharded",
             )
 
     @property
@@ -174,3 +204,30 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """Plain-dict form (JSON-safe)."""
         return dataclasses.asdict(self)
+
+
+def _default(name: str):
+    return TrainConfig.__dataclass_fields__[name].default
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body), on one line.
+
+    Empty where the source cannot be read (e.g. a frozen application without sources)."""
+    try:
+        source = inspect.getsource(TrainConfig)
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

@@ -1,22 +1,24 @@
-"""`train(config)`: the worker function every rank runs, under `wholeshard.launch` or torchrun.
+"""`train(config, hooks)`: the worker function every rank runs, under `wholeshard.launch` or
+torchrun.
 
 One code path for any world size: it uses the process group that is already initialised
 (`wholeshard.launch`), else initialises one from torchrun's environment (NCCL on CUDA, gloo on
 CPU), else runs as a single process.
 
-[Note: fault injection]
-For the launcher's tests, `WHOLESHARD_TRAIN_FAULT="<rank>:<step>:<kind>"` makes that rank fail
-right after that step: `raise` raises RuntimeError, `exit` calls `os._exit(3)`, `kill` sends
-itself SIGKILL.
+[Note: hooks]
+`train(config, hooks)` calls every `hook(point, step, rank)` on every rank at two points of a
+step: `BEFORE_SAVE` just before a checkpoint save starts (on steps that save), and `AFTER_STEP`
+once the step's update, and its checkpoint if any, is done. Hooks watch the run or stop it
+(the tests make a rank raise or die there, or arm a fault inside the save that follows
+`BEFORE_SAVE`); they must not change training state.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +33,11 @@ from wholeshard.train.model import GPT, VOCAB, num_params, preset
 from wholeshard.train.plot import plot_losses
 from wholeshard.train.schedule import make_scheduler
 
-FAULT_ENV = "WHOLESHARD_TRAIN_FAULT"
 ADAMW_BETAS = (0.9, 0.95)
+
+BEFORE_SAVE, AFTER_STEP = "before_save", "after_step"
+Hook = Callable[[str, int, int], None]
+"""`hook(point, step, rank)`; see [Note: hooks]."""
 
 
 @dataclass(frozen=True)
@@ -98,22 +103,6 @@ def _set_threads(cfg: TrainConfig, env: Dist) -> None:
     torch.set_num_threads(cfg.threads or max(1, (cores or 1) // env.local_world))
 
 
-def _inject_fault(rank: int, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    r, s, kind = spec.split(":")
-    if int(r) != rank or int(s) != step:
-        return
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if kind == "exit":
-        os._exit(3)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise ValueError(f"bad {FAULT_ENV}={spec!r}")
-
-
 @dataclass
 class Trainee:
     """What the loop drives: the model, the module to call, the optimizer, grad clipping.
@@ -130,6 +119,8 @@ class Trainee:
     params: int  # counted before wrapping: a fully sharded wrapper releases params
     autocast: torch.dtype | None = None
     param_dtype: torch.dtype = torch.float32
+    comm_wait_s: Callable[[], float] = lambda: math.nan
+    """Seconds this rank has waited on collectives so far; nan where not measured (torch DDP)."""
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy of the next byte, in nats."""
@@ -169,7 +160,15 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
             muon=dict(lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=wd, momentum=0.95),
             adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=wd),
         )
-        return Trainee(model, wrapped, opt, opt.clip_grad_norm_, params, None, dtype)
+        return Trainee(
+            model,
+            wrapped,
+            opt,
+            opt.clip_grad_norm_,
+            params,
+            param_dtype=dtype,
+            comm_wait_s=lambda: wrapped.comm_wait_s,
+        )
     wrapped: nn.Module = model
     if env.world > 1:
         kwargs = {}
@@ -209,18 +208,20 @@ def evaluate(t: Trainee, batches: list, env: Dist) -> float:
     return (total[0] / total[1]).item()
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run the training job on this rank; returns the run summary (the same on every rank)."""
+def train(cfg: TrainConfig, hooks: Sequence[Hook] = ()) -> dict:
+    """Run the training job on this rank; returns the run summary (the same on every rank).
+
+    `hooks` are called as [Note: hooks] says."""
     cfg.validate()
     env = setup_distributed()
     try:
-        return _train(cfg, env)
+        return _train(cfg, env, hooks)
     finally:
         if env.owns_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, env: Dist) -> dict:
+def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
     t_start = time.perf_counter()
     _set_threads(cfg, env)
     if cfg.batch_size % env.world:
@@ -251,7 +252,6 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
         log.note(routing_summary(t.module.routes))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
-    muon = cfg.optimizer == "muon"
     tracer = _tracer(cfg, env)
     try:
         if resumed is None:
@@ -263,7 +263,7 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
         loss_value = math.nan
         for step in range(start, cfg.steps + 1):
             t0 = time.perf_counter()
-            waited = t.module.comm_wait_s if muon else math.nan
+            waited = t.comm_wait_s()
             x, y = data.train_batch(
                 corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed, env.rank, env.world
             )
@@ -277,8 +277,11 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
             if tracer is not None:
                 tracer.step()
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                for hook in hooks:
+                    hook(BEFORE_SAVE, step, env.rank)
                 _save(cfg, t, sched, step, first_val, last_val)
-            _inject_fault(env.rank, step)
+            for hook in hooks:
+                hook(AFTER_STEP, step, env.rank)
             evaluating = step % cfg.eval_every == 0 or step == cfg.steps
             if not (evaluating or step % cfg.log_every == 0):
                 continue
@@ -292,7 +295,7 @@ def _train(cfg: TrainConfig, env: Dist) -> dict:
                 "tokens": step * tokens_per_step,
                 "tokens_per_s": tokens_per_step / step_s,
                 "step_s": step_s,
-                "comm_wait_s": (t.module.comm_wait_s if muon else math.nan) - waited,
+                "comm_wait_s": t.comm_wait_s() - waited,
             }
             if evaluating:
                 last_val = rec["val_loss"] = evaluate(t, val, env)

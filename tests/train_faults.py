@@ -1,0 +1,86 @@
+"""Test-only faults for `wholeshard train`: the train worker with a hook that makes one rank fail.
+
+In process: `run_train(["train", *flags], fault)` runs `wholeshard train` with every worker
+running `faulty_train`. As a program (spawned workers find this module on `sys.path`):
+
+    python tests/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
+
+`KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`) or `kill` (SIGKILL). `WHEN`: `after_step`
+(default: once the step and its checkpoint are done), `before_save` (before that step's save
+starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
+checkpoint on disk, the other ranks blocked in or past the save).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch.distributed.checkpoint.filesystem as dcp_fs
+
+from wholeshard.cli import build_parser
+from wholeshard.train import loop
+from wholeshard.train.config import TrainConfig
+
+WHENS = (loop.AFTER_STEP, loop.BEFORE_SAVE, "mid_save")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Make `rank` fail at `step`, `when` (see the module docstring), the `kind` way."""
+
+    rank: int
+    step: int
+    kind: str
+    when: str = loop.AFTER_STEP
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("raise", "exit", "kill") or self.when not in WHENS:
+            raise ValueError(f"bad fault {self}")
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        rank, step, *rest = spec.split(":")
+        return cls(int(rank), int(step), *rest)
+
+    def fire(self) -> None:
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")
+        if self.kind == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __call__(self, point: str, step: int, rank: int) -> None:
+        """The `loop.Hook`."""
+        if (rank, step) != (self.rank, self.step):
+            return
+        if point == self.when:
+            self.fire()
+        elif point == loop.BEFORE_SAVE and self.when == "mid_save":
+            write_item = dcp_fs._write_item
+
+            def write_then_fail(*args, **kwargs):
+                result = write_item(*args, **kwargs)
+                self.fire()
+                return result
+
+            dcp_fs._write_item = write_then_fail
+
+
+def faulty_train(cfg: TrainConfig, fault: Fault) -> dict:
+    """`loop.train` with `fault` installed: the worker entry point the tests launch."""
+    return loop.train(cfg, hooks=[fault])
+
+
+def run_train(argv: list[str], fault: Fault) -> int:
+    """Run the `wholeshard train ...` command line `argv` with every rank running
+    `faulty_train`; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return args.run(args, worker=functools.partial(faulty_train, fault=fault))
+
+
+if __name__ == "__main__":
+    sys.exit(run_train(sys.argv[2:], Fault.parse(sys.argv[1])))
