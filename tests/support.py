@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -123,16 +123,24 @@ def reference_run(
     unused_param: bool = False,
     make: Callable[[], nn.Module] | None = None,
     probe: Callable[[nn.Module], Any] | None = None,
+    start: int = 0,
+    state: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Train on the full batch in one process with torch's own optimizers, each Muon matrix
     (every matrix of a stack, a transposed weight as (out, in)) a param of its own.
     `make()` builds the model instead of `make_model(**model_kw)`; `probe(model)` runs on the
-    trained model and its result is returned as "probe" (e.g. generated tokens)."""
+    trained model and its result is returned as "probe" (e.g. generated tokens). `start` is the
+    first step's batch; `state` (by param name: full fp32 "value" and optimizer state, as in
+    the param's layout) replaces the initial params and the optimizers' empty state."""
     model = make() if make is not None else make_model(**(model_kw or {}))
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
     model.to(param_dtype)
     routes = route_params(model, use_muon)
+    if state is not None:
+        with torch.no_grad():
+            for r in routes:
+                r.param.copy_(state[r.name]["value"])
     masters = {r.name: matrices_of(r, r.param) for r in routes}
     opts = [
         torch.optim.Muon(
@@ -142,8 +150,13 @@ def reference_run(
             [m for r in routes if not r.muon for m in masters[r.name]], **(adamw_kw or ADAMW_KW)
         ),
     ]
+    if state is not None:
+        for r in routes:
+            saved = {k: matrices_of(r, v) for k, v in state[r.name].items() if k != "value"}
+            for i, m in enumerate(masters[r.name]):
+                opts[0 if r.muon else 1].state[m] = {k: v[i] for k, v in saved.items()}
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(start, start + steps):
         loss = lm_loss(model, *batch(step))
         loss.backward()
         for r in routes:
@@ -189,7 +202,7 @@ def wholeshard_run(
     still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
     "ddp" (for inspection inside the worker: it does not pickle).
     """
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_world()
     model = make() if make is not None else make_model(**(model_kw or {}))
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
@@ -254,6 +267,27 @@ def _global_mean(x: torch.Tensor) -> float:
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.AVG)
     return x.item()
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without a process group)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def train_steps(
+    ddp: nn.Module, opt: torch.optim.Optimizer, steps: Iterable[int]
+) -> list[torch.Tensor]:
+    """One optimizer step per step of `steps` on this rank's slice of its batch; returns this
+    rank's losses (detached tensors)."""
+    rank, world = rank_world()
+    losses = []
+    for step in steps:
+        loss = lm_loss(ddp, *local_batch(step, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
 
 
 def run(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> list[Any]:

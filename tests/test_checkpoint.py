@@ -16,31 +16,28 @@ from support import (
     MUON_KW,
     assert_matches,
     batch,
+    full_params,
     lm_loss,
-    local_batch,
     make_model,
+    reference_run,
     run,
+    train_steps,
 )
-from torch import nn
 
 import wholeshard
 from wholeshard import export
 from wholeshard.checkpoint import (
     CheckpointError,
-    _ChunkSavePlanner,
     flat_range_boxes,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
+from wholeshard.checkpoint.chunks import Chunks, ChunkSavePlanner
 from wholeshard.optim.layerwise import OwnedPiece
 from wholeshard.routing import route_params
 
 SAVE_AT, MORE = 4, 3
-
-
-def rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def setup(seed: int = 0, dtype=torch.float32, ddp_kw=None, muon_lr=None, model=None):
@@ -48,22 +45,6 @@ def setup(seed: int = 0, dtype=torch.float32, ddp_kw=None, muon_lr=None, model=N
     ddp = wholeshard.DataParallel(model, param_dtype=dtype, **(ddp_kw or {}))
     muon = dict(MUON_KW, lr=muon_lr) if muon_lr is not None else MUON_KW
     return model, ddp, wholeshard.LayerwiseOptimizer(ddp, muon=muon, adamw=ADAMW_KW)
-
-
-def train(ddp, opt, steps: range) -> list[float]:
-    rank, world = rank_world()
-    losses = []
-    for step in steps:
-        loss = lm_loss(ddp, *local_batch(step, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
-
-
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def owned_state(opt) -> dict[str, dict[str, torch.Tensor]]:
@@ -150,11 +131,9 @@ def test_flat_range_boxes_cover_each_range_exactly_in_order(shape: tuple[int, ..
 
 def test_two_ranks_writing_one_chunk_is_refused() -> None:
     """DCP keeps one of two same-key chunks silently; the planner must refuse."""
-    planner = _ChunkSavePlanner()
+    planner = ChunkSavePlanner()
     t = torch.ones(2, 3)
-    from wholeshard.checkpoint import _Chunks
-
-    planner.set_up_planner({"model/w": _Chunks(t.shape, [((0, 0), t)])})
+    planner.set_up_planner({"model/w": Chunks(t.shape, [((0, 0), t)])})
     plan = planner.create_local_plan()
     with pytest.raises(AssertionError, match="both write model/w"):
         planner.create_global_plan([plan, plan])
@@ -165,23 +144,23 @@ def test_two_ranks_writing_one_chunk_is_refused() -> None:
 
 def _resume_bitwise(root: str, ddp_kw: dict, dtype: torch.dtype) -> dict:
     model, ddp, opt = setup(dtype=dtype, ddp_kw=ddp_kw)
-    train(ddp, opt, range(SAVE_AT))
+    train_steps(ddp, opt, range(SAVE_AT))
     rng = torch.get_rng_state()
     save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT, "rng": rng, "data": [SAVE_AT, 7]})
     with ddp.full_params():  # params are read outside a forward
-        saved = params_of(model)
-    train(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
+        saved = full_params(model)
+    train_steps(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
     with ddp.full_params():
-        straight = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
+        straight = (full_params(model), owned_state(opt), [dict(g) for g in opt.param_groups])
 
     # A different init and lr: everything must come from the checkpoint.
     model, ddp, opt = setup(seed=123, dtype=dtype, ddp_kw=ddp_kw, muon_lr=1.0)
     extra = load_checkpoint(root, ddp, opt)
     with ddp.full_params():
-        loaded = params_of(model)
-    train(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
+        loaded = full_params(model)
+    train_steps(ddp, opt, range(SAVE_AT, SAVE_AT + MORE))
     with ddp.full_params():
-        resumed = (params_of(model), owned_state(opt), [dict(g) for g in opt.param_groups])
+        resumed = (full_params(model), owned_state(opt), [dict(g) for g in opt.param_groups])
     assert_same(loaded, saved, "params right after load")
     assert_same(resumed[0], straight[0], "params")
     assert_same(resumed[1], straight[1], "optimizer state")
@@ -218,10 +197,10 @@ def test_resume_at_same_world_size_is_bitwise(tmp_path: Path, ddp_kw: dict, dtyp
 
 def _train_and_save(root: str, ddp_kw: dict) -> dict:
     model, ddp, opt = setup(ddp_kw=ddp_kw)
-    losses = train(ddp, opt, range(SAVE_AT))
+    losses = train_steps(ddp, opt, range(SAVE_AT))
     save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT})
     with ddp.full_params():
-        params = params_of(model)
+        params = full_params(model)
     return {"state": owned_state(opt), "params": params, "losses": losses}
 
 
@@ -243,48 +222,17 @@ def saved_fully_sharded_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _saved_at_2(tmp_path_factory.mktemp("ckpt2fs"), {"reshard_after_forward": True})
 
 
-def reference_continue(state: dict, steps: range) -> dict:
-    """One process, full batch, torch.optim.Muon/AdamW started from `state` (by param name)."""
-    model = make_model()
-    routes = route_params(model)
-    with torch.no_grad():
-        for r in routes:
-            r.param.copy_(state[r.name]["value"])
-    masters = {r.name: r.param.detach().clone() for r in routes}
-    muon = torch.optim.Muon([masters[r.name] for r in routes if r.muon], **MUON_KW)
-    adamw = torch.optim.AdamW([masters[r.name] for r in routes if not r.muon], **ADAMW_KW)
-    for r in routes:
-        opt = muon if r.muon else adamw
-        opt.state[masters[r.name]] = {
-            k: v.clone() for k, v in state[r.name].items() if k != "value"
-        }
-    losses = []
-    for step in steps:
-        loss = lm_loss(model, *batch(step))
-        loss.backward()
-        for r in routes:
-            masters[r.name].grad = r.param.grad.float()
-            r.param.grad = None
-        muon.step()
-        adamw.step()
-        with torch.no_grad():
-            for r in routes:
-                r.param.copy_(masters[r.name])
-        losses.append(loss.item())
-    return {"params": params_of(model), "losses": losses}
-
-
 def _load_and_train(root: str, ddp_kw: dict) -> dict:
     model, ddp, opt = setup(seed=7, ddp_kw=ddp_kw, muon_lr=1.0)
     extra = load_checkpoint(root, ddp, opt)
     with ddp.full_params():
-        loaded = params_of(model)
-    losses = train(ddp, opt, range(extra["step"], extra["step"] + MORE))
+        loaded = full_params(model)
+    losses = train_steps(ddp, opt, range(extra["step"], extra["step"] + MORE))
     if dist.is_initialized():
         for loss in losses:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     with ddp.full_params():
-        params = params_of(model)
+        params = full_params(model)
     return {"loaded": loaded, "params": params, "losses": [x.item() for x in losses]}
 
 
@@ -310,7 +258,7 @@ def test_fully_sharded_checkpoint_loads_in_any_mode(
 
 
 def _assert_loads_and_continues(saved: dict, nproc: int, ddp_kw: dict) -> None:
-    ref = reference_continue(saved["state"], range(SAVE_AT, SAVE_AT + MORE))
+    ref = reference_run(MORE, start=SAVE_AT, state=saved["state"])
     outs = run(_load_and_train, nproc, str(saved["root"]), ddp_kw)
     for out in outs:
         # Every rank holds every param right after the load, not only the ones it owns.
@@ -372,7 +320,7 @@ class SlicedAdamW:
 
 def _sliced_view(state: dict, piece: OwnedPiece) -> dict:
     """What a piece should hold, cut from the full state."""
-    if piece.is_whole:
+    if tuple(piece.master.shape) == piece.full_shape:
         return dict(state[piece.name])
     lo, hi = piece.offset, piece.offset + piece.master.numel()
     return {
@@ -420,7 +368,7 @@ def test_flat_slices_reshard_both_ways(saved_at_2: dict, tmp_path: Path) -> None
 def test_step_numbers_latest_and_keep_last(tmp_path: Path) -> None:
     model, ddp, opt = setup()
     for _ in range(3):
-        train(ddp, opt, range(1))
+        train_steps(ddp, opt, range(1))
         save_checkpoint(tmp_path, ddp, opt, extra={"note": "counter"}, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2"]
     assert resolve_checkpoint(tmp_path) == tmp_path / "step-2"
@@ -429,7 +377,7 @@ def test_step_numbers_latest_and_keep_last(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match="latest checkpoint; refusing"):
         save_checkpoint(tmp_path, ddp, opt, extra={"step": 2})
-    now = params_of(model)
+    now = full_params(model)
     save_checkpoint(tmp_path, ddp, opt, extra={"step": 1})  # replaces the older step-1
     assert (tmp_path / "latest").read_text() == "step-1\n"
     with pytest.raises(CheckpointError, match="weights_only"):
@@ -438,26 +386,26 @@ def test_step_numbers_latest_and_keep_last(tmp_path: Path) -> None:
 
     model, ddp, opt = setup(seed=3)
     assert load_checkpoint(tmp_path, ddp, opt) == {"step": 1}
-    assert_same(params_of(model), now, "params")
+    assert_same(full_params(model), now, "params")
     with pytest.raises(CheckpointError, match="neither a checkpoint"):
         load_checkpoint(tmp_path / "nothing", ddp, opt)
 
 
 def test_load_across_param_dtypes_uses_the_fp32_master(tmp_path: Path) -> None:
     model, ddp, opt = setup(dtype=torch.bfloat16)
-    train(ddp, opt, range(2))
+    train_steps(ddp, opt, range(2))
     masters = {p.name: p.master.clone().view(p.full_shape) for p in opt.owned_pieces()}
     save_checkpoint(tmp_path / "bf16", ddp, opt)
     model32, ddp32, opt32 = setup(seed=5)
     load_checkpoint(tmp_path / "bf16", ddp32, opt32)
-    assert_same(params_of(model32), masters, "fp32 params from bf16 masters")
+    assert_same(full_params(model32), masters, "fp32 params from bf16 masters")
 
     save_checkpoint(tmp_path / "fp32", ddp32, opt32)
     model16, ddp16, opt16 = setup(seed=5, dtype=torch.bfloat16)
     load_checkpoint(tmp_path / "fp32", ddp16, opt16)
     got = {p.name: p.master.view(p.full_shape) for p in opt16.owned_pieces()}
     assert_same(got, masters, "masters")
-    assert_same(params_of(model16), params_of(model), "bf16 params")
+    assert_same(full_params(model16), full_params(model), "bf16 params")
 
 
 # -- export --------------------------------------------------------------------------------------
@@ -510,7 +458,7 @@ def test_export_tied_bf16_model_with_buffer(tmp_path: Path) -> None:
     model.register_buffer("scale", torch.tensor([1.5, 2.5]))
     model.to(torch.bfloat16)
     _, ddp, opt = setup(dtype=torch.bfloat16, model=model)
-    train(ddp, opt, range(1))
+    train_steps(ddp, opt, range(1))
     save_checkpoint(tmp_path, ddp, opt)
     masters = {p.name: p.master.clone().view(p.full_shape) for p in opt.owned_pieces()}
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_fs
-from support import ADAMW_KW, MUON_KW, VOCAB, lm_loss, local_batch, make_model, run
+from support import ADAMW_KW, MUON_KW, VOCAB, make_model, run, train_steps
 from torch import nn
 
 import wholeshard
-from wholeshard import checkpoint
+from wholeshard import checkpoint_dir
 from wholeshard.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wholeshard.launch import WorkerFailed
 
@@ -25,13 +25,6 @@ def setup(model: nn.Module | None = None, use_muon=None):
     model = model if model is not None else make_model()
     ddp = wholeshard.DataParallel(model, use_muon=use_muon)
     return model, ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-
-
-def step(ddp, opt, at: int) -> None:
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    lm_loss(ddp, *local_batch(at, rank, world)).backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def snapshot(model: nn.Module, opt) -> dict[str, torch.Tensor]:
@@ -73,9 +66,9 @@ def _arm(point: str, marker: Path) -> None:
             path.write_text('{"body": {"format"')
             _die()
 
-        checkpoint.write_manifest = half_manifest
+        checkpoint_dir.write_manifest = half_manifest
     elif point == "before-latest":  # renamed into place, `latest` not yet updated
-        checkpoint.write_latest = lambda root, name: _die()
+        checkpoint_dir.write_latest = lambda root, name: _die()
     elif point == "latest-replace":  # the new `latest` written beside the old, not yet renamed
         original_replace = os.replace
 
@@ -100,9 +93,9 @@ def _arm(point: str, marker: Path) -> None:
 
 def _killed_save(root: str, point: str, victim: int, marker: str) -> None:
     _, ddp, opt = setup()
-    step(ddp, opt, 0)
+    train_steps(ddp, opt, [0])
     save_checkpoint(root, ddp, opt, extra={"step": 1})
-    step(ddp, opt, 1)
+    train_steps(ddp, opt, [1])
     if dist.get_rank() == victim:
         _arm(point, Path(marker))
     save_checkpoint(root, ddp, opt, extra={"step": 2}, keep_last=1)
@@ -145,7 +138,7 @@ def test_save_killed_at_any_point_leaves_a_loadable_latest(
 
 def _save_with_full_disk(root: str) -> str:
     _, ddp, opt = setup()
-    step(ddp, opt, 0)
+    train_steps(ddp, opt, [0])
     save_checkpoint(root, ddp, opt, extra={"step": 1})
     if dist.get_rank() == 1:
 
@@ -220,7 +213,7 @@ def _load_each(roots: dict[str, str]) -> dict[str, tuple[str | None, bool]]:
             model, ddp, opt = setup(build(), use_muon)
         else:  # with optimizer state to lose
             model, ddp, opt = setup(make_model(seed=5))
-            step(ddp, opt, 0)
+            train_steps(ddp, opt, [0])
         before = snapshot(model, opt)
         try:
             load_checkpoint(root, ddp, opt)
@@ -232,7 +225,7 @@ def _load_each(roots: dict[str, str]) -> dict[str, tuple[str | None, bool]]:
 
 def _save(root: str) -> None:
     _, ddp, opt = setup()
-    step(ddp, opt, 0)
+    train_steps(ddp, opt, [0])
     save_checkpoint(root, ddp, opt, extra={"step": 1})
 
 

@@ -15,9 +15,9 @@ from support import (
     local_batch,
     make_model,
     run,
+    train_steps,
     wholeshard_run,
 )
-from test_checkpoint import train
 from torch import nn
 
 import wholeshard
@@ -210,12 +210,12 @@ def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[fl
         return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
 
     ddp, opt = setup(save_on)
-    train(ddp, opt, range(3))
+    train_steps(ddp, opt, range(3))
     wholeshard.save_checkpoint(root, ddp, opt, extra={"step": 3})
-    straight = [x.item() for x in train(ddp, opt, range(3, 6))]
+    straight = [x.item() for x in train_steps(ddp, opt, range(3, 6))]
     ddp, opt = setup(not save_on)
     wholeshard.load_checkpoint(root, ddp, opt)
-    return straight, [x.item() for x in train(ddp, opt, range(3, 6))]
+    return straight, [x.item() for x in train_steps(ddp, opt, range(3, 6))]
 
 
 @pytest.mark.parametrize("save_on", [True, False], ids=["saved-fp8", "saved-bf16"])

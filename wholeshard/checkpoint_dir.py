@@ -2,8 +2,17 @@
 checksums and pruning. Plain files only; what goes inside a checkpoint is `checkpoint`'s business.
 
     root/step-N/      a complete checkpoint, only ever created by renaming a finished temp dir
+        wholeshard.json   its manifest, written last: format, step, size + crc32 of every file
     root/latest       names the newest complete checkpoint ("step-N"), replaced atomically
     root/.tmp-step-N  a save in progress; root/.trash-step-N a checkpoint being pruned
+
+A save is `choose_step`, `begin` (the temp dir), the caller's files, `digest`, then `commit`
+(manifest, fsync, rename, `latest`, prune). Invariants:
+- a `step-N` directory is complete: it only ever appears by an atomic rename of a fully written,
+  fsynced temp directory, and `latest` is replaced (atomically) only after that rename. A save
+  killed at any point leaves the previous checkpoint loadable and `latest` naming it;
+- pruning happens only after the new checkpoint is complete and `latest` names it; a pruned
+  checkpoint is renamed away before it is deleted, so no half-deleted `step-M` is ever visible.
 """
 
 from __future__ import annotations
@@ -157,3 +166,68 @@ def remove(root: Path, directory: Path) -> None:
     os.rename(directory, trash)
     fsync_dir(root)
     shutil.rmtree(trash)
+
+
+def steps_after(ckpt: Path) -> list[Path]:
+    """The checkpoints beside `ckpt` with a larger step, oldest first (none unless `ckpt` is a
+    `step-N` directory)."""
+    m = STEP_DIR.match(ckpt.name)
+    return [p for s, p in sorted(steps(ckpt.parent).items()) if m and s > int(m[1])]
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint directory `path` means: itself if it holds a manifest, else the one its
+    `latest` marker names (for a checkpoints directory or the `latest` file itself)."""
+    p = Path(path)
+    if p.is_file() and p.name == LATEST:
+        p = p.parent
+    if (p / MANIFEST).is_file():
+        return p
+    if (p / LATEST).is_file():
+        name = (p / LATEST).read_text().strip()
+        target = p / name
+        if not STEP_DIR.match(name) or not (target / MANIFEST).is_file():
+            raise CheckpointError(
+                f"{p / LATEST} names {name!r}, which is not a complete checkpoint in {p}"
+            )
+        return target
+    looks_like_one = STEP_DIR.match(p.name) or (p / ".metadata").exists() or (p / TRAINER).exists()
+    if p.is_dir() and looks_like_one:
+        raise CheckpointError(f"checkpoint {p} is incomplete or damaged: {MANIFEST} is missing")
+    raise CheckpointError(
+        f"{p} is neither a checkpoint (no {MANIFEST}) nor a checkpoints directory (no {LATEST})"
+    )
+
+
+def begin(root: Path, step: int) -> Path:
+    """A fresh temp directory for the save of `step`, after clearing what killed saves left."""
+    clean_leftovers(root)
+    tmp = root / f"{TMP_PREFIX}step-{step}"
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def digest(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Size and crc32 of the files `names` in `directory`, as the manifest records them."""
+    return {
+        n: {"bytes": (directory / n).stat().st_size, "crc32": crc32(directory / n)} for n in names
+    }
+
+
+def commit(root: Path, tmp: Path, step: int, body: dict[str, Any], keep_last: int | None) -> Path:
+    """Finish the save `begin` started: write the manifest (`body` with the format, version and
+    step added; `body["files"]` from `digest`), fsync, rename `tmp` to `root/step-N`, point
+    `latest` at it, then keep the `keep_last` newest (None: all). Returns the checkpoint."""
+    write_manifest(tmp / MANIFEST, {**body, "format": FORMAT, "version": VERSION, "step": step})
+    fsync_dir(tmp)
+    final = root / f"step-{step}"
+    if final.exists():  # not the latest (`choose_step` refuses that): a stale save of this step
+        remove(root, final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    write_latest(root, final.name)
+    if keep_last is not None:
+        older = sorted((s, p) for s, p in steps(root).items() if s < step)
+        for _, p in older[: max(0, len(older) - (keep_last - 1))]:
+            remove(root, p)
+    return final

@@ -34,6 +34,7 @@ from torch.autograd.profiler import record_function
 from .. import collectives
 from ..data_parallel import DataParallel, OwnedSlice
 from .agreement import ERROR, NONFINITE_POLICIES, SKIP, agree, peak_norms
+from .checkpointable import LoadedPiece, install_state
 
 MUON, ADAMW = "muon", "adamw"
 
@@ -66,10 +67,6 @@ class OwnedPiece:
     @property
     def separate_master(self) -> bool:
         return self.master is not self.param
-
-    @property
-    def is_whole(self) -> bool:
-        return tuple(self.param.shape) == self.full_shape
 
     def oriented(self, t: torch.Tensor) -> torch.Tensor:
         """`t` moved between the storage and the optimizer layout (its own inverse)."""
@@ -268,8 +265,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         ]
         return {"state": state, "param_groups": groups, "steps": self.steps}
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load `state_dict()` of an optimizer at the same world size and layout (any other:
+        wholeshard checkpoints); every rank loads its own and all gather the params."""
         owned = {o.key: o for o in self._owned}
         saved = state_dict["state"]
         if set(saved) != set(owned):
@@ -280,19 +278,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 f"wholeshard checkpoints to reshard"
             )
         self.steps = state_dict.get("steps", self.steps)
-        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update({k: v for k, v in saved_group.items() if k != "kind"})
-        for name, entry in saved.items():
-            o = owned[name]
-            entry = dict(entry)
-            if "master" in entry:
-                o.master.copy_(entry.pop("master"))
-                o.param.copy_(o.oriented(o.master))
-            self._inner[o.kind].state[o.master] = {
-                k: _restore(v, o.master) for k, v in entry.items()
-            }
-        self.ddp.start_param_sync()
-        self.ddp.finish_param_sync()
+        pieces = []
+        for key, entry in saved.items():
+            o = owned[key]
+            state = {k: _restore(v, o.master) for k, v in entry.items() if k != "master"}
+            pieces.append(LoadedPiece(o, entry.get("master"), state))
+        groups = [{k: v for k, v in g.items() if k != "kind"} for g in state_dict["param_groups"]]
+        install_state(self.ddp, self, pieces, groups)
 
 
 def _pieces(owned: OwnedSlice) -> list[OwnedPiece]:

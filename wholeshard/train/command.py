@@ -168,7 +168,7 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
 
 
 def _check_resume(parser: argparse.ArgumentParser, cfg: TrainConfig) -> None:
-    from wholeshard.checkpoint import CheckpointError, resolve_checkpoint
+    from wholeshard.checkpoint_dir import CheckpointError, resolve_checkpoint, steps_after
 
     if cfg.resume == "latest" and cfg.out is None:
         parser.error("argument --resume: latest needs --out DIR of the run to continue")
@@ -178,14 +178,10 @@ def _check_resume(parser: argparse.ArgumentParser, cfg: TrainConfig) -> None:
         parser.error(f"argument --resume: {e}")
     if cfg.out is None:  # the run the checkpoint belongs to: <out>/checkpoints/step-N
         cfg.out = str(ckpt.parent.parent)
-    later = [
-        p.name
-        for p in ckpt.parent.glob("step-*")
-        if p.name[5:].isdigit() and int(p.name[5:]) > int(ckpt.name[5:])
-    ]
+    later = [p.name for p in steps_after(ckpt)]
     if later and ckpt.parent.resolve() == Path(cfg.checkpoint_dir).resolve():
         parser.error(
-            f"argument --resume: {', '.join(sorted(later))} come after {ckpt.name} in "
+            f"argument --resume: {', '.join(later)} come after {ckpt.name} in "
             f"{ckpt.parent}; resuming from {ckpt.name} would overwrite them. Move them away "
             f"or resume from latest"
         )

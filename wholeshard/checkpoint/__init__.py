@@ -1,0 +1,46 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP): save anywhere, resume at any world size.
+
+A checkpoint is a `step-N` directory of a checkpoints directory (the directory protocol, with
+its atomic rename, `latest` marker and pruning, is `wholeshard.checkpoint_dir`):
+
+    root/step-N/           one complete checkpoint (N = extra["step"], else the next free number)
+        .metadata, __R_I.distcp    DCP's files: logical tensors, see "Format"
+        trainer.pt                 param-group hyperparameters and the caller's `extra` (rank 0)
+        wholeshard.json            manifest, written last: model table, size + crc32 of every file
+    root/latest            text file naming the most recently completed save ("step-N")
+
+A load validates everything (manifest, every file's size and crc32, model names, shapes and
+routing, chunk coverage) and agrees on the outcome across ranks BEFORE any param or optimizer
+state is touched; a damaged or mismatched checkpoint raises `CheckpointError` on every rank.
+
+Format: one DCP entry per logical tensor, keyed by parameter FQN, with the tensor's full shape:
+    model/<fqn>              the param as the model holds it (param dtype); also persistent
+                             buffers and frozen params (written by rank 0)
+    optim/<fqn>/master       the fp32 master, when it is separate from the param
+    optim/<fqn>/<key>        torch optimizer state (Muon `momentum_buffer`; AdamW `exp_avg`,
+                             `exp_avg_sq`, `step`)
+Each rank writes exactly the elements it owns, as rectangular chunks with offsets into the full
+tensor (`chunks`). Optimizer state that is not elementwise (AdamW's scalar `step`) is identical
+across the pieces of one param and is written by the piece holding element 0. Nothing in the
+format depends on the layout, the world size or the sharding strategy, so DCP reshards on load.
+
+What a checkpoint needs of the optimizer is `Checkpointable`: its owned pieces, their state and
+its param groups. Modules: `chunks` (geometry and DCP planners), `agreement` (cross-rank
+outcomes), `model_table` (the model's description and checks), `save`, `load`.
+"""
+
+from ..checkpoint_dir import CheckpointError, resolve_checkpoint
+from ..optim.checkpointable import Checkpointable
+from .chunks import flat_range_boxes
+from .load import load_checkpoint, load_consolidated
+from .save import save_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointable",
+    "flat_range_boxes",
+    "load_checkpoint",
+    "load_consolidated",
+    "resolve_checkpoint",
+    "save_checkpoint",
+]

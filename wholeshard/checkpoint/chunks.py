@@ -1,0 +1,240 @@
+"""Chunk geometry and the DCP planners: how the elements a rank holds become DCP chunks.
+
+A logical tensor is written and read as rectangular chunks with offsets into the full tensor
+(`Chunks`). An owned whole tensor is one chunk at offset 0; a flat slice `[offset, offset + n)`
+of a param is cut into at most `2 * ndim - 1` row-major boxes (`flat_range_boxes`). The planners
+hand DCP exactly these chunks: no flattening, no resharding of their own, so DCP finds for each
+chunk read the saved chunks that overlap it, whatever the world size or layout at save time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..optim.layerwise import OwnedPiece
+
+Part = tuple[tuple[int, ...], torch.Tensor]  # (offsets into the full tensor, the chunk)
+
+
+@dataclass
+class Chunks:
+    """One logical tensor of `size`: the parts this rank writes or reads, as (offsets, view)."""
+
+    size: torch.Size
+    parts: list[Part] = field(default_factory=list)
+
+
+def add(entries: dict[str, Chunks], key: str, size: tuple[int, ...], parts: list[Part]) -> None:
+    """Add `parts` to the entry `key` (a tensor of `size`), creating it if needed."""
+    entries.setdefault(key, Chunks(torch.Size(size))).parts.extend(parts)
+
+
+def whole(t: torch.Tensor) -> list[Part]:
+    """`t` as the one chunk of a tensor of its own shape."""
+    return [((0,) * t.ndim, t)]
+
+
+def flat_range_boxes(
+    shape: tuple[int, ...], start: int, stop: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Row-major elements `[start, stop)` of a tensor of `shape` as boxes `(offsets, sizes)`.
+
+    The boxes are disjoint, cover exactly the range, come in row-major order, and each is
+    contiguous in row-major order (fixed leading indices, a range in one dim, full trailing
+    dims), so each is a view of the flat range. At most `2 * len(shape) - 1` boxes.
+    """
+    shape = tuple(shape)
+    if not 0 <= start <= stop <= math.prod(shape):
+        raise ValueError(f"range [{start}, {stop}) is outside a tensor of shape {shape}")
+    if start == stop:
+        return [((0,) * len(shape), shape)] if math.prod(shape) == 0 else []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    rest = shape[1:]
+    first, last = start // inner, (stop - 1) // inner
+    lo, hi = start - first * inner, stop - last * inner
+
+    def in_row(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(rest, a, b)]
+
+    if first == last:
+        return in_row(first, lo, hi)
+    boxes = in_row(first, lo, inner) if lo else []
+    full_lo = first + 1 if lo else first
+    full_hi = last + 1 if hi == inner else last
+    if full_hi > full_lo:
+        boxes.append(((full_lo, *(0,) * len(rest)), (full_hi - full_lo, *rest)))
+    if hi != inner:
+        boxes += in_row(last, 0, hi)
+    return boxes
+
+
+def piece_parts(piece: OwnedPiece, flat: torch.Tensor) -> list[Part]:
+    """`flat` (the piece's elements in storage order, any shape) cut into chunks of the full
+    param: views of `flat`, so reading into them fills `flat`."""
+    flat = flat.reshape(-1)
+    stop = piece.offset + flat.numel()
+    parts, at = [], 0
+    for offsets, sizes in flat_range_boxes(piece.full_shape, piece.offset, stop):
+        n = math.prod(sizes)
+        parts.append((offsets, flat[at : at + n].view(sizes)))
+        at += n
+    return parts
+
+
+# -- DCP -----------------------------------------------------------------------------------------
+
+
+def write(
+    entries: dict[str, Chunks], directory: Path, group: ProcessGroup | None, distributed: bool
+) -> None:
+    """Write every rank's `entries` into `directory` (every rank of `group` calls it)."""
+    with _quiet_single_process():
+        dcp.save(
+            entries,
+            storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
+            planner=ChunkSavePlanner(),
+            process_group=group,
+            no_dist=not distributed,
+        )
+
+
+def read(
+    entries: dict[str, Chunks],
+    directory: Path,
+    group: ProcessGroup | None = None,
+    distributed: bool = False,
+) -> None:
+    """Fill every part of `entries` from the checkpoint in `directory`."""
+    with _quiet_single_process():
+        dcp.load(
+            entries,
+            storage_reader=dcp.FileSystemReader(directory),
+            planner=ChunkLoadPlanner(),
+            process_group=group,
+            no_dist=not distributed,
+        )
+
+
+def _by_index(state_dict: dict[str, Chunks]) -> dict[MetadataIndex, torch.Tensor]:
+    return {
+        MetadataIndex(key, offsets): t
+        for key, chunks in state_dict.items()
+        for offsets, t in chunks.parts
+    }
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Writes each `Chunks` part as one DCP chunk. Fails if two ranks offer the same chunk: DCP
+    would keep only one of them, silently (measured: per-rank tensors saved under one shared key
+    keep rank 0's values alone)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+        self._parts = _by_index(state_dict)
+
+    def create_local_plan(self) -> SavePlan:
+        items = [
+            WriteItem(
+                index=MetadataIndex(key, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), t.shape),
+                    properties=TensorProperties.create_from_tensor(t),
+                    size=chunks.size,
+                ),
+            )
+            for key, chunks in self.state_dict.items()
+            for offsets, t in chunks.parts
+        ]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        seen: dict[MetadataIndex, int] = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                if item.index in seen:
+                    raise AssertionError(
+                        f"ranks {seen[item.index]} and {rank} both write {item.index.fqn} at "
+                        f"{tuple(item.index.offset)}: ownership is not disjoint"
+                    )
+                seen[item.index] = rank
+        return super().create_global_plan(all_plans)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self._parts[MetadataIndex(index.fqn, index.offset)]
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads into each `Chunks` part; DCP finds the saved chunks that overlap it."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        self._parts = _by_index(state_dict)
+
+    def create_local_plan(self) -> LoadPlan:
+        items: list[ReadItem] = []
+        for key, chunks in self.state_dict.items():
+            local = [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in chunks.parts]
+            items += create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], local
+            )
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise AssertionError(f"unexpected non-tensor entry {read_item.dest_index.fqn!r}")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        index = read_item.dest_index
+        target = self._parts[MetadataIndex(index.fqn, index.offset)]
+        for dim, (offset, length) in enumerate(
+            zip(read_item.dest_offsets, read_item.lengths, strict=True)
+        ):
+            target = target.narrow(dim, offset, length)
+        return target
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

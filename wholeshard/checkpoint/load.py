@@ -1,0 +1,151 @@
+"""`load_checkpoint` (into a `DataParallel` and its optimizer, at any world size and layout)
+and `load_consolidated` (full tensors in one process, for export)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..checkpoint_dir import (
+    TRAINER,
+    CheckpointError,
+    check_files,
+    read_dcp_metadata,
+    read_manifest,
+    resolve_checkpoint,
+)
+from ..data_parallel import DataParallel
+from ..optim.checkpointable import Checkpointable, LoadedPiece, elementwise, install_state
+from . import chunks
+from .agreement import Group
+from .chunks import Chunks, add, piece_parts, whole
+from .model_table import check_model, other_tensors, state_keys
+
+
+def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Checkpointable) -> Any:
+    """Load a checkpoint into `ddp` and `optimizer` at any world size and layout; return `extra`.
+
+    `path` is a checkpoint (`.../step-N`), a checkpoints directory (its `latest` is followed),
+    or a `latest` file. Every rank of `ddp`'s group must call it. Param-group hyperparameters
+    (lr, betas, ...) are restored, as `torch.optim.Optimizer.load_state_dict` does. Afterwards
+    every rank holds every param (gathered from the owners) and the gradient buffer is zero.
+    Raises CheckpointError on every rank, changing nothing, if the checkpoint is damaged or was
+    saved from a different model (names, shapes or Muon/AdamW routing).
+    """
+    group = Group(ddp)
+    ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while reading
+    ckpt = group.on_first(lambda: resolve_checkpoint(path), "cannot find the checkpoint")
+
+    manifest = group.agree(lambda: read_manifest(ckpt), f"checkpoint {ckpt} is damaged")
+    group.agree(
+        lambda: check_files(ckpt, manifest, sorted(manifest["files"])[group.rank :: group.size]),
+        f"checkpoint {ckpt} is damaged",
+    )
+
+    def prepare() -> tuple[dict[str, Any], _LoadPlan]:
+        metadata = read_dcp_metadata(ckpt)
+        trainer = torch.load(ckpt / TRAINER, weights_only=True)
+        check_model(ckpt, manifest, metadata, ddp, optimizer, trainer)
+        return trainer, _plan_load(metadata, ddp, optimizer)
+
+    trainer, plan = group.agree(prepare, f"cannot load checkpoint {ckpt}")
+    try:
+        chunks.read(plan.entries, ckpt, ddp.process_group, group.distributed)
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
+        raise CheckpointError(f"reading checkpoint {ckpt} failed (nothing was changed): {e}") from e
+    with torch.no_grad():
+        for live, value in plan.others:
+            live.copy_(value)
+    ddp.zero_grad_buffer()
+    install_state(ddp, optimizer, [_private(p) for p in plan.pieces], trainer["param_groups"])
+    return trainer["extra"]
+
+
+def load_consolidated(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full model tensors of a checkpoint, in one process without a process group.
+
+    Returns `(tensors, manifest)`: `tensors` maps every `model.state_dict()` key, tied aliases
+    included, to a full CPU tensor. With `dtype`, floating tensors are cast to it, taking params
+    from their fp32 masters when the checkpoint has them; without it, params keep the dtype they
+    were trained in. Verifies sizes and checksums first.
+    """
+    ckpt = resolve_checkpoint(path)
+    manifest = read_manifest(ckpt)
+    check_files(ckpt, manifest, sorted(manifest["files"]))
+    metadata = read_dcp_metadata(ckpt)
+    keys: dict[str, str] = {}
+    for name in manifest["params"]:
+        master = f"optim/{name}/master"
+        use_master = dtype is not None and master in metadata.state_dict_metadata
+        keys[name] = master if use_master else f"model/{name}"
+    keys.update({name: f"model/{name}" for name in manifest["others"]})
+    entries: dict[str, Chunks] = {}
+    for key in keys.values():
+        md = metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: it has no tensor {key!r}")
+        add(entries, key, md.size, whole(torch.empty(md.size, dtype=md.properties.dtype)))
+    chunks.read(entries, ckpt)
+    tensors = {}
+    for name, key in keys.items():
+        t = entries[key].parts[0][1]
+        tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    for alias, name in manifest["aliases"].items():
+        tensors[alias] = tensors[name]
+    return tensors, manifest
+
+
+@dataclass
+class _LoadPlan:
+    """Fresh tensors DCP reads into, and where each goes once every rank has read."""
+
+    entries: dict[str, Chunks]
+    pieces: list[LoadedPiece]  # state tensors not elementwise are shared by a param's pieces
+    others: list[tuple[torch.Tensor, torch.Tensor]]  # live tensor, new value
+
+
+def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable) -> _LoadPlan:
+    md = metadata.state_dict_metadata
+    plan = _LoadPlan({}, [], [])
+    entries = plan.entries
+    for piece in optimizer.owned_pieces():
+        name, shape = piece.name, piece.full_shape
+        key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"
+        # Read in the storage layout; install through the optimizer-layout view.
+        master = piece.param.new_empty(piece.param.shape, dtype=piece.master.dtype)
+        add(entries, key, shape, piece_parts(piece, master))
+        state = {}
+        for k in state_keys(metadata, name):
+            key, saved = f"optim/{name}/{k}", md[f"optim/{name}/{k}"]
+            if tuple(saved.size) == shape:
+                value = piece.param.new_empty(piece.param.shape, dtype=saved.properties.dtype)
+                add(entries, key, shape, piece_parts(piece, value))
+                state[k] = piece.oriented(value)
+            else:  # one value per param (AdamW's step): every piece reads the whole of it
+                if key not in entries:
+                    full = torch.empty(saved.size, dtype=saved.properties.dtype)
+                    add(entries, key, saved.size, whole(full))
+                state[k] = entries[key].parts[0][1]
+        plan.pieces.append(LoadedPiece(piece, piece.oriented(master), state))
+    for name, live in other_tensors(ddp).items():
+        value = torch.empty_like(live, memory_format=torch.contiguous_format)
+        add(entries, f"model/{name}", live.shape, whole(value))
+        plan.others.append((live, value))
+    return plan
+
+
+def _private(loaded: LoadedPiece) -> LoadedPiece:
+    """`loaded` with state the piece alone holds: contiguous in the optimizer's layout, and
+    per-param values copied so no two pieces share one."""
+    piece = loaded.piece
+    state = {
+        k: v.contiguous() if elementwise(v, piece) else v.clone() for k, v in loaded.state.items()
+    }
+    return loaded._replace(state=state)

@@ -1,0 +1,136 @@
+"""What a checkpoint records about its model, and the check that a model is the same one.
+
+The manifest's model table names every routed param (shape, dtype, Muon or AdamW), every
+other state-dict tensor (persistent buffers and frozen params) and every tied alias. A load
+checks the model against it, and the DCP metadata against both, before anything is read.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..checkpoint_dir import TRAINER, CheckpointError
+from ..data_parallel import DataParallel
+from ..optim.checkpointable import Checkpointable
+from ..routing import clean_name
+
+
+def other_tensors(ddp: DataParallel) -> dict[str, torch.Tensor]:
+    """State-dict tensors DataParallel does not shard: persistent buffers and frozen params."""
+    routed = {id(r.param) for r in ddp.routes}
+    out = {}
+    for fqn, value in ddp.module.state_dict(keep_vars=True).items():
+        name = clean_name(fqn)
+        if not torch.is_tensor(value):
+            raise TypeError(f"module state {name!r} is not a tensor; checkpoints hold tensors only")
+        if id(value) not in routed:
+            out[name] = value
+    return out
+
+
+def aliases(ddp: DataParallel) -> dict[str, str]:
+    """Every other name of a routed (tied) param, mapped to its route name."""
+    first = {id(r.param): r.name for r in ddp.routes}
+    out = {}
+    for fqn, p in ddp.module.named_parameters(remove_duplicate=False):
+        name = clean_name(fqn)
+        if id(p) in first and first[id(p)] != name:
+            out[name] = first[id(p)]
+    return out
+
+
+def model_table(ddp: DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest's `params` and `others` for `ddp`'s model."""
+    params = {
+        r.name: {
+            "shape": list(r.shape),
+            "dtype": str(r.param.dtype).removeprefix("torch."),
+            "optimizer": "muon" if r.muon else "adamw",
+        }
+        for r in ddp.routes
+    }
+    others = {
+        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for name, t in other_tensors(ddp).items()
+    }
+    return params, others
+
+
+def state_keys(metadata: Metadata, name: str) -> list[str]:
+    """The optimizer state keys saved for param `name` (its master excluded)."""
+    prefix = f"optim/{name}/"
+    return sorted(
+        k[len(prefix) :]
+        for k in metadata.state_dict_metadata
+        if k.startswith(prefix) and k != f"{prefix}master"
+    )
+
+
+def check_model(
+    ckpt: Path,
+    manifest: dict[str, Any],
+    metadata: Metadata,
+    ddp: DataParallel,
+    optimizer: Checkpointable,
+    trainer: dict[str, Any],
+) -> None:
+    """Raise naming every difference between the checkpoint and this model."""
+    params, others = model_table(ddp)
+    problems = _compare_tables("param", manifest["params"], params, ("shape", "optimizer"))
+    problems += _compare_tables("buffer or frozen param", manifest["others"], others, ("shape",))
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved from a different model: " + "; ".join(problems)
+        )
+    md = metadata.state_dict_metadata
+    expected: dict[str, tuple[int, ...] | None] = {
+        f"model/{n}": tuple(e["shape"]) for n, e in {**params, **others}.items()
+    }
+    for name, entry in params.items():
+        if f"optim/{name}/master" in md:
+            expected[f"optim/{name}/master"] = tuple(entry["shape"])
+        expected.update({f"optim/{name}/{k}": None for k in state_keys(metadata, name)})
+    damaged = []
+    for key, shape in sorted(expected.items()):
+        saved = md.get(key)
+        if not isinstance(saved, TensorStorageMetadata):
+            damaged.append(f"{key} is missing")
+        elif shape is not None and tuple(saved.size) != shape:
+            damaged.append(f"{key} has shape {tuple(saved.size)}, the manifest says {shape}")
+        elif sum(math.prod(c.sizes) for c in saved.chunks) != math.prod(saved.size):
+            damaged.append(f"{key}'s chunks do not cover it exactly once (a shard is missing)")
+    if len(trainer.get("param_groups", ())) != len(optimizer.param_groups):
+        damaged.append(
+            f"{TRAINER} has {len(trainer.get('param_groups', ()))} param groups, the optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    if damaged:
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(damaged[:10]))
+
+
+def _compare_tables(
+    what: str, saved: dict[str, Any], model: dict[str, Any], fields: tuple[str, ...]
+) -> list[str]:
+    def names(xs: list[str]) -> str:
+        return ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")
+
+    problems = []
+    missing = sorted(set(model) - set(saved))
+    unexpected = sorted(set(saved) - set(model))
+    if missing:
+        problems.append(f"{what}s missing from the checkpoint: {names(missing)}")
+    if unexpected:
+        problems.append(f"{what}s in the checkpoint but not in the model: {names(unexpected)}")
+    for name in sorted(set(saved) & set(model)):
+        for f in fields:
+            if saved[name][f] != model[name][f]:
+                want, got = saved[name][f], model[name][f]
+                if f == "shape":
+                    want, got = tuple(want), tuple(got)
+                problems.append(f"{name}: {f} {want} in the checkpoint, {got} in the model")
+    return problems

@@ -1,0 +1,136 @@
+"""`save_checkpoint`: every rank writes the elements it owns into one new `step-N` directory."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..checkpoint_dir import (
+    TRAINER,
+    CheckpointError,
+    begin,
+    choose_step,
+    commit,
+    digest,
+    write_durably,
+)
+from ..data_parallel import DataParallel
+from ..optim.checkpointable import Checkpointable, elementwise
+from . import chunks
+from .agreement import Group
+from .chunks import Chunks, add, piece_parts, whole
+from .model_table import aliases, model_table, other_tensors
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    ddp: DataParallel,
+    optimizer: Checkpointable,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save params, optimizer state and hyperparameters, and `extra`, as `path/step-N`.
+
+    Every rank of `ddp`'s group must call it, between optimizer steps. N is `extra["step"]` when
+    given (an int >= 0), else one more than the largest existing `step-M` (0 if none). `extra`
+    is rank 0's small dict (step, RNG states, data position, scheduler state); it must survive
+    `torch.load(weights_only=True)` (tensors, numbers, strings, None, and containers of them),
+    which is checked here rather than at resume time. Gradients are not saved.
+
+    Replacing an existing `step-N` is allowed unless `latest` names it. With `keep_last=K`,
+    older checkpoints (`step-M`, M < N) beyond the K - 1 most recent are deleted after the new
+    one is complete. Returns the new checkpoint's directory.
+    """
+    if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
+    root = Path(path)
+    group = Group(ddp)
+    ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while writing
+
+    def prepare() -> tuple[int, Path]:
+        step = choose_step(root, extra)
+        trainer = _trainer_blob(optimizer, extra)
+        tmp = begin(root, step)
+        write_durably(tmp / TRAINER, trainer)
+        return step, tmp
+
+    step, tmp = group.on_first(prepare, f"cannot start a checkpoint in {root}")
+    state = group.agree(lambda: _save_entries(ddp, optimizer, group.rank), "cannot save")
+    try:
+        chunks.write(state, tmp, ddp.process_group, group.distributed)
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
+        if group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing checkpoint step-{step} to {tmp} failed: {e}") from e
+    files = _digest_files(group, tmp)
+
+    def finish() -> Path:
+        params, others = model_table(ddp)
+        body = {
+            "params": params,
+            "others": others,
+            "aliases": aliases(ddp),
+            "files": files,
+            "saved_with": {"world_size": ddp.dp_size, "torch": torch.__version__},
+        }
+        return commit(root, tmp, step, body, keep_last)
+
+    return group.on_first(finish, f"cannot complete checkpoint step-{step} in {root}")
+
+
+def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> dict[str, Chunks]:
+    """This rank's share: each owned element once, plus (rank 0) buffers and frozen params."""
+    entries: dict[str, Chunks] = {}
+    for piece in optimizer.owned_pieces():
+        name, shape = piece.name, piece.full_shape
+        add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach()))
+        if piece.separate_master:
+            master = piece.oriented(piece.master.detach())
+            add(entries, f"optim/{name}/master", shape, piece_parts(piece, master))
+        for key, value in optimizer.piece_state(piece).items():
+            if not torch.is_tensor(value):
+                raise TypeError(
+                    f"optimizer state {name!r}[{key!r}] is a {type(value).__name__}; "
+                    f"checkpoints hold tensor state only"
+                )
+            value = value.detach()
+            if elementwise(value, piece):
+                parts = piece_parts(piece, piece.oriented(value))
+                add(entries, f"optim/{name}/{key}", shape, parts)
+            elif piece.offset == 0:  # same on every piece of the param: element 0's owner writes
+                add(entries, f"optim/{name}/{key}", value.shape, whole(value))
+    if rank == 0:
+        for name, t in other_tensors(ddp).items():
+            add(entries, f"model/{name}", t.shape, whole(t.detach()))
+    return entries
+
+
+def _trainer_blob(optimizer: Checkpointable, extra: dict[str, Any] | None) -> bytes:
+    """`trainer.pt`'s bytes: param-group hyperparameters and `extra`, checked to load back."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    buf = io.BytesIO()
+    torch.save({"param_groups": groups, "extra": extra}, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise ValueError(
+            f"extra must hold only tensors, numbers, strings, None and lists/tuples/dicts of "
+            f"them (a resume loads it with torch.load(weights_only=True)): {e}"
+        ) from e
+    return buf.getvalue()
+
+
+def _digest_files(group: Group, directory: Path) -> dict[str, Any]:
+    """Size and crc32 of every file in `directory`, hashed in parallel across ranks."""
+    names = group.on_first(lambda: sorted(os.listdir(directory)), f"cannot list {directory}")
+    mine = group.agree(
+        lambda: digest(directory, names[group.rank :: group.size]), f"cannot checksum {directory}"
+    )
+    return {name: entry for part in group.all_gather(mine) for name, entry in part.items()}
