@@ -19,6 +19,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from wholeshard.cli import build_parser
@@ -75,10 +76,49 @@ def faulty_train(cfg: TrainConfig, fault: Fault) -> dict:
     return loop.train(cfg, hooks=[fault])
 
 
-def run_train(argv: list[str], fault: Fault) -> int:
+@dataclass(frozen=True)
+class Poison:
+    """Make `rank`'s gradient of `param` (`what="grad"`) or its loss (`what="loss"`) non-finite
+    in training step `step` (counted from 1 in this process: no resume)."""
+
+    rank: int
+    step: int
+    what: str = "grad"
+    param: str = "blocks.0.attn.o.weight"
+
+    def install(self, model: torch.nn.Module) -> None:
+        calls = [0]
+
+        def poison(t: torch.Tensor) -> torch.Tensor | None:
+            calls[0] += 1
+            return t * float("inf") if calls[0] == self.step else None
+
+        if self.what == "grad":
+            dict(model.named_parameters())[self.param].register_hook(poison)
+        else:
+            model.register_forward_hook(lambda m, args, out: poison(out) if m.training else None)
+
+
+def poisoned_train(cfg: TrainConfig, poison: Poison) -> dict:
+    """`loop.train` with `poison` installed on its rank's model: a worker entry point."""
+    build = loop.build
+
+    def build_poisoned(cfg: TrainConfig, env: loop.Dist) -> loop.Trainee:
+        trainee = build(cfg, env)
+        if env.rank == poison.rank:
+            poison.install(trainee.model)
+        return trainee
+
+    loop.build = build_poisoned
+    return loop.train(cfg)
+
+
+def run_train(argv: list[str], fault: Fault | Poison) -> int:
     """Run the `wholeshard train ...` command line `argv` with every rank running
-    `faulty_train`; returns the exit code."""
+    `faulty_train` (or `poisoned_train`); returns the exit code."""
     args = build_parser().parse_args(argv)
+    if isinstance(fault, Poison):
+        return args.run(args, worker=functools.partial(poisoned_train, poison=fault))
     return args.run(args, worker=functools.partial(faulty_train, fault=fault))
 
 

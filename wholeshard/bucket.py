@@ -115,7 +115,7 @@ class CommBucket:
         self.param_shard: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
-        self.arrived = 0
+        self.reset_arrivals()
         self.forward_left = 0  # modules holding this bucket's params yet to finish forward
         self.reducing: InFlight | None = None
         self.gathering: InFlight | None = None
@@ -210,6 +210,11 @@ class CommBucket:
         """Every param's gradient has landed (counted in synchronising backwards only)."""
         return self.arrived == len(self.params)
 
+    def reset_arrivals(self) -> None:
+        """Open a new accumulation window: no gradient has landed."""
+        self.arrived = 0
+        self.landed = [False] * len(self.params)  # which params `arrived` counts
+
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
         """Add `grad` into the grad range of `self.params[i]`."""
         self._materialise_grads()
@@ -232,7 +237,7 @@ class CommBucket:
     def zero_grads(self) -> None:
         """Zero every gradient: the shards, and the full grads unless resharding frees them."""
         assert self.reducing is None, "never zero under an in-flight reduction"
-        self.arrived = 0
+        self.reset_arrivals()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
             _free(self.grad)

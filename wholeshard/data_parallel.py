@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import collectives, hooks
+from . import collectives, guard, hooks
 from .bucket import ALLGATHER, BROADCAST, Comm, CommBucket, aligned_buckets
 from .fp8 import gather as fp8_gather
 from .groups import check_same_model, make_groups, resolve_group
@@ -116,8 +116,11 @@ class DataParallel(nn.Module):
             raise ValueError("layout='ping_pong' has no shard groups: leave shard_group_size unset")
         self.routes: list[Route] = route_params(module, use_muon)
         self.frozen = _cast_frozen(module, param_dtype)
+        problem = guard.placement_problem(module)
         if self.dp_size > 1:
-            check_same_model(self.routes, self.process_group)
+            check_same_model(self.routes, self.process_group, problem)
+        elif problem is not None:
+            raise ValueError(f"cannot wrap the model: {problem}")
         specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in self.routes]
         if bucket_size is None:
             bucket_size = default_bucket_size(sum(s.numel for s in specs), self.dp_size)
@@ -204,6 +207,7 @@ class DataParallel(nn.Module):
         if self.reshard_after_forward or self.fp8_param_gather:
             self._hooks += hooks.refuse_released_reads(self.module, bucket_of)
         self._optimizer: weakref.ref[StateHolder] | None = None
+        self._signature = guard.ParamSignature(module)
         if self.fp8_param_gather:  # the first FP8 weights, before any forward
             self.scheduler.params_updated()
             self.scheduler.finish_param_sync()
@@ -338,6 +342,12 @@ class DataParallel(nn.Module):
             b.drop_temporaries()
         if self.reshard_after_forward:
             self.scheduler.release_all()
+
+    def model_changes(self) -> str | None:
+        """What changed in the wrapped module's params since wrapping (a param frozen,
+        unfrozen, replaced, added or removed), or None. `LayerwiseOptimizer.step` raises on
+        every rank when any rank's answer is not None."""
+        return self._signature.changes(self.module)
 
     # -- memory -----------------------------------------------------------------------------
 

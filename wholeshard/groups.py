@@ -51,11 +51,16 @@ def resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int,
     return None, 1, 0
 
 
-def check_same_model(routes: list[Route], group: ProcessGroup | None) -> None:
-    """Raise on every rank, naming the first difference, if ranks built different models."""
+def check_same_model(routes: list[Route], group: ProcessGroup | None, problem: str | None) -> None:
+    """Raise on every rank if any rank's model cannot be wrapped (`problem`: this rank's reason,
+    or None) or ranks built different models (naming the first difference)."""
     mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, (problem, mine), group=group)
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs is not None:
+            raise ValueError(f"cannot wrap the model of rank {rank}: {theirs}")
+    everyone = [signature for _, signature in everyone]
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:

@@ -100,11 +100,18 @@ class Scheduler:
                 f"optimizer.zero_grad() before the next backward, and wrap all but the last "
                 f"micro-batch's backward in ddp.no_sync()"
             )
+        if self.sync_grads and bucket.landed[i]:
+            raise RuntimeError(
+                f"a second gradient for {name!r} arrived before the optimizer step (backward "
+                f"called twice): call optimizer.step() and optimizer.zero_grad() between "
+                f"backwards, and wrap all but the last micro-batch's backward in ddp.no_sync()"
+            )
         self._enter_backward()
         bucket.accumulate(i, param.grad)
         param.grad = None
         if not self.sync_grads:
             return
+        bucket.landed[i] = True
         bucket.arrived += 1
         if not bucket.complete:
             return

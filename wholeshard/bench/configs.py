@@ -245,7 +245,10 @@ def wholeshard_config(
             if "unexpected keyword" not in str(e):
                 raise
             raise RuntimeError(f"not available in this version: {e}") from e
-        opt = LayerwiseOptimizer(ddp, muon=dict(MUON_KW, adjust_lr_fn="original"), adamw=ADAMW_KW)
+        opt_kwargs: dict[str, Any] = dict(muon=dict(MUON_KW, adjust_lr_fn="original"))
+        if "nonfinite" in inspect.signature(LayerwiseOptimizer).parameters:
+            opt_kwargs["nonfinite"] = None  # the peers check nothing: compare like with like
+        opt = LayerwiseOptimizer(ddp, adamw=ADAMW_KW, **opt_kwargs)
         return Setup(
             ddp,
             [opt],

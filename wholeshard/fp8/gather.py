@@ -75,7 +75,7 @@ class Fp8Bucket(CommBucket):
 
     def zero_grads(self) -> None:
         assert self.reducing is None, "never zero under an in-flight reduction"
-        self.arrived = 0
+        self.reset_arrivals()
         self.grad_shard.zero_()
         if self.gathering is None:  # else the grad storage is a staging region in flight
             _free(self.grad)

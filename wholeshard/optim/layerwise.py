@@ -34,6 +34,7 @@ from torch.autograd.profiler import record_function
 
 from .. import collectives
 from ..data_parallel import DataParallel, OwnedSlice
+from .agreement import ERROR, NONFINITE_POLICIES, SKIP, agree, peak_norms
 from .checkpointable import LoadedPiece, install_state
 
 MUON, ADAMW = "muon", "adamw"
@@ -82,6 +83,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     never set to None); a param that got no gradient is stepped with a zero gradient. With
     `DataParallel(pipelined_step=True)`, `step()` updates bucket by bucket as the reductions land
     (`DataParallel.reduced_buckets`): the same per-param arithmetic, so the same bits.
+
+    Before any update, every rank takes one small all-reduce (`wholeshard.optim.agreement`):
+    `step()` raises on every rank if some rank's model changed after wrapping
+    (`DataParallel.model_changes`) or ranks are at different steps. `nonfinite` says what an
+    inf or nan in the averaged gradients does: "error" raises `FloatingPointError` naming the
+    param and the step, "skip" leaves params and optimizer state untouched, zeroes the grads and
+    counts `skipped_steps`, None does not look. The check reuses the per-param norms
+    `clip_grad_norm_` computed in the same step, else it takes one max-norm pass over the owned
+    grads. It reads every reduced grad, so a pipelined step then overlaps only the gathers with
+    the updates (as after clipping); with `nonfinite=None` a pipelined step takes no agreement
+    (nothing waits) and checks for a changed model on its own rank only.
     """
 
     def __init__(
@@ -90,16 +102,25 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         *,
         muon: dict[str, Any] | None = None,
         adamw: dict[str, Any] | None = None,
+        nonfinite: str | None = ERROR,
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
         self.ddp = ddp
+        self.nonfinite = nonfinite
+        self.steps = 0  # step() calls taken (skipped ones included)
+        self.skipped_steps = 0
+        self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
         self._owned: list[OwnedPiece] = []
         self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
         for owned in ddp.owned():
             pieces = _pieces(owned)
             self._owned += pieces
             self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
+        index = {r.name: i for i, r in enumerate(ddp.routes)}
+        self._indices = [index[o.name] for o in self._owned]
 
         self._inner = {
             MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
@@ -122,11 +143,22 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.ddp.pipelined_step:
+        pipelined = self.ddp.pipelined_step
+        if pipelined and self.nonfinite is None:  # nothing waits; see the class docstring
+            change = self.ddp.model_changes()
+            if change is not None:
+                raise RuntimeError(change)
+            self.steps += 1
+        else:
+            self.ddp.finish_grad_sync()
+            if self._agree_to_skip():
+                self.skipped_steps += 1
+                self.ddp.zero_grad_buffer()
+                return loss
+        if pipelined:
             for bucket in self.ddp.reduced_buckets():
                 self._update(self._by_bucket.get(bucket, []))
         else:
-            self.ddp.finish_grad_sync()
             self.ddp.finish_param_sync()  # a gather in flight must land before we write params
             self._update(self._owned)
             self.ddp.start_param_sync()
@@ -152,6 +184,47 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if o.separate_master:
                     o.param.copy_(o.oriented(o.master))
 
+    def _agree_to_skip(self) -> bool:
+        """Take the step's agreement (`wholeshard.optim.agreement`) with every rank: raise on a
+        changed model, ranks at different steps, or (policy "error") a non-finite gradient;
+        True when every rank skips this step (policy "skip")."""
+        norms, self._piece_norms = self._piece_norms, None
+        if self.nonfinite is None:
+            norms = None
+        elif norms is None and self._owned:  # not clipped this step: one pass
+            norms = peak_norms([o.grad for o in self._owned])
+        change = self.ddp.model_changes()
+        ddp = self.ddp
+        verdict = agree(
+            self.steps,
+            indices=self._indices,
+            norms=norms,
+            changed=change is not None,
+            group=ddp.process_group,
+            world=ddp.dp_size,
+            device=ddp.buckets[0].grad.device,
+        )
+        step, self.steps = self.steps, self.steps + 1
+        if verdict.changed:
+            raise RuntimeError(change or "another rank's model changed after it was wrapped")
+        low, high = verdict.steps
+        if low != high:
+            raise RuntimeError(
+                f"ranks disagree on the step: this rank is at optimizer step {step}, the ranks "
+                f"range from {low} to {high}. Every rank must call optimizer.step() the same "
+                f"number of times and load the same checkpoint"
+            )
+        if verdict.first_nonfinite is None:
+            return False
+        if self.nonfinite == SKIP:
+            return True
+        raise FloatingPointError(
+            f"non-finite gradient at optimizer step {step}: "
+            f"{ddp.routes[verdict.first_nonfinite].name!r} is the first param (in registration "
+            f"order) whose averaged gradient has an inf or nan. Nothing was updated; pass "
+            f"nonfinite='skip' to LayerwiseOptimizer to skip such steps instead"
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""
         self.ddp.zero_grad_buffer()
@@ -170,6 +243,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         norms = [
             torch.linalg.vector_norm(o.grad, norm_type, dtype=torch.float32) for o in self._owned
         ]
+        self._piece_norms = torch.stack(norms) if norms else None
         if math.isinf(norm_type):
             local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
             op = dist.ReduceOp.MAX
@@ -221,7 +295,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             {k: v for k, v in g.items() if k != "params"} | {"kind": kind}
             for kind, g in zip((MUON, ADAMW), self.param_groups, strict=True)
         ]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups, "steps": self.steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load `state_dict()` of an optimizer at the same world size and layout (any other:
@@ -235,6 +309,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 f"unexpected {extra[:5]}); it was saved at another world size or layout: use "
                 f"wholeshard checkpoints to reshard"
             )
+        self.steps = state_dict.get("steps", self.steps)
         pieces = []
         for key, entry in saved.items():
             o = owned[key]

@@ -38,7 +38,7 @@ _GROUPS = {
     "model and data": ("model", "pos", "tie", "data", "seq_len", "batch_size"),
     "optimization": (
         "optimizer", "steps", "lr", "warmup", "schedule", "min_lr_ratio", "weight_decay",
-        "clip_grad", "param_dtype", "bucket_size", "fp8", "seed",
+        "clip_grad", "on_nonfinite", "param_dtype", "bucket_size", "fp8", "seed",
     ),
     "data parallelism (muon)": (
         "overlap", "layout", "param_sync", "reshard_after_forward", "separate_all_gather_group",

@@ -18,6 +18,7 @@ POSITIONS = ("rope", "learned")
 LAYOUTS = ("aligned", "ping_pong")
 PARAM_SYNCS = ("allgather", "broadcast")
 FP8_RECIPES = ("mxfp8", "tensorwise")
+NONFINITE = ("error", "skip")
 
 # Peak learning rate per optimizer when `lr` is not given (tuned on the tiny model; see README).
 DEFAULT_LR = {"muon": 1e-2, "adamw": 2e-3}
@@ -31,6 +32,7 @@ CHOICES = {
     "layout": LAYOUTS,
     "param_sync": PARAM_SYNCS,
     "fp8": FP8_RECIPES,
+    "on_nonfinite": NONFINITE,
 }
 """The values a field may take (besides None where None is its default)."""
 
@@ -83,6 +85,10 @@ class TrainConfig:
     """Final learning rate as a fraction of the peak."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    on_nonfinite: str = "error"
+    """What an inf or nan in the averaged gradients does: `error` stops the job (exit 1) naming
+    the param and the step, `skip` skips that update (`skipped: true` in metrics.jsonl). A
+    non-finite loss always stops the job, before the update."""
     seed: int = 0
     """Seeds the model init and the batch order; same seed and world size give the same losses."""
     data: str | None = None

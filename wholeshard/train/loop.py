@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from wholeshard.optim import LayerwiseOptimizer
+from wholeshard.optim.agreement import peak_norms
 from wholeshard.routing import routing_summary
 from wholeshard.train import data, report
 from wholeshard.train.config import TrainConfig
@@ -121,6 +123,27 @@ class Trainee:
     param_dtype: torch.dtype = torch.float32
     comm_wait_s: Callable[[], float] = lambda: math.nan
     """Seconds this rank has waited on collectives so far; nan where not measured (torch DDP)."""
+    on_nonfinite: str = "error"
+
+    def step(self) -> bool:
+        """The optimizer step; True when skipped for non-finite gradients (`on_nonfinite` skip).
+        Raises FloatingPointError naming the param under `error`, on every rank."""
+        if isinstance(self.opt, LayerwiseOptimizer):  # it checks, with every rank
+            before = self.opt.skipped_steps
+            self.opt.step()
+            return self.opt.skipped_steps > before
+        # torch DDP: every rank holds the same averaged grads, so every rank finds the same.
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        bad = (~torch.isfinite(peak_norms([g for _, g in named]))).nonzero() if named else []
+        if len(bad) == 0:
+            self.opt.step()
+            return False
+        if self.on_nonfinite == "skip":
+            return True
+        raise FloatingPointError(
+            f"non-finite gradient: {named[int(bad[0])][0]!r} is the first param whose averaged "
+            f"gradient has an inf or nan"
+        )
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy of the next byte, in nats."""
@@ -159,6 +182,7 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
             wrapped,
             muon=dict(lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=wd, momentum=0.95),
             adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=wd),
+            nonfinite=cfg.on_nonfinite,
         )
         return Trainee(
             model,
@@ -168,6 +192,7 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
             params,
             param_dtype=dtype,
             comm_wait_s=lambda: wrapped.comm_wait_s,
+            on_nonfinite=cfg.on_nonfinite,
         )
     wrapped: nn.Module = model
     if env.world > 1:
@@ -182,7 +207,9 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     autocast = dtype if dtype != torch.float32 else None
-    return Trainee(model, wrapped, opt, clip, params, autocast, dtype)
+    return Trainee(
+        model, wrapped, opt, clip, params, autocast, dtype, on_nonfinite=cfg.on_nonfinite
+    )
 
 
 def _global_mean(t: torch.Tensor, env: Dist) -> float:
@@ -261,6 +288,7 @@ def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
             first_val, last_val = resumed["first_val"], resumed["last_val"]
             log.note(f"resumed from {resumed['path']} at step {resumed['step']}")
         loss_value = math.nan
+        skipped_steps = 0 if resumed is None else resumed.get("skipped_steps", 0)
         for step in range(start, cfg.steps + 1):
             t0 = time.perf_counter()
             waited = t.comm_wait_s()
@@ -268,10 +296,20 @@ def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
                 corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed, env.rank, env.world
             )
             loss = t.loss(x.to(env.device), y.to(env.device))
+            loss_value = _global_mean(loss, env)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(
+                    f"non-finite loss ({loss_value}) at step {step}: stopped before the update; "
+                    f"nothing was saved at this step"
+                )
             loss.backward()
             grad_norm = t.clip(max_norm)
             lr = t.opt.param_groups[0]["lr"]
-            t.opt.step()
+            try:
+                skipped = t.step()
+            except FloatingPointError as e:
+                raise FloatingPointError(f"at step {step}: {e}") from None
+            skipped_steps += skipped
             t.opt.zero_grad(set_to_none=True)
             sched.step()
             if tracer is not None:
@@ -279,13 +317,12 @@ def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 for hook in hooks:
                     hook(BEFORE_SAVE, step, env.rank)
-                _save(cfg, t, sched, step, first_val, last_val)
+                _save(cfg, t, sched, step, first_val, last_val, skipped_steps)
             for hook in hooks:
                 hook(AFTER_STEP, step, env.rank)
             evaluating = step % cfg.eval_every == 0 or step == cfg.steps
-            if not (evaluating or step % cfg.log_every == 0):
+            if not (evaluating or skipped or step % cfg.log_every == 0):
                 continue
-            loss_value = _global_mean(loss, env)
             step_s = time.perf_counter() - t0
             rec = {
                 "step": step,
@@ -297,6 +334,8 @@ def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
                 "step_s": step_s,
                 "comm_wait_s": t.comm_wait_s() - waited,
             }
+            if skipped:
+                rec["skipped"] = True
             if evaluating:
                 last_val = rec["val_loss"] = evaluate(t, val, env)
             log.record(rec)
@@ -305,6 +344,7 @@ def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
             "steps": cfg.steps,
             "final_loss": loss_value,
             "final_val_loss": last_val,
+            "skipped_steps": skipped_steps,
             "first_val_loss": first_val,
             "tokens": cfg.steps * tokens_per_step,
             "wall_s": wall_s,
@@ -357,11 +397,20 @@ def _tracer(cfg: TrainConfig, env: Dist):
     return prof
 
 
-def _save(cfg: TrainConfig, t: Trainee, sched, step: int, first_val: float, last_val: float):
+def _save(
+    cfg: TrainConfig,
+    t: Trainee,
+    sched,
+    step: int,
+    first_val: float,
+    last_val: float,
+    skipped_steps: int,
+):
     from wholeshard.checkpoint import save_checkpoint
 
     extra = {
         "step": step,
+        "skipped_steps": skipped_steps,
         "scheduler": sched.state_dict(),
         "rng": torch.get_rng_state(),
         "first_val": first_val,

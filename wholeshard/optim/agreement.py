@@ -1,0 +1,67 @@
+"""The step's agreement: one small all-reduce that every rank takes before any update.
+
+It carries, over the whole data-parallel group: the first param (by registration index, the
+same on every rank) whose averaged gradient has an inf or nan, the lowest and highest step
+count, and whether some rank's model changed after wrapping. So every rank takes the same
+decision: raise (a changed model, ranks at different steps, a non-finite gradient under
+`nonfinite="error"`) or skip the update (`nonfinite="skip"`). One `MAX` all-reduce of four
+float64 values carries it all (a minimum travels as a negated maximum); its result is read on
+the host: one device sync per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .. import collectives
+
+ERROR, SKIP = "error", "skip"
+NONFINITE_POLICIES = (ERROR, SKIP, None)
+_NONE = 2.0**52  # "no non-finite param": above any param index, exact in float64
+
+
+@dataclass(frozen=True)
+class Agreement:
+    first_nonfinite: int | None  # lowest param index with a non-finite gradient on any rank
+    steps: tuple[int, int]  # (lowest, highest) step count over the ranks
+    changed: bool  # some rank's model changed after wrapping
+
+
+def peak_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's largest magnitude (inf or nan exactly when it has an inf or nan)."""
+    return torch.stack(torch._foreach_norm(list(grads), math.inf)).float()
+
+
+def agree(
+    step: int,
+    *,
+    indices: Sequence[int],
+    norms: torch.Tensor | None,
+    changed: bool,
+    group: ProcessGroup | None,
+    world: int,
+    device: torch.device,
+) -> Agreement:
+    """Combine every rank's view. `norms[i]` is any norm of the gradient of param `indices[i]`
+    (non-finite exactly when that gradient is); None: not checked on this rank."""
+    first = torch.tensor(_NONE, dtype=torch.float64, device=device)
+    if norms is not None and len(indices):
+        where = torch.tensor(indices, dtype=torch.float64, device=device)
+        bad = ~torch.isfinite(norms.to(device))
+        first = torch.where(bad, where, first).min()
+    mine = torch.tensor([step, -step, float(changed)], dtype=torch.float64, device=device)
+    t = torch.cat([(-first).reshape(1), mine])
+    if world > 1:
+        collectives.all_reduce(t, group, op=dist.ReduceOp.MAX)
+    neg_first, high, neg_low, changed_any = t.tolist()
+    return Agreement(
+        first_nonfinite=None if -neg_first >= _NONE else int(-neg_first),
+        steps=(int(-neg_low), int(high)),
+        changed=bool(changed_any),
+    )
