@@ -131,6 +131,19 @@ def test_model_changes_after_wrapping_are_named(change, what: str) -> None:
 # -- at the step: every rank raises, or every rank skips ---------------------------------------
 
 INJECTED = "blocks.0.fc.weight"
+CASES = pytest.mark.parametrize(
+    "overlap, micro, clip",
+    [
+        (False, 1, False),
+        (False, 2, False),
+        (False, 1, True),
+        (True, 1, False),
+        (True, 2, False),
+        ("pipelined", 1, False),
+        ("pipelined", 1, True),
+    ],
+    ids=["sync", "sync-no_sync", "sync-clip", "overlap", "overlap-no_sync", "pipe", "pipe-clip"],
+)
 
 
 def _poison(g: torch.Tensor) -> torch.Tensor:
@@ -144,7 +157,7 @@ def _train(
     nonfinite: str | None = "error",
     poison_step: int | None = None,
     leave_out: int | None = None,
-    overlap: bool = False,
+    overlap: bool | str = False,
     micro: int = 1,
     clip: bool = False,
     change: str | None = None,
@@ -154,7 +167,12 @@ def _train(
     `leave_out` is not run at all. Returns params, optimizer state and counters, or the error."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    ddp = wholeshard.DataParallel(model, overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    ddp = wholeshard.DataParallel(
+        model,
+        overlap_grad_reduce=bool(overlap),
+        overlap_param_gather=bool(overlap),
+        pipelined_step=overlap == "pipelined",
+    )
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     losses = []
     try:
@@ -191,12 +209,9 @@ def _train(
     )
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize(
-    "micro, clip", [(1, False), (2, False), (1, True)], ids=["plain", "no_sync", "clip"]
-)
+@CASES
 def test_nonfinite_error_names_the_param_on_every_rank(
-    overlap: bool, micro: int, clip: bool
+    overlap: bool | str, micro: int, clip: bool
 ) -> None:
     messages = run(_train, 2, poison_step=2, overlap=overlap, micro=micro, clip=clip)
     for m in messages:
@@ -204,12 +219,9 @@ def test_nonfinite_error_names_the_param_on_every_rank(
         assert f"optimizer step 2: {INJECTED!r}" in m and "nonfinite='skip'" in m, m
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize(
-    "micro, clip", [(1, False), (2, False), (1, True)], ids=["plain", "no_sync", "clip"]
-)
+@CASES
 def test_nonfinite_skip_is_as_if_the_step_never_happened(
-    overlap: bool, micro: int, clip: bool
+    overlap: bool | str, micro: int, clip: bool
 ) -> None:
     kw = dict(nonfinite="skip", overlap=overlap, micro=micro, clip=clip)
     skipped = run(_train, 2, poison_step=2, **kw)
