@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from wholeshard import cli, layout_tool
 from wholeshard.bench import command as bench_command
+from wholeshard.cli import MAX_NPROC
 
 FUZZ = settings(max_examples=25, deadline=timedelta(seconds=30))
 WATCHDOG_S = 120  # a call that takes this long is hung: fail instead of blocking the suite
@@ -153,9 +154,9 @@ class Flag:
 
 
 TRAIN = {
-    "--nproc": Flag(int, 1, good="2"),
-    "--threads": Flag(int, 1),
-    "--seq-len": Flag(int, 1, good="64"),
+    "--nproc": Flag(int, 1, high=MAX_NPROC, good="2"),
+    "--threads": Flag(int, 1, high=1024),
+    "--seq-len": Flag(int, 1, high=65536, good="64"),
     "--batch-size": Flag(int, 1, good="8"),
     "--steps": Flag(int, 1, good="20"),
     "--lr": Flag(float, 0.0, strict=True, good="0.01"),
@@ -164,7 +165,7 @@ TRAIN = {
     "--weight-decay": Flag(float, 0.0, good="0.1"),
     "--clip-grad": Flag(float, 0.0, good="0.5"),
     "--bucket-size": Flag(int, 1, good="100000"),
-    "--seed": Flag(int, 0, good="7"),
+    "--seed": Flag(int, 0, high=2**31 - 1, good="7"),
     "--checkpoint-every": Flag(int, 0, good="10"),
     "--keep-last": Flag(int, 1, good="2"),
     "--eval-every": Flag(int, 1, good="10"),
@@ -177,7 +178,7 @@ LAYOUT = {
     "--shard-group-size": Flag(int, 1, good="2"),
 }
 BENCH = {
-    "--nproc": Flag(int, 1, high=bench_command.MAX_NPROC, good="2"),
+    "--nproc": Flag(int, 1, high=MAX_NPROC, good="2"),
     "--steps": Flag(int, 1, good="3"),
     "--repeat": Flag(int, 1, good="2"),
 }
@@ -296,8 +297,10 @@ def test_nastiest_values_name_the_flag(base_argv) -> None:
     assert_rejected(run(argv_with(base_argv, "layout", "--dp", str(2**32))), "--dp")
     assert_rejected(run(argv_with(base_argv, "train", "--warmup", "9" * 400)), "--warmup")
     assert_rejected(run(argv_with(base_argv, "train", "--lr", "1e999")), "--lr")
-    big = argv_with(base_argv, "train", "--nproc", str(2**40))  # 32 sequences cannot split
-    assert_rejected(run(big), "--batch-size")
+    assert_rejected(run(argv_with(base_argv, "train", "--nproc", str(2**40))), "--nproc")
+    odd = argv_with(base_argv, "train", "--nproc", "3")  # 32 sequences cannot split over 3
+    assert_rejected(run(odd), "--batch-size")
+    assert_rejected(run(argv_with(base_argv, "train", "--seed", str(2**31))), "--seed")
 
 
 # -- layout --shapes files ---------------------------------------------------------------------

@@ -11,6 +11,10 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+MAX_NPROC = 1024
+"""Most local processes `--nproc` starts (`train`, `bench`): each is a full Python + torch
+process."""
+
 SUBCOMMANDS = (
     "wholeshard.train.command",
     "wholeshard.layout_tool",

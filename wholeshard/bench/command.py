@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from ..cli import positive_int
+from ..cli import MAX_NPROC, positive_int
 from ..launch import WorkerFailed, launch
 from . import report
 from .configs import CONFIGS, with_overrides
@@ -27,8 +27,6 @@ DEFAULT_STEPS = 10
 WARMUP = 2
 QUICK_STEPS = 2
 QUICK_WARMUP = 1
-MAX_NPROC = 1024
-"""Most local ranks `--nproc` starts: each is a full Python + torch process."""
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

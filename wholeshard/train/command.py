@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wholeshard.cli import MAX_NPROC, positive_int
 from wholeshard.train import config as C
 from wholeshard.train import extras, report
 from wholeshard.train.config import ConfigError, TrainConfig
@@ -101,9 +102,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     launch = p.add_argument_group("launch")
     launch.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int(MAX_NPROC),
         default=2,
-        help="worker processes (ignored under torchrun, which sets the world)",
+        help=f"worker processes, at most {MAX_NPROC} (ignored under torchrun, which sets the "
+        f"world)",
     )
     groups = {"launch": launch}
     _add_config_flags(p, groups)
@@ -208,8 +210,6 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
     from wholeshard.train.loop import torchrun_env, train
 
     worker = worker or train
-    if args.nproc < 1:
-        args.parser.error(f"argument --nproc: must be >= 1, got {args.nproc}")
     cfg = config_from_args(args)
     under_torchrun = torchrun_env()
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc

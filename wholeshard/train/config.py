@@ -43,6 +43,10 @@ _AT_LEAST = {
 }
 """Lower bounds of numeric fields (None, where allowed, is not checked)."""
 
+_AT_MOST = {"seed": 2**31 - 1, "threads": 1024, "seq_len": 65536}
+"""Upper bounds: batch seeds are `(seed << 32) + step` in an int64 generator seed; threads and
+context length beyond these are typos, not jobs."""
+
 
 class ConfigError(ValueError):
     """An invalid TrainConfig value; `field` names the field to fix."""
@@ -151,6 +155,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value >= low:
                 raise ConfigError(name, f"{name} must be >= {low}, got {value}")
+        for name, high in _AT_MOST.items():
+            value = getattr(self, name)
+            if value is not None and value > high:
+                raise ConfigError(name, f"{name} must be <= {high:,}, got {value}")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError("lr", f"lr must be > 0, got {self.lr}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
