@@ -20,6 +20,7 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -68,7 +69,8 @@ class DataParallel(nn.Module):
     Muon-routed params live in whole-tensor buffers; the others in element-wise sharded buffers.
     `bucket_size=None` takes `wholeshard.plan.default_bucket_size`. `reshard_after_forward=True`
     keeps only this rank's shards between steps (fully sharded); `separate_all_gather_group`
-    puts param gathers on a second process group (None: on iff fully sharded).
+    puts param gathers on a second process group (None: on iff fully sharded). The process
+    groups it creates (shard, replica, all-gather) get `timeout`, or else `process_group`'s.
     `layout="ping_pong"` and `param_sync="broadcast"` select the legacy baselines.
     """
 
@@ -90,6 +92,7 @@ class DataParallel(nn.Module):
         reshard_after_forward: bool = False,
         separate_all_gather_group: bool | None = None,
         fp8_param_gather: bool = False,
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
         _check_modes(param_dtype, grad_reduce_dtype, layout, param_sync, reshard_after_forward)
@@ -139,6 +142,7 @@ class DataParallel(nn.Module):
             self.dp_size,
             self.shard_group_size,
             separate_all_gather_group and gathers,
+            timeout,
         )
         comm = Comm(
             self.shard_group,

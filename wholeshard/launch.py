@@ -89,6 +89,17 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _root_cause(procs: list[mp.process.BaseProcess], rank: int, text: str) -> WorkerFailed:
+    """The failure to report when `rank` raised: a worker that already died without a result
+    (killed, crashed) if there is one, since a peer's failed collective follows from it."""
+    for r, p in enumerate(procs):
+        if r != rank and p.exitcode not in (None, 0):
+            return WorkerFailed(
+                r, f"exited with code {p.exitcode} without a result; then rank {rank}:\n{text}"
+            )
+    return WorkerFailed(rank, text)
+
+
 def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
     for p in procs:
         if p.is_alive() and p.pid is not None:
@@ -167,7 +178,7 @@ def launch(
                         dead[0], f"exited with code {code} without a result"
                     ) from None
             if not ok:
-                raise WorkerFailed(rank, value)
+                raise _root_cause(procs, rank, value)
             values[rank] = pickle.loads(value)
         for p in procs:
             p.join()

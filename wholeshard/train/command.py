@@ -187,6 +187,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="PATH|latest",
         help="continue from a checkpoint (latest: <out>/checkpoints); needs --out of the run",
     )
+    g = p.add_argument_group("reliability")
+    g.add_argument(
+        "--collective-timeout",
+        type=_pos_float,
+        default=d.collective_timeout,
+        metavar="SECONDS",
+        help="fail a collective (a peer likely died or stalled) after this long",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=_nonneg_int,
+        default=d.max_restarts,
+        help="local launcher: relaunch from the latest checkpoint after a worker failure, "
+        "at most N times (needs --checkpoint-every)",
+    )
     g = p.add_argument_group("output")
     g.add_argument(
         "--out", default=None, metavar="DIR", help="output directory (default: runs/<timestamp>)"
@@ -323,15 +338,22 @@ def run(args: argparse.Namespace) -> int:
         cfg.out = report.default_out_dir()
     _check(args, cfg, world)
     if under_torchrun:
-        summary = train(cfg)
+        from wholeshard.collectives import CollectiveError
+
+        try:
+            summary = train(cfg)
+        except CollectiveError as e:  # torchrun tears the job down when this rank exits
+            print(f"wholeshard train: {e}", file=sys.stderr, flush=True)
+            return 1
         if int(os.environ["RANK"]) == 0:
             _print_summary(summary, args.json)
         return 0
 
-    from wholeshard.launch import WorkerFailed, launch
+    from wholeshard.launch import WorkerFailed
+    from wholeshard.train.restarts import train_local
 
     try:
-        summary = launch(train, args.nproc, args=(cfg,))[0]
+        summary = train_local(cfg, args.nproc)
     except WorkerFailed as e:
         print(f"wholeshard train: worker failed; all workers stopped.\n{e}", file=sys.stderr)
         return 1

@@ -94,6 +94,13 @@ class TrainConfig:
     """Resume from a checkpoint: a `step-N` directory, a checkpoints directory, or `latest`
     (`<out>/checkpoints`); the run continues in `out`."""
 
+    collective_timeout: float = 300.0
+    """Seconds any collective may wait for the other ranks before this rank fails, saying a peer
+    likely died or stalled; every process group the job creates carries it."""
+    max_restarts: int = 0
+    """Local launcher: after a worker fails, stop all workers and relaunch the job from the
+    latest checkpoint in `<out>/checkpoints`, at most this many times (needs checkpoint_every)."""
+
     def validate(self) -> None:
         """Raise ValueError naming the field of the first invalid value."""
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
@@ -129,6 +136,17 @@ class TrainConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if not 0 < self.collective_timeout < float("inf"):
+            raise ValueError(
+                f"collective_timeout must be > 0 seconds, got {self.collective_timeout}"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and not self.checkpoint_every:
+            raise ValueError(
+                "max_restarts needs checkpoint_every > 0: a restart resumes from the latest "
+                "checkpoint (e.g. --checkpoint-every 100)"
+            )
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         if self.optimizer != "muon" and (

@@ -1,0 +1,64 @@
+"""`--max-restarts`: run the job on local workers and, when one fails, relaunch it from the
+latest checkpoint (torchrun's `--max-restarts`, for `wholeshard.launch`).
+
+A failure stops every worker (the launcher guarantees that); the relaunched job resumes from
+`<out>/checkpoints`' latest complete checkpoint, which restores params, optimizer state, the
+learning-rate schedule and the RNG, and the data position is the step, so the run continues
+bit for bit as if uninterrupted. Each restart is one line on stderr and one `restart` event in
+`metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from wholeshard.launch import WorkerFailed, launch
+from wholeshard.train import report
+from wholeshard.train.config import TrainConfig
+from wholeshard.train.loop import train
+
+
+def train_local(cfg: TrainConfig, nproc: int) -> dict:
+    """Train on `nproc` local workers, restarting up to `cfg.max_restarts` times; returns rank
+    0's summary. Raises the last `WorkerFailed` when no restart is left."""
+    restarts = 0
+    while True:
+        try:
+            return launch(train, nproc, args=(cfg,), collective_timeout_s=cfg.collective_timeout)[0]
+        except WorkerFailed as failure:
+            if restarts == cfg.max_restarts:
+                raise
+            restarts += 1
+            cfg = _relaunch_config(cfg, failure, restarts)
+
+
+def _relaunch_config(cfg: TrainConfig, failure: WorkerFailed, restart: int) -> TrainConfig:
+    """Log restart number `restart` and return the config that resumes the run."""
+    from wholeshard.checkpoint import CheckpointError, resolve_checkpoint
+
+    try:
+        ckpt = resolve_checkpoint(cfg.checkpoint_dir)
+    except CheckpointError:  # failed before its first checkpoint: start again
+        ckpt = None
+    reason = failure.traceback.strip().splitlines()[-1] if failure.traceback.strip() else ""
+    step = None if ckpt is None else int(ckpt.name.removeprefix("step-"))
+    print(
+        f"wholeshard train: worker rank {failure.rank} failed ({reason}); all workers stopped. "
+        f"Restart {restart}/{cfg.max_restarts} from "
+        f"{'the start (no checkpoint yet)' if ckpt is None else ckpt}.",
+        file=sys.stderr,
+        flush=True,
+    )
+    event = {
+        "event": "restart",
+        "restart": restart,
+        "max_restarts": cfg.max_restarts,
+        "failed_rank": failure.rank,
+        "reason": reason,
+        "resume_step": step,
+        "time": time.time(),
+    }
+    report.append_event(cfg.out, event)
+    return dataclasses.replace(cfg, resume=None if ckpt is None else str(ckpt))
