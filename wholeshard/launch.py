@@ -95,7 +95,7 @@ def _root_cause(procs: list[mp.process.BaseProcess], rank: int, text: str) -> Wo
     for r, p in enumerate(procs):
         if r != rank and p.exitcode not in (None, 0):
             return WorkerFailed(
-                r, f"exited with code {p.exitcode} without a result; then rank {rank}:\n{text}"
+                r, f"exited with code {p.exitcode} without a result\n(then rank {rank}: {text})"
             )
     return WorkerFailed(rank, text)
 

@@ -5,7 +5,9 @@ A failure stops every worker (the launcher guarantees that); the relaunched job 
 `<out>/checkpoints`' latest complete checkpoint, which restores params, optimizer state, the
 learning-rate schedule and the RNG, and the data position is the step, so the run continues
 bit for bit as if uninterrupted. Each restart is one line on stderr and one `restart` event in
-`metrics.jsonl`.
+`metrics.jsonl`. The job checkpoints step 0 when restarts are allowed, so every restart
+resumes from a checkpoint; only a failure before that (e.g. while loading the data) starts
+over, and its event is then on stderr only (a fresh start rewrites `metrics.jsonl`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _relaunch_config(cfg: TrainConfig, failure: WorkerFailed, restart: int) -> T
         ckpt = resolve_checkpoint(cfg.checkpoint_dir)
     except CheckpointError:  # failed before its first checkpoint: start again
         ckpt = None
-    reason = failure.traceback.strip().splitlines()[-1] if failure.traceback.strip() else ""
+    lines = failure.traceback.strip().splitlines() or [""]
+    reason = lines[-1] if lines[0].startswith("Traceback") else lines[0]  # exception or exit code
     step = None if ckpt is None else int(ckpt.name.removeprefix("step-"))
     print(
         f"wholeshard train: worker rank {failure.rank} failed ({reason}); all workers stopped. "
