@@ -200,6 +200,17 @@ def test_a_killed_worker_is_restarted_from_the_latest_checkpoint(
     soak(tmp_path, 16, 4, [("step", 7)], ["--data", str(text_file), *SMALL])
 
 
+def test_restarts_stop_after_max_restarts(tmp_path: Path, text_file: Path) -> None:
+    argv = ["--data", str(text_file), *SMALL, "--steps", "30", "--checkpoint-every", "4"]
+    run = _train(tmp_path / "run", [*argv, "--no-progress", "--max-restarts", "1"])
+    killer = Killer(run, tmp_path / "run", [("step", 6), ("step", 10)], 4, random.Random(0))
+    killer.run()
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 1 and len(killer.kills) == 2
+    assert [e["restart"] for e in killer._events()] == [1]
+    assert "Restart 1/1" in err and "worker failed; all workers stopped" in err
+
+
 @pytest.mark.slow
 def test_soak_three_kills_one_during_a_save_end_bitwise_equal(tmp_path: Path) -> None:
     """400 steps of the default (tiny) model with --checkpoint-every 25 --max-restarts 5;
