@@ -133,6 +133,7 @@ def launch(
     """Run `fn(*args)` on `nproc` local workers in one gloo group; return per-rank values.
 
     `start_method="fork"` starts in milliseconds (tests); "spawn" is safe in any parent.
+    `collective_timeout_s`: how long a collective of the group waits for its peers.
     Raises WorkerFailed if a worker raises or exits abnormally, TimeoutError after `timeout`
     seconds; either way every worker is stopped first.
     """
