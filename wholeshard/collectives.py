@@ -87,8 +87,9 @@ class CollectiveError(RuntimeError):
     [Note: dead peers]
     gloo reports a peer that died at once ("Connection closed by peer"); a peer that stalls
     (or died without closing its sockets, e.g. on another host) is reported when the process
-    group's timeout expires, as is NCCL's. Either way the survivors raise this and exit; under
-    torchrun that tears the job down.
+    group's timeout expires. Either way the survivors raise this and exit; under torchrun that
+    tears the job down. (NCCL's watchdog may abort the process at the timeout before a wait
+    raises, with its own message naming the collective's sequence number.)
     """
 
 
