@@ -16,7 +16,7 @@ import dataclasses
 import sys
 import time
 
-from wholeshard.launch import WorkerFailed, launch
+from wholeshard.launch import WorkerFailed
 from wholeshard.train import report
 from wholeshard.train.config import TrainConfig
 from wholeshard.train.loop import train
@@ -25,6 +25,8 @@ from wholeshard.train.loop import train
 def train_local(cfg: TrainConfig, nproc: int) -> dict:
     """Train on `nproc` local workers, restarting up to `cfg.max_restarts` times; returns rank
     0's summary. Raises the last `WorkerFailed` when no restart is left."""
+    from wholeshard.launch import launch  # looked up per call: tests replace it
+
     restarts = 0
     while True:
         try:
