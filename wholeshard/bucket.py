@@ -229,7 +229,8 @@ class CommBucket:
     def finish_reduce(self) -> None:
         if self.reducing is None:
             return
-        self.reducing.wait()
+        with collectives.naming(f"grad sync (reduction) of bucket {self.index}"):
+            self.reducing.wait()
         self.reducing = None
         if self.reshard:
             _free(self.grad)
@@ -270,7 +271,8 @@ class CommBucket:
     def finish_gather(self) -> None:
         if self.gathering is None:
             return
-        self.gathering.wait()
+        with collectives.naming(f"param sync ({self.comm.param_sync}) of bucket {self.index}"):
+            self.gathering.wait()
         self.gathering = None
         self._gathered()
 

@@ -209,11 +209,17 @@ def remove(root: Path, directory: Path) -> None:
     shutil.rmtree(trash)
 
 
+def step_of(ckpt: Path) -> int | None:
+    """The step of a `step-N` checkpoint directory, else None."""
+    m = STEP_DIR.match(ckpt.name)
+    return int(m[1]) if m else None
+
+
 def steps_after(ckpt: Path) -> list[Path]:
     """The checkpoints beside `ckpt` with a larger step, oldest first (none unless `ckpt` is a
     `step-N` directory)."""
-    m = STEP_DIR.match(ckpt.name)
-    return [p for s, p in sorted(steps(ckpt.parent).items()) if m and s > int(m[1])]
+    step = step_of(ckpt)
+    return [p for s, p in sorted(steps(ckpt.parent).items()) if step is not None and s > step]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

@@ -6,6 +6,9 @@ async work handle (or None when there is nothing to wait for).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
@@ -76,3 +79,31 @@ def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup | None) -> No
 def wait(handle: Work | _CopyOnWait | None) -> None:
     if handle is not None:
         handle.wait()
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out on this rank: most likely a peer rank died or stalled.
+
+    [Note: dead peers]
+    gloo reports a peer that died at once ("Connection closed by peer"); a peer that stalls
+    (or died without closing its sockets, e.g. on another host) is reported when the process
+    group's timeout expires. Either way the survivors raise this and exit; under torchrun that
+    tears the job down. (NCCL's watchdog may abort the process at the timeout before a wait
+    raises, with its own message naming the collective's sequence number.)
+    """
+
+
+@contextlib.contextmanager
+def naming(what: str) -> Iterator[None]:
+    """Re-raise a backend error inside as a `CollectiveError` that names `what`."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # gloo raises RuntimeError, NCCL DistBackendError (a subclass)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"{what} failed on rank {rank}: a peer rank likely died or stalled (its connection "
+            f"closed, or it did not answer within the process group's timeout). Look for the "
+            f"first error in the other ranks' logs. Backend error: {e}"
+        ) from e

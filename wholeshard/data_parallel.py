@@ -22,6 +22,7 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -74,7 +75,9 @@ class DataParallel(nn.Module):
     keeps only this rank's shards between steps (fully sharded); `separate_all_gather_group`
     puts param gathers on a second process group (None: on iff fully sharded or pipelined).
     `pipelined_step=True` makes the optimizer update each bucket as soon as its reduction lands
-    and dispatch its gather at once (`reduced_buckets()`); the results are bitwise the same.
+    and dispatch its gather at once (`reduced_buckets()`); the results are bitwise the same. The
+    process groups it creates (shard, replica, all-gather) get `timeout`, or else
+    `process_group`'s.
     `layout="ping_pong"` and `param_sync="broadcast"` select the legacy baselines.
     """
 
@@ -97,6 +100,7 @@ class DataParallel(nn.Module):
         separate_all_gather_group: bool | None = None,
         fp8_param_gather: bool = False,
         pipelined_step: bool = False,
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
         _check_modes(param_dtype, grad_reduce_dtype, layout, param_sync, reshard_after_forward)
@@ -150,6 +154,7 @@ class DataParallel(nn.Module):
             self.dp_size,
             self.shard_group_size,
             separate_all_gather_group and gathers,
+            timeout,
         )
         comm = Comm(
             self.shard_group,

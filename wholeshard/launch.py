@@ -89,6 +89,17 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _root_cause(procs: list[mp.process.BaseProcess], rank: int, text: str) -> WorkerFailed:
+    """The failure to report when `rank` raised: a worker that already died without a result
+    (killed, crashed) if there is one, since a peer's failed collective follows from it."""
+    for r, p in enumerate(procs):
+        if r != rank and p.exitcode not in (None, 0):
+            return WorkerFailed(
+                r, f"exited with code {p.exitcode} without a result\n(then rank {rank}: {text})"
+            )
+    return WorkerFailed(rank, text)
+
+
 def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
     for p in procs:
         if p.is_alive() and p.pid is not None:
@@ -122,6 +133,7 @@ def launch(
     """Run `fn(*args)` on `nproc` local workers in one gloo group; return per-rank values.
 
     `start_method="fork"` starts in milliseconds (tests); "spawn" is safe in any parent.
+    `collective_timeout_s`: how long a collective of the group waits for its peers.
     Raises WorkerFailed if a worker raises or exits abnormally, TimeoutError after `timeout`
     seconds; either way every worker is stopped first.
     """
@@ -167,7 +179,7 @@ def launch(
                         dead[0], f"exited with code {code} without a result"
                     ) from None
             if not ok:
-                raise WorkerFailed(rank, value)
+                raise _root_cause(procs, rank, value)
             values[rank] = pickle.loads(value)
         for p in procs:
             p.join()

@@ -46,12 +46,19 @@ _GROUPS = {
         "trace",
     ),
     "checkpoints (muon)": ("checkpoint_every", "keep_last", "resume"),
+    "reliability": ("collective_timeout", "max_restarts"),
     "output": ("out", "eval_every", "eval_batches", "log_every", "progress"),
 }  # fmt: skip
 """Where each TrainConfig field's flag is listed in `--help`; fields not named here go to
 "more options"."""
 
-_METAVARS = {"data": "PATH", "trace": "FILE", "resume": "PATH|latest", "out": "DIR"}
+_METAVARS = {
+    "data": "PATH",
+    "trace": "FILE",
+    "resume": "PATH|latest",
+    "out": "DIR",
+    "collective_timeout": "SECONDS",
+}
 
 
 def flag_name(field: str) -> str:
@@ -217,15 +224,22 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
         cfg.out = report.default_out_dir()
     _check(args, cfg, world)
     if under_torchrun:
-        summary = worker(cfg)
+        from wholeshard.collectives import CollectiveError
+
+        try:
+            summary = worker(cfg)
+        except CollectiveError as e:  # torchrun tears the job down when this rank exits
+            print(f"wholeshard train: {e}", file=sys.stderr, flush=True)
+            return 1
         if int(os.environ["RANK"]) == 0:
             _print_summary(summary, args.json)
         return 0
 
-    from wholeshard.launch import WorkerFailed, launch
+    from wholeshard.launch import WorkerFailed
+    from wholeshard.train.restarts import train_local
 
     try:
-        summary = launch(worker, args.nproc, args=(cfg,))[0]
+        summary = train_local(cfg, args.nproc, worker)
     except WorkerFailed as e:
         print(f"wholeshard train: worker failed; all workers stopped.\n{e}", file=sys.stderr)
         return 1

@@ -39,7 +39,7 @@ CHOICES = {
 _AT_LEAST = {
     **dict.fromkeys(("steps", "batch_size", "seq_len", "eval_every", "eval_batches"), 1),
     **dict.fromkeys(("log_every", "bucket_size", "threads", "keep_last"), 1),
-    **dict.fromkeys(("seed", "weight_decay", "clip_grad", "checkpoint_every"), 0),
+    **dict.fromkeys(("seed", "weight_decay", "clip_grad", "checkpoint_every", "max_restarts"), 0),
 }
 """Lower bounds of numeric fields (None, where allowed, is not checked)."""
 
@@ -138,6 +138,13 @@ class TrainConfig:
     """Resume from a checkpoint: a `step-N` directory, a checkpoints directory, or `latest`
     (`<out>/checkpoints`); the run continues in `out`."""
 
+    collective_timeout: float = 300.0
+    """Seconds any collective may wait for the other ranks before this rank fails, saying a peer
+    likely died or stalled; every process group the job creates carries it."""
+    max_restarts: int = 0
+    """Local launcher: after a worker fails, stop all workers and relaunch the job from the
+    latest checkpoint in `<out>/checkpoints`, at most this many times (needs checkpoint_every)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -161,6 +168,17 @@ class TrainConfig:
                 raise ConfigError(name, f"{name} must be <= {high:,}, got {value}")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError("lr", f"lr must be > 0, got {self.lr}")
+        if not self.collective_timeout > 0:
+            raise ConfigError(
+                "collective_timeout",
+                f"collective_timeout must be > 0 seconds, got {self.collective_timeout}",
+            )
+        if self.max_restarts and not self.checkpoint_every:
+            raise ConfigError(
+                "max_restarts",
+                "max_restarts needs checkpoint_every > 0: a restart resumes from the latest "
+                "checkpoint (e.g. --checkpoint-every 100)",
+            )
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise ConfigError(
                 "warmup", f"warmup must be in [0, steps={self.steps}], got {self.warmup}"

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -58,16 +59,17 @@ def torchrun_env() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def setup_distributed() -> Dist:
-    """Join the existing process group, or create one from torchrun's env, or run alone."""
+def setup_distributed(timeout: timedelta | None = None) -> Dist:
+    """Join the existing process group, or create one from torchrun's env (with collective
+    `timeout`), or run alone."""
     owns = False
     if not dist.is_initialized() and torchrun_env():
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
         owns = True
     if not dist.is_initialized():
         return Dist(0, 1, 1, torch.device("cpu"), False)
@@ -240,7 +242,7 @@ def train(cfg: TrainConfig, hooks: Sequence[Hook] = ()) -> dict:
 
     `hooks` are called as [Note: hooks] says."""
     cfg.validate()
-    env = setup_distributed()
+    env = setup_distributed(timedelta(seconds=cfg.collective_timeout))
     try:
         return _train(cfg, env, hooks)
     finally:
@@ -284,6 +286,8 @@ def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
         if resumed is None:
             first_val = last_val = evaluate(t, val, env)
             log.record({"step": 0, "val_loss": first_val, "lr": 0.0, "tokens": 0})
+            if cfg.max_restarts:  # so that every restart resumes from a checkpoint
+                _save(cfg, t, sched, 0, first_val, last_val)
         else:
             first_val, last_val = resumed["first_val"], resumed["last_val"]
             log.note(f"resumed from {resumed['path']} at step {resumed['step']}")

@@ -46,6 +46,15 @@ def _clean(value):
     return value
 
 
+def append_event(out: str | os.PathLike, event: dict) -> None:
+    """Append an event record (`{"event": name, ...}`, no step) to `out`'s `metrics.jsonl`
+    while no worker writes it."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / METRICS, "a") as f:
+        f.write(json.dumps({k: _clean(v) for k, v in event.items()}) + "\n")
+
+
 class RunLog:
     """Rank 0's writer: starts the run directory, appends records, drives the progress bar.
 
@@ -60,7 +69,8 @@ class RunLog:
         progress: bool = True,
         resume_step: int | None = None,
     ):
-        """`resume_step`: continue the run in `out`, keeping its records up to that step."""
+        """`resume_step`: continue the run in `out`, keeping its records up to that step (and
+        its events, such as restarts)."""
         self.out = Path(out)
         self.enabled = enabled
         self.records: list[dict] = []
@@ -72,7 +82,7 @@ class RunLog:
         if resume_step is not None and (self.out / METRICS).exists():
             with open(self.out / METRICS) as f:
                 kept = [json.loads(line) for line in f if line.strip()]
-            self.records = [r for r in kept if r["step"] <= resume_step]
+            self.records = [r for r in kept if "event" in r or r["step"] <= resume_step]
         for name in RUN_FILES:  # a run we were allowed to replace or continue: rewrite it
             (self.out / name).unlink(missing_ok=True)
         self._file = open(self.out / METRICS, "w")
