@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-
 from collections.abc import Callable
 
 from wholeshard.launch import WorkerFailed
