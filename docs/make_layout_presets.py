@@ -1,19 +1,19 @@
 """Regenerate docs/layout-presets.md: `python docs/make_layout_presets.py > docs/layout-presets.md`.
 
-Each row is `plan_buffers` on a preset, the numbers `wholeshard layout --preset P --dp N
+Each row is `plan_buffers` on a preset, the numbers `wholeshard plan --preset P --dp N
 --shard-group-size K --strategy S --json` prints. Plan times depend on the machine's load.
 """
 
 import statistics
 import time
 
-from wholeshard.layout_tool import DEFAULT_BUCKET_SIZE
 from wholeshard.plan import plan_buffers
+from wholeshard.plan_tool import DEFAULT_BUCKET_SIZE
 from wholeshard.presets import PRESETS
 
 DPS = (8, 64, 256, 1024)
 STRATEGIES = ("size_match", "balanced")
-HEADER = """## `wholeshard layout` presets, bucket size 40M elements
+HEADER = """## `wholeshard plan` presets, bucket size 40M elements
 
 Padding = padded / all buffer elements (Muon whole-tensor, stacked and AdamW element-wise
 buffers). Imbalance = max / mean Newton–Schulz cost `max(m,n)·min(m,n)²` owned per shard-group

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wholeshard import collectives, data_parallel
+from wholeshard import _collectives as collectives
+from wholeshard import data_parallel
 from wholeshard.bench import add_parser, main
 from wholeshard.bench import configs as bench_configs
 from wholeshard.bench.command import flag_overrides
@@ -335,7 +336,7 @@ def test_overrides_reach_the_data_parallel_call(monkeypatch) -> None:
     config = with_overrides("ws_ping_pong", {"reshard_after_forward": True})
     with pytest.raises(_Stop):
         config.build(get_workload("mlp", quick=True), WaitClock())
-    assert seen["reshard_after_forward"] is True and seen["layout"] == "ping_pong"
+    assert seen["reshard_after_forward"] is True and seen["scheme"] == "ping_pong"
 
 
 def test_footer_names_the_overrides_in_effect() -> None:
@@ -361,8 +362,8 @@ def test_a_configuration_rejecting_an_override_gets_an_error_row(
     goes on and its footer names the override (forked workers inherit the stand-in)."""
 
     class Rejecting:
-        def __init__(self, module, *, layout="aligned", reshard_after_forward=False, **kw):
-            if layout == "ping_pong" and reshard_after_forward:
+        def __init__(self, module, *, scheme="aligned", reshard_after_forward=False, **kw):
+            if scheme == "ping_pong" and reshard_after_forward:
                 raise ValueError("ping_pong cannot reshard after forward")
             raise AssertionError("not reached")
 

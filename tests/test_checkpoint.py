@@ -33,7 +33,7 @@ from wholeshard.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from wholeshard.checkpoint.chunks import Chunks, ChunkSavePlanner
+from wholeshard.checkpoint._chunks import Chunks, ChunkSavePlanner
 from wholeshard.optim.layerwise import OwnedPiece
 from wholeshard.routing import route_params
 

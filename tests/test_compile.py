@@ -44,9 +44,9 @@ MODES = {
     "aligned": {},
     "aligned-overlap": OVERLAP,
     "aligned-broadcast-overlap": dict(param_sync="broadcast", **OVERLAP),
-    "ping_pong": dict(layout="ping_pong"),
-    "ping_pong-overlap": dict(layout="ping_pong", **OVERLAP),
-    "ping_pong-broadcast": dict(layout="ping_pong", param_sync="broadcast"),
+    "ping_pong": dict(scheme="ping_pong"),
+    "ping_pong-overlap": dict(scheme="ping_pong", **OVERLAP),
+    "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast"),
     "shard_group_size=1-overlap": dict(shard_group_size=1, **OVERLAP),
     "fully_sharded-overlap": dict(reshard_after_forward=True, **OVERLAP),
 }

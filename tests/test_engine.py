@@ -19,7 +19,7 @@ from support import (
 )
 
 import wholeshard
-from wholeshard import collectives
+from wholeshard import _collectives as collectives
 
 STEPS = 5
 

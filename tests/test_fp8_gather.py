@@ -21,9 +21,11 @@ from support import (
 from torch import nn
 
 import wholeshard
-from wholeshard import collectives, fp8
-from wholeshard.fp8.gather import Fp8Bucket
-from wholeshard.schedule import Scheduler
+from wholeshard import _collectives as collectives
+from wholeshard import fp8
+from wholeshard._bucket import InFlight
+from wholeshard._schedule import Scheduler
+from wholeshard.fp8._gather import Fp8Bucket
 
 STEPS = 5
 BUCKETS = dict(bucket_size=3000)
@@ -156,10 +158,10 @@ def _staged_at_step() -> list:
             )
             for p in self.parts
         ]
-        return fp8.gather.InFlight(handles)
+        return InFlight(handles)
 
     def zero_like_megatron(self) -> None:  # zero the grad buffer in place, staging included
-        self.arrived = 0
+        self.reset_arrivals()
         self.grad_shard.zero_()
         if self.grad.untyped_storage().size():
             self.grad.zero_()
@@ -195,8 +197,8 @@ def test_staging_at_the_step_would_ship_zeros_and_staging_at_dispatch_does_not()
 def test_fp8_param_gather_needs_fp8_layers_and_the_aligned_layout() -> None:
     with pytest.raises(ValueError, match="convert it first"):
         wholeshard.DataParallel(make_model(), fp8_param_gather=True)
-    with pytest.raises(ValueError, match="layout='aligned'"):
-        wholeshard.DataParallel(converted("mxfp8")(), layout="ping_pong", fp8_param_gather=True)
+    with pytest.raises(ValueError, match="scheme='aligned'"):
+        wholeshard.DataParallel(converted("mxfp8")(), scheme="ping_pong", fp8_param_gather=True)
 
 
 def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[float]]:

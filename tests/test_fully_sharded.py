@@ -26,7 +26,7 @@ from support import (
 from test_frozen import make_adapted
 
 import wholeshard
-from wholeshard import collectives
+from wholeshard import _collectives as collectives
 
 FS = dict(reshard_after_forward=True)
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets: releases and prefetches to get wrong
@@ -187,7 +187,7 @@ def test_zero_mode_memory_is_the_full_buffers() -> None:
 
 def test_ping_pong_cannot_be_fully_sharded() -> None:
     with pytest.raises(ValueError, match="ping_pong.*cannot be fully sharded"):
-        wholeshard.DataParallel(make_model(), layout="ping_pong", **FS)
+        wholeshard.DataParallel(make_model(), scheme="ping_pong", **FS)
 
 
 # -- the separate all-gather group -------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from wholeshard import cli, layout_tool
+from wholeshard import cli, plan_tool
 from wholeshard.bench import command as bench_command
 from wholeshard.cli import MAX_NPROC
 
@@ -173,7 +173,7 @@ TRAIN = {
     "--log-every": Flag(int, 1, good="5"),
 }
 LAYOUT = {
-    "--dp": Flag(int, 1, high=layout_tool.MAX_DP, good="4"),
+    "--dp": Flag(int, 1, high=plan_tool.MAX_DP, good="4"),
     "--bucket-size": Flag(int, 1, good="1000"),
     "--shard-group-size": Flag(int, 1, good="2"),
 }
@@ -182,7 +182,7 @@ BENCH = {
     "--steps": Flag(int, 1, good="3"),
     "--repeat": Flag(int, 1, good="2"),
 }
-KNOWN = {"train": TRAIN, "layout": LAYOUT, "bench": BENCH}
+KNOWN = {"train": TRAIN, "plan": LAYOUT, "bench": BENCH}
 
 
 @pytest.fixture(scope="module")
@@ -198,14 +198,14 @@ def base_argv(tmp_path_factory: pytest.TempPathFactory, shapes_dir: Path) -> dic
     out = tmp_path_factory.mktemp("train-out")
     return {
         "train": ["train", "--out", str(out), "--overwrite"],
-        "layout": ["layout", "--shapes", str(shapes_dir / "small.json"), "--json"],
+        "plan": ["plan", "--shapes", str(shapes_dir / "small.json"), "--json"],
         "bench": ["bench", "--quick", "--workload", "mlp", "--config", "ws_sync"],
     }
 
 
 def argv_with(base: dict[str, list[str]], command: str, flag: str, value: str) -> list[str]:
     argv = [*base[command], f"{flag}={value}"]
-    if command == "layout" and flag != "--dp":
+    if command == "plan" and flag != "--dp":
         argv.append("--dp=4")
     return argv
 
@@ -293,8 +293,8 @@ def test_nastiest_values_name_the_flag(base_argv) -> None:
     """Explicit worst cases: huge counts that would start thousands of processes or plan for
     billions of ranks, and overflowing ints, all stop at the parser."""
     assert_rejected(run(argv_with(base_argv, "bench", "--nproc", str(10**6))), "--nproc")
-    assert_rejected(run(argv_with(base_argv, "layout", "--dp", str(2**64))), "--dp")
-    assert_rejected(run(argv_with(base_argv, "layout", "--dp", str(2**32))), "--dp")
+    assert_rejected(run(argv_with(base_argv, "plan", "--dp", str(2**64))), "--dp")
+    assert_rejected(run(argv_with(base_argv, "plan", "--dp", str(2**32))), "--dp")
     assert_rejected(run(argv_with(base_argv, "train", "--warmup", "9" * 400)), "--warmup")
     assert_rejected(run(argv_with(base_argv, "train", "--lr", "1e999")), "--lr")
     assert_rejected(run(argv_with(base_argv, "train", "--nproc", str(2**40))), "--nproc")
@@ -358,7 +358,7 @@ def write_shapes(directory: Path, document: object) -> str:
 
 
 def layout(path: str, dp: int = 4) -> Result:
-    return run(["layout", "--shapes", path, f"--dp={dp}", "--json"])
+    return run(["plan", "--shapes", path, f"--dp={dp}", "--json"])
 
 
 def _unique(entries: list[dict]) -> list[dict]:
@@ -387,7 +387,7 @@ def test_one_bad_entry_rejects_the_file(shapes_dir: Path, before, bad, after) ->
     index = len(before)
     path = write_shapes(shapes_dir, {"params": [*before, bad, *after]})
     result = layout(path)
-    assert_rejected(result, "wholeshard layout: error:", path)
+    assert_rejected(result, "wholeshard plan: error:", path)
     # the first bad entry is the one reported (a duplicate name among `before` is ruled out)
     assert f"params[{index}]" in result.error_lines[0]
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import round_up, spec, spec_lists, verify_layout
 
+from wholeshard._planning.packing import FirstFit
 from wholeshard.layout import Bucket, Layout, ParamSpec, Placement, plan_layout
-from wholeshard.planning.packing import FirstFit
 
 
 def aligned_total(specs: list[ParamSpec], align: int) -> int:

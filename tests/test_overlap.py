@@ -26,10 +26,10 @@ MODES = {
     "aligned": {},
     "aligned-overlap": OVERLAP,
     "aligned-broadcast": dict(param_sync="broadcast"),
-    "ping_pong": dict(layout="ping_pong"),
-    "ping_pong-overlap": dict(layout="ping_pong", **OVERLAP),
-    "ping_pong-broadcast": dict(layout="ping_pong", param_sync="broadcast"),
-    "ping_pong-broadcast-overlap": dict(layout="ping_pong", param_sync="broadcast", **OVERLAP),
+    "ping_pong": dict(scheme="ping_pong"),
+    "ping_pong-overlap": dict(scheme="ping_pong", **OVERLAP),
+    "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast"),
+    "ping_pong-broadcast-overlap": dict(scheme="ping_pong", param_sync="broadcast", **OVERLAP),
 }
 
 
@@ -38,19 +38,19 @@ def _run(nproc: int, mode: dict, steps: int = 3, **kw) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("layout", ["aligned", "ping_pong"])
-def test_overlap_is_bitwise_equal_to_sync(layout: str, dtype: torch.dtype) -> None:
-    sync = _run(3, dict(layout=layout), param_dtype=dtype, evaluate=True)
-    overlap = _run(3, dict(layout=layout, **OVERLAP), param_dtype=dtype, evaluate=True)
+@pytest.mark.parametrize("scheme", ["aligned", "ping_pong"])
+def test_overlap_is_bitwise_equal_to_sync(scheme: str, dtype: torch.dtype) -> None:
+    sync = _run(3, dict(scheme=scheme), param_dtype=dtype, evaluate=True)
+    overlap = _run(3, dict(scheme=scheme, **OVERLAP), param_dtype=dtype, evaluate=True)
     for a, b in zip(sync, overlap, strict=True):
         assert_bitwise_equal(a, b)
         assert a["evals"] == b["evals"], "evaluation between steps sees the updated params"
 
 
-@pytest.mark.parametrize("layout", ["aligned", "ping_pong"])
-def test_broadcast_is_bitwise_equal_to_allgather(layout: str) -> None:
-    gather = _run(3, dict(layout=layout, param_sync="allgather"))
-    bcast = _run(3, dict(layout=layout, param_sync="broadcast"))
+@pytest.mark.parametrize("scheme", ["aligned", "ping_pong"])
+def test_broadcast_is_bitwise_equal_to_allgather(scheme: str) -> None:
+    gather = _run(3, dict(scheme=scheme, param_sync="allgather"))
+    bcast = _run(3, dict(scheme=scheme, param_sync="broadcast"))
     for a, b in zip(gather, bcast, strict=True):
         assert_bitwise_equal(a, b)
 
@@ -131,17 +131,19 @@ def _in_flight_protocol(mode: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("layout", ["aligned", "ping_pong"])
-def test_second_step_with_gather_in_flight(layout: str) -> None:
-    sync = run(_in_flight_protocol, 2, dict(layout=layout))
-    overlap = run(_in_flight_protocol, 2, dict(layout=layout, **OVERLAP))
+@pytest.mark.parametrize("scheme", ["aligned", "ping_pong"])
+def test_second_step_with_gather_in_flight(scheme: str) -> None:
+    sync = run(_in_flight_protocol, 2, dict(scheme=scheme))
+    overlap = run(_in_flight_protocol, 2, dict(scheme=scheme, **OVERLAP))
     for a, b in zip(sync, overlap, strict=True):
         assert a["eval"] == b["eval"]
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
 def test_bad_mode_names() -> None:
-    with pytest.raises(ValueError, match="layout must be"):
-        wholeshard.DataParallel(make_model(), layout="zigzag")
+    with pytest.raises(ValueError, match="scheme must be"):
+        wholeshard.DataParallel(make_model(), scheme="zigzag")
+    with pytest.warns(DeprecationWarning, match="pass scheme="):  # the old spelling still works
+        assert wholeshard.DataParallel(make_model(), layout="ping_pong").plan is None
     with pytest.raises(ValueError, match="param_sync must be"):
         wholeshard.DataParallel(make_model(), param_sync="scatter")

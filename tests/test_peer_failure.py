@@ -17,7 +17,7 @@ import torch.distributed as dist
 from support import lm_loss, local_batch, make_model
 
 import wholeshard
-from wholeshard.groups import group_timeout
+from wholeshard._groups import group_timeout
 from wholeshard.launch import WorkerFailed, launch
 
 ROOT = Path(__file__).resolve().parent.parent

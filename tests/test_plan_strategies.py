@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import round_up, spec_lists, verify_layout
 
+from wholeshard._planning.packing import FirstFit
 from wholeshard.layout import STRATEGIES, Layout, ParamSpec, ns_cost, plan_layout, spec_cost
 from wholeshard.plan import plan_buffers
-from wholeshard.planning.packing import FirstFit
 from wholeshard.presets import moe_256x, spec
 
 

@@ -187,13 +187,6 @@ def soak(
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--eval-every", "10", "--eval-batches", "1"]
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "text.py"
-    path.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
-    return path
-
-
 def test_a_killed_worker_is_restarted_from_the_latest_checkpoint(
     tmp_path: Path, text_file: Path
 ) -> None:

@@ -26,8 +26,8 @@ from support import (
 from torch import nn
 
 from wholeshard import ParamSpec, plan_buffers
+from wholeshard._stacks import matrices, storage_units
 from wholeshard.layout import Bucket, Placement, ns_cost
-from wholeshard.stacks import matrices, storage_units
 
 EXPERTS, HIDDEN = 4, 16
 

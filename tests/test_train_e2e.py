@@ -26,13 +26,6 @@ HANG_GUARD_S = 180  # generous: a hung run fails instead of blocking the suite
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "text.py"
-    path.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
-    return path
-
-
 def _args(text_file: Path, out: Path, *extra: str) -> list[str]:
     return [
         "train", "--data", str(text_file), "--out", str(out), "--steps", "4", "--batch-size",

@@ -10,15 +10,6 @@ from pathlib import Path
 import pytest
 from train_faults import Poison, run_train
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "text.py"
-    path.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
-    return path
-
 
 def train(text_file: Path, out: Path, poison: Poison, *extra: str) -> int:
     argv = [

@@ -10,15 +10,6 @@ from train_faults import Fault, run_train
 
 from wholeshard import cli
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "text.py"
-    path.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
-    return path
-
 
 def train(text_file: Path, out: Path, *extra: str, fault: Fault | None = None) -> dict:
     argv = [
@@ -108,7 +99,7 @@ def test_trace_shows_the_sync_phases(text_file: Path, tmp_path: Path) -> None:
         assert phase in names, phase
 
 
-@pytest.mark.parametrize("mode", [["--layout", "ping_pong"], ["--param-sync", "broadcast"]])
+@pytest.mark.parametrize("mode", [["--scheme", "ping_pong"], ["--param-sync", "broadcast"]])
 def test_legacy_modes_train(text_file: Path, tmp_path: Path, mode: list[str]) -> None:
     base = train(text_file, tmp_path / "base")["summary"]
     other = train(text_file, tmp_path / "other", *mode)["summary"]

@@ -12,7 +12,7 @@ import torch
 from wholeshard.train import data, report
 from wholeshard.train.config import ConfigError, TrainConfig
 from wholeshard.train.loop import train
-from wholeshard.train.model import GPT, PRESETS, num_params, preset
+from wholeshard.train.model import GPT, SIZES, model_config, num_params
 from wholeshard.train.schedule import lr_factor
 
 TEXT = (Path(__file__).resolve().parent.parent / "wholeshard" / "train" / "loop.py").read_bytes()
@@ -79,7 +79,7 @@ def test_directory_data_skips_hidden_and_binary_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize("pos", ["rope", "learned"])
 def test_model_is_causal(pos: str) -> None:
     torch.manual_seed(0)
-    model = GPT(preset("tiny", 16, pos=pos))
+    model = GPT(model_config("tiny", 16, pos=pos))
     x = torch.randint(0, 256, (2, 16))
     y = x.clone()
     y[:, 10:] = (y[:, 10:] + 1) % 256
@@ -89,14 +89,14 @@ def test_model_is_causal(pos: str) -> None:
     assert not torch.allclose(a[:, 10:], b[:, 10:])
 
 
-def test_presets_and_tying() -> None:
-    tiny = GPT(preset("tiny", 128))
+def test_model_sizes_and_tying() -> None:
+    tiny = GPT(model_config("tiny", 128))
     assert 1.5e6 < num_params(tiny) < 2.5e6
     assert tiny.head.weight is tiny.embed.weight
-    untied = GPT(preset("tiny", 128, tie=False))
+    untied = GPT(model_config("tiny", 128, tie=False))
     assert untied.head.weight is not untied.embed.weight
-    assert set(PRESETS) == {"tiny", "small"}
-    small = PRESETS["small"]
+    assert set(SIZES) == {"tiny", "small"}
+    small = SIZES["small"]
     assert 12 * small.n_layer * small.d_model**2 > 10e6
 
 
@@ -189,7 +189,7 @@ def test_muon_gets_the_block_matrices_only(tie: bool, pos: str) -> None:
     embeddings, the head (tied or not) and the norms to AdamW."""
     import wholeshard
 
-    model = GPT(preset("tiny", 16, pos=pos, tie=tie))
+    model = GPT(model_config("tiny", 16, pos=pos, tie=tie))
     ddp = wholeshard.DataParallel(model)
     muon = {r.name for r in ddp.routes if r.muon}
     assert muon == {

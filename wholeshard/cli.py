@@ -17,7 +17,7 @@ process."""
 
 SUBCOMMANDS = (
     "wholeshard.train.command",
-    "wholeshard.layout_tool",
+    "wholeshard.plan_tool",
     "wholeshard.bench",
     "wholeshard.export",
 )

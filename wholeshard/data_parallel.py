@@ -1,6 +1,6 @@
 """`DataParallel`: whole-tensor sharded gradient and parameter sync for one module.
 
-Step protocol (the optimizer drives it; `wholeshard.schedule` decides when collectives run):
+Step protocol (the optimizer drives it; `wholeshard._schedule` decides when collectives run):
 1. backward: each param's post-accumulate-grad hook adds its grad into its bucket's grad buffer;
    with `overlap_grad_reduce` a bucket whose params are all in starts its reduce-scatter;
 2. `finish_grad_sync()`: every bucket reduced (averaged), so this rank's grad shards hold the
@@ -12,13 +12,16 @@ Step protocol (the optimizer drives it; `wholeshard.schedule` decides when colle
 With `pipelined_step` the optimizer does 2-4 bucket by bucket instead (`reduced_buckets()`):
 each bucket is updated as soon as its reduction lands and gathered at once.
 
-Buckets are `wholeshard.bucket.CommBucket`s; the legacy ping-pong baseline builds its own in
-`wholeshard.ping_pong`.
+Buckets are `wholeshard._bucket.CommBucket`s; the legacy ping-pong baseline builds its own in
+`wholeshard._ping_pong`. This file is longer than the others because it is the one public
+wrapper: its constructor is a sequence of named steps over the machinery modules, and the step
+protocol above reads best in one place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,15 +32,17 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import collectives, guard, hooks
-from .bucket import ALLGATHER, BROADCAST, Comm, CommBucket, aligned_buckets
-from .fp8 import gather as fp8_gather
-from .groups import check_same_model, make_groups, resolve_group
+from . import _collectives as collectives
+from . import _guard as guard
+from . import _hooks as hooks
+from ._bucket import ALLGATHER, BROADCAST, Comm, CommBucket, aligned_buckets
+from ._groups import check_same_model, make_groups, resolve_group
+from ._ping_pong import ping_pong_buckets
+from ._schedule import Scheduler
+from .fp8 import _gather as fp8_gather
 from .layout import ParamSpec, Placement
-from .ping_pong import ping_pong_buckets
 from .plan import DEFAULT_STRATEGY, Plan, default_bucket_size, plan_buffers
 from .routing import Route, UseMuon, route_params
-from .schedule import Scheduler
 
 ALIGNED, PING_PONG = "aligned", "ping_pong"
 
@@ -78,7 +83,8 @@ class DataParallel(nn.Module):
     and dispatch its gather at once (`reduced_buckets()`); the results are bitwise the same. The
     process groups it creates (shard, replica, all-gather) get `timeout`, or else
     `process_group`'s.
-    `layout="ping_pong"` and `param_sync="broadcast"` select the legacy baselines.
+    `scheme="ping_pong"` and `param_sync="broadcast"` select the legacy baselines (`layout=` is
+    the old spelling of `scheme=`, deprecated).
     """
 
     def __init__(
@@ -92,7 +98,7 @@ class DataParallel(nn.Module):
         grad_reduce_dtype: torch.dtype = torch.float32,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
-        layout: str = ALIGNED,
+        scheme: str = ALIGNED,
         param_sync: str = ALLGATHER,
         layout_strategy: str = DEFAULT_STRATEGY,
         shard_group_size: int | None = None,
@@ -101,11 +107,19 @@ class DataParallel(nn.Module):
         fp8_param_gather: bool = False,
         pipelined_step: bool = False,
         timeout: timedelta | None = None,
+        layout: str | None = None,
     ) -> None:
         super().__init__()
-        _check_modes(param_dtype, grad_reduce_dtype, layout, param_sync, reshard_after_forward)
-        if fp8_param_gather and layout == PING_PONG:
-            raise ValueError("fp8_param_gather needs layout='aligned' (ping_pong has no shards)")
+        if layout is not None:
+            warnings.warn(
+                "DataParallel(layout=...) is deprecated: pass scheme=... (same values)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            scheme = layout
+        _check_modes(param_dtype, grad_reduce_dtype, scheme, param_sync, reshard_after_forward)
+        if fp8_param_gather and scheme == PING_PONG:
+            raise ValueError("fp8_param_gather needs scheme='aligned' (ping_pong has no shards)")
         if fp8_param_gather and not fp8_gather.has_fp8_weights(module):
             raise ValueError(
                 "fp8_param_gather=True but the model has no FP8 layers: convert it first with "
@@ -116,8 +130,8 @@ class DataParallel(nn.Module):
         self.overlap_param_gather = overlap_param_gather
         self.pipelined_step = pipelined_step
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
-        if layout == PING_PONG and shard_group_size not in (None, self.dp_size):
-            raise ValueError("layout='ping_pong' has no shard groups: leave shard_group_size unset")
+        if scheme == PING_PONG and shard_group_size not in (None, self.dp_size):
+            raise ValueError("scheme='ping_pong' has no shard groups: leave shard_group_size unset")
         self.routes: list[Route] = route_params(module, use_muon)
         self.frozen = _cast_frozen(module, param_dtype)
         problem = guard.placement_problem(module)
@@ -133,7 +147,7 @@ class DataParallel(nn.Module):
         self.plan: Plan | None = None
         self.fp8_param_gather = False
         self._owners: dict[str, int] = {}  # ping-pong only: the plan has no owners for it
-        if layout == ALIGNED:
+        if scheme == ALIGNED:
             self.plan = plan_buffers(
                 specs,
                 self.dp_size,
@@ -307,7 +321,7 @@ class DataParallel(nn.Module):
     def reduced_buckets(self) -> Iterator[int]:
         """The pipelined step: yield each bucket's index (in `buckets`) once its grads are
         reduced; when the caller, having written its owned params, comes back, its param sync
-        is dispatched. Every rank walks it to the end (`wholeshard.schedule.Scheduler`)."""
+        is dispatched. Every rank walks it to the end (`wholeshard._schedule.Scheduler`)."""
         return self.scheduler.reduced_in_order()
 
     # -- parameters -----------------------------------------------------------------------
@@ -392,7 +406,7 @@ class DataParallel(nn.Module):
 def _check_modes(
     param_dtype: torch.dtype,
     grad_reduce_dtype: torch.dtype,
-    layout: str,
+    scheme: str,
     param_sync: str,
     reshard_after_forward: bool,
 ) -> None:
@@ -401,14 +415,14 @@ def _check_modes(
             f"param_dtype and grad_reduce_dtype must be floating point, got "
             f"{param_dtype} and {grad_reduce_dtype}"
         )
-    if layout not in (ALIGNED, PING_PONG):
-        raise ValueError(f"layout must be {ALIGNED!r} or {PING_PONG!r}, got {layout!r}")
+    if scheme not in (ALIGNED, PING_PONG):
+        raise ValueError(f"scheme must be {ALIGNED!r} or {PING_PONG!r}, got {scheme!r}")
     if param_sync not in (ALLGATHER, BROADCAST):
         raise ValueError(f"param_sync must be {ALLGATHER!r} or {BROADCAST!r}, got {param_sync!r}")
-    if layout == PING_PONG and reshard_after_forward:
+    if scheme == PING_PONG and reshard_after_forward:
         raise ValueError(
-            "layout='ping_pong' cannot be fully sharded (its owners' params are not in "
-            "equal shards): use the default layout='aligned' with reshard_after_forward=True"
+            "scheme='ping_pong' cannot be fully sharded (its owners' params are not in "
+            "equal shards): use the default scheme='aligned' with reshard_after_forward=True"
         )
 
 

@@ -1,7 +1,7 @@
 """Pure layout planning: param specs in, one whole-tensor buffer (`Layout`) out.
 
 No torch.distributed here, so every rule is testable with shapes alone. The planner's parts
-live in `wholeshard.planning`; this module is its entry point for one whole-tensor buffer.
+live in `wholeshard._planning`; this module is its entry point for one whole-tensor buffer.
 
 Invariants every whole-tensor `Layout` keeps (checked by `Layout.check`):
 - a bucket is a contiguous range of the buffer cut into `dp_size` equal shards; rank r owns shard r;
@@ -11,7 +11,7 @@ Invariants every whole-tensor `Layout` keeps (checked by `Layout.check`):
 - buckets are filled in backprop order (reverse registration order).
 
 Two strategies place the params: size matching ([Note: size matching] in
-`wholeshard.planning.rows`) and balanced ([Note: balanced] in `wholeshard.planning.balanced`).
+`wholeshard._planning.rows`) and balanced ([Note: balanced] in `wholeshard._planning.balanced`).
 With `"balanced"` the size-matching layout of the same params is planned too and taken instead
 when it is at least as good on both counts (no more padding and no more imbalance, one strictly
 less): a stack of identical blocks tiles exactly by size matching, which balancing cannot beat.
@@ -22,10 +22,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-from .planning.balanced import plan_balanced
-from .planning.buffer import Layout
-from .planning.records import Bucket, ParamSpec, Placement, cost_imbalance, ns_cost, spec_cost
-from .planning.rows import layout_of_rows, plan_rows
+from ._planning.balanced import plan_balanced
+from ._planning.buffer import Layout
+from ._planning.records import Bucket, ParamSpec, Placement, cost_imbalance, ns_cost, spec_cost
+from ._planning.rows import layout_of_rows, plan_rows
 
 __all__ = [
     "STRATEGIES",

@@ -2,13 +2,13 @@
 
 Pure planning, like `layout`: param specs in, plain data out. One routing decision
 (`ParamSpec.muon`) puts every param in exactly one buffer, a `Layout` of one kind
-(`wholeshard.planning.buffer`, which also checks each kind's invariants):
+(`wholeshard._planning.buffer`, which also checks each kind's invariants):
 
 - `"muon"` buffer: a `Layout` (size-matching or balanced) over the shard group's `k` ranks.
   Every param lies wholly inside one shard; its `owner` is a rank within the shard group.
 - `"stacked"` buffer: Muon params with more than 2 dims (fused MoE experts), each a stack of
   matrices; every matrix lies wholly inside one shard and a stack spreads over consecutive
-  shards (`wholeshard.stacks`, [Note: stacked layout]). Placements have `owner` None; each
+  shards (`wholeshard._stacks`, [Note: stacked layout]). Placements have `owner` None; each
   matrix's owner follows from its offset.
 - `"adamw"` buffer: element-wise sharded. Params are packed in backprop order (reverse
   registration order), each starting on an `align`-element boundary, and cut into buckets that
@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._planning.buffer import KINDS
+from ._planning.records import cost_imbalance, ns_cost, round_up
+from ._stacks import matrices, matrix_shape, plan_stacked
 from .layout import Bucket, Layout, ParamSpec, Placement, place, validate_inputs
-from .planning.buffer import KINDS
-from .planning.records import cost_imbalance, ns_cost, round_up
-from .stacks import matrices, matrix_shape, plan_stacked
 
 DEFAULT_STRATEGY = "balanced"
 

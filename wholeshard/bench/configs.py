@@ -356,6 +356,6 @@ CONFIGS: dict[str, Config] = {
             overlap_grad_reduce=True,
             overlap_param_gather=True,
         ),
-        wholeshard_config("ws_ping_pong", "wholeshard, ping-pong layout", layout="ping_pong"),
+        wholeshard_config("ws_ping_pong", "wholeshard, ping-pong layout", scheme="ping_pong"),
     )
 }

@@ -5,7 +5,7 @@ included: gloo's reduce-scatter clones the whole input before it returns) or wai
 collective's handle. `WaitClock.watch()` patches, inside one worker process:
 - the `torch.distributed` collectives (a synchronous call blocks until the collective is done:
   FSDP2's all-gathers and reduce-scatters on CPU, the all-gathers in `MuonWithAuxAdam.step`);
-- every function of `wholeshard.collectives` (all of wholeshard's dispatches and waits);
+- every function of `wholeshard._collectives` (all of wholeshard's dispatches and waits);
 - `Work.wait` (waits on async handles issued from Python);
 - `torch.distributed._functional_collectives.wait_tensor` (DTensor redistributions, e.g. what
   `torch.optim.Muon` triggers on FSDP2's sharded params).
@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .. import collectives
+from .. import _collectives as collectives
 
 _TORCH_COLLECTIVES = (
     "all_reduce",

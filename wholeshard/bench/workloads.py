@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..routing import UseMuon
-from ..train.model import GPT, GPTConfig, preset
+from ..train.model import GPT, GPTConfig, model_config
 
 SEED = 0
 WORKLOADS = ("gpt", "mlp")
@@ -86,7 +86,7 @@ def _gpt(quick: bool) -> Workload:
         cfg = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32)
         batch = 2
     else:
-        cfg = preset("tiny", seq_len=128)
+        cfg = model_config("tiny", seq_len=128)
         batch = 8
 
     def make_model() -> nn.Module:

@@ -31,9 +31,9 @@ outcomes), `model_table` (the model's description and checks), `save`, `load`.
 
 from ..checkpoint_dir import CheckpointError, resolve_checkpoint
 from ..optim.checkpointable import Checkpointable
-from .chunks import flat_range_boxes
-from .load import load_checkpoint, load_consolidated
-from .save import save_checkpoint
+from ._chunks import flat_range_boxes
+from ._load import load_checkpoint, load_consolidated
+from ._save import save_checkpoint
 
 __all__ = [
     "CheckpointError",

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .. import collectives
+from .. import _collectives as collectives
 from ..data_parallel import DataParallel, OwnedSlice
-from .agreement import ERROR, NONFINITE_POLICIES, SKIP, agree, peak_norms
+from ._agreement import ERROR, NONFINITE_POLICIES, SKIP, agree, peak_norms
 from .checkpointable import LoadedPiece, install_state
 
 MUON, ADAMW = "muon", "adamw"
@@ -84,7 +84,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     `DataParallel(pipelined_step=True)`, `step()` updates bucket by bucket as the reductions land
     (`DataParallel.reduced_buckets`): the same per-param arithmetic, so the same bits.
 
-    Before any update, every rank takes one small all-reduce (`wholeshard.optim.agreement`):
+    Before any update, every rank takes one small all-reduce (`wholeshard.optim._agreement`):
     `step()` raises on every rank if some rank's model changed after wrapping
     (`DataParallel.model_changes`) or ranks are at different steps. `nonfinite` says what an
     inf or nan in the averaged gradients does: "error" raises `FloatingPointError` naming the
@@ -185,7 +185,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                     o.param.copy_(o.oriented(o.master))
 
     def _agree_to_skip(self) -> bool:
-        """Take the step's agreement (`wholeshard.optim.agreement`) with every rank: raise on a
+        """Take the step's agreement (`wholeshard.optim._agreement`) with every rank: raise on a
         changed model, ranks at different steps, or (policy "error") a non-finite gradient;
         True when every rank skips this step (policy "skip")."""
         norms, self._piece_norms = self._piece_norms, None

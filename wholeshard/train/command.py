@@ -42,7 +42,7 @@ _GROUPS = {
         "clip_grad", "on_nonfinite", "param_dtype", "bucket_size", "fp8", "seed",
     ),
     "data parallelism (muon)": (
-        "overlap", "layout", "param_sync", "reshard_after_forward", "separate_all_gather_group",
+        "overlap", "scheme", "param_sync", "reshard_after_forward", "separate_all_gather_group",
         "trace",
     ),
     "checkpoints (muon)": ("checkpoint_every", "keep_last", "resume"),
@@ -116,6 +116,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     groups = {"launch": launch}
     _add_config_flags(p, groups)
+    p.add_argument(
+        "--layout", dest="scheme", choices=C.SCHEMES, default=argparse.SUPPRESS,
+        action=_DeprecatedSpelling, help=argparse.SUPPRESS,
+    )  # fmt: skip
     output = groups["output"]
     output.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     output.add_argument(
@@ -125,6 +129,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.set_defaults(run=run, parser=p)
     return p
+
+
+class _DeprecatedSpelling(argparse.Action):
+    """An old spelling of a flag: sets the flag's field and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(
+            f"wholeshard train: {option_string} is deprecated, use {flag_name(self.dest)}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -224,7 +239,7 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
         cfg.out = report.default_out_dir()
     _check(args, cfg, world)
     if under_torchrun:
-        from wholeshard.collectives import CollectiveError
+        from wholeshard._collectives import CollectiveError
 
         try:
             summary = worker(cfg)

@@ -15,7 +15,7 @@ OPTIMIZERS = ("muon", "adamw")
 SCHEDULES = ("cosine", "wsd")
 PARAM_DTYPES = ("auto", "float32", "bfloat16")
 POSITIONS = ("rope", "learned")
-LAYOUTS = ("aligned", "ping_pong")
+SCHEMES = ("aligned", "ping_pong")
 PARAM_SYNCS = ("allgather", "broadcast")
 FP8_RECIPES = ("mxfp8", "tensorwise")
 NONFINITE = ("error", "skip")
@@ -29,7 +29,7 @@ CHOICES = {
     "optimizer": OPTIMIZERS,
     "schedule": SCHEDULES,
     "param_dtype": PARAM_DTYPES,
-    "layout": LAYOUTS,
+    "scheme": SCHEMES,
     "param_sync": PARAM_SYNCS,
     "fp8": FP8_RECIPES,
     "on_nonfinite": NONFINITE,
@@ -69,11 +69,11 @@ class TrainConfig:
     seq_len: int = 128
     """Bytes per training sequence (the model's context length)."""
     model: str = "tiny"
-    """Model preset: `tiny` (~2M params) or `small` (~20M params)."""
+    """Model size: `tiny` (~2M params) or `small` (~20M params)."""
     pos: str | None = None
-    """Position encoding, `rope` or `learned`; None takes the preset's."""
+    """Position encoding, `rope` or `learned`; None takes the model size's."""
     tie: bool | None = None
-    """Tie the output head to the byte embedding; None takes the preset's."""
+    """Tie the output head to the byte embedding; None takes the model size's."""
     optimizer: str = "muon"
     """`muon`: wholeshard DataParallel + LayerwiseOptimizer; `adamw`: torch DDP + AdamW."""
     lr: float | None = None
@@ -117,8 +117,9 @@ class TrainConfig:
     """CPU threads per process; None divides the available cores among the local processes."""
     overlap: bool = False
     """Muon path: reduce-scatter during backward and all-gather during the next forward."""
-    layout: str = "aligned"
-    """Muon path: `aligned` (whole-tensor shards) or the legacy `ping_pong` baseline."""
+    scheme: str = "aligned"
+    """Muon path: `aligned` (whole-tensor shards) or the legacy `ping_pong` baseline
+    (`--layout` is the old spelling, deprecated)."""
     param_sync: str = "allgather"
     """Muon path: sync updated params by `allgather` or by one `broadcast` per rank."""
     fp8: str | None = None
@@ -204,10 +205,10 @@ class TrainConfig:
             ):
                 if used:
                     raise ConfigError(name, message)
-        if self.reshard_after_forward and self.layout == "ping_pong":
+        if self.reshard_after_forward and self.scheme == "ping_pong":
             raise ConfigError(
                 "reshard_after_forward",
-                "reshard_after_forward needs layout 'aligned': the ping_pong baseline cannot be "
+                "reshard_after_forward needs scheme 'aligned': the ping_pong baseline cannot be "
                 "fully sharded",
             )
 

@@ -3,7 +3,9 @@ torchrun.
 
 One code path for any world size: it uses the process group that is already initialised
 (`wholeshard.launch`), else initialises one from torchrun's environment (NCCL on CUDA, gloo on
-CPU), else runs as a single process.
+CPU), else runs as a single process. The file holds the whole job (set-up, build, the loop,
+evaluation, checkpoint save/resume, trace) so one can follow a step from top to bottom; that is
+why it runs past 400 lines.
 
 [Note: hooks]
 `train(config, hooks)` calls every `hook(point, step, rank)` on every rank at two points of a
@@ -28,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from wholeshard.optim import LayerwiseOptimizer
-from wholeshard.optim.agreement import peak_norms
+from wholeshard.optim._agreement import peak_norms
 from wholeshard.routing import routing_summary
 from wholeshard.train import data, report
 from wholeshard.train.config import TrainConfig
-from wholeshard.train.model import GPT, VOCAB, num_params, preset
+from wholeshard.train.model import GPT, VOCAB, model_config, num_params
 from wholeshard.train.plot import plot_losses
 from wholeshard.train.schedule import make_scheduler
 
@@ -157,7 +159,7 @@ class Trainee:
 def build(cfg: TrainConfig, env: Dist) -> Trainee:
     """The model, wrapped for data parallelism, and its optimizer, as `cfg.optimizer` says."""
     torch.manual_seed(cfg.seed)  # identical init on every rank
-    model = GPT(preset(cfg.model, cfg.seq_len, cfg.pos, cfg.tie)).to(env.device)
+    model = GPT(model_config(cfg.model, cfg.seq_len, cfg.pos, cfg.tie)).to(env.device)
     params = num_params(model)
     if cfg.fp8 is not None:
         from wholeshard import fp8
@@ -174,7 +176,7 @@ def build(cfg: TrainConfig, env: Dist) -> Trainee:
             param_dtype=dtype,
             overlap_grad_reduce=cfg.overlap,
             overlap_param_gather=cfg.overlap,
-            layout=cfg.layout,
+            scheme=cfg.scheme,
             param_sync=cfg.param_sync,
             reshard_after_forward=cfg.reshard_after_forward,
             fp8_param_gather=cfg.fp8 is not None,
@@ -287,7 +289,7 @@ def _train(cfg: TrainConfig, env: Dist, hooks: Sequence[Hook]) -> dict:
             first_val = last_val = evaluate(t, val, env)
             log.record({"step": 0, "val_loss": first_val, "lr": 0.0, "tokens": 0})
             if cfg.max_restarts:  # so that every restart resumes from a checkpoint
-                _save(cfg, t, sched, 0, first_val, last_val)
+                _save(cfg, t, sched, 0, first_val, last_val, skipped_steps=0)
         else:
             first_val, last_val = resumed["first_val"], resumed["last_val"]
             log.note(f"resumed from {resumed['path']} at step {resumed['step']}")

@@ -28,15 +28,17 @@ class GPTConfig:
     mlp_ratio: int = 4
 
 
-PRESETS = {
+SIZES = {
     "tiny": GPTConfig(n_layer=4, n_head=4, d_model=192, seq_len=128),
     "small": GPTConfig(n_layer=6, n_head=8, d_model=512, seq_len=256),
 }
 
 
-def preset(name: str, seq_len: int, pos: str | None = None, tie: bool | None = None) -> GPTConfig:
-    """The named preset with `seq_len` and the given overrides."""
-    cfg = replace(PRESETS[name], seq_len=seq_len)
+def model_config(
+    size: str, seq_len: int, pos: str | None = None, tie: bool | None = None
+) -> GPTConfig:
+    """The model of `size` (`SIZES`) with `seq_len` and the given overrides."""
+    cfg = replace(SIZES[size], seq_len=seq_len)
     if pos is not None:
         cfg = replace(cfg, pos=pos)
     if tie is not None:

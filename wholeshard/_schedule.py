@@ -45,7 +45,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from .bucket import CommBucket
+from ._bucket import CommBucket
 
 REDUCES_IN_FLIGHT = 1
 """Fully sharded: dispatching a reduction first finishes the one this many places earlier, so

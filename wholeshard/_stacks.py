@@ -32,7 +32,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .planning.records import Bucket, ParamSpec, Placement, round_up
+from ._planning.records import Bucket, ParamSpec, Placement, round_up
 
 _MAX_LCM_FACTOR = 64
 

@@ -1,6 +1,6 @@
-"""`wholeshard layout`: plan the buffers of a model given by shapes alone, and show the plan.
+"""`wholeshard plan`: plan the buffers of a model given by shapes alone, and show the plan.
 
-    wholeshard layout (--shapes FILE.json | --preset NAME) --dp N [--bucket-size N]
+    wholeshard plan (--shapes FILE.json | --preset NAME) --dp N [--bucket-size N]
                       [--strategy S] [--shard-group-size K] [--json] [--png FILE]
 
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
@@ -19,13 +19,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ._stacks import matrices, matrix_count
 from .cli import positive_int
 from .layout import STRATEGIES, Layout, ParamSpec
 from .plan import DEFAULT_STRATEGY, Plan, plan_buffers
 from .plotting import figure
 from .presets import PRESETS
 from .routing import muon_by_name
-from .stacks import matrices, matrix_count
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 MAX_DP = 1 << 20
@@ -265,7 +265,7 @@ def _gaps(buffer: Layout) -> list[tuple[int, int]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `wholeshard layout`."""
+    """The flags of `wholeshard plan`."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--shapes",
@@ -304,9 +304,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `wholeshard layout` on the `wholeshard` subcommand parsers."""
+    """Register `wholeshard plan` on the `wholeshard` subcommand parsers."""
     parser = subparsers.add_parser(
-        "layout",
+        "plan",
         help="plan the buffers of a model given by shapes, and show the plan",
         description="Plan whole-tensor (Muon) and element-wise (AdamW) buffers for a model "
         "given by a shapes file or a preset, without building it, and report padding, "
@@ -314,11 +314,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_arguments(parser)
     parser.set_defaults(run=main)
+    old = subparsers.add_parser("layout", help="the old spelling of `plan` (deprecated)")
+    add_arguments(old)
+    old.set_defaults(run=_old_spelling)
     return parser
 
 
+def _old_spelling(args: argparse.Namespace) -> int:
+    print("wholeshard layout is deprecated: use wholeshard plan", file=sys.stderr)
+    return main(args)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run `wholeshard layout` with parsed `args`; return the exit code."""
+    """Run `wholeshard plan` with parsed `args`; return the exit code."""
     try:
         if args.shapes is not None:
             specs, source = load_shapes(args.shapes), args.shapes
@@ -334,7 +342,7 @@ def main(args: argparse.Namespace) -> int:
         )
         seconds = time.perf_counter() - start
     except ValueError as e:  # ShapesError, or inputs no plan can serve
-        print(f"wholeshard layout: error: {e}", file=sys.stderr)
+        print(f"wholeshard plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         sys.stdout.write(json.dumps(plan_json(plan, specs, seconds), allow_nan=False) + "\n")
@@ -345,12 +353,12 @@ def main(args: argparse.Namespace) -> int:
             draw_png(plan, args.png)
         except ImportError:
             print(
-                "wholeshard layout: error: --png needs matplotlib (pip install matplotlib)",
+                "wholeshard plan: error: --png needs matplotlib (pip install matplotlib)",
                 file=sys.stderr,
             )
             return 2
         except OSError as e:
-            print(f"wholeshard layout: error: cannot write {args.png!r}: {e}", file=sys.stderr)
+            print(f"wholeshard plan: error: cannot write {args.png!r}: {e}", file=sys.stderr)
             return 2
         if not args.json:
             print(f"\nwrote {args.png}")
@@ -358,7 +366,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _standalone(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wholeshard layout", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="wholeshard plan", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return main(parser.parse_args(argv))
 

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from .bucket import CommBucket
-from .schedule import Scheduler
+from ._bucket import CommBucket
+from ._schedule import Scheduler
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 

@@ -22,10 +22,10 @@ from ..checkpoint_dir import (
 )
 from ..data_parallel import DataParallel
 from ..optim.checkpointable import Checkpointable, elementwise
-from . import chunks
-from .agreement import Group
-from .chunks import Chunks, add, piece_parts, whole
-from .model_table import aliases, model_table, other_tensors
+from . import _chunks as chunks
+from ._agreement import Group
+from ._chunks import Chunks, add, piece_parts, whole
+from ._model_table import aliases, model_table, other_tensors
 
 
 def save_checkpoint(

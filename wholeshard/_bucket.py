@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup, Work
 
-from . import collectives
+from . import _collectives as collectives
 from .layout import Bucket, Placement
 from .plan import Plan
 from .routing import Route

@@ -1,4 +1,4 @@
-"""Tests for `wholeshard layout` (`wholeshard.layout_tool`): JSON fields and types, the table,
+"""Tests for `wholeshard plan` (`wholeshard.plan_tool`): JSON fields and types, the table,
 the PNG, and clear errors with exit code 2 for bad shapes files."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from wholeshard import layout_tool
+from wholeshard import plan_tool
 from wholeshard.plan import plan_buffers
 from wholeshard.presets import preset
 
@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser(prog="wholeshard")
-    layout_tool.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["layout", *argv])
+    plan_tool.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
     code = args.run(args)
     out, err = capsys.readouterr()
     return code, out, err
@@ -99,7 +99,7 @@ def test_json_matches_plan_buffers_for_a_preset(capsys: pytest.CaptureFixture[st
     assert code == 0
     doc = json.loads(out)
     plan = plan_buffers(
-        preset("gpt2-small"), 8, bucket_size=layout_tool.DEFAULT_BUCKET_SIZE, strategy="size_match"
+        preset("gpt2-small"), 8, bucket_size=plan_tool.DEFAULT_BUCKET_SIZE, strategy="size_match"
     )
     assert doc["strategy"] == "size_match" and doc["shard_group_size"] == 8
     assert doc["padding_fraction"] == plan.padding_fraction
@@ -168,7 +168,7 @@ def test_bad_shapes_file_exits_2_with_a_clear_message(
 ) -> None:
     code, out, err = run(["--shapes", write(tmp_path, content), "--dp", "2"], capsys)
     assert code == 2 and out == ""
-    assert err.startswith("wholeshard layout: error: ")
+    assert err.startswith("wholeshard plan: error: ")
     assert re.search(message, err), err
 
 
@@ -204,11 +204,20 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 def test_standalone_module_entry_point(tmp_path: Path) -> None:
     bad = write(tmp_path, {"params": [{"name": "w", "shape": [3, -2]}]})
     result = subprocess.run(
-        [sys.executable, "-m", "wholeshard.layout_tool", "--shapes", bad, "--dp", "2"],
+        [sys.executable, "-m", "wholeshard.plan_tool", "--shapes", bad, "--dp", "2"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 2 and result.stdout == ""
-    assert "wholeshard layout: error:" in result.stderr and "negative size" in result.stderr
+    assert "wholeshard plan: error:" in result.stderr and "negative size" in result.stderr
+
+
+def test_layout_is_the_old_spelling_of_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from wholeshard import cli
+
+    assert cli.main(["layout", "--preset", "gpt2-small", "--dp", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "use wholeshard plan" in out.err
+    assert json.loads(out.out)["dp"] == 2

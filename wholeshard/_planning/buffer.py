@@ -6,7 +6,7 @@ whole depends on the kind:
 
 - `"muon"`: whole tensors (`wholeshard.layout`). Every param lies wholly inside one shard and
   its `owner` is `Bucket.owner(start)`; tied params sit alone at the start of their bucket.
-- `"stacked"`: whole matrices of stacked params (`wholeshard.stacks`, [Note: stacked layout]).
+- `"stacked"`: whole matrices of stacked params (`wholeshard._stacks`, [Note: stacked layout]).
   A stack may spread over consecutive shards; each matrix's owner follows from its offset.
 - `"adamw"`: element-wise (`wholeshard.plan`). Params are packed tightly in backprop order and
   may straddle shards; each bucket is padded to a multiple of `k * align`, no more.
@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..stacks import matrices, storage_units
+from .._stacks import matrices, storage_units
 from .records import Bucket, ParamSpec, Placement, round_up
 
 KINDS = ("muon", "stacked", "adamw")
@@ -71,7 +71,7 @@ class Layout:
 
     def storage_units(self) -> tuple[range, ...]:
         """Runs of bucket indices a fully sharded buffer materialises together: a param crossing
-        a bucket boundary joins the buckets it overlaps (`wholeshard.stacks.storage_units`).
+        a bucket boundary joins the buckets it overlaps (`wholeshard._stacks.storage_units`).
         One bucket each in whole-tensor and element-wise buffers."""
         return storage_units(self.buckets, self.placements)
 

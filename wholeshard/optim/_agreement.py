@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .. import collectives
+from .. import _collectives as collectives
 
 ERROR, SKIP = "error", "skip"
 NONFINITE_POLICIES = (ERROR, SKIP, None)

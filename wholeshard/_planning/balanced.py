@@ -21,7 +21,7 @@ another rank has room; from `HARD_CEILING_RANKS` ranks on, padding is accepted i
 rank's share of a bucket is then small). Inside a shard params keep backprop order; every bucket
 holds the first free param in backprop order, so buckets are filled in backprop order; tied
 params are isolated exactly as with size matching. Cost of a non-Muon or non-2-D param: 0.
-Every bucket is one row (`wholeshard.planning.rows`) whose width is the shard size.
+Every bucket is one row (`wholeshard._planning.rows`) whose width is the shard size.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .. import collectives
-from ..bucket import CommBucket, InFlight, _alloc, _allocated, _free, _nbytes
+from .. import _collectives as collectives
+from .._bucket import CommBucket, InFlight, _alloc, _allocated, _free, _nbytes
 from ..layout import Bucket
 from .formats import Fp8Tensorwise
 from .linear import Fp8Linear, Fp8Weight, quantize_weight

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import collectives
-from .bucket import ALLGATHER, Comm, CommBucket, InFlight
+from . import _collectives as collectives
+from ._bucket import ALLGATHER, Comm, CommBucket, InFlight
 from .layout import ParamSpec, Placement, plan_layout
 
 

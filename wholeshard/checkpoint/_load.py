@@ -22,10 +22,10 @@ from ..checkpoint_dir import (
 )
 from ..data_parallel import DataParallel
 from ..optim.checkpointable import Checkpointable, LoadedPiece, elementwise, install_state
-from . import chunks
-from .agreement import Group
-from .chunks import Chunks, add, piece_parts, whole
-from .model_table import check_model, other_tensors, state_keys
+from . import _chunks as chunks
+from ._agreement import Group
+from ._chunks import Chunks, add, piece_parts, whole
+from ._model_table import check_model, other_tensors, state_keys
 
 
 def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Checkpointable) -> Any:
