@@ -141,8 +141,18 @@ CASES = pytest.mark.parametrize(
         (True, 2, False),
         ("pipelined", 1, False),
         ("pipelined", 1, True),
+        ("fully_sharded", 1, False),
     ],
-    ids=["sync", "sync-no_sync", "sync-clip", "overlap", "overlap-no_sync", "pipe", "pipe-clip"],
+    ids=[
+        "sync",
+        "sync-no_sync",
+        "sync-clip",
+        "overlap",
+        "overlap-no_sync",
+        "pipe",
+        "pipe-clip",
+        "fully_sharded",
+    ],  # fmt: skip
 )
 
 
@@ -172,6 +182,7 @@ def _train(
         overlap_grad_reduce=bool(overlap),
         overlap_param_gather=bool(overlap),
         pipelined_step=overlap == "pipelined",
+        reshard_after_forward=overlap == "fully_sharded",
     )
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     losses = []
