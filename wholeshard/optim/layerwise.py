@@ -145,6 +145,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         pipelined = self.ddp.pipelined_step
         if pipelined and self.nonfinite is None:  # nothing waits; see the class docstring
+            self._piece_norms = None
             change = self.ddp.model_changes()
             if change is not None:
                 raise RuntimeError(change)
