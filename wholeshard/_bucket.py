@@ -210,6 +210,11 @@ class CommBucket:
         """Every param's gradient has landed (counted in synchronising backwards only)."""
         return self.arrived == len(self.params)
 
+    def land(self, i: int) -> None:
+        """Count `self.params[i]`'s gradient as landed in this accumulation window."""
+        self.landed[i] = True
+        self.arrived += 1
+
     def reset_arrivals(self) -> None:
         """Open a new accumulation window: no gradient has landed."""
         self.arrived = 0

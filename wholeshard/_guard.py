@@ -45,7 +45,6 @@ class ParamSignature:
 
     def __init__(self, module: nn.Module) -> None:
         self._names = {id(p): name for name, p in module.named_parameters()}
-        self._requires_grad = {id(p): p.requires_grad for p in module.parameters()}
         self._key = self._of(module)
 
     @staticmethod
@@ -57,6 +56,7 @@ class ParamSignature:
         if self._of(module) == self._key:
             return None
         now = {id(p): (name, p) for name, p in module.named_parameters()}
+        wrapped_requires_grad = dict(self._key)
         for key, name in self._names.items():
             if key not in now:
                 names_now = {n for n, _ in now.values()}
@@ -65,10 +65,10 @@ class ParamSignature:
         for key, (name, p) in now.items():
             if key not in self._names:
                 return _changed(f"param {name!r} was added")
-            if p.requires_grad != self._requires_grad[key]:
+            if p.requires_grad != wrapped_requires_grad[key]:
                 return _changed(
                     f"param {name!r} has requires_grad={p.requires_grad}, "
-                    f"{self._requires_grad[key]} when it was wrapped"
+                    f"{wrapped_requires_grad[key]} when it was wrapped"
                 )
         return _changed("the params' order changed")
 

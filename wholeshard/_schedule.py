@@ -111,8 +111,7 @@ class Scheduler:
         param.grad = None
         if not self.sync_grads:
             return
-        bucket.landed[i] = True
-        bucket.arrived += 1
+        bucket.land(i)
         if not bucket.complete:
             return
         if self.reshard:  # no backward node needs these params any more

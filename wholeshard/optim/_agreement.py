@@ -41,7 +41,7 @@ def peak_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 def agree(
     step: int,
     *,
-    indices: Sequence[int],
+    indices: torch.Tensor,
     norms: torch.Tensor | None,
     changed: bool,
     group: ProcessGroup | None,
@@ -49,14 +49,11 @@ def agree(
     device: torch.device,
 ) -> Agreement:
     """Combine every rank's view. `norms[i]` is any norm of the gradient of param `indices[i]`
-    (non-finite exactly when that gradient is); None: not checked on this rank."""
-    first = torch.tensor(_NONE, dtype=torch.float64, device=device)
+    (`indices`: float64 on `device`; a norm is non-finite exactly when that gradient is); None:
+    not checked on this rank."""
+    t = torch.tensor([-_NONE, step, -step, float(changed)], dtype=torch.float64, device=device)
     if norms is not None and len(indices):
-        where = torch.tensor(indices, dtype=torch.float64, device=device)
-        bad = ~torch.isfinite(norms.to(device))
-        first = torch.where(bad, where, first).min()
-    mine = torch.tensor([step, -step, float(changed)], dtype=torch.float64, device=device)
-    t = torch.cat([(-first).reshape(1), mine])
+        t[0] = -torch.where(torch.isfinite(norms), _NONE, indices).min()
     if world > 1:
         collectives.all_reduce(t, group, op=dist.ReduceOp.MAX)
     neg_first, high, neg_low, changed_any = t.tolist()

@@ -120,7 +120,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._owned += pieces
             self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
         index = {r.name: i for i, r in enumerate(ddp.routes)}
-        self._indices = [index[o.name] for o in self._owned]
+        self._indices = torch.tensor(  # each piece's param index, for the step's agreement
+            [index[o.name] for o in self._owned],
+            dtype=torch.float64,
+            device=ddp.buckets[0].grad.device,
+        )
 
         self._inner = {
             MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
