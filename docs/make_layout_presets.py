@@ -7,9 +7,10 @@ Each row is `plan_buffers` on a preset, the numbers `wholeshard plan --preset P 
 import statistics
 import time
 
-from wholeshard.plan import plan_buffers
-from wholeshard.plan_tool import DEFAULT_BUCKET_SIZE
-from wholeshard.presets import PRESETS
+from wholeshard.planning import plan_buffers
+from wholeshard.planning.presets import PRESETS
+
+DEFAULT_BUCKET_SIZE = 40_000_000
 
 DPS = (8, 64, 256, 1024)
 STRATEGIES = ("size_match", "balanced")

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import wholeshard
-from wholeshard import ParamSpec
 from wholeshard.launch import launch
+from wholeshard.planning import Buffer, ParamSpec, validate_specs
+from wholeshard.planning._whole import plan_whole
 from wholeshard.routing import route_params
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 64, 32, 8, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
@@ -371,9 +372,26 @@ def spec_lists(draw: st.DrawFn, max_params: int = 40, tied_one_in: int = 20) -> 
     return specs
 
 
-def verify_layout(layout: wholeshard.Layout, specs: list[ParamSpec]) -> None:
-    """Re-check every invariant of a whole-tensor layout (either strategy) without calling
-    `Layout.check`."""
+def whole_buffer(
+    specs: list[ParamSpec],
+    dp: int,
+    *,
+    bucket_size: int | None = None,
+    align: int = 64,
+    strategy: str = "size_match",
+) -> Buffer:
+    """The whole-tensor planner (the machinery `plan_buffers` runs on 2-D Muon specs) on every
+    spec, as one checked "muon" buffer."""
+    specs = tuple(specs)
+    validate_specs(specs, dp, bucket_size, align, strategy)
+    buffer = plan_whole(specs, dp, bucket_size, align, strategy)
+    buffer.check(specs)
+    return buffer
+
+
+def verify_layout(layout: Buffer, specs: list[ParamSpec]) -> None:
+    """Re-check every invariant of a whole-tensor buffer (either strategy) without calling
+    `Buffer.check`."""
     k, align = layout.shard_group_size, layout.align
     assert layout.kind == "muon" and layout.whole
     # Buckets: numbered in order, contiguous from 0, k equal aligned shards.

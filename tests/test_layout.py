@@ -1,5 +1,5 @@
 """Tests for `wholeshard.layout`: every invariant is re-checked here independently of
-`Layout.check`, and `plan_layout` is compared with a naive reference of the size-matching rule."""
+`Buffer.check`, and `plan_layout` is compared with a naive reference of the size-matching rule."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, spec, spec_lists, verify_layout
+from support import round_up, spec, spec_lists, verify_layout, whole_buffer
 
-from wholeshard._planning.packing import FirstFit
-from wholeshard.layout import Bucket, Layout, ParamSpec, Placement, plan_layout
+from wholeshard.planning import Bucket, Buffer, ParamSpec, Placement
+from wholeshard.planning._packing import FirstFit
 
 
 def aligned_total(specs: list[ParamSpec], align: int) -> int:
     return sum(round_up(s.numel, align) for s in specs)
 
 
-def verify(layout: Layout, specs: list[ParamSpec], bucket_size: int | None = None) -> None:
+def verify(layout: Buffer, specs: list[ParamSpec], bucket_size: int | None = None) -> None:
     """`verify_layout`, and the size-matching rule for closing buckets."""
     verify_layout(layout, specs)
     dp, align, buckets = layout.shard_group_size, layout.align, layout.buckets
@@ -125,7 +125,7 @@ def transformer_block(i: int, d: int = 128) -> list[ParamSpec]:
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_uniform_stack_has_no_padding_beyond_alignment(dp: int) -> None:
     specs = [s for i in range(8) for s in transformer_block(i)]
-    layout = plan_layout(specs, dp)
+    layout = whole_buffer(specs, dp)
     verify(layout, specs)
     assert layout.numel == aligned_total(specs, 64)
     assert layout.padding_fraction == 0.0  # every size here is a multiple of 64
@@ -135,7 +135,7 @@ def test_uniform_stack_has_no_padding_beyond_alignment(dp: int) -> None:
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_uniform_stack_with_small_buckets_has_no_padding_beyond_alignment(dp: int) -> None:
     specs = [s for i in range(8) for s in transformer_block(i)]
-    layout = plan_layout(specs, dp, bucket_size=100_000)
+    layout = whole_buffer(specs, dp, bucket_size=100_000)
     verify(layout, specs, bucket_size=100_000)
     assert len(layout.buckets) > 1
     assert layout.numel == aligned_total(specs, 64)
@@ -145,7 +145,7 @@ def test_uniform_stack_with_small_buckets_has_no_padding_beyond_alignment(dp: in
 def test_counts_multiple_of_dp_give_no_padding_beyond_alignment(dp: int) -> None:
     shapes = [(7,), (100, 3), (65,), (1,), (64, 64)]
     specs = [spec(f"p{k}.{j}", *shapes[(k * 7 + j) % 5]) for k in range(dp) for j in range(5)]
-    layout = plan_layout(specs, dp, align=16)
+    layout = whole_buffer(specs, dp, align=16)
     verify(layout, specs)
     assert layout.numel == aligned_total(specs, 16)
 
@@ -160,7 +160,7 @@ def test_unique_seed_gets_following_params_packed_before_padding() -> None:
         spec("e", 4, 64),
         spec("big", 10, 64),
     ]
-    layout = plan_layout(specs, 3)
+    layout = whole_buffer(specs, 3)
     verify(layout, specs)
     assert len(layout.buckets) == 1 and layout.buckets[0].shard_numel == 640
     at = {p.name: (p.owner, p.start - 640 * p.owner) for p in layout.placements}
@@ -179,7 +179,7 @@ def test_unique_seed_gets_following_params_packed_before_padding() -> None:
 def test_packing_skips_params_that_do_not_fit_and_takes_later_ones() -> None:
     # Backprop order: big (640), x (512), y (512), z (128).
     specs = [spec("z", 128), spec("y", 512), spec("x", 512), spec("big", 640)]
-    layout = plan_layout(specs, 3)
+    layout = whole_buffer(specs, 3)
     verify(layout, specs)
     owner = {p.name: p.owner for p in layout.placements}
     assert owner == {"big": 0, "x": 1, "z": 1, "y": 2}
@@ -190,7 +190,7 @@ def test_exact_numel_partner_beats_packing() -> None:
     # A same-numel partner far back in backprop order (first registered) is preferred over
     # the smaller params right behind the seed.
     specs = [spec("partner", 8, 64), spec("s1", 64), spec("s2", 64), spec("seed", 64, 8)]
-    layout = plan_layout(specs, 2)
+    layout = whole_buffer(specs, 2)
     verify(layout, specs)
     owner = {p.name: (p.bucket, p.owner) for p in layout.placements}
     assert owner["seed"] == (0, 0) and owner["partner"] == (0, 1)
@@ -199,7 +199,7 @@ def test_exact_numel_partner_beats_packing() -> None:
 
 def test_row_without_anything_to_pack_is_padded() -> None:
     specs = [spec("large", 1000), spec("small", 10)]  # backprop: small first, nothing fits
-    layout = plan_layout(specs, 4, align=1)
+    layout = whole_buffer(specs, 4, align=1)
     verify(layout, specs)
     assert layout.buckets[0].shard_numel == 10 + 1000
     assert layout.numel == 4 * 1010
@@ -215,7 +215,7 @@ def test_tied_param_gets_an_isolated_bucket() -> None:
         spec("d", 32, 64),
         spec("e", 100),  # same numel as the tied gate, which still must not partner it
     ]
-    layout = plan_layout(specs, 2)
+    layout = whole_buffer(specs, 2)
     verify(layout, specs)
     buckets = [sorted(p.name for p in layout.placements if p.bucket == i) for i in range(4)]
     assert len(layout.buckets) == 4
@@ -232,14 +232,14 @@ def test_tied_params_in_a_real_stack_stay_isolated() -> None:
     specs = [spec("wte", 1000, 64, tied=True)] + transformer_block(0) + transformer_block(1)
     specs.insert(13, spec("shared_gate", 100, tied=True))
     for bucket_size in (None, 50_000):
-        layout = plan_layout(specs, 4, bucket_size=bucket_size)
+        layout = whole_buffer(specs, 4, bucket_size=bucket_size)
         verify(layout, specs, bucket_size)
         assert layout.placements[0].bucket == len(layout.buckets) - 1
 
 
 def test_tied_param_at_dp1_has_no_padding() -> None:
     specs = [spec("emb", 50, 3, tied=True), spec("w", 30, 30)]
-    layout = plan_layout(specs, 1, align=1)
+    layout = whole_buffer(specs, 1, align=1)
     verify(layout, specs)
     assert layout.padding_fraction == 0.0 and len(layout.buckets) == 2
 
@@ -247,22 +247,22 @@ def test_tied_param_at_dp1_has_no_padding() -> None:
 @pytest.mark.parametrize("bucket_size", [None, 5000])
 def test_dp1_has_no_padding_beyond_alignment(bucket_size: int | None) -> None:
     specs = [spec(f"p{i}", 1 + 37 * i % 101, 1 + 13 * i % 29) for i in range(30)]
-    layout = plan_layout(specs, 1, bucket_size=bucket_size)
+    layout = whole_buffer(specs, 1, bucket_size=bucket_size)
     verify(layout, specs, bucket_size)
     assert layout.numel == aligned_total(specs, 64)
-    assert plan_layout(specs, 1, bucket_size=bucket_size, align=1).padding_fraction == 0.0
+    assert whole_buffer(specs, 1, bucket_size=bucket_size, align=1).padding_fraction == 0.0
 
 
 def test_first_bucket_holds_the_last_registered_params() -> None:
     specs = [spec(f"p{i}", 64 * (i + 1)) for i in range(10)]  # distinct sizes: one param per row
-    layout = plan_layout(specs, 1, bucket_size=1)
+    layout = whole_buffer(specs, 1, bucket_size=1)
     verify(layout, specs, bucket_size=1)
     assert [p.bucket for p in layout.placements] == list(range(9, -1, -1))
 
 
 def test_backprop_order_with_repeated_blocks() -> None:
     specs = [s for i in range(4) for s in transformer_block(i)]
-    layout = plan_layout(specs, 2, bucket_size=150_000)
+    layout = whole_buffer(specs, 2, bucket_size=150_000)
     verify(layout, specs, bucket_size=150_000)
     first = {p.name for p in layout.placements if p.bucket == 0}
     assert "h.3.mlp.fc2.bias" in first and "h.3.mlp.fc2.weight" in first
@@ -272,37 +272,37 @@ def test_backprop_order_with_repeated_blocks() -> None:
 
 def test_buckets_are_cut_near_bucket_size() -> None:
     specs = [spec(f"w{i}", 64, 64) for i in range(40)]  # rows of 2 * 4096 elements at dp 2
-    layout = plan_layout(specs, 2, bucket_size=20_000)
+    layout = whole_buffer(specs, 2, bucket_size=20_000)
     verify(layout, specs, bucket_size=20_000)
     assert [b.numel for b in layout.buckets] == [24_576] * 6 + [16_384]
 
 
 def test_bucket_closes_when_it_reaches_bucket_size_exactly() -> None:
     specs = [spec(f"w{i}", 64, 64) for i in range(12)]
-    layout = plan_layout(specs, 2, bucket_size=3 * 8192)
+    layout = whole_buffer(specs, 2, bucket_size=3 * 8192)
     assert [b.numel for b in layout.buckets] == [3 * 8192, 3 * 8192]
 
 
 def test_one_bucket_without_bucket_size() -> None:
     specs = [spec(f"w{i}", 64, 64 + i) for i in range(20)]
-    layout = plan_layout(specs, 4)
+    layout = whole_buffer(specs, 4)
     verify(layout, specs)
     assert len(layout.buckets) == 1
 
 
 def test_scalar_params_and_empty_spec_list() -> None:
     specs = [spec("scale"), spec("bias", 3), spec("gain")]
-    layout = plan_layout(specs, 2, align=1)
+    layout = whole_buffer(specs, 2, align=1)
     verify(layout, specs)
     assert [p.shape for p in layout.placements] == [(), (3,), ()]
-    empty = plan_layout([], 8)
+    empty = whole_buffer([], 8)
     assert empty.buckets == () and empty.placements == () and empty.numel == 0
     assert empty.padding_fraction == 0.0
 
 
 def test_placement_fields() -> None:
     specs = transformer_block(0, d=96)
-    layout = plan_layout(specs, 3, align=32)
+    layout = whole_buffer(specs, 3, align=32)
     verify(layout, specs)
     for s, p in zip(specs, layout.placements, strict=True):
         assert (p.name, p.shape, p.numel) == (s.name, s.shape, s.numel)
@@ -321,7 +321,7 @@ def test_placement_fields() -> None:
 def test_random_layouts_keep_invariants_and_match_reference(
     specs: list[ParamSpec], dp: int, bucket_size: int | None, align: int
 ) -> None:
-    layout = plan_layout(specs, dp, bucket_size=bucket_size, align=align)
+    layout = whole_buffer(specs, dp, bucket_size=bucket_size, align=align)
     layout.check(specs)
     verify(layout, specs, bucket_size)
     got = {p.name: (p.bucket, p.start, p.owner) for p in layout.placements}
@@ -352,7 +352,7 @@ def test_shapes_repeated_dp_times_have_no_padding_beyond_alignment(
     copies = [(i, shape) for i, shape in enumerate(shapes) for _ in range(dp)]
     copies = data.draw(st.permutations(copies))
     specs = [ParamSpec(f"s{i}.{k}", shape, muon=True) for k, (i, shape) in enumerate(copies)]
-    layout = plan_layout(specs, dp)
+    layout = whole_buffer(specs, dp)
     verify(layout, specs)
     assert layout.numel == aligned_total(specs, 64)
 
@@ -372,19 +372,19 @@ def test_first_fit_tree_matches_linear_scan(sizes: list[int], data: st.DataObjec
             assert tree.first_fit(lo, capacity) == expected
 
 
-# ---------------------------------------------------------------- Layout.check catches breakage
+# ---------------------------------------------------------------- Buffer.check catches breakage
 
 
-def good_layout() -> tuple[Layout, list[ParamSpec]]:
+def good_layout() -> tuple[Buffer, list[ParamSpec]]:
     specs = [spec("a", 128), spec("b", 64), spec("c", 64), spec("d", 128)]
-    layout = plan_layout(specs, 2)
+    layout = whole_buffer(specs, 2)
     return layout, specs
 
 
 def test_check_catches_param_straddling_shards() -> None:
     bucket = Bucket(index=0, start=0, end=256, shard_numel=128)
     straddler = Placement("w", (192,), bucket=0, start=0, end=192, owner=0)
-    layout = Layout("muon", 2, 64, buckets=(bucket,), placements=(straddler,))
+    layout = Buffer("muon", 2, 64, buckets=(bucket,), placements=(straddler,))
     with pytest.raises(AssertionError, match=r"'w'.*straddles shards 0"):
         layout.check()
 
@@ -395,7 +395,7 @@ def test_check_accepts_planned_layout() -> None:
     layout.check(specs)
 
 
-def _replace_placement(layout: Layout, name: str, **changes: int) -> Layout:
+def _replace_placement(layout: Buffer, name: str, **changes: int) -> Buffer:
     placements = tuple(
         dataclasses.replace(p, **changes) if p.name == name else p for p in layout.placements
     )
@@ -439,7 +439,7 @@ def test_check_catches_broken_layouts(breakage, message: str) -> None:
 def test_check_catches_overlap_and_backprop_order() -> None:
     b0 = Bucket(0, 0, 128, 64)
     b1 = Bucket(1, 128, 256, 64)
-    overlap = Layout(
+    overlap = Buffer(
         "muon",
         2,
         64,
@@ -448,7 +448,7 @@ def test_check_catches_overlap_and_backprop_order() -> None:
     )
     with pytest.raises(AssertionError, match="overlap"):
         overlap.check()
-    forward_order = Layout(
+    forward_order = Buffer(
         "muon",
         2,
         64,
@@ -456,17 +456,17 @@ def test_check_catches_overlap_and_backprop_order() -> None:
         (Placement("x", (64,), 1, 128, 192, 0), Placement("y", (64,), 0, 0, 64, 0)),
     )
     forward_order.check()  # y (registered last) is in bucket 0: backprop order
-    wrong = Layout("muon", 2, 64, (b0, b1), forward_order.placements[::-1])
+    wrong = Buffer("muon", 2, 64, (b0, b1), forward_order.placements[::-1])
     with pytest.raises(AssertionError, match="backprop order"):
         wrong.check()
 
 
 def test_check_with_specs_catches_shared_tied_bucket_and_order() -> None:
     specs = [spec("emb", 64, tied=True), spec("w", 64)]
-    packed = plan_layout([spec("emb", 64), spec("w", 64)], 2)
+    packed = whole_buffer([spec("emb", 64), spec("w", 64)], 2)
     with pytest.raises(AssertionError, match="tied param 'emb'"):
         packed.check(specs)
-    layout = plan_layout(specs, 2)
+    layout = whole_buffer(specs, 2)
     with pytest.raises(AssertionError, match="specs' order"):
         layout.check(specs[::-1])
 
@@ -495,7 +495,7 @@ def test_bad_inputs_raise_value_error(kwargs: dict, message: str) -> None:
     args = {"dp_size": 2, **kwargs}
     dp = args.pop("dp_size")
     with pytest.raises(ValueError, match=message):
-        plan_layout(specs, dp, **args)
+        whole_buffer(specs, dp, **args)
 
 
 # ---------------------------------------------------------------- scale
@@ -538,7 +538,7 @@ def test_fifty_thousand_params_at_dp_1024() -> None:
     specs = deepseek_like_specs()
     assert len(specs) >= 50_000
     t0 = time.perf_counter()
-    layout = plan_layout(specs, 1024, bucket_size=2_000_000_000)
+    layout = whole_buffer(specs, 1024, bucket_size=2_000_000_000)
     print(f"planned {len(specs)} params at dp 1024 in {time.perf_counter() - t0:.3f} s")
     verify(layout, specs, bucket_size=2_000_000_000)
     embed = layout.placements[0]

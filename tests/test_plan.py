@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import round_up, spec, verify_layout
 
-from wholeshard.layout import Bucket, Layout, ParamSpec, Placement, ns_cost
-from wholeshard.plan import Plan, plan_buffers
+from wholeshard.planning import Bucket, Buffer, ParamSpec, Placement, Plan, plan_buffers
+from wholeshard.planning.specs import ns_cost
 
 
 def verify(plan: Plan, specs: list[ParamSpec]) -> None:
@@ -46,7 +46,7 @@ def verify(plan: Plan, specs: list[ParamSpec]) -> None:
     assert plan.rank_costs() == costs
 
 
-def verify_elementwise(buffer: Layout, specs: list[ParamSpec]) -> None:
+def verify_elementwise(buffer: Buffer, specs: list[ParamSpec]) -> None:
     """An element-wise buffer: k equal aligned shards per bucket, params packed tightly in
     backprop order, padding only for alignment."""
     k, align = buffer.shard_group_size, buffer.align
@@ -73,7 +73,7 @@ def verify_elementwise(buffer: Layout, specs: list[ParamSpec]) -> None:
     assert buffer.numel - sum(s.numel for s in specs) <= bound
 
 
-def verify_ownership(buffer: Layout, p: Placement) -> None:
+def verify_ownership(buffer: Buffer, p: Placement) -> None:
     """The owned ranges of all shard-group ranks tile the param, each being exactly the part
     of the param inside that rank's shard of its bucket."""
     b = buffer.buckets[p.bucket]
@@ -296,7 +296,10 @@ def move(plan: Plan, name: str, **changes: int | None) -> Plan:
             ),
             "multiple of align",
         ),
-        (lambda P: dataclasses.replace(P, buffers=P.buffers[::-1]), "'muon' first"),
+        (
+            lambda P: dataclasses.replace(P, buffers=P.buffers[::-1]),
+            "at most one per kind, in the order",
+        ),
         (lambda P: dataclasses.replace(P, shard_group_size=3), "must divide"),
         (lambda P: with_adamw(P, kind="sgd"), "kind"),
     ],
@@ -326,9 +329,9 @@ def test_check_catches_elementwise_buckets_out_of_backprop_order() -> None:
     a = Placement("a", (8,), 1, 8, 16, None)
     b = Placement("b", (8,), 0, 0, 8, None)
     buckets = (Bucket(0, 0, 8, 8), Bucket(1, 8, 16, 8))
-    ok = Layout("adamw", 1, 8, buckets, (a, b))
+    ok = Buffer("adamw", 1, 8, buckets, (a, b))
     ok.check()
-    swapped = Layout(
+    swapped = Buffer(
         "adamw", 1, 8, buckets, (dataclasses.replace(a, bucket=0, start=0, end=8),
                                  dataclasses.replace(b, bucket=1, start=8, end=16))
     )  # fmt: skip

@@ -1,5 +1,5 @@
-"""Tests for `plan_layout(..., strategy=...)`: both strategies keep every layout invariant
-(re-checked here without `Layout.check`), and the balanced strategy balances Newton-Schulz
+"""Tests for `whole_buffer(..., strategy=...)`: both strategies keep every layout invariant
+(re-checked here without `Buffer.check`), and the balanced strategy balances Newton-Schulz
 cost with little padding on models it was not tuned on."""
 
 from __future__ import annotations
@@ -9,22 +9,22 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, spec_lists, verify_layout
+from support import round_up, spec_lists, verify_layout, whole_buffer
 
-from wholeshard._planning.packing import FirstFit
-from wholeshard.layout import STRATEGIES, Layout, ParamSpec, ns_cost, plan_layout, spec_cost
-from wholeshard.plan import plan_buffers
-from wholeshard.presets import moe_256x, spec
+from wholeshard.planning import STRATEGIES, Buffer, ParamSpec, plan_buffers
+from wholeshard.planning._packing import FirstFit
+from wholeshard.planning.presets import moe_256x, spec
+from wholeshard.planning.specs import ns_cost, spec_cost
 
 
-def rank_costs(layout: Layout, specs: list[ParamSpec]) -> list[int]:
+def rank_costs(layout: Buffer, specs: list[ParamSpec]) -> list[int]:
     costs = [0] * layout.shard_group_size
     for s, p in zip(specs, layout.placements, strict=True):
         costs[p.owner] += spec_cost(s)
     return costs
 
 
-def imbalance(layout: Layout, specs: list[ParamSpec]) -> float:
+def imbalance(layout: Buffer, specs: list[ParamSpec]) -> float:
     costs = rank_costs(layout, specs)
     return max(costs) * len(costs) / sum(costs) if sum(costs) else 1.0
 
@@ -43,7 +43,7 @@ def imbalance(layout: Layout, specs: list[ParamSpec]) -> float:
 def test_both_strategies_keep_every_invariant(
     specs: list[ParamSpec], dp: int, bucket_size: int | None, align: int, strategy: str
 ) -> None:
-    layout = plan_layout(specs, dp, bucket_size=bucket_size, align=align, strategy=strategy)
+    layout = whole_buffer(specs, dp, bucket_size=bucket_size, align=align, strategy=strategy)
     layout.check(specs)
     verify_layout(layout, specs)
     if strategy == "balanced" and bucket_size is not None:
@@ -55,7 +55,7 @@ def test_both_strategies_keep_every_invariant(
                 assert b.numel >= bucket_size, f"bucket {i} closed early"
 
 
-def _first_members(layout: Layout) -> list:
+def _first_members(layout: Buffer) -> list:
     first = {}
     for p in layout.placements:
         first.setdefault(p.bucket, p)
@@ -77,7 +77,7 @@ def test_balanced_splits_shapes_repeated_dp_times_exactly(
 ) -> None:
     copies = data.draw(st.permutations([s for s in shapes for _ in range(dp)]))
     specs = [ParamSpec(f"s{i}", shape, muon=len(shape) == 2) for i, shape in enumerate(copies)]
-    layout = plan_layout(specs, dp, strategy="balanced")
+    layout = whole_buffer(specs, dp, strategy="balanced")
     verify_layout(layout, specs)
     assert layout.numel == sum(round_up(s.numel, 64) for s in specs)
     costs = rank_costs(layout, specs)
@@ -115,8 +115,8 @@ def test_balanced_spreads_cost_where_size_matching_cannot() -> None:
     # and gives rank 1 their same-numel partners, wide then tall.
     specs = [spec("tall", 4096, 16), spec("sq1", 256, 256), spec("wide", 16, 4096)]
     specs.append(spec("sq2", 256, 256))
-    sizes = plan_layout(specs, 2, strategy="size_match")
-    balanced = plan_layout(specs, 2, strategy="balanced")
+    sizes = whole_buffer(specs, 2, strategy="size_match")
+    balanced = whole_buffer(specs, 2, strategy="balanced")
     for layout in (sizes, balanced):
         verify_layout(layout, specs)
         assert layout.padding_fraction == 0.0
@@ -132,17 +132,17 @@ def test_balanced_carries_cost_across_buckets() -> None:
     # cheap matrices of the same numel: rank 0, which carries the tied one, gets the cheap ones.
     specs = [spec("mid1", 16, 256), spec("mid2", 16, 256), spec("cheap1", 4, 1024)]
     specs += [spec("cheap2", 4, 1024), ParamSpec("hog", (64, 64), muon=True, tied=True)]
-    layout = plan_layout(specs, 2, strategy="balanced")
+    layout = whole_buffer(specs, 2, strategy="balanced")
     verify_layout(layout, specs)
     owners = {p.name: p.owner for p in layout.placements}
     assert owners == {"hog": 0, "cheap1": 0, "cheap2": 0, "mid1": 1, "mid2": 1}
-    sizes = plan_layout(specs, 2, strategy="size_match")
+    sizes = whole_buffer(specs, 2, strategy="size_match")
     assert imbalance(layout, specs) < imbalance(sizes, specs)
 
 
 def test_balanced_isolates_tied_params() -> None:
     specs = [spec("emb", 1000, 64, tied=True)] + [spec(f"w{i}", 64, 64) for i in range(6)]
-    layout = plan_layout(specs, 3, strategy="balanced", bucket_size=10)
+    layout = whole_buffer(specs, 3, strategy="balanced", bucket_size=10)
     verify_layout(layout, specs)
     emb = layout.placements[0]
     assert emb.owner == 0 and emb.bucket == len(layout.buckets) - 1

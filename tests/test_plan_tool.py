@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from wholeshard import plan_tool
-from wholeshard.plan import plan_buffers
-from wholeshard.presets import preset
+from wholeshard.planning import default_bucket_size, plan_buffers
+from wholeshard.planning.presets import preset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,6 +58,7 @@ def test_json_has_every_field_with_its_type(
         "dp",
         "strategy",
         "shard_group_size",
+        "bucket_size",
         "padding_fraction",
         "ns_cost_imbalance",
         "plan_seconds",
@@ -65,6 +66,7 @@ def test_json_has_every_field_with_its_type(
         "params",
     }
     assert (doc["dp"], doc["shard_group_size"], doc["strategy"]) == (4, 2, "balanced")
+    assert doc["bucket_size"] == 4096
     for field in ("padding_fraction", "ns_cost_imbalance", "plan_seconds"):
         assert isinstance(doc[field], float) and doc[field] >= 0
     assert 0 <= doc["padding_fraction"] < 1 and doc["ns_cost_imbalance"] >= 1
@@ -98,10 +100,11 @@ def test_json_matches_plan_buffers_for_a_preset(capsys: pytest.CaptureFixture[st
                         "--json"], capsys)  # fmt: skip
     assert code == 0
     doc = json.loads(out)
-    plan = plan_buffers(
-        preset("gpt2-small"), 8, bucket_size=plan_tool.DEFAULT_BUCKET_SIZE, strategy="size_match"
-    )
+    specs = preset("gpt2-small")
+    bucket_size = default_bucket_size(sum(s.numel for s in specs), 8)  # DataParallel's default
+    plan = plan_buffers(specs, 8, bucket_size=bucket_size, strategy="size_match")
     assert doc["strategy"] == "size_match" and doc["shard_group_size"] == 8
+    assert doc["bucket_size"] == bucket_size
     assert doc["padding_fraction"] == plan.padding_fraction
     assert doc["ns_cost_imbalance"] == plan.ns_cost_imbalance
     assert [b["numel"] for b in doc["buffers"]] == [b.numel for b in plan.buffers]
@@ -212,12 +215,3 @@ def test_standalone_module_entry_point(tmp_path: Path) -> None:
     )
     assert result.returncode == 2 and result.stdout == ""
     assert "wholeshard plan: error:" in result.stderr and "negative size" in result.stderr
-
-
-def test_layout_is_the_old_spelling_of_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    from wholeshard import cli
-
-    assert cli.main(["layout", "--preset", "gpt2-small", "--dp", "2", "--json"]) == 0
-    out = capsys.readouterr()
-    assert "use wholeshard plan" in out.err
-    assert json.loads(out.out)["dp"] == 2

@@ -26,8 +26,8 @@ from support import (
 from torch import nn
 
 from wholeshard import ParamSpec, plan_buffers
-from wholeshard._stacks import matrices, storage_units
-from wholeshard.layout import Bucket, Placement, ns_cost
+from wholeshard.planning import Buffer
+from wholeshard.planning.specs import Bucket, Placement, matrices, ns_cost
 
 EXPERTS, HIDDEN = 4, 16
 
@@ -139,6 +139,10 @@ def test_stacks_spread_over_ranks_in_engine() -> None:
 
 def _place(name: str, start: int, end: int) -> Placement:
     return Placement(name, (end - start,), 0, start, end, None)
+
+
+def storage_units(buckets: list[Bucket], placements: list[Placement]) -> tuple[range, ...]:
+    return Buffer("stacked", 2, 1, tuple(buckets), tuple(placements)).storage_units()
 
 
 def test_storage_units_join_buckets_a_placement_crosses() -> None:

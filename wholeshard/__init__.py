@@ -8,26 +8,24 @@ The public surface is `__all__` plus the `checkpoint`, `fp8`, `launch`, `plan`, 
 from ._collectives import CollectiveError
 from .checkpoint import Checkpointable, CheckpointError, load_checkpoint, save_checkpoint
 from .data_parallel import DataParallel
-from .layout import Bucket, Layout, ParamSpec, Placement, plan_layout
 from .optim import LayerwiseOptimizer
-from .plan import Plan, plan_buffers
+from .planning import Bucket, Buffer, ParamSpec, Placement, Plan, plan_buffers
 from .routing import Route, route_params, routing_table
 
 __all__ = [
     "Bucket",
+    "Buffer",
     "CheckpointError",
     "Checkpointable",
     "CollectiveError",
     "DataParallel",
     "LayerwiseOptimizer",
-    "Layout",
     "ParamSpec",
     "Placement",
     "Plan",
     "Route",
     "load_checkpoint",
     "plan_buffers",
-    "plan_layout",
     "route_params",
     "routing_table",
     "save_checkpoint",

@@ -3,7 +3,7 @@
 [Note: storage units]
 A `CommBucket` covers elements `[start, end)` of one planned buffer: one planned bucket, or
 several consecutive ones where a stacked param runs across them (a param's `.data` is one view,
-so the planned buckets it spans share one storage unit: `Layout.storage_units`). Each planned
+so the planned buckets it spans share one storage unit: `Buffer.storage_units`). Each planned
 bucket (a "part") is cut into `k` equal shards, one per rank of the shard group, and every
 collective runs per part, so every rank moves the same number of elements (what NCCL needs).
 
@@ -27,8 +27,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, Work
 
 from . import _collectives as collectives
-from .layout import Bucket, Placement
-from .plan import Plan
+from .planning import Bucket, Placement, Plan
 from .routing import Route
 
 ALLGATHER, BROADCAST = "allgather", "broadcast"

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _collectives as collectives
 from ._bucket import ALLGATHER, Comm, CommBucket, InFlight
-from .layout import ParamSpec, Placement, plan_layout
+from .planning import ParamSpec, Placement, plan_buffers
 
 
 class PingPongBucket(CommBucket):
@@ -95,8 +95,8 @@ def ping_pong_buckets(
     grad_dtype: torch.dtype,
 ) -> tuple[list[PingPongBucket], dict[str, int]]:
     """The buckets of one unaligned buffer in backprop order, and every param's owner."""
-    lay = plan_layout(specs, 1, bucket_size=bucket_size, align=1)
-    owners = snake_owners(lay.placements, comm.size)
+    lay = plan_buffers(specs, comm.size, bucket_size=bucket_size, scheme="ping_pong").buffers[0]
+    owners = {p.name: p.owner for p in lay.placements}
     members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in lay.buckets]
     for param, p in zip(params, lay.placements, strict=True):
         members[p.bucket].append((param, p))
@@ -114,13 +114,3 @@ def ping_pong_buckets(
         for b in lay.buckets
     ]
     return buckets, owners
-
-
-def snake_owners(placements: Sequence[Placement], dp_size: int) -> dict[str, int]:
-    """Largest params first, dealt to ranks 0..N-1, N-1..0, 0..N-1, ... (the legacy rule)."""
-    by_size = sorted(placements, key=lambda p: -p.numel)  # stable: ties keep registration order
-    owners = {}
-    for i, p in enumerate(by_size):
-        lap, pos = divmod(i, dp_size)
-        owners[p.name] = pos if lap % 2 == 0 else dp_size - 1 - pos
-    return owners

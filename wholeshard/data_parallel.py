@@ -40,8 +40,14 @@ from ._groups import check_same_model, make_groups, resolve_group
 from ._ping_pong import ping_pong_buckets
 from ._schedule import Scheduler
 from .fp8 import _gather as fp8_gather
-from .layout import ParamSpec, Placement
-from .plan import DEFAULT_STRATEGY, Plan, default_bucket_size, plan_buffers
+from .planning import (
+    DEFAULT_STRATEGY,
+    ParamSpec,
+    Placement,
+    Plan,
+    default_bucket_size,
+    plan_buffers,
+)
 from .routing import Route, UseMuon, route_params
 
 ALIGNED, PING_PONG = "aligned", "ping_pong"
@@ -76,7 +82,7 @@ class DataParallel(nn.Module):
     Every rank must build the same module; construction checks this and raises on every rank,
     naming the first difference. Rank 0's initial values are broadcast to all ranks.
     Muon-routed params live in whole-tensor buffers; the others in element-wise sharded buffers.
-    `bucket_size=None` takes `wholeshard.plan.default_bucket_size`. `reshard_after_forward=True`
+    `bucket_size=None` takes `wholeshard.planning.default_bucket_size`. `reshard_after_forward=True`
     keeps only this rank's shards between steps (fully sharded); `separate_all_gather_group`
     puts param gathers on a second process group (None: on iff fully sharded or pipelined).
     `pipelined_step=True` makes the optimizer update each bucket as soon as its reduction lands

@@ -13,108 +13,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._stacks import matrices, matrix_count
 from .cli import positive_int
-from .layout import STRATEGIES, Layout, ParamSpec
-from .plan import DEFAULT_STRATEGY, Plan, plan_buffers
+from .planning import (
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    Buffer,
+    ParamSpec,
+    Plan,
+    default_bucket_size,
+    plan_buffers,
+)
+from .planning.presets import PRESETS
+from .planning.shapes import load_shapes
+from .planning.specs import matrices
 from .plotting import figure
-from .presets import PRESETS
-from .routing import muon_by_name
 
-DEFAULT_BUCKET_SIZE = 40_000_000
 MAX_DP = 1 << 20
 """Largest `--dp`: beyond any cluster, and the plan keeps per-rank tables."""
-MAX_NUMEL = (1 << 63) - 1
-"""Elements a param, and the model's buffers, can hold at most: torch counts them in int64."""
-MAX_MATRICES = 1 << 20
-"""Matrices all stacked (Muon, more than 2 dims) params may hold together: the plan places
-each one, and real MoE models have thousands."""
-_FIELDS = {"name", "shape", "muon", "tied"}
-
-
-class ShapesError(ValueError):
-    """A shapes file that cannot be read or does not describe params."""
-
-
-def load_shapes(path: str) -> list[ParamSpec]:
-    """The specs in the shapes file at `path`, routed by `muon_by_name` where `muon` is absent.
-    Raises ShapesError naming the file, the entry and what is wrong."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ShapesError(f"cannot read shapes file {path!r}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ShapesError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ShapesError(
-            f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); expected "
-            '{"params": [{"name": ..., "shape": [...]}, ...]}'
-        ) from None
-    except RecursionError:
-        raise ShapesError(f"{path}: JSON nested too deeply to be a shapes file") from None
-    if not isinstance(data, dict) or not isinstance(data.get("params"), list):
-        raise ShapesError(
-            f'{path}: expected an object with a "params" list, e.g. {{"params": [{{"name": '
-            f'"fc.weight", "shape": [1024, 256]}}]}}'
-        )
-    specs = [_spec(path, i, entry) for i, entry in enumerate(data["params"])]
-    total = sum(spec.numel for spec in specs)
-    if total > MAX_NUMEL:
-        raise ShapesError(
-            f"{path}: the params hold {total:,} elements together, more than a torch buffer can "
-            f"(2**63 - 1)"
-        )
-    stacked = sum(matrix_count(s.shape) for s in specs if s.muon and len(s.shape) > 2)
-    if stacked > MAX_MATRICES:
-        raise ShapesError(
-            f"{path}: the stacked (Muon, more than 2 dims) params hold {stacked:,} matrices "
-            f'together, more than {MAX_MATRICES:,}; route some to AdamW with "muon": false'
-        )
-    return specs
-
-
-def _spec(path: str, i: int, entry: Any) -> ParamSpec:
-    where = f"{path}: params[{i}]"
-    if not isinstance(entry, dict):
-        raise ShapesError(f"{where}: expected an object with name and shape, got {entry!r}")
-    unknown = sorted(set(entry) - _FIELDS)
-    if unknown:
-        raise ShapesError(f"{where}: unknown field(s) {unknown}; the fields are {sorted(_FIELDS)}")
-    for field in ("name", "shape"):
-        if field not in entry:
-            raise ShapesError(f"{where}: missing field {field!r}")
-    name, shape = entry["name"], entry["shape"]
-    if not isinstance(name, str) or not name:
-        raise ShapesError(f"{where}: name must be a non-empty string, got {name!r}")
-    where = f"{where} ({name!r})"
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) for d in shape
-    ):
-        raise ShapesError(f"{where}: shape must be a list of ints, got {shape!r}")
-    if any(d < 0 for d in shape):
-        raise ShapesError(f"{where}: shape {shape} has a negative size")
-    if any(d == 0 for d in shape):
-        raise ShapesError(f"{where}: shape {shape} has no elements; leave such params out")
-    if math.prod(shape) > MAX_NUMEL:
-        raise ShapesError(
-            f"{where}: shape {shape} has {math.prod(shape):,} elements, more than a torch "
-            f"tensor can hold (2**63 - 1)"
-        )
-    for field in ("muon", "tied"):
-        if field in entry and not isinstance(entry[field], bool):
-            raise ShapesError(f"{where}: {field} must be true or false, got {entry[field]!r}")
-    tied = entry.get("tied", False)
-    muon = entry.get("muon", muon_by_name(name, shape, tied))
-    return ParamSpec(name, tuple(shape), muon=muon, tied=tied)
 
 
 def plan_json(plan: Plan, specs: Sequence[ParamSpec], seconds: float) -> dict[str, Any]:
@@ -142,6 +62,7 @@ def plan_json(plan: Plan, specs: Sequence[ParamSpec], seconds: float) -> dict[st
         "dp": plan.dp_size,
         "strategy": plan.strategy,
         "shard_group_size": plan.shard_group_size,
+        "bucket_size": plan.bucket_size,
         "padding_fraction": plan.padding_fraction,
         "ns_cost_imbalance": plan.ns_cost_imbalance,
         "plan_seconds": seconds,
@@ -168,7 +89,8 @@ def plan_table(plan: Plan, seconds: float, source: str) -> str:
     costs = plan.rank_costs()
     lines = [
         f"{source}: {n_params:,} params, {used:,} elements; dp {dp} = {dp // k} shard group(s) "
-        f"of {k} ranks; strategy {plan.strategy}; planned in {seconds:.3f} s",
+        f"of {k} ranks; strategy {plan.strategy}; buckets of >= {plan.bucket_size:,} elements; "
+        f"planned in {seconds:.3f} s",
         f"padding {plan.padding_fraction:.3%} ({plan.numel - used:,} of {plan.numel:,} "
         f"elements); Newton-Schulz cost per rank min/mean/max {min(costs):.3g} / "
         f"{sum(costs) / k:.3g} / {max(costs):.3g}, imbalance {plan.ns_cost_imbalance:.3f}",
@@ -251,7 +173,7 @@ def draw_png(plan: Plan, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _gaps(buffer: Layout) -> list[tuple[int, int]]:
+def _gaps(buffer: Buffer) -> list[tuple[int, int]]:
     """(start, length) of every buffer range no param covers."""
     gaps = []
     cursor = 0
@@ -279,9 +201,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-size",
         type=positive_int(),
-        default=DEFAULT_BUCKET_SIZE,
+        default=None,
         metavar="N",
-        help=f"elements per bucket, at least (default {DEFAULT_BUCKET_SIZE:,})",
+        help="elements per bucket, at least (default: what DataParallel takes, "
+        "default_bucket_size: about 1/8 of the params, at least 65,536, at most "
+        "max(40M, 1M x dp))",
     )
     parser.add_argument(
         "--strategy",
@@ -314,15 +238,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_arguments(parser)
     parser.set_defaults(run=main)
-    old = subparsers.add_parser("layout", help="the old spelling of `plan` (deprecated)")
-    add_arguments(old)
-    old.set_defaults(run=_old_spelling)
     return parser
-
-
-def _old_spelling(args: argparse.Namespace) -> int:
-    print("wholeshard layout is deprecated: use wholeshard plan", file=sys.stderr)
-    return main(args)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -332,11 +248,14 @@ def main(args: argparse.Namespace) -> int:
             specs, source = load_shapes(args.shapes), args.shapes
         else:
             specs, source = PRESETS[args.preset](), args.preset
+        bucket_size = args.bucket_size
+        if bucket_size is None:
+            bucket_size = default_bucket_size(sum(s.numel for s in specs), args.dp)
         start = time.perf_counter()
         plan = plan_buffers(
             specs,
             args.dp,
-            bucket_size=args.bucket_size,
+            bucket_size=bucket_size,
             strategy=args.strategy,
             shard_group_size=args.shard_group_size,
         )

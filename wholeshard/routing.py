@@ -1,7 +1,8 @@
 """The one decision of which optimizer updates each parameter: Muon or AdamW.
 
-Layout, DataParallel and LayerwiseOptimizer all read the routes computed here, so they can
-never disagree about a parameter.
+The plan, DataParallel and LayerwiseOptimizer all read the routes computed here, so they can
+never disagree about a parameter. torch is imported when a module is routed, not before: the
+name rule below serves shapes files and presets, which need no torch.
 
 [Note: the routing rule]
 The field's rule (KellerJordan/Muon, Moonlight, Megatron, torchtitan, dion): Muon updates the
@@ -42,10 +43,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-UseMuon = Callable[[str, nn.Parameter], bool]
+UseMuon = Callable[[str, "nn.Parameter"], bool]
 
 HEAD_NAMES = frozenset({"lm_head", "output", "head", "classifier"})
 """Last name components that make a module the output head (when the model does not say)."""
@@ -84,6 +87,8 @@ def route_params(module: nn.Module, use_muon: UseMuon | None = None) -> list[Rou
 
 
 def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
+    from torch import nn
+
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for mod in module.modules():
         for attr, p in mod._parameters.items():
@@ -144,7 +149,7 @@ def routing_table(routes: nn.Module | Sequence[Route]) -> str:
     `routes` is a list of `Route`, or a module, which is routed by the default rule first
     (without `route_params`' checks, so the table of a model that routes nothing to Muon shows).
     """
-    if isinstance(routes, nn.Module):
+    if not isinstance(routes, Sequence):  # a module
         routes = _route(routes, None)
     width = max([40, *(len(r.name) + 1 for r in routes)])
     lines = [f"  {'param':<{width}} {'shape':<18} optimizer"]
@@ -183,7 +188,7 @@ def _roots(module: nn.Module) -> list[nn.Module]:
     roots = [module]
     while type(roots[-1]).__name__ == "OptimizedModule":
         inner = roots[-1]._modules.get(_COMPILE_WRAPPER)
-        if not isinstance(inner, nn.Module):
+        if inner is None:
             break
         roots.append(inner)
     return roots
@@ -192,6 +197,8 @@ def _roots(module: nn.Module) -> list[nn.Module]:
 def _head_modules(root: nn.Module) -> set[int]:
     """ids of the output head's modules: `root.get_output_embeddings()` if it gives a module,
     else every module whose name's last component is in HEAD_NAMES."""
+    from torch import nn
+
     get = getattr(root, "get_output_embeddings", None)
     if callable(get):
         try:

@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import _collectives as collectives
 from .._bucket import CommBucket, InFlight, _alloc, _allocated, _free, _nbytes
-from ..layout import Bucket
+from ..planning import Bucket
 from .formats import Fp8Tensorwise
 from .linear import Fp8Linear, Fp8Weight, quantize_weight
 

@@ -1,12 +1,13 @@
 """The size-matching planner: buckets of rows of same-size params.
 
 [Note: size matching]
-`plan_layout` builds each bucket from *rows*. A row takes the next unassigned param (in backprop
-order) as its seed and gives it shard 0's slot of width `S = round_up(numel, align)`. Every other
-shard r gets, in the same row, the next unassigned param with the seed's numel; when none is left
-it gets the following params (backprop order) whose aligned size still fits the slot, then
-padding. All shards grow by `S` per row, so they stay equal by construction, and a stack of
-identical blocks (every numel's count a multiple of `dp_size`) needs no padding beyond alignment.
+The size-matching planner builds each bucket from *rows*. A row takes the next unassigned param
+(in backprop order) as its seed and gives it shard 0's slot of width `S = round_up(numel, align)`.
+Every other shard r gets, in the same row, the next unassigned param with the seed's numel; when
+none is left it gets the following params (backprop order) whose aligned size still fits the
+slot, then padding. All shards grow by `S` per row, so they stay equal by construction, and a
+stack of identical blocks (every numel's count a multiple of `dp_size`) needs no padding beyond
+alignment.
 Rank r's shard of a bucket is the concatenation of slot r of the bucket's rows. A tied param
 gets a bucket of its own: shard 0 holds it, shards 1.. are padding.
 
@@ -18,9 +19,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .buffer import Layout
-from .packing import FirstFit
-from .records import Bucket, ParamSpec, Placement, round_up
+from ._packing import FirstFit
+from .buffer import Buffer
+from .specs import Bucket, ParamSpec, Placement, round_up
 
 Row = tuple[int, list[tuple[int, int, int]]]
 """A row: (slot width, [(rank, backprop position, offset inside the slot), ...])."""
@@ -98,10 +99,11 @@ def plan_rows(
     return buckets
 
 
-def layout_of_rows(
+def buffer_of_rows(
     specs: tuple[ParamSpec, ...], dp_size: int, align: int, bucket_rows: list[list[Row]]
-) -> Layout:
-    """The whole-tensor `Layout` of planned bucket rows; placements in the order of `specs`."""
+) -> Buffer:
+    """The whole-tensor (`"muon"`) `Buffer` of planned bucket rows; placements in the order of
+    `specs`."""
     n = len(specs)
     placements: list[Placement | None] = [None] * n
     buckets: list[Bucket] = []
@@ -120,5 +122,6 @@ def layout_of_rows(
         buckets.append(bucket)
         bucket_start = bucket.end
 
-    assert all(p is not None for p in placements), "internal error: a param was not placed"
-    return Layout("muon", dp_size, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
+    if any(p is None for p in placements):
+        raise AssertionError("internal error: a param was not placed")
+    return Buffer("muon", dp_size, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]

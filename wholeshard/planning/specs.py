@@ -1,14 +1,15 @@
-"""What the planner reads and writes: `ParamSpec` in, `Bucket`s and `Placement`s out.
+"""What the planner reads and writes: `ParamSpec` in, `Bucket`s and `Placement`s out, and the
+matrices of a stacked param. Pure data, no torch.
 
-Pure data, no torch. `Bucket.owner` is the one owner rule of every buffer: the rank owning
-buffer element `i` of a bucket is `(i - bucket.start) // shard_numel`.
+`Bucket.owner` is the one owner rule of every sharded buffer: the rank owning buffer element `i`
+of a bucket is `(i - bucket.start) // shard_numel`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -59,11 +60,44 @@ class Placement:
     bucket: int
     start: int
     end: int
-    owner: int | None  # `Bucket.owner(start)` in whole-tensor buffers, else None
+    owner: int | None  # the rank that updates the param whole; None where pieces are owned
 
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """Matrix `index` of a stacked param: buffer elements `[start, end)`, in `bucket`."""
+
+    index: int
+    start: int
+    end: int
+    bucket: int
+    owner: int
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The shape of one matrix of a stack: its last two dims."""
+    return int(shape[-2]), int(shape[-1])
+
+
+def matrix_count(shape: Sequence[int]) -> int:
+    """How many matrices a stack holds: the product of its leading dims."""
+    return math.prod(shape[:-2])
+
+
+def matrices(placement: Placement, buckets: Sequence[Bucket]) -> Iterator[Matrix]:
+    """Every matrix of a stacked `placement`, in order, with its bucket and owner."""
+    rows, cols = matrix_shape(placement.shape)
+    unit = rows * cols
+    b = placement.bucket
+    for index in range(matrix_count(placement.shape)):
+        start = placement.start + index * unit
+        while start >= buckets[b].end:
+            b += 1
+        yield Matrix(index, start, start + unit, b, buckets[b].owner(start))
 
 
 def ns_cost(shape: Sequence[int]) -> int:

@@ -1,7 +1,7 @@
 """The balanced planner: Newton-Schulz cost balanced across ranks, padding kept low.
 
 [Note: balanced]
-`plan_layout(..., strategy="balanced")` balances Newton-Schulz cost (`ns_cost`) across ranks
+The balanced strategy balances Newton-Schulz cost (`ns_cost`) across ranks
 while keeping padding low. Working in backprop order, each bucket is planned in four steps:
 1. take the next free params, in order, until they hold `>= bucket_size` elements and at least
    `dp` times the widest of them (no smaller bucket avoids padding); if what is left before the
@@ -21,7 +21,7 @@ another rank has room; from `HARD_CEILING_RANKS` ranks on, padding is accepted i
 rank's share of a bucket is then small). Inside a shard params keep backprop order; every bucket
 holds the first free param in backprop order, so buckets are filled in backprop order; tied
 params are isolated exactly as with size matching. Cost of a non-Muon or non-2-D param: 0.
-Every bucket is one row (`wholeshard._planning.rows`) whose width is the shard size.
+Every bucket is one row (`_rows`) whose width is the shard size.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import math
 import operator
 from dataclasses import dataclass
 
-from .packing import FirstFit, pack
-from .records import ParamSpec, round_up, spec_cost
-from .rows import Row
+from ._packing import FirstFit, pack
+from ._rows import Row
+from .specs import ParamSpec, round_up, spec_cost
 
 Assignment = list[tuple[int, int]]
 """(rank, backprop position) of every param of a bucket."""

@@ -1,34 +1,19 @@
-"""Param specs from shapes alone: published model presets, routed from names.
+"""Param specs of published models from shapes alone, routed from names.
 
 Nothing here allocates a tensor: a preset is a list of `ParamSpec` in registration order, as
 `model.named_parameters()` of the published model would list them (a tied tensor appears once,
-under its first name, with `tied=True`).
-
-[Note: routing from names]
-Shapes files and presets carry no module types, so `spec` routes by `routing.muon_by_name`: the
-same rule as `routing.route_params` (the field's: weights of hidden layers with >= 2 dims to
-Muon), told from names and shapes (see the note in `routing.py`):
-- a param goes to Muon iff it has >= 2 dims, is not tied, no dotted component of its name looks
-  like an embedding (a component containing "embed": `embed_tokens`, `tok_embeddings`,
-  `word_embeddings`, `embeddings`; or one of `wte`, `wpe`, `tok_emb`, `pos_emb`), and its module
-  (the last-but-one component) is not an output head (`lm_head`, `output`, `head`,
-  `classifier`);
-- a tied param is AdamW whatever its name: the shared tensor is an embedding that doubles as the
-  output head (`lm_head` tied to `wte`);
-- an untied output head (llama3's `lm_head.weight`) is AdamW too, as `route_params` sends it;
-- a param with more than 2 dims and a component containing "conv" (a convolution kernel) is
-  AdamW. Names cannot tell a param of the root module (a bare position table), which
-  `route_params` sends to AdamW: a shapes file says `"muon": false` for it;
-- stacks (fused MoE experts, (E, out, in)) have 3 dims and go to Muon; the presets here list
-  experts one matrix per param, as the published checkpoints do.
+under its first name, with `tied=True`). Shapes carry no module types, so `spec` routes by
+`routing.muon_by_name`, the default rule told from names ([Note: the routing rule] in
+`wholeshard.routing`). Experts are listed one matrix per param, as the published checkpoints
+do, except `qwen3-30b-a3b`, whose fused expert stacks (E, out, in) are stacked Muon params.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .layout import ParamSpec
-from .routing import muon_by_name
+from ..routing import muon_by_name
+from .specs import ParamSpec
 
 
 def spec(name: str, *shape: int, tied: bool = False) -> ParamSpec:

@@ -1,4 +1,5 @@
-"""Planning stacked Muon params (fused MoE experts): the matrix, not the tensor, is owned.
+"""The stacked buffer: Muon params with more than 2 dims (fused MoE experts), where the matrix,
+not the tensor, is owned.
 
 A Muon-routed param with more than 2 dims is a stack of matrices over its leading dims: a
 `(E, m, n)` tensor holds E matrices of `(m, n)` (transformers 5 stores experts this way,
@@ -6,7 +7,7 @@ A Muon-routed param with more than 2 dims is a stack of matrices over its leadin
 so each matrix, not the tensor, needs to be whole on one rank. Such params go to a "stacked"
 buffer planned here.
 
-[Note: stacked layout]
+[Note: stacked buffers]
 The stacks are laid out as one stream, in backprop order (reverse registration), each stack
 contiguous (its param is one view of the buffer) and starting on an `align` boundary. The stream
 is cut into shards of one width `S`; `k` consecutive shards form a bucket. A matrix never
@@ -28,69 +29,17 @@ last bucket takes the smallest `c` that still holds what is left, so its padding
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from ._planning.records import Bucket, ParamSpec, Placement, round_up
+from .buffer import Buffer
+from .specs import Bucket, ParamSpec, Placement, matrix_count, matrix_shape, round_up
 
 _MAX_LCM_FACTOR = 64
 
 
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The shape of one matrix of a stack: its last two dims."""
-    return int(shape[-2]), int(shape[-1])
-
-
-def matrix_count(shape: Sequence[int]) -> int:
-    """How many matrices a stack holds: the product of its leading dims."""
-    return math.prod(shape[:-2])
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """Matrix `index` of a stacked param: buffer elements `[start, end)`, in `bucket`."""
-
-    index: int
-    start: int
-    end: int
-    bucket: int
-    owner: int
-
-
-def matrices(placement: Placement, buckets: Sequence[Bucket]) -> Iterator[Matrix]:
-    """Every matrix of a stacked `placement`, in order, with its bucket and owner."""
-    rows, cols = matrix_shape(placement.shape)
-    unit = rows * cols
-    b = placement.bucket
-    for index in range(matrix_count(placement.shape)):
-        start = placement.start + index * unit
-        while start >= buckets[b].end:
-            b += 1
-        bucket = buckets[b]
-        yield Matrix(index, start, start + unit, b, bucket.owner(start))
-
-
-def storage_units(buckets: Sequence[Bucket], placements: Sequence[Placement]) -> tuple[range, ...]:
-    """The storage units of a buffer: runs of consecutive bucket indices, in order, covering every
-    bucket once, where buckets b and b + 1 share a unit iff some placement crosses the boundary
-    between them (starts before bucket b + 1's start and ends after it). A param's data is one
-    view of its buffer, so every param lies inside one unit, and a fully sharded buffer
-    materialises a unit's buckets together. Whole-tensor and element-wise buffers: one bucket each.
-    """
-    starts = [b.start for b in buckets]
-    joined = [False] * len(buckets)  # joined[b]: bucket b is in the unit of bucket b - 1
-    for p in placements:
-        for b in range(bisect_right(starts, p.start), bisect_left(starts, p.end)):
-            joined[b] = True
-    firsts = [b for b in range(len(buckets)) if not joined[b]]
-    return tuple(map(range, firsts, [*firsts[1:], len(buckets)]))
-
-
-def plan_stacked(
-    specs: Sequence[ParamSpec], k: int, bucket_size: int | None, align: int
-) -> tuple[tuple[Bucket, ...], tuple[Placement, ...]]:
-    """Buckets and placements (in the order of `specs`) of a stacked buffer over `k` ranks."""
+def plan_stacked(specs: Sequence[ParamSpec], k: int, bucket_size: int | None, align: int) -> Buffer:
+    """The `"stacked"` buffer of validated `specs` over `k` ranks (not yet checked);
+    placements in the order of `specs`."""
     order = list(reversed(specs))  # backprop order = buffer order
     units = [math.prod(matrix_shape(s.shape)) for s in order]
     counts = [matrix_count(s.shape) for s in order]
@@ -104,25 +53,25 @@ def plan_stacked(
         target = min(target, bucket_size)
     per_shard = max(1, math.ceil(target / (k * base)))
 
-    stream = _Stream(units, counts, align)
+    filler = _StackFiller(units, counts, align)
     buckets: list[Bucket] = []
-    while not stream.done():
+    while not filler.done():
         c = per_shard
-        while c > 1 and stream.fits(k, (c - 1) * base):  # the tail: smallest width that holds it
+        while c > 1 and filler.fits(k, (c - 1) * base):  # the tail: smallest width that holds it
             c -= 1
         width = c * base
         start = buckets[-1].end if buckets else 0
-        stream.fill(len(buckets), start, k, width)
+        filler.fill(len(buckets), start, k, width)
         buckets.append(Bucket(len(buckets), start, start + k * width, width))
     placements = [
         Placement(s.name, tuple(s.shape), bucket, start, start + s.numel, None)
-        for s, (bucket, start) in zip(order, stream.starts, strict=True)
+        for s, (bucket, start) in zip(order, filler.starts, strict=True)
     ]
-    return tuple(buckets), tuple(reversed(placements))
+    return Buffer("stacked", k, align, tuple(buckets), tuple(reversed(placements)))
 
 
-class _Stream:
-    """Places stacks (as runs of equal units) shard by shard; see [Note: stacked layout]."""
+class _StackFiller:
+    """Places stacks (as runs of equal units) shard by shard; see [Note: stacked buffers]."""
 
     def __init__(self, units: list[int], counts: list[int], align: int) -> None:
         self.units, self.counts, self.align = units, counts, align

@@ -1,0 +1,56 @@
+"""Planning: where every parameter of a model lives, from shapes alone (no torch here).
+
+`plan_buffers(specs, dp_size, ...)` takes `ParamSpec`s (what `routing` decided for each param,
+or a shapes file, or a preset) and returns a `Plan`. Modules: `specs` (the records), `buffer`
+(one buffer, its owner rule and invariant checks), `plan` (the entry point and the one
+validator), `presets` and `shapes` (specs without a model); the planners are private: `_whole`
+(with `_rows`, `_balanced`, `_packing`), `_stacked`, `_elementwise`, `_unaligned`.
+
+[Note: wholeshard vocabulary]
+One word, one meaning, everywhere in wholeshard (code, errors, docs):
+- route: one trainable param and the optimizer that updates it, Muon or AdamW
+  (`routing.Route`; `routing.route_params` is the one routing decision).
+- plan: every buffer of a model for `dp` ranks in shard groups of `k` (`planning.Plan`).
+- buffer: one flat tensor holding params of one kind (`planning.Buffer`): "muon" (whole
+  tensors), "stacked" (whole matrices of expert stacks), "adamw" (element-wise), or
+  "unaligned" (the ping-pong baseline's).
+- bucket: a contiguous range of a buffer, cut into `k` equal shards (`planning.Bucket`); each
+  bucket is reduced and gathered as one unit of collectives.
+- shard: rank r's 1/k of a bucket; rank r of a shard group owns shard r of every bucket.
+- storage unit: the buckets one runtime storage object spans (`engine`'s `BucketStorage`); one
+  bucket, or several where a stacked param runs across them.
+- owned range: the elements of one param a rank updates, as the engine hands them to the
+  optimizer (`engine.OwnedRange`): a whole tensor, a whole matrix of a stack, or a flat slice.
+- piece: what the optimizer steps, one owned range or one matrix of it, with its fp32 master
+  (`optim.OwnedPiece`).
+- scheme: how params are owned: "whole" (whole tensors in aligned shards: the design) or
+  "ping_pong" (the legacy baseline).
+- strategy: how the whole-tensor planner assigns params to shards: "size_match" or "balanced".
+"""
+
+from .buffer import KINDS, Buffer
+from .plan import (
+    DEFAULT_STRATEGY,
+    SCHEMES,
+    STRATEGIES,
+    Plan,
+    default_bucket_size,
+    plan_buffers,
+    validate_specs,
+)
+from .specs import Bucket, ParamSpec, Placement
+
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "KINDS",
+    "SCHEMES",
+    "STRATEGIES",
+    "Bucket",
+    "Buffer",
+    "ParamSpec",
+    "Placement",
+    "Plan",
+    "default_bucket_size",
+    "plan_buffers",
+    "validate_specs",
+]

@@ -1,0 +1,42 @@
+"""The element-wise ("adamw") buffer: params packed tightly, each rank owning a contiguous slice.
+
+Params are packed in backprop order (reverse registration order), each starting on an
+`align`-element boundary, and cut into buckets that close once they hold `>= bucket_size`
+elements; each bucket is then padded to a multiple of `k * align`, so its `k` equal shards start
+aligned. Rank r owns the contiguous r-th shard of every bucket, so a param may straddle shards
+(`owner` is None), and the only padding is alignment (< `align` per param) plus < `k * align`
+per bucket: a tied embedding costs nothing.
+
+Why params here start aligned too: every param view then starts on a 64-element (128-byte at
+bf16) boundary, as in whole-tensor buffers, which vectorised kernels and the 32-element MXFP8
+blocks rely on; it costs < `align` elements per param.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .buffer import Buffer
+from .specs import Bucket, ParamSpec, Placement, round_up
+
+
+def plan_elementwise(
+    specs: Sequence[ParamSpec], k: int, bucket_size: int | None, align: int
+) -> Buffer:
+    """The `"adamw"` buffer of validated `specs` over `k` ranks (not yet checked)."""
+    n = len(specs)
+    placements: list[Placement | None] = [None] * n
+    buckets: list[Bucket] = []
+    start = 0  # of the open bucket
+    cursor = 0  # where the next param goes
+    for i in range(n - 1, -1, -1):
+        spec = specs[i]
+        placements[i] = Placement(
+            spec.name, tuple(spec.shape), len(buckets), cursor, cursor + spec.numel, None
+        )
+        cursor = round_up(cursor + spec.numel, align)
+        if i == 0 or (bucket_size is not None and cursor - start >= bucket_size):
+            end = start + round_up(cursor - start, k * align)
+            buckets.append(Bucket(len(buckets), start, end, (end - start) // k))
+            start = cursor = end
+    return Buffer("adamw", k, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]

@@ -1,0 +1,255 @@
+"""`plan_buffers`: every param of a model placed in buffers, buckets and shards; `Plan` holds it.
+
+Pure planning: param specs in, plain data out. One routing decision (`ParamSpec.muon`) puts every
+param in exactly one buffer of one kind (`Buffer`, which also checks each kind's invariants):
+
+- `"muon"`: Muon params with 2 dims, each wholly inside one rank's shard (`_whole`);
+- `"stacked"`: Muon params with more than 2 dims (fused MoE experts), each matrix wholly inside
+  one shard (`_stacked`);
+- `"adamw"`: the other params, sharded element-wise (`_elementwise`);
+- `"unaligned"`: with `scheme="ping_pong"`, every param in the legacy baseline's buffer
+  (`_unaligned`).
+
+[Note: shard groups]
+With `shard_group_size=k` (k divides dp) the dp ranks form dp/k shard groups of k consecutive
+ranks (global rank g*k + r is rank r of group g). Every group uses the same plan: owners and
+shards are numbered 0..k-1 within the group, gradients are reduce-scattered within a group and
+all-reduced across groups. `Plan.shard_rank(rank)` maps a global rank to its rank in the group.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ._elementwise import plan_elementwise
+from ._stacked import plan_stacked
+from ._unaligned import plan_unaligned
+from ._whole import plan_whole
+from .buffer import KINDS, Buffer, BufferKind
+from .specs import ParamSpec, cost_imbalance
+
+Strategy = Literal["size_match", "balanced"]
+STRATEGIES: tuple[Strategy, ...] = ("size_match", "balanced")
+DEFAULT_STRATEGY: Strategy = "balanced"
+Scheme = Literal["whole", "ping_pong"]
+SCHEMES: tuple[Scheme, ...] = ("whole", "ping_pong")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every param's buffer, bucket, range and owner, for `dp_size` ranks in shard groups of
+    `shard_group_size`. `buffers` holds at most one buffer per kind, in `KINDS` order, none
+    empty."""
+
+    dp_size: int
+    shard_group_size: int
+    strategy: Strategy
+    align: int
+    bucket_size: int | None
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buffers)
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padded elements / all buffer elements, over all buffers."""
+        total = self.numel
+        return 0.0 if total == 0 else 1.0 - sum(b.used for b in self.buffers) / total
+
+    def rank_costs(self) -> list[int]:
+        """Newton-Schulz cost (`ns_cost`) of the Muon matrices each shard-group rank owns."""
+        costs = [0] * self.shard_group_size
+        for buffer in self.buffers:
+            for rank, cost in enumerate(buffer.rank_costs()):
+                costs[rank] += cost
+        return costs
+
+    @property
+    def ns_cost_imbalance(self) -> float:
+        """Max over shard-group ranks of owned Newton-Schulz cost / mean (1.0: no Muon work)."""
+        return cost_imbalance(self.rank_costs())
+
+    def shard_rank(self, rank: int) -> int:
+        """The rank within its shard group of global rank `rank` (see [Note: shard groups])."""
+        if not 0 <= rank < self.dp_size:
+            raise ValueError(f"rank {rank} is not in 0..{self.dp_size - 1}")
+        return rank % self.shard_group_size
+
+    def check(self, specs: Sequence[ParamSpec] | None = None) -> None:
+        """Raise AssertionError if any buffer breaks an invariant; with `specs` (registration
+        order) also check every spec sits once in the buffer of its kind, in order."""
+        k = self.shard_group_size
+        if not (self.dp_size >= 1 and k >= 1 and self.dp_size % k == 0):
+            raise AssertionError(f"shard_group_size {k} must divide dp_size {self.dp_size}")
+        kinds = [b.kind for b in self.buffers]
+        if kinds != [kind for kind in KINDS if kind in kinds]:
+            raise AssertionError(f"buffers {kinds}: at most one per kind, in the order {KINDS}")
+        if "unaligned" in kinds and len(kinds) > 1:
+            raise AssertionError("an unaligned (ping-pong) buffer holds every param alone")
+        for b in self.buffers:
+            if b.shard_group_size != k or b.align != self.align:
+                raise AssertionError(
+                    f"{b.kind} buffer has shard_group_size {b.shard_group_size} and align "
+                    f"{b.align}, the plan {k} and {self.align}"
+                )
+            if not b.placements:
+                raise AssertionError(f"{b.kind} buffer holds no params; leave it out")
+        if specs is None:
+            for b in self.buffers:
+                b.check()
+            return
+        unaligned = kinds == ["unaligned"]
+        for b in self.buffers:
+            b.check([s for s in specs if unaligned or buffer_kind(s) == b.kind])
+        placed = sum(len(b.placements) for b in self.buffers)
+        if placed != len(specs):
+            raise AssertionError(f"{len(specs)} specs but {placed} placements")
+
+
+DEFAULT_BUCKETS = 8
+"""How many buckets `default_bucket_size` aims for: overlap needs several, each a collective."""
+MIN_BUCKET_SIZE = 1 << 16
+"""Below this many elements a collective's fixed cost outweighs its bytes."""
+
+
+def default_bucket_size(numel: int, dp_size: int) -> int:
+    """Elements per bucket when none is given, for `numel` params over `dp_size` ranks.
+
+    About `DEFAULT_BUCKETS` buckets, so a reduce-scatter can start while backward runs and a
+    gather while forward runs, but never below `MIN_BUCKET_SIZE` and never above Megatron's
+    bucket size, `max(40M, 1M x dp)` elements (which keeps each rank's shard at >= 1M elements
+    on large runs). torch DDP's default, 25 MB of fp32 gradients, is 6.5M elements.
+    """
+    megatron = max(40_000_000, 1_000_000 * dp_size)
+    return min(max(-(-numel // DEFAULT_BUCKETS), MIN_BUCKET_SIZE), megatron)
+
+
+def plan_buffers(
+    params: Sequence[ParamSpec],
+    dp_size: int,
+    *,
+    bucket_size: int | None = None,
+    align: int = 64,
+    strategy: Strategy = DEFAULT_STRATEGY,
+    shard_group_size: int | None = None,
+    scheme: Scheme = "whole",
+) -> Plan:
+    """Plan the buffers for `params` (registration order) on `dp_size` ranks.
+
+    Muon params go to whole-tensor buffers planned by `strategy` over `k = shard_group_size or
+    dp_size` ranks, the others to an element-wise buffer (module docstring). Buckets close near
+    `bucket_size` elements (None: one bucket per buffer, or per run between tied params).
+    `scheme="ping_pong"` plans the legacy baseline instead: one unaligned buffer (`align` 1,
+    size matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
+    result passes `Plan.check(params)`.
+    """
+    specs = tuple(params)
+    validate_specs(specs, dp_size, bucket_size, align, strategy)
+    k = dp_size if shard_group_size is None else shard_group_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or dp_size % k:
+        divisors = [d for d in range(1, dp_size + 1) if dp_size % d == 0]
+        raise ValueError(
+            f"shard_group_size must be an int dividing dp_size={dp_size} (params are sharded "
+            f"within groups of that many ranks and replicated across groups), got {k!r}; "
+            f"choose one of {divisors}"
+        )
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if scheme == "ping_pong":
+        if k != dp_size:
+            raise ValueError("scheme='ping_pong' has no shard groups: leave shard_group_size unset")
+        plan = Plan(
+            dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, bucket_size),)
+        )
+        plan.check(specs)
+        return plan
+    by_kind: dict[BufferKind, list[ParamSpec]] = {}
+    for s in specs:
+        by_kind.setdefault(buffer_kind(s), []).append(s)
+    planners = {
+        "muon": lambda s: plan_whole(s, k, bucket_size, align, strategy),
+        "stacked": lambda s: plan_stacked(s, k, bucket_size, align),
+        "adamw": lambda s: plan_elementwise(s, k, bucket_size, align),
+    }
+    buffers = tuple(planners[kind](tuple(by_kind[kind])) for kind in KINDS if kind in by_kind)
+    plan = Plan(dp_size, k, strategy, align, bucket_size, buffers)
+    plan.check(specs)
+    return plan
+
+
+def buffer_kind(spec: ParamSpec) -> BufferKind:
+    """The kind of buffer `spec` goes to (with the default scheme)."""
+    if not spec.muon:
+        return "adamw"
+    return "stacked" if len(spec.shape) > 2 else "muon"
+
+
+def validate_specs(
+    specs: Sequence[ParamSpec],
+    dp_size: int,
+    bucket_size: int | None = None,
+    align: int = 64,
+    strategy: str = DEFAULT_STRATEGY,
+) -> None:
+    """Raise ValueError, saying how to fix it, for inputs no plan can serve: the one validator
+    of specs and planning options (shapes files report `spec_problem` with their context)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not _is_int(dp_size) or dp_size < 1:
+        raise ValueError(
+            f"dp_size must be an int >= 1 (the data-parallel world size), got {dp_size!r}"
+        )
+    if not _is_int(align) or align < 1:
+        raise ValueError(f"align must be an int >= 1 (elements; 64 is typical), got {align!r}")
+    if bucket_size is not None and (not _is_int(bucket_size) or bucket_size <= 0):
+        raise ValueError(
+            f"bucket_size must be None (one bucket) or an int > 0 (elements), got {bucket_size!r}"
+        )
+    seen: set[str] = set()
+    for spec in specs:
+        if not isinstance(spec, ParamSpec):
+            raise ValueError(f"expected ParamSpec, got {type(spec).__name__}: {spec!r}")
+        if spec.name in seen:
+            raise ValueError(
+                f"duplicate param name {spec.name!r}; give each param a unique name (its FQN) "
+                "and list a shared tensor only once, with tied=True"
+            )
+        seen.add(spec.name)
+        shape = spec.shape
+        if type(shape) is tuple and all(type(d) is int and d > 0 for d in shape):
+            continue  # the common case, checked fast
+        if not isinstance(shape, tuple) or not all(_is_int(d) for d in shape):
+            raise ValueError(
+                f"param {spec.name!r}: shape must be a tuple of ints (e.g. tuple(p.shape)), "
+                f"got {shape!r}"
+            )
+        problem = shape_problem(shape)
+        if problem is not None:
+            raise ValueError(f"param {spec.name!r}: {problem}")
+
+
+def shape_problem(shape: Sequence[int]) -> str | None:
+    """Why a shape of ints cannot be a planned param's, or None."""
+    if any(d < 0 for d in shape):
+        return f"shape {shape} has a negative size"
+    if any(d == 0 for d in shape):
+        return (
+            f"shape {shape} has no elements; leave zero-element params out of the plan "
+            "(they have nothing to sync)"
+        )
+    return None
+
+
+def _is_int(x: object) -> bool:
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
