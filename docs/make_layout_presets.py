@@ -21,7 +21,7 @@ buffers). Imbalance = max / mean Newton–Schulz cost `max(m,n)·min(m,n)²` own
 rank (every matrix of an expert stack counted on its own owner). ✗ = misses padding ≤ 1% or
 imbalance ≤ 1.10. plan s = wall seconds of `plan_buffers` (2 shared cores; moe: median of 3).
 "muon buckets" counts the buckets of the 2-D Muon buffer. Routing is the default
-(`wholeshard.routing.muon_by_name`): untied output heads (`lm_head.weight`) are AdamW's, and the
+(`wholeshard.planning.routing.muon_by_name`): untied output heads (`lm_head.weight`) are AdamW's, and the
 fused experts of qwen3-30b-a3b (`experts.gate_up_proj`, `experts.down_proj`) are stacks of
 matrices in the stacked buffer, whatever the strategy (the strategy plans the 2-D Muon buffer).
 Regenerate with `python docs/make_layout_presets.py > docs/layout-presets.md`.

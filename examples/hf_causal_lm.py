@@ -7,7 +7,7 @@
 
 Data is the train job's corpus (the Python standard library's `.py` sources, or `--data PATH`),
 as bytes (vocab >= 256) or through the model's tokenizer when `--model` has one. Without
-torchrun it runs `--nproc` local CPU processes (gloo) with `wholeshard.launch`.
+torchrun it runs `--nproc` local CPU processes (gloo) with `wholeshard.distributed.launch`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import transformers
 from torch.nn import functional as F
 
 import wholeshard
-from wholeshard.launch import launch
+from wholeshard.distributed.launch import launch
 from wholeshard.train.data import load_corpus, train_batch
 
 TINY = {  # byte-level (vocab 256), hidden 64, 2 layers: builds in milliseconds

@@ -16,5 +16,5 @@ torch.set_num_threads(1)
 def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small training text for `wholeshard train` runs: this repo's train loop, twice."""
     path = tmp_path_factory.mktemp("data") / "text.py"
-    path.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
+    path.write_bytes((ROOT / "wholeshard" / "train" / "trainer.py").read_bytes() * 2)
     return path

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import wholeshard
-from wholeshard.launch import launch
+from wholeshard.distributed.launch import launch
 from wholeshard.planning import Buffer, ParamSpec, validate_specs
 from wholeshard.planning._whole import plan_whole
-from wholeshard.routing import route_params
+from wholeshard.planning.routing import route_params
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 64, 32, 8, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
 MUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adjust_lr_fn="match_rms_adamw")
@@ -342,6 +342,25 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
         for k, v in a["opt_state"][name].items():
             assert torch.equal(v, b["opt_state"][name][k]), (name, k)
     assert a["losses"] == b["losses"]
+
+
+def train_config(**flags: Any) -> Any:
+    """The `TrainConfig` of `wholeshard train` given these flags (`batch_size=4` is
+    `--batch-size 4`; True/False are `--x`/`--no-x`, None leaves a flag out), made by the CLI's
+    own parser."""
+    from wholeshard.cli import build_parser
+    from wholeshard.cli.train import config_from_args
+
+    argv = ["train"]
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append(flag.replace("--", "--no-", 1))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return config_from_args(build_parser().parse_args(argv))
 
 
 # -- planning (shapes only) ------------------------------------------------------------------

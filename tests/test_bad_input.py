@@ -11,7 +11,7 @@ from support import ADAMW_KW, MUON_KW, TinyLM, lm_loss, local_batch, make_model,
 from torch import nn
 
 import wholeshard
-from wholeshard.launch import WorkerFailed, launch
+from wholeshard.distributed.launch import WorkerFailed, launch
 
 
 def _build_with_rank_dependent_model(differ: str) -> str:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from wholeshard import DataParallel
 from wholeshard.bench.configs import CONFIGS, REFERENCE
 from wholeshard.bench.workloads import WORKLOADS
-from wholeshard.data_parallel import DataParallel
 
 ROW_TYPES = {
     "workload": str,

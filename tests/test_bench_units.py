@@ -12,12 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wholeshard import _collectives as collectives
-from wholeshard import data_parallel
-from wholeshard.bench import add_parser, main
-from wholeshard.bench import configs as bench_configs
-from wholeshard.bench.command import flag_overrides
-from wholeshard.bench.configs import CONFIGS, every_param, wholeshard_config, with_overrides
+from wholeshard import DataParallelConfig
+from wholeshard.bench import builders
+from wholeshard.bench.builders import build, every_param, unavailable
+from wholeshard.bench.configs import CONFIGS, with_overrides
 from wholeshard.bench.memory import (
     optimizer_state_bytes,
     peak_rss_bytes,
@@ -36,8 +34,10 @@ from wholeshard.bench.report import (
 from wholeshard.bench.traffic import TrafficCounter, bytes_sent
 from wholeshard.bench.waits import WaitClock
 from wholeshard.bench.workloads import get_workload
-from wholeshard.launch import launch
-from wholeshard.routing import route_params
+from wholeshard.cli.bench import add_parser, flag_overrides, main
+from wholeshard.distributed import collectives
+from wholeshard.distributed.launch import launch
+from wholeshard.planning.routing import route_params
 
 MB = torch.zeros(1 << 18)  # 1 MiB of fp32
 
@@ -234,7 +234,7 @@ def _floor_share(config: str) -> int:
     """How many of the bare model's params this rank's floor optimizers step, after checking
     each is a fresh copy holding a param's values and gradient."""
     workload = get_workload("mlp", quick=True)
-    setup = CONFIGS[config].build(workload, WaitClock())
+    setup = build(CONFIGS[config], workload, WaitClock())
     model = (setup.bare_model or workload.make_model)()
     routes = route_params(model, workload.use_muon)
     for r in routes:
@@ -259,12 +259,9 @@ def test_floor_steps_each_configurations_own_share(config: str, shares: list[int
     assert launch(_floor_share, 2, (config,), start_method="fork", timeout=120) == shares
 
 
-def test_missing_wholeshard_keyword_is_unavailable_not_an_error() -> None:
-    config = wholeshard_config("ws_future", "a mode from a later issue", no_such_mode=True)
-    reason = config.unavailable()
-    assert reason is not None and reason.startswith("not available in this version")
-    for name in ("ws_sync", "ws_overlap", "ws_ping_pong"):
-        assert bench_configs.CONFIGS[name].unavailable() is None
+def test_only_a_missing_peer_package_makes_a_configuration_unavailable() -> None:
+    for name in ("ws_sync", "ws_overlap", "ws_ping_pong", "ddp_torch_muon", "fsdp2_torch_muon"):
+        assert unavailable(CONFIGS[name]) is None
 
 
 def test_pipelined_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong() -> None:
@@ -273,17 +270,18 @@ def test_pipelined_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong(
     fully_sharded = ["ws_fully_sharded", "ws_fully_sharded_one_group"]
     fp8 = ["ws_fp8_mxfp8", "ws_fp8_tensorwise"]
     assert names[i + 1 : i + 7] == ["ws_pipelined", *fully_sharded, *fp8, "ws_ping_pong"]
-    assert CONFIGS["ws_pipelined"].ddp_kwargs == dict(
-        overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True
-    )
-    assert CONFIGS["ws_fp8_tensorwise"].ddp_kwargs["fp8_param_gather"] is True
     overlap = dict(overlap_grad_reduce=True, overlap_param_gather=True)
-    assert CONFIGS["ws_fully_sharded"].ddp_kwargs == dict(reshard_after_forward=True, **overlap)
-    assert CONFIGS["ws_fully_sharded_one_group"].ddp_kwargs == dict(
+    assert CONFIGS["ws_pipelined"].parallel == DataParallelConfig(pipelined_step=True, **overlap)
+    assert CONFIGS["ws_fp8_tensorwise"].parallel.fp8_param_gather is True
+    assert CONFIGS["ws_fp8_tensorwise"].fp8 == "tensorwise"
+    assert CONFIGS["ws_fully_sharded"].parallel == DataParallelConfig(
+        reshard_after_forward=True, **overlap
+    )
+    assert CONFIGS["ws_fully_sharded_one_group"].parallel == DataParallelConfig(
         reshard_after_forward=True, separate_all_gather_group=False, **overlap
     )
-    assert CONFIGS["ddp_torch_muon"].ddp_kwargs is None
-    assert "bucket_size" not in CONFIGS["ws_sync"].ddp_kwargs  # the library's default
+    assert CONFIGS["ddp_torch_muon"].parallel is None
+    assert CONFIGS["ws_sync"].parallel.bucket_size is None  # the library's default
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
@@ -294,6 +292,10 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 
 def test_override_flags_parse_to_keywords_only_when_given() -> None:
     assert flag_overrides(_bench_args()) == {}
+    assert flag_overrides(_bench_args("--bucket-size", "4096", "--strategy", "size_match")) == {
+        "bucket_size": 4096,
+        "strategy": "size_match",
+    }
     assert flag_overrides(_bench_args("--separate-all-gather-group")) == {
         "separate_all_gather_group": True
     }
@@ -307,17 +309,26 @@ def test_override_flags_parse_to_keywords_only_when_given() -> None:
 def test_overrides_replace_wholeshard_keywords_only() -> None:
     one_group = with_overrides("ws_overlap", {"separate_all_gather_group": False})
     assert one_group.name == "ws_overlap"
-    assert one_group.ddp_kwargs == dict(
+    assert one_group.parallel == DataParallelConfig(
         overlap_grad_reduce=True, overlap_param_gather=True, separate_all_gather_group=False
     )
-    assert "separate_all_gather_group" not in CONFIGS["ws_overlap"].ddp_kwargs  # not mutated
+    assert CONFIGS["ws_overlap"].parallel.separate_all_gather_group is None  # not mutated
     sharded = with_overrides("ws_fully_sharded", {"separate_all_gather_group": False})
-    assert sharded.ddp_kwargs == CONFIGS["ws_fully_sharded_one_group"].ddp_kwargs
+    assert sharded.parallel == CONFIGS["ws_fully_sharded_one_group"].parallel
     for name in ("ddp_torch_muon", "fsdp2_torch_muon"):
         assert with_overrides(name, {"reshard_after_forward": True}) is CONFIGS[name]
     assert with_overrides("ws_sync", {}) is CONFIGS["ws_sync"]
-    reason = with_overrides("ws_sync", {"no_such_mode": True}).unavailable()
-    assert reason is not None and "no_such_mode" in reason  # the check sees the override
+    with pytest.raises(TypeError, match="no_such_mode"):
+        with_overrides("ws_sync", {"no_such_mode": True})
+
+
+def test_overrides_keep_a_configurations_fp8_recipe() -> None:
+    """The bug one config object fixed: overriding a keyword rebuilt the FP8 rows without
+    their recipe, so `DataParallel` saw fp8_param_gather=True on an unconverted model."""
+    for name, recipe in (("ws_fp8_mxfp8", "mxfp8"), ("ws_fp8_tensorwise", "tensorwise")):
+        sharded = with_overrides(name, {"reshard_after_forward": True})
+        assert sharded.fp8 == recipe and sharded.parallel.fp8_param_gather
+        assert sharded.parallel.reshard_after_forward
 
 
 class _Stop(Exception):
@@ -328,15 +339,16 @@ def test_overrides_reach_the_data_parallel_call(monkeypatch) -> None:
     seen: dict = {}
 
     class Recorder:
-        def __init__(self, module, **kwargs) -> None:
-            seen.update(kwargs)
+        def __init__(self, module, config) -> None:
+            seen["config"] = config
             raise _Stop
 
-    monkeypatch.setattr(data_parallel, "DataParallel", Recorder)
-    config = with_overrides("ws_ping_pong", {"reshard_after_forward": True})
+    monkeypatch.setattr(builders, "DataParallel", Recorder)
+    config = with_overrides("ws_overlap", {"bucket_size": 4096, "strategy": "size_match"})
     with pytest.raises(_Stop):
-        config.build(get_workload("mlp", quick=True), WaitClock())
-    assert seen["reshard_after_forward"] is True and seen["scheme"] == "ping_pong"
+        build(config, get_workload("mlp", quick=True), WaitClock())
+    got = seen["config"]
+    assert (got.bucket_size, got.strategy, got.overlap_grad_reduce) == (4096, "size_match", True)
 
 
 def test_footer_names_the_overrides_in_effect() -> None:
@@ -358,16 +370,8 @@ def test_footer_names_the_overrides_in_effect() -> None:
 def test_a_configuration_rejecting_an_override_gets_an_error_row(
     monkeypatch, tmp_path, capfd
 ) -> None:
-    """As `DataParallel` rejects ping-pong with resharding: the row carries the error, the run
-    goes on and its footer names the override (forked workers inherit the stand-in)."""
-
-    class Rejecting:
-        def __init__(self, module, *, scheme="aligned", reshard_after_forward=False, **kw):
-            if scheme == "ping_pong" and reshard_after_forward:
-                raise ValueError("ping_pong cannot reshard after forward")
-            raise AssertionError("not reached")
-
-    monkeypatch.setattr(data_parallel, "DataParallel", Rejecting)
+    """`DataParallelConfig` rejects ping-pong with resharding: the row carries the error, no
+    worker starts for it, the run goes on and its footer names the override."""
     out = tmp_path / "bench.json"
     argv = "--quick --workload mlp --config ws_ping_pong --reshard-after-forward --json".split()
     assert main(_bench_args(*argv, str(out))) == 0
@@ -375,7 +379,7 @@ def test_a_configuration_rejecting_an_override_gets_an_error_row(
     doc = json.loads(out.read_text())
     assert doc["overrides"] == {"reshard_after_forward": True}
     (row,) = doc["results"]
-    assert "ValueError: ping_pong cannot reshard after forward" in row["error"]
+    assert "cannot be fully sharded" in row["error"]
 
 
 def test_registers_as_a_subcommand() -> None:

@@ -25,17 +25,18 @@ from support import (
 )
 
 import wholeshard
-from wholeshard import export
 from wholeshard.checkpoint import (
     CheckpointError,
+    export_checkpoint,
     flat_range_boxes,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
 from wholeshard.checkpoint._chunks import Chunks, ChunkSavePlanner
-from wholeshard.optim.layerwise import OwnedPiece
-from wholeshard.routing import route_params
+from wholeshard.cli import export as export_cli
+from wholeshard.optim import OwnedPiece
+from wholeshard.planning.routing import route_params
 
 SAVE_AT, MORE = 4, 3
 
@@ -430,7 +431,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _export_cli(ckpt: Path, out: Path, *flags: str) -> int:
     parser = argparse.ArgumentParser()
-    export.add_parser(parser.add_subparsers())
+    export_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["export", str(ckpt), str(out), *flags])
     return args.run(args)
 
@@ -449,7 +450,7 @@ def test_export_reloads_into_a_plain_model_with_the_same_loss(saved_at_2: dict, 
 def test_export_is_read_by_safetensors_itself(saved_at_2: dict, tmp_path: Path) -> None:
     safetensors = pytest.importorskip("safetensors.torch")
     out = tmp_path / "model.safetensors"
-    export.export_checkpoint(saved_at_2["root"], out)
+    export_checkpoint(saved_at_2["root"], out)
     assert_same(safetensors.load_file(out), read_safetensors(out), "safetensors' own reader")
 
 

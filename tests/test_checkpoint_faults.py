@@ -16,9 +16,9 @@ from support import ADAMW_KW, MUON_KW, VOCAB, make_model, run, train_steps
 from torch import nn
 
 import wholeshard
-from wholeshard import checkpoint_dir
 from wholeshard.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from wholeshard.launch import WorkerFailed
+from wholeshard.checkpoint import directory as checkpoint_dir
+from wholeshard.distributed.launch import WorkerFailed
 
 
 def setup(model: nn.Module | None = None, use_muon=None):

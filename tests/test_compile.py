@@ -35,15 +35,16 @@ from support import (
 from torch import nn
 
 import wholeshard
+from wholeshard.engine._storage import BucketState
 
 if not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
     pytest.skip("CPU inductor needs a C++ compiler", allow_module_level=True)
 
 STEPS = 3
 MODES = {
-    "aligned": {},
-    "aligned-overlap": OVERLAP,
-    "aligned-broadcast-overlap": dict(param_sync="broadcast", **OVERLAP),
+    "sync": {},
+    "overlap": OVERLAP,
+    "broadcast-overlap": dict(param_sync="broadcast", **OVERLAP),
     "ping_pong": dict(scheme="ping_pong"),
     "ping_pong-overlap": dict(scheme="ping_pong", **OVERLAP),
     "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast"),
@@ -86,9 +87,9 @@ def _hooks_fire(kind: str) -> dict:
     reduced_in_backward = sum(b.reducing is not None for b in ddp.buckets)
     opt.step()
     opt.zero_grad()
-    deferred = sum(not b.fresh for b in ddp.buckets)
+    deferred = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
     lm_loss(ddp, *local_batch(1, rank, world)).backward()
-    left_after_forward = sum(not b.fresh for b in ddp.buckets)
+    left_after_forward = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
     return {
         "buckets": len(ddp.buckets),
         "reduced_in_backward": reduced_in_backward,
@@ -106,7 +107,7 @@ def _everything() -> dict:
         out["eager", name] = _train(None, mode)
         out["whole", name] = _train("whole", mode)
     for kind in ("in_place", "blocks"):
-        out[kind, "aligned-overlap"] = _train(kind, OVERLAP)
+        out[kind, "overlap"] = _train(kind, OVERLAP)
         out[kind, "fully_sharded-overlap"] = _train(kind, MODES["fully_sharded-overlap"])
         out["hooks", kind] = _hooks_fire(kind)
     out["hooks", "whole"] = _hooks_fire("whole")
@@ -128,7 +129,7 @@ def test_compiled_matches_eager(results: list[dict], mode: str) -> None:
             assert torch.equal(out["whole", mode]["params"][k], v), k
 
 
-@pytest.mark.parametrize("mode", ["aligned-overlap", "ping_pong-overlap"])
+@pytest.mark.parametrize("mode", ["overlap", "ping_pong-overlap"])
 def test_compiled_overlap_is_bitwise_equal_to_compiled_sync(results: list[dict], mode: str) -> None:
     sync = mode.removesuffix("-overlap")
     for out in results:
@@ -138,10 +139,10 @@ def test_compiled_overlap_is_bitwise_equal_to_compiled_sync(results: list[dict],
 @pytest.mark.parametrize("kind", ["in_place", "blocks"])
 def test_other_compile_styles(results: list[dict], kind: str) -> None:
     for out in results:
-        assert_matches(out[kind, "aligned-overlap"], out["eager", "aligned-overlap"])
+        assert_matches(out[kind, "overlap"], out["eager", "overlap"])
     if kind == "in_place":  # the same graph as torch.compile(m); per block, other fusions
         for out in results:
-            assert_bitwise_equal(out[kind, "aligned-overlap"], out["whole", "aligned-overlap"])
+            assert_bitwise_equal(out[kind, "overlap"], out["whole", "overlap"])
 
 
 @pytest.mark.parametrize("kind", ["whole", "in_place", "blocks"])
@@ -149,7 +150,7 @@ def test_compiled_fully_sharded_is_bitwise_equal_to_compiled_zero(
     results: list[dict], kind: str
 ) -> None:
     for out in results:
-        assert_bitwise_equal(out[kind, "fully_sharded-overlap"], out[kind, "aligned-overlap"])
+        assert_bitwise_equal(out[kind, "fully_sharded-overlap"], out[kind, "overlap"])
 
 
 @pytest.mark.parametrize("kind", ["whole", "in_place", "blocks"])

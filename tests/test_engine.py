@@ -19,7 +19,7 @@ from support import (
 )
 
 import wholeshard
-from wholeshard import _collectives as collectives
+from wholeshard.distributed import collectives
 
 STEPS = 5
 
@@ -214,7 +214,7 @@ def test_lr_scheduler_drives_both_groups() -> None:
         dict(shard_group_size=2),
         dict(shard_group_size=2, overlap_grad_reduce=True, overlap_param_gather=True),
         dict(shard_group_size=1),
-        dict(layout_strategy="size_match"),
+        dict(strategy="size_match"),
     ],
     ids=["k2", "k2-overlap", "k1", "size_match"],
 )

@@ -13,7 +13,8 @@ import torch
 from support import ADAMW_KW, MUON_KW, lm_loss, local_batch, make_model
 
 import wholeshard
-from wholeshard import checkpoint_dir, cli
+from wholeshard import cli
+from wholeshard.checkpoint import directory as checkpoint_dir
 from wholeshard.checkpoint import save_checkpoint
 
 

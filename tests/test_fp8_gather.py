@@ -21,11 +21,11 @@ from support import (
 from torch import nn
 
 import wholeshard
-from wholeshard import _collectives as collectives
 from wholeshard import fp8
-from wholeshard._bucket import InFlight
-from wholeshard._schedule import Scheduler
-from wholeshard.fp8._gather import Fp8Bucket
+from wholeshard.distributed import collectives
+from wholeshard.engine._fp8_storage import Fp8Storage as Fp8Bucket
+from wholeshard.engine._schedule import Scheduler
+from wholeshard.engine._storage import InFlight
 
 STEPS = 5
 BUCKETS = dict(bucket_size=3000)
@@ -142,9 +142,9 @@ def _staged_at_step() -> list:
         for b in self.buckets:
             if isinstance(b, Fp8Bucket):
                 b.grad.untyped_storage().resize_(b.grad.numel() * b.grad.element_size())
-                for i, part in enumerate(b.parts):
-                    b._slot(b._staging(), part, b.comm.rank).copy_(
-                        b._mine(b.param, b.param_shard, i)
+                for i, part in enumerate(b.buckets):
+                    b._shard_range(b._staging(), part, b.groups.rank).copy_(
+                        b._own_shard(b.param, b.param_shard, i)
                     )
         updated(self)
 
@@ -152,11 +152,11 @@ def _staged_at_step() -> list:
         staging = self._staging()
         handles = [
             collectives.all_gather(
-                self._part(staging, p),
-                self._slot(staging, p, self.comm.rank),
-                self.comm.gather_group,
+                self._bucket_range(staging, p),
+                self._shard_range(staging, p, self.groups.rank),
+                self.groups.gather_group,
             )
-            for p in self.parts
+            for p in self.buckets
         ]
         return InFlight(handles)
 
@@ -194,10 +194,10 @@ def test_staging_at_the_step_would_ship_zeros_and_staging_at_dispatch_does_not()
     assert buggy != off, "the trap must show: deferred gathers shipped a cleared staging buffer"
 
 
-def test_fp8_param_gather_needs_fp8_layers_and_the_aligned_layout() -> None:
+def test_fp8_param_gather_needs_fp8_layers_and_the_whole_scheme() -> None:
     with pytest.raises(ValueError, match="convert it first"):
         wholeshard.DataParallel(make_model(), fp8_param_gather=True)
-    with pytest.raises(ValueError, match="scheme='aligned'"):
+    with pytest.raises(ValueError, match="scheme='whole'"):
         wholeshard.DataParallel(converted("mxfp8")(), scheme="ping_pong", fp8_param_gather=True)
 
 
@@ -243,5 +243,5 @@ def _muon_with_pos(name: str, param: torch.nn.Parameter) -> bool:
 
 def test_buckets_mixing_converted_and_other_params_sync_once_correctly() -> None:
     for out in run(_mixed_on_and_off, 2):
-        assert "MixedFp8Bucket" in out["kinds"]
+        assert "MixedFp8Storage" in out["kinds"]
         assert_bitwise_equal(out["on"], out["off"])

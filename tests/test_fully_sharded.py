@@ -26,7 +26,7 @@ from support import (
 from test_frozen import make_adapted
 
 import wholeshard
-from wholeshard import _collectives as collectives
+from wholeshard.distributed import collectives
 
 FS = dict(reshard_after_forward=True)
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets: releases and prefetches to get wrong

@@ -23,9 +23,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from wholeshard import cli, plan_tool
-from wholeshard.bench import command as bench_command
+from wholeshard import cli
 from wholeshard.cli import MAX_NPROC
+from wholeshard.cli import bench as bench_command
+from wholeshard.cli import plan as plan_tool
 
 FUZZ = settings(max_examples=25, deadline=timedelta(seconds=30))
 WATCHDOG_S = 120  # a call that takes this long is hung: fail instead of blocking the suite
@@ -69,8 +70,8 @@ def run(argv: list[str]) -> Result:
     but SystemExit propagates, failing the test with its traceback."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch("wholeshard.launch.launch", _start))
-        stack.enter_context(mock.patch("wholeshard.train.loop.train", _start))
+        stack.enter_context(mock.patch("wholeshard.distributed.launch.launch", _start))
+        stack.enter_context(mock.patch("wholeshard.train.trainer.train", _start))
         stack.enter_context(mock.patch.object(bench_command, "launch", _start))
         stack.enter_context(mock.patch.object(bench_command, "preload", lambda: None))
         stack.enter_context(contextlib.redirect_stdout(out))

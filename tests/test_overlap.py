@@ -20,12 +20,13 @@ from support import (
 )
 
 import wholeshard
+from wholeshard.engine._storage import BucketState
 
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has something to overlap
 MODES = {
-    "aligned": {},
-    "aligned-overlap": OVERLAP,
-    "aligned-broadcast": dict(param_sync="broadcast"),
+    "whole": {},
+    "whole-overlap": OVERLAP,
+    "whole-broadcast": dict(param_sync="broadcast"),
     "ping_pong": dict(scheme="ping_pong"),
     "ping_pong-overlap": dict(scheme="ping_pong", **OVERLAP),
     "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast"),
@@ -38,7 +39,7 @@ def _run(nproc: int, mode: dict, steps: int = 3, **kw) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("scheme", ["aligned", "ping_pong"])
+@pytest.mark.parametrize("scheme", ["whole", "ping_pong"])
 def test_overlap_is_bitwise_equal_to_sync(scheme: str, dtype: torch.dtype) -> None:
     sync = _run(3, dict(scheme=scheme), param_dtype=dtype, evaluate=True)
     overlap = _run(3, dict(scheme=scheme, **OVERLAP), param_dtype=dtype, evaluate=True)
@@ -47,7 +48,7 @@ def test_overlap_is_bitwise_equal_to_sync(scheme: str, dtype: torch.dtype) -> No
         assert a["evals"] == b["evals"], "evaluation between steps sees the updated params"
 
 
-@pytest.mark.parametrize("scheme", ["aligned", "ping_pong"])
+@pytest.mark.parametrize("scheme", ["whole", "ping_pong"])
 def test_broadcast_is_bitwise_equal_to_allgather(scheme: str) -> None:
     gather = _run(3, dict(scheme=scheme, param_sync="allgather"))
     bcast = _run(3, dict(scheme=scheme, param_sync="broadcast"))
@@ -62,7 +63,7 @@ def test_every_mode_matches_reference(mode: str) -> None:
         assert_matches(out, ref)
 
 
-@pytest.mark.parametrize("mode", ["aligned", "aligned-overlap", "ping_pong-overlap"])
+@pytest.mark.parametrize("mode", ["whole", "whole-overlap", "ping_pong-overlap"])
 def test_no_sync_accumulation_matches_one_full_batch_step(mode: str) -> None:
     ref = reference_run(3)
     for out in _run(2, MODES[mode], micro_batches=4):
@@ -83,7 +84,7 @@ def test_fewer_muon_matrices_than_ranks(mode: str) -> None:
         assert_matches(out, ref)
 
 
-@pytest.mark.parametrize("mode", ["aligned-overlap", "ping_pong-overlap"])
+@pytest.mark.parametrize("mode", ["whole-overlap", "ping_pong-overlap"])
 def test_param_unused_in_forward(mode: str) -> None:
     ref = reference_run(3, unused_param=True)
     for out in _run(2, MODES[mode], unused_param=True):
@@ -97,7 +98,7 @@ def _dispatch_points(mode: dict) -> dict:
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
     during_backward = sum(b.reducing is not None for b in ddp.buckets)
     opt.step()
-    after_step = sum(not b.fresh for b in ddp.buckets)
+    after_step = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
     return {"buckets": len(ddp.buckets), "rs": during_backward, "ag": after_step}
 
 
@@ -131,7 +132,7 @@ def _in_flight_protocol(mode: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("scheme", ["aligned", "ping_pong"])
+@pytest.mark.parametrize("scheme", ["whole", "ping_pong"])
 def test_second_step_with_gather_in_flight(scheme: str) -> None:
     sync = run(_in_flight_protocol, 2, dict(scheme=scheme))
     overlap = run(_in_flight_protocol, 2, dict(scheme=scheme, **OVERLAP))
@@ -143,7 +144,10 @@ def test_second_step_with_gather_in_flight(scheme: str) -> None:
 def test_bad_mode_names() -> None:
     with pytest.raises(ValueError, match="scheme must be"):
         wholeshard.DataParallel(make_model(), scheme="zigzag")
-    with pytest.warns(DeprecationWarning, match="pass scheme="):  # the old spelling still works
-        assert wholeshard.DataParallel(make_model(), layout="ping_pong").plan is None
+    assert wholeshard.DataParallel(make_model(), scheme="ping_pong").plan.buffers[0].kind == (
+        "unaligned"
+    )
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        wholeshard.DataParallel(make_model(), layout="ping_pong")  # no such option
     with pytest.raises(ValueError, match="param_sync must be"):
         wholeshard.DataParallel(make_model(), param_sync="scatter")

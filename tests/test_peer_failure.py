@@ -18,8 +18,8 @@ import torch.distributed as dist
 from support import lm_loss, local_batch, make_model
 
 import wholeshard
-from wholeshard._groups import group_timeout
-from wholeshard.launch import WorkerFailed, launch
+from wholeshard.distributed.groups import group_timeout
+from wholeshard.distributed.launch import WorkerFailed, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 15  # short, yet longer than a busy machine's start-up skew between ranks
@@ -29,7 +29,7 @@ TIMEOUT_S = 15  # short, yet longer than a busy machine's start-up skew between 
 RANK_SCRIPT = """
 import os, signal, sys, torch
 from wholeshard import cli
-from wholeshard.train.model import GPT
+from wholeshard.models.gpt import GPT
 
 VICTIM, KILL_STEP = int(sys.argv[1]), int(sys.argv[2])
 forward, steps = GPT.forward, [0]
@@ -69,7 +69,7 @@ def test_survivors_exit_when_a_rank_is_killed_mid_step(
 ) -> None:
     world, victim, kill_step = 3, 1, 3
     text = tmp_path / "text.py"
-    text.write_bytes((ROOT / "wholeshard" / "train" / "loop.py").read_bytes() * 2)
+    text.write_bytes((ROOT / "wholeshard" / "train" / "trainer.py").read_bytes() * 2)
     argv = [
         "train", "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "50",
         "--batch-size", "6", "--seq-len", "16", "--eval-every", "50", "--eval-batches", "1",

@@ -1,4 +1,4 @@
-"""Tests for `wholeshard plan` (`wholeshard.plan_tool`): JSON fields and types, the table,
+"""Tests for `wholeshard plan` (`wholeshard.cli.plan`): JSON fields and types, the table,
 the PNG, and clear errors with exit code 2 for bad shapes files."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from wholeshard import plan_tool
+from wholeshard.cli import plan as plan_tool
 from wholeshard.planning import default_bucket_size, plan_buffers
 from wholeshard.planning.presets import preset
 
@@ -207,7 +207,7 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 def test_standalone_module_entry_point(tmp_path: Path) -> None:
     bad = write(tmp_path, {"params": [{"name": "w", "shape": [3, -2]}]})
     result = subprocess.run(
-        [sys.executable, "-m", "wholeshard.plan_tool", "--shapes", bad, "--dp", "2"],
+        [sys.executable, "-m", "wholeshard", "plan", "--shapes", bad, "--dp", "2"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from wholeshard import cli
-from wholeshard.checkpoint_dir import TMP_PREFIX, TRAINER
+from wholeshard.checkpoint.directory import TMP_PREFIX, TRAINER
 
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.005

@@ -1,4 +1,4 @@
-"""The routing rule (`wholeshard.routing`): which params Muon updates, on real model classes.
+"""The routing rule (`wholeshard.planning.routing`): which params Muon updates, real models.
 
 Unit tests, no process group. Tiny transformers models are built offline from configs with
 random init: weights of hidden layers with >= 2 dims go to Muon whatever their module class
@@ -16,7 +16,13 @@ from support import make_model
 from torch import nn
 
 import wholeshard
-from wholeshard.routing import Route, muon_by_name, route_params, routing_summary, routing_table
+from wholeshard.planning.routing import (
+    Route,
+    muon_by_name,
+    route_params,
+    routing_summary,
+    routing_table,
+)
 
 VOCAB, HIDDEN, LAYERS, HEADS, EXPERTS = 64, 32, 2, 2, 4
 
@@ -236,7 +242,7 @@ def test_nothing_routed_to_muon_raises_with_the_table() -> None:
 
 def test_routing_table_of_a_module_and_of_routes() -> None:
     model = qwen3_moe()
-    table = wholeshard.routing_table(model)
+    table = wholeshard.planning.routing_table(model)
     assert table == routing_table(route_params(model))
     lines = {line.split()[0]: line for line in table.splitlines()[1:]}
     assert len(lines) == len(list(model.parameters()))

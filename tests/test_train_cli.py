@@ -7,11 +7,21 @@ from pathlib import Path
 
 import pytest
 
-import wholeshard.launch
+import wholeshard.distributed.launch
+from wholeshard import DataParallelConfig
 from wholeshard.cli import build_parser, main
+from wholeshard.cli.flags import field_docs
+from wholeshard.cli.train import config_from_args
 from wholeshard.train import report
-from wholeshard.train.command import config_from_args
-from wholeshard.train.config import TrainConfig, field_docs
+from wholeshard.train.config import (
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    OutputConfig,
+    TrainConfig,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -19,7 +29,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("workers were started")
 
-    monkeypatch.setattr(wholeshard.launch, "launch", refuse)
+    monkeypatch.setattr(wholeshard.distributed.launch, "launch", refuse)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
 
@@ -116,14 +126,30 @@ def _config(*argv: str) -> TrainConfig:
 
 def test_every_config_field_is_a_documented_flag() -> None:
     assert _config() == TrainConfig()
-    fields = dataclasses.fields(TrainConfig)
-    assert all(field_docs().get(f.name) for f in fields), "a field without a docstring"
+    sections = [TrainConfig] + [type(getattr(TrainConfig(), name)) for name in SECTIONS]
+    for cls in sections:
+        documented = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert f.name in SECTIONS or documented.get(f.name), f"{cls.__name__}.{f.name}"
     cfg = _config(
         "--steps", "7", "--lr", "0.5", "--pos", "learned", "--tie", "--no-progress", "--overlap",
-        "--no-separate-all-gather-group", "--data", "x.txt", "--keep-last", "2",
+        "--no-separate-all-gather-group", "--data", "x.txt", "--keep-last", "2", "--seed", "3",
+        "--strategy", "size_match", "--shard-group-size", "1", "--pipelined-step",
     )  # fmt: skip
     assert cfg == TrainConfig(
-        steps=7, lr=0.5, pos="learned", tie=True, progress=False, overlap=True,
-        separate_all_gather_group=False, data="x.txt", keep_last=2,
-    )  # fmt: skip
-    assert _config("--no-tie", "--reshard-after-forward").tie is False
+        seed=3,
+        model=ModelConfig(pos="learned", tie=True),
+        data=DataConfig(path="x.txt"),
+        optim=OptimConfig(steps=7, lr=0.5),
+        parallel=DataParallelConfig(
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            separate_all_gather_group=False,
+            strategy="size_match",
+            shard_group_size=1,
+            pipelined_step=True,
+        ),
+        checkpoint=CheckpointConfig(keep_last=2),
+        output=OutputConfig(progress=False),
+    )
+    assert _config("--no-tie", "--reshard-after-forward").model.tie is False

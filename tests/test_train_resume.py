@@ -126,8 +126,8 @@ def test_fully_sharded_train_is_bitwise_like_zero(
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--optimizer", "adamw", "--reshard-after-forward"], "need --optimizer muon"),
-        (["--layout", "ping_pong", "--reshard-after-forward"], "cannot be fully sharded"),
+        (["--optimizer", "adamw", "--reshard-after-forward"], "needs --optimizer muon"),
+        (["--scheme", "ping_pong", "--reshard-after-forward"], "cannot be fully sharded"),
     ],
 )
 def test_fully_sharded_flags_are_checked(

@@ -8,14 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import train_config
 
+from wholeshard import DataParallelConfig
+from wholeshard.models.gpt import GPT, SIZES, model_config, num_params
 from wholeshard.train import data, report
-from wholeshard.train.config import ConfigError, TrainConfig
-from wholeshard.train.loop import train
-from wholeshard.train.model import GPT, SIZES, model_config, num_params
+from wholeshard.train.config import CheckpointConfig, ConfigError, OptimConfig, TrainConfig
 from wholeshard.train.schedule import lr_factor
+from wholeshard.train.trainer import train
 
-TEXT = (Path(__file__).resolve().parent.parent / "wholeshard" / "train" / "loop.py").read_bytes()
+TEXT = (Path(__file__).resolve().parent.parent / "wholeshard" / "train" / "trainer.py").read_bytes()
 
 
 @pytest.fixture
@@ -116,16 +118,32 @@ def test_schedule_warms_up_then_decays_to_the_floor(schedule: str) -> None:
 
 def test_config_validation_names_the_field() -> None:
     TrainConfig().validate()
-    for field, value in [("steps", 0), ("lr", -1.0), ("model", "huge"), ("clip_grad", -1.0),
-                         ("lr", math.nan), ("pos", "alibi"), ("keep_last", 0)]:  # fmt: skip
-        with pytest.raises(ConfigError, match=f"^{field} ") as e:
-            TrainConfig(**{field: value})
-        assert e.value.field == field
+    for path, value, said in [
+        ("optim.steps", 0, "steps"),
+        ("optim.lr", -1.0, "lr"),
+        ("model.name", "huge", "model"),
+        ("optim.clip_grad", -1.0, "clip_grad"),
+        ("optim.lr", math.nan, "lr"),
+        ("model.pos", "alibi", "pos"),
+        ("checkpoint.keep_last", 0, "keep_last"),
+        ("seed", 2**31, "seed"),
+    ]:
+        section, _, name = path.rpartition(".")
+        cfg = TrainConfig()
+        setattr(getattr(cfg, section) if section else cfg, name, value)
+        with pytest.raises(ConfigError, match=f"^{said} ") as e:
+            cfg.validate()
+        assert e.value.field == path
     with pytest.raises(ConfigError, match="need --optimizer muon") as e:
-        TrainConfig(optimizer="adamw", resume="latest")
-    assert e.value.field == "resume"
+        TrainConfig(optim=OptimConfig(name="adamw"), checkpoint=CheckpointConfig(resume="latest"))
+    assert e.value.field == "checkpoint.resume"
+    with pytest.raises(ConfigError, match="needs --optimizer muon") as e:
+        TrainConfig(
+            optim=OptimConfig(name="adamw"), parallel=DataParallelConfig(pipelined_step=True)
+        )
+    assert e.value.field == "parallel.pipelined_step"
     cfg = TrainConfig()
-    cfg.warmup = cfg.steps + 1  # a config changed after construction is checked again
+    cfg.optim.warmup = cfg.optim.steps + 1  # a config changed after construction is checked again
     with pytest.raises(ConfigError, match="^warmup "):
         cfg.validate()
 
@@ -150,7 +168,7 @@ def _tiny(text_file: Path, out: Path, **kw) -> TrainConfig:
         steps=4, batch_size=4, seq_len=16, data=str(text_file), out=str(out), eval_every=2,
         eval_batches=1, progress=False, threads=1,
     )  # fmt: skip
-    return TrainConfig(**(base | kw))
+    return train_config(**(base | kw))
 
 
 def _records(out: Path) -> list[dict]:
@@ -199,7 +217,7 @@ def test_muon_gets_the_block_matrices_only(tie: bool, pos: str) -> None:
 
 
 def test_param_dtype_auto_resolves_to_a_supported_dtype() -> None:
-    from wholeshard.train.loop import resolve_param_dtype
+    from wholeshard.train.env import resolve_param_dtype
 
     cpu = torch.device("cpu")
     assert resolve_param_dtype("float32", cpu) == torch.float32

@@ -23,10 +23,10 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from wholeshard.cli import build_parser
-from wholeshard.train import loop
+from wholeshard.train import trainer
 from wholeshard.train.config import TrainConfig
 
-WHENS = (loop.AFTER_STEP, loop.BEFORE_SAVE, "mid_save")
+WHENS = (trainer.AFTER_STEP, trainer.BEFORE_SAVE, "mid_save")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Fault:
     rank: int
     step: int
     kind: str
-    when: str = loop.AFTER_STEP
+    when: str = trainer.AFTER_STEP
 
     def __post_init__(self) -> None:
         if self.kind not in ("raise", "exit", "kill") or self.when not in WHENS:
@@ -55,12 +55,12 @@ class Fault:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __call__(self, point: str, step: int, rank: int) -> None:
-        """The `loop.Hook`."""
+        """The `trainer.Hook`."""
         if (rank, step) != (self.rank, self.step):
             return
         if point == self.when:
             self.fire()
-        elif point == loop.BEFORE_SAVE and self.when == "mid_save":
+        elif point == trainer.BEFORE_SAVE and self.when == "mid_save":
             write_item = dcp_fs._write_item
 
             def write_then_fail(*args, **kwargs):
@@ -72,8 +72,8 @@ class Fault:
 
 
 def faulty_train(cfg: TrainConfig, fault: Fault) -> dict:
-    """`loop.train` with `fault` installed: the worker entry point the tests launch."""
-    return loop.train(cfg, hooks=[fault])
+    """`train` with `fault` installed: the worker entry point the tests launch."""
+    return trainer.train(cfg, hooks=[fault])
 
 
 @dataclass(frozen=True)
@@ -100,17 +100,16 @@ class Poison:
 
 
 def poisoned_train(cfg: TrainConfig, poison: Poison) -> dict:
-    """`loop.train` with `poison` installed on its rank's model: a worker entry point."""
-    build = loop.build
+    """`train` with `poison` installed on its rank's model: a worker entry point."""
+    build = trainer.Trainer._build
 
-    def build_poisoned(cfg: TrainConfig, env: loop.Dist) -> loop.Trainee:
-        trainee = build(cfg, env)
-        if env.rank == poison.rank:
-            poison.install(trainee.model)
-        return trainee
+    def build_poisoned(self: trainer.Trainer) -> None:
+        build(self)
+        if self.env.rank == poison.rank:
+            poison.install(self.model)
 
-    loop.build = build_poisoned
-    return loop.train(cfg)
+    trainer.Trainer._build = build_poisoned
+    return trainer.train(cfg)
 
 
 def run_train(argv: list[str], fault: Fault | Poison) -> int:

@@ -1,10 +1,6 @@
-"""`wholeshard bench`: wholeshard against the distributed Muon setups users would pick instead.
-
-Register it on a CLI with `add_parser(subparsers)`; `main(args)` runs it. Modules: `workloads`
-(the work), `configs` (the registry of configurations), `worker` (one rank's run), `traffic`
-(bytes sent), `waits` (blocked time), `memory`, `report` and `plot` (output), `command` (CLI).
+"""`wholeshard bench`'s machinery: wholeshard against the distributed Muon setups users would
+pick instead. Modules: `configs` (the registry of configurations and workloads, no torch),
+`builders` (how each is built), `workloads` (the work), `worker` (one rank's run), `traffic`
+(bytes sent), `waits` (blocked time), `floor` (the no-communication floor), `memory`, `report`
+and `plot` (output). The command itself is `wholeshard.cli.bench`.
 """
-
-from .command import add_parser, build_parser, main
-
-__all__ = ["add_parser", "build_parser", "main"]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..routing import Route, route_params
+from ..planning.routing import Route, route_params
 from .workloads import Workload
 
 OwnedOptimizers = Callable[[list[Route]], list[torch.optim.Optimizer]]

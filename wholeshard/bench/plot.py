@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from wholeshard.plotting import figure
-
 from .report import Row
 
 _PANELS = (
@@ -29,8 +27,10 @@ series are drawn side by side, a figure a row lacks (None) as no bar."""
 def write_png(rows: list[Row], path: str, title: str) -> None:
     """One row of panels per workload: step time, peak resident memory (and its growth from
     building the model on), optimizer state."""
+    from matplotlib.figure import Figure  # drawn with Agg by savefig, without pyplot
+
     workloads = list(dict.fromkeys(r.workload for r in rows))
-    fig = figure(figsize=(15, 3.8 * len(workloads)))
+    fig = Figure(figsize=(15, 3.8 * len(workloads)))
     axes = fig.subplots(len(workloads), len(_PANELS), squeeze=False)
     for panels, workload in zip(axes, workloads, strict=True):
         done = [r for r in rows if r.workload == workload and r.error is None]

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .. import _collectives as collectives
+from ..distributed import collectives
 
 _TORCH_COLLECTIVES = (
     "all_reduce",

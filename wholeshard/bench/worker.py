@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import floor
-from .configs import every_param, with_overrides
+from .builders import build, every_param
+from .configs import with_overrides
 from .memory import optimizer_state_bytes, peak_rss_bytes, persistent_bytes, rss_bytes
 from .traffic import TrafficCounter
 from .waits import WaitClock
@@ -36,7 +37,8 @@ def preload() -> None:
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
-    from .. import data_parallel, optim  # noqa: F401
+    from .. import optim  # noqa: F401
+    from ..engine import data_parallel  # noqa: F401
 
 
 def run_rank(
@@ -56,7 +58,7 @@ def run_rank(
     batches = [workload.local_batch(s, rank, world) for s in range(warmup + 1 + steps)]
     preload()
     rss_before_build = rss_bytes()
-    setup = config.build(workload, clock)
+    setup = build(config, workload, clock)
     counter = TrafficCounter()
     step_s: list[float] = []
     optimizer_s: list[float] = []

@@ -1,6 +1,6 @@
 """The work every configuration runs: model, Muon routing, data and loss.
 
-`gpt` is the training job's model (`wholeshard.train.model.GPT`) on bytes from a random Markov
+`gpt` is the training job's model (`wholeshard.models.gpt.GPT`) on bytes from a random Markov
 chain; `mlp` is a stack of square linear layers regressing a fixed random teacher, where
 Newton–Schulz dominates the step. Both learn visibly within a benchmark's few steps, so the
 final-loss agreement check would catch a configuration that does not train. Each workload is seeded:
@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..routing import UseMuon
-from ..train.model import GPT, GPTConfig, model_config
+from ..models.gpt import GPT, GPTConfig, model_config
+from ..planning.routing import UseMuon
+from .configs import WORKLOADS
 
 SEED = 0
-WORKLOADS = ("gpt", "mlp")
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,10 @@ class Workload:
 
 def get_workload(name: str, quick: bool = False) -> Workload:
     """The workload called `name` (one of WORKLOADS); `quick` shrinks it to seconds."""
-    if name == "gpt":
-        return _gpt(quick)
-    if name == "mlp":
-        return _mlp(quick)
-    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+    builders = {"gpt": _gpt, "mlp": _mlp}
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {tuple(WORKLOADS)}")
+    return builders[name](quick)
 
 
 # -- gpt --------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): save anywhere, resume at any world size.
 
 A checkpoint is a `step-N` directory of a checkpoints directory (the directory protocol, with
-its atomic rename, `latest` marker and pruning, is `wholeshard.checkpoint_dir`):
+its atomic rename, `latest` marker and pruning, is `directory`):
 
     root/step-N/           one complete checkpoint (N = extra["step"], else the next free number)
         .metadata, __R_I.distcp    DCP's files: logical tensors, see "Format"
@@ -25,22 +25,48 @@ across the pieces of one param and is written by the piece holding element 0. No
 format depends on the layout, the world size or the sharding strategy, so DCP reshards on load.
 
 What a checkpoint needs of the optimizer is `Checkpointable`: its owned pieces, their state and
-its param groups. Modules: `chunks` (geometry and DCP planners), `agreement` (cross-rank
-outcomes), `model_table` (the model's description and checks), `save`, `load`.
+its param groups (`wholeshard.optim.pieces`). Modules: `directory` (the directory protocol),
+`export` (a checkpoint's weights as safetensors), and the private `_save`, `_load`, `_chunks`
+(geometry and DCP planners), `_consensus` (same outcome on every rank), `_model_table` (the
+model's description and checks).
+
+The functions are imported on first use, so that `directory` (which the train CLI reads) and
+`import wholeshard` do not import torch.distributed.checkpoint.
 """
 
-from ..checkpoint_dir import CheckpointError, resolve_checkpoint
-from ..optim.checkpointable import Checkpointable
-from ._chunks import flat_range_boxes
-from ._load import load_checkpoint, load_consolidated
-from ._save import save_checkpoint
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .directory import CheckpointError, resolve_checkpoint
+
+_EXPORTS = {
+    "save_checkpoint": "._save",
+    "load_checkpoint": "._load",
+    "load_consolidated": "._load",
+    "export_checkpoint": ".export",
+    "write_safetensors": ".export",
+}
 __all__ = [
     "CheckpointError",
-    "Checkpointable",
-    "flat_range_boxes",
+    "export_checkpoint",
     "load_checkpoint",
     "load_consolidated",
     "resolve_checkpoint",
     "save_checkpoint",
+    "write_safetensors",
 ]
+
+if TYPE_CHECKING:
+    from ._load import load_checkpoint, load_consolidated
+    from ._save import save_checkpoint
+    from .export import export_checkpoint, write_safetensors
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

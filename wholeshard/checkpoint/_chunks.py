@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..optim.layerwise import OwnedPiece
+from ..optim.pieces import OwnedPiece
 
 Part = tuple[tuple[int, ...], torch.Tensor]  # (offsets into the full tensor, the chunk)
 

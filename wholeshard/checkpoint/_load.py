@@ -11,7 +11,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint_dir import (
+from ..engine.data_parallel import DataParallel
+from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
+from . import _chunks as chunks
+from ._chunks import Chunks, add, piece_parts, whole
+from ._consensus import RankConsensus
+from ._model_table import check_model, other_tensors, state_keys
+from .directory import (
     TRAINER,
     CheckpointError,
     check_files,
@@ -20,12 +26,6 @@ from ..checkpoint_dir import (
     resolve_checkpoint,
     verify,
 )
-from ..data_parallel import DataParallel
-from ..optim.checkpointable import Checkpointable, LoadedPiece, elementwise, install_state
-from . import _chunks as chunks
-from ._agreement import Group
-from ._chunks import Chunks, add, piece_parts, whole
-from ._model_table import check_model, other_tensors, state_keys
 
 
 def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Checkpointable) -> Any:
@@ -38,12 +38,12 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     Raises CheckpointError on every rank, changing nothing, if the checkpoint is damaged or was
     saved from a different model (names, shapes or Muon/AdamW routing).
     """
-    group = Group(ddp)
+    group = RankConsensus(ddp.process_group, ddp.dp_size, ddp.rank)
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while reading
     ckpt = group.on_first(lambda: resolve_checkpoint(path), "cannot find the checkpoint")
 
-    manifest = group.agree(lambda: read_manifest(ckpt), f"checkpoint {ckpt} is damaged")
-    group.agree(
+    manifest = group.all_succeed(lambda: read_manifest(ckpt), f"checkpoint {ckpt} is damaged")
+    group.all_succeed(
         lambda: check_files(ckpt, manifest, sorted(manifest["files"])[group.rank :: group.size]),
         f"checkpoint {ckpt} is damaged",
     )
@@ -54,7 +54,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
         check_model(ckpt, manifest, metadata, ddp, optimizer, trainer)
         return trainer, _plan_load(metadata, ddp, optimizer)
 
-    trainer, plan = group.agree(prepare, f"cannot load checkpoint {ckpt}")
+    trainer, plan = group.all_succeed(prepare, f"cannot load checkpoint {ckpt}")
     try:
         chunks.read(plan.entries, ckpt, ddp.process_group, group.distributed)
     except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
@@ -75,7 +75,7 @@ def load_consolidated(
     Returns `(tensors, manifest)`: `tensors` maps every `model.state_dict()` key, tied aliases
     included, to a full CPU tensor. With `dtype`, floating tensors are cast to it, taking params
     from their fp32 masters when the checkpoint has them; without it, params keep the dtype they
-    were trained in. Reads nothing before the directory verifies (`checkpoint_dir.verify`).
+    were trained in. Reads nothing before the directory verifies (`directory.verify`).
     """
     ckpt = resolve_checkpoint(path)
     manifest = verify(ckpt)

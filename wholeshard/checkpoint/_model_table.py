@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint_dir import TRAINER, CheckpointError
-from ..data_parallel import DataParallel
-from ..optim.checkpointable import Checkpointable
-from ..routing import clean_name
+from ..engine.data_parallel import DataParallel
+from ..optim.pieces import Checkpointable
+from ..planning.routing import clean_name
+from .directory import TRAINER, CheckpointError
 
 
 def other_tensors(ddp: DataParallel) -> dict[str, torch.Tensor]:

@@ -11,7 +11,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..checkpoint_dir import (
+from ..engine.data_parallel import DataParallel
+from ..optim.pieces import Checkpointable, elementwise
+from . import _chunks as chunks
+from ._chunks import Chunks, add, piece_parts, whole
+from ._consensus import RankConsensus
+from ._model_table import aliases, model_table, other_tensors
+from .directory import (
     TRAINER,
     CheckpointError,
     begin,
@@ -20,12 +26,6 @@ from ..checkpoint_dir import (
     digest,
     write_durably,
 )
-from ..data_parallel import DataParallel
-from ..optim.checkpointable import Checkpointable, elementwise
-from . import _chunks as chunks
-from ._agreement import Group
-from ._chunks import Chunks, add, piece_parts, whole
-from ._model_table import aliases, model_table, other_tensors
 
 
 def save_checkpoint(
@@ -51,7 +51,7 @@ def save_checkpoint(
     if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
     root = Path(path)
-    group = Group(ddp)
+    group = RankConsensus(ddp.process_group, ddp.dp_size, ddp.rank)
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while writing
 
     def prepare() -> tuple[int, Path]:
@@ -62,7 +62,7 @@ def save_checkpoint(
         return step, tmp
 
     step, tmp = group.on_first(prepare, f"cannot start a checkpoint in {root}")
-    state = group.agree(lambda: _save_entries(ddp, optimizer, group.rank), "cannot save")
+    state = group.all_succeed(lambda: _save_entries(ddp, optimizer, group.rank), "cannot save")
     try:
         chunks.write(state, tmp, ddp.process_group, group.distributed)
     except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
@@ -127,10 +127,10 @@ def _trainer_blob(optimizer: Checkpointable, extra: dict[str, Any] | None) -> by
     return buf.getvalue()
 
 
-def _digest_files(group: Group, directory: Path) -> dict[str, Any]:
+def _digest_files(group: RankConsensus, directory: Path) -> dict[str, Any]:
     """Size and crc32 of every file in `directory`, hashed in parallel across ranks."""
     names = group.on_first(lambda: sorted(os.listdir(directory)), f"cannot list {directory}")
-    mine = group.agree(
+    mine = group.all_succeed(
         lambda: digest(directory, names[group.rank :: group.size]), f"cannot checksum {directory}"
     )
     return {name: entry for part in group.all_gather(mine) for name, entry in part.items()}

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..routing import UseMuon, route_params
+from ..planning.routing import UseMuon, route_params
 from .formats import (
     BLOCK,
     MXFP8,

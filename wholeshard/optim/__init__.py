@@ -1,5 +1,9 @@
-"""Optimizers that run on the params each rank owns."""
+"""Optimizers that run on the pieces of params each rank owns: `LayerwiseOptimizer`, and the
+contract checkpoints need of an optimizer (`pieces`: `OwnedPiece`, `Checkpointable`), and
+`first_nonfinite`, the non-finite check a plain torch optimizer can share."""
 
+from ._step_check import first_nonfinite
 from .layerwise import LayerwiseOptimizer
+from .pieces import Checkpointable, OwnedPiece
 
-__all__ = ["LayerwiseOptimizer"]
+__all__ = ["Checkpointable", "LayerwiseOptimizer", "OwnedPiece", "first_nonfinite"]

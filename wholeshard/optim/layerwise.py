@@ -8,15 +8,6 @@ Invariants:
 - state (momentum, Adam moments, fp32 masters) exists only for params this rank owns;
 - a master's `.grad` is (a cast of) the param's range of this rank's reduced grad shard;
 - when `step()` returns, every rank's params are the updated ones.
-
-[Note: what Muon sees]
-Muon's update depends on the matrix's orientation (`adjust_lr_fn` scales by its shape) and only
-works on 2-D tensors, so every Muon piece is one matrix in (out, in) orientation:
-- a stacked param (more than 2 dims: fused MoE experts) is stepped as one piece per matrix, each
-  its own `torch.optim.Muon` param, exactly as if each expert's slice were a separate param;
-- a weight stored (in, out) (`Route.transposed`: transformers' `Conv1D`) is stepped on a
-  contiguous (out, in) fp32 master, exactly as the same layer stored as `nn.Linear` would be.
-`OwnedPiece.oriented` maps between the storage layout and the optimizer's.
 """
 
 from __future__ import annotations
@@ -25,53 +16,16 @@ import contextlib
 import math
 from collections import ChainMap
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .. import _collectives as collectives
-from ..data_parallel import DataParallel, OwnedSlice
-from ._agreement import ERROR, NONFINITE_POLICIES, SKIP, agree, peak_norms
-from .checkpointable import LoadedPiece, install_state
-
-MUON, ADAMW = "muon", "adamw"
-
-
-@dataclass
-class OwnedPiece:
-    """A piece of one param that this rank updates: the whole tensor, one matrix of a stacked
-    param, or a flat slice.
-
-    The piece covers elements `[offset, offset + param.numel())` of the flattened param.
-    `master` is in the optimizer's layout ([Note: what Muon sees]), `param` and `grad` in the
-    storage layout.
-    """
-
-    name: str
-    kind: str  # "muon" or "adamw"
-    full_shape: tuple[int, ...]
-    offset: int
-    param: torch.Tensor  # view into the param buffer (param dtype)
-    grad: torch.Tensor  # view into the reduced grad shard (grad-reduce dtype)
-    master: torch.Tensor  # fp32; the param view itself when the param is fp32 and not transposed
-    matrix: int | None = None  # index of the matrix within a stacked param
-    transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
-
-    @property
-    def key(self) -> str:
-        """Unique among this rank's pieces: the param name, with `[i]` for matrix i of a stack."""
-        return self.name if self.matrix is None else f"{self.name}[{self.matrix}]"
-
-    @property
-    def separate_master(self) -> bool:
-        return self.master is not self.param
-
-    def oriented(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` moved between the storage and the optimizer layout (its own inverse)."""
-        return t.T if self.transposed else t
+from ..distributed import collectives
+from ..engine.data_parallel import DataParallel
+from ._step_check import NONFINITE_POLICIES, NonfinitePolicy, agree, peak_norms
+from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -84,7 +38,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     `DataParallel(pipelined_step=True)`, `step()` updates bucket by bucket as the reductions land
     (`DataParallel.reduced_buckets`): the same per-param arithmetic, so the same bits.
 
-    Before any update, every rank takes one small all-reduce (`wholeshard.optim._agreement`):
+    Before any update, every rank takes one small all-reduce (`wholeshard.optim._step_check`):
     `step()` raises on every rank if some rank's model changed after wrapping
     (`DataParallel.model_changes`) or ranks are at different steps. `nonfinite` says what an
     inf or nan in the averaged gradients does: "error" raises `FloatingPointError` naming the
@@ -92,7 +46,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     counts `skipped_steps`, None does not look. The check reuses the per-param norms
     `clip_grad_norm_` computed in the same step, else it takes one max-norm pass over the owned
     grads. It reads every reduced grad, so a pipelined step then overlaps only the gathers with
-    the updates (as after clipping); with `nonfinite=None` a pipelined step takes no agreement
+    the updates (as after clipping); with `nonfinite=None` a pipelined step takes no step check
     (nothing waits) and checks for a changed model on its own rank only.
     """
 
@@ -102,7 +56,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         *,
         muon: dict[str, Any] | None = None,
         adamw: dict[str, Any] | None = None,
-        nonfinite: str | None = ERROR,
+        nonfinite: NonfinitePolicy | None = "error",
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
@@ -116,14 +70,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._owned: list[OwnedPiece] = []
         self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
         for owned in ddp.owned():
-            pieces = _pieces(owned)
+            pieces = pieces_of(owned)
             self._owned += pieces
             self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
         index = {r.name: i for i, r in enumerate(ddp.routes)}
-        self._indices = torch.tensor(  # each piece's param index, for the step's agreement
+        self._indices = torch.tensor(  # each piece's param index, for the step check
             [index[o.name] for o in self._owned],
             dtype=torch.float64,
-            device=ddp.buckets[0].grad.device,
+            device=ddp.device,
         )
 
         self._inner = {
@@ -147,7 +101,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pipelined = self.ddp.pipelined_step
+        pipelined = self.ddp.config.pipelined_step
         if pipelined and self.nonfinite is None:  # nothing waits; see the class docstring
             self._piece_norms = None
             change = self.ddp.model_changes()
@@ -156,7 +110,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self.steps += 1
         else:
             self.ddp.finish_grad_sync()
-            if self._agree_to_skip():
+            if self._check_step():
                 self.skipped_steps += 1
                 self.ddp.zero_grad_buffer()
                 return loss
@@ -167,7 +121,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self.ddp.finish_param_sync()  # a gather in flight must land before we write params
             self._update(self._owned)
             self.ddp.start_param_sync()
-        if not self.ddp.overlap_param_gather:
+        if not self.ddp.config.overlap_param_gather:
             self.ddp.finish_param_sync()
         return loss
 
@@ -189,8 +143,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if o.separate_master:
                     o.param.copy_(o.oriented(o.master))
 
-    def _agree_to_skip(self) -> bool:
-        """Take the step's agreement (`wholeshard.optim._agreement`) with every rank: raise on a
+    def _check_step(self) -> bool:
+        """Take the step check (`wholeshard.optim._step_check`) with every rank: raise on a
         changed model, ranks at different steps, or (policy "error") a non-finite gradient;
         True when every rank skips this step (policy "skip")."""
         norms, self._piece_norms = self._piece_norms, None
@@ -207,7 +161,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             changed=change is not None,
             group=ddp.process_group,
             world=ddp.dp_size,
-            device=ddp.buckets[0].grad.device,
+            device=ddp.device,
         )
         step, self.steps = self.steps, self.steps + 1
         if verdict.changed:
@@ -221,7 +175,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             )
         if verdict.first_nonfinite is None:
             return False
-        if self.nonfinite == SKIP:
+        if self.nonfinite == "skip":
             return True
         raise FloatingPointError(
             f"non-finite gradient at optimizer step {step}: "
@@ -244,7 +198,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """
         self.ddp.finish_grad_sync()
         norm_type = float(norm_type)
-        device = self.ddp.buckets[0].grad.device
+        device = self.ddp.device
         norms = [
             torch.linalg.vector_norm(o.grad, norm_type, dtype=torch.float32) for o in self._owned
         ]
@@ -274,9 +228,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of the separate fp32 masters and of the torch optimizers' state tensors."""
-        masters = sum(_nbytes(o.master) for o in self._owned if o.separate_master)
+        masters = sum(o.master.nbytes for o in self._owned if o.separate_master)
         state = sum(
-            _nbytes(v)
+            v.nbytes
             for opt in self._inner.values()
             for entry in opt.state.values()
             for v in entry.values()
@@ -334,58 +288,6 @@ def _holding(group: dict[str, Any], params: list[torch.Tensor]) -> Iterator[None
         yield
     finally:
         group["params"] = every
-
-
-def _pieces(owned: OwnedSlice) -> list[OwnedPiece]:
-    """The optimizer's pieces of one owned slice: one per matrix of a Muon stack, else one."""
-    route, full_shape = owned.route, owned.route.shape
-    if not route.muon:
-        return [_piece(route.name, ADAMW, full_shape, owned.offset, owned.param, owned.grad)]
-    rows, cols = owned.param.shape[-2:]
-    first = owned.offset // (rows * cols)
-    params = owned.param.reshape(-1, rows, cols).unbind()
-    grads = owned.grad.reshape(-1, rows, cols).unbind()
-    stacked = len(full_shape) > 2
-    return [
-        _piece(
-            route.name,
-            MUON,
-            full_shape,
-            owned.offset + i * rows * cols,
-            param,
-            grad,
-            matrix=first + i if stacked else None,
-            transposed=route.transposed,
-        )
-        for i, (param, grad) in enumerate(zip(params, grads, strict=True))
-    ]
-
-
-def _piece(
-    name: str,
-    kind: str,
-    full_shape: tuple[int, ...],
-    offset: int,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    *,
-    matrix: int | None = None,
-    transposed: bool = False,
-) -> OwnedPiece:
-    """A piece with its fp32 master: the param view itself when fp32 and not transposed."""
-    if param.dtype == torch.float32 and not transposed:
-        master = param
-    else:
-        master = (param.detach().T if transposed else param.detach()).float().contiguous()
-        if master.data_ptr() == param.data_ptr():  # .float() of fp32 returns the same tensor
-            master = master.clone()
-    direct = grad.dtype == torch.float32 and not transposed
-    master.grad = grad if direct else torch.zeros_like(master)
-    return OwnedPiece(name, kind, full_shape, offset, param, grad, master, matrix, transposed)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _restore(value: Any, master: torch.Tensor) -> Any:

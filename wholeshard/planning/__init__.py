@@ -1,10 +1,13 @@
-"""Planning: where every parameter of a model lives, from shapes alone (no torch here).
+"""Planning: the two decisions made for every parameter, once: which optimizer updates it
+(`routing`) and where it lives, and so which rank owns it (`plan_buffers` -> `Plan`).
 
-`plan_buffers(specs, dp_size, ...)` takes `ParamSpec`s (what `routing` decided for each param,
-or a shapes file, or a preset) and returns a `Plan`. Modules: `specs` (the records), `buffer`
-(one buffer, its owner rule and invariant checks), `plan` (the entry point and the one
-validator), `presets` and `shapes` (specs without a model); the planners are private: `_whole`
-(with `_rows`, `_balanced`, `_packing`), `_stacked`, `_elementwise`, `_unaligned`.
+`routing.route_params(model)` routes a model's params (the only module here that reads a model,
+and it imports torch only when it does); `plan_buffers(specs, dp_size, ...)` takes `ParamSpec`s
+(from routes, a shapes file or a preset) and returns a `Plan`, from shapes alone. Modules:
+`routing`, `specs` (the records), `buffer` (one buffer, its owner rule and invariant checks),
+`plan` (the entry point and the one validator), `presets` and `shapes` (specs without a model);
+the planners are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_stacked`,
+`_elementwise`, `_unaligned`.
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):

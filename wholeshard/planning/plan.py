@@ -19,7 +19,6 @@ all-reduced across groups. `Plan.shard_rank(rank)` maps a global rank to its ran
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -29,7 +28,7 @@ from ._stacked import plan_stacked
 from ._unaligned import plan_unaligned
 from ._whole import plan_whole
 from .buffer import KINDS, Buffer, BufferKind
-from .specs import ParamSpec, cost_imbalance
+from .specs import ParamSpec, cost_imbalance, is_int
 
 Strategy = Literal["size_match", "balanced"]
 STRATEGIES: tuple[Strategy, ...] = ("size_match", "balanced")
@@ -200,13 +199,13 @@ def validate_specs(
     of specs and planning options (shapes files report `spec_problem` with their context)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not _is_int(dp_size) or dp_size < 1:
+    if not is_int(dp_size) or dp_size < 1:
         raise ValueError(
             f"dp_size must be an int >= 1 (the data-parallel world size), got {dp_size!r}"
         )
-    if not _is_int(align) or align < 1:
+    if not is_int(align) or align < 1:
         raise ValueError(f"align must be an int >= 1 (elements; 64 is typical), got {align!r}")
-    if bucket_size is not None and (not _is_int(bucket_size) or bucket_size <= 0):
+    if bucket_size is not None and (not is_int(bucket_size) or bucket_size <= 0):
         raise ValueError(
             f"bucket_size must be None (one bucket) or an int > 0 (elements), got {bucket_size!r}"
         )
@@ -223,7 +222,7 @@ def validate_specs(
         shape = spec.shape
         if type(shape) is tuple and all(type(d) is int and d > 0 for d in shape):
             continue  # the common case, checked fast
-        if not isinstance(shape, tuple) or not all(_is_int(d) for d in shape):
+        if not isinstance(shape, tuple) or not all(is_int(d) for d in shape):
             raise ValueError(
                 f"param {spec.name!r}: shape must be a tuple of ints (e.g. tuple(p.shape)), "
                 f"got {shape!r}"
@@ -243,13 +242,3 @@ def shape_problem(shape: Sequence[int]) -> str | None:
             "(they have nothing to sync)"
         )
     return None
-
-
-def _is_int(x: object) -> bool:
-    if isinstance(x, bool):
-        return False
-    try:
-        operator.index(x)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True

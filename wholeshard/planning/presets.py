@@ -4,15 +4,15 @@ Nothing here allocates a tensor: a preset is a list of `ParamSpec` in registrati
 `model.named_parameters()` of the published model would list them (a tied tensor appears once,
 under its first name, with `tied=True`). Shapes carry no module types, so `spec` routes by
 `routing.muon_by_name`, the default rule told from names ([Note: the routing rule] in
-`wholeshard.routing`). Experts are listed one matrix per param, as the published checkpoints
-do, except `qwen3-30b-a3b`, whose fused expert stacks (E, out, in) are stacked Muon params.
+`routing`). Experts are listed one matrix per param, as the published checkpoints do, except
+`qwen3-30b-a3b`, whose fused expert stacks (E, out, in) are stacked Muon params.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..routing import muon_by_name
+from .routing import muon_by_name
 from .specs import ParamSpec
 
 

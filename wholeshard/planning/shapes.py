@@ -13,8 +13,8 @@ import json
 import math
 from typing import Any
 
-from ..routing import muon_by_name
 from .plan import shape_problem
+from .routing import muon_by_name
 from .specs import ParamSpec, matrix_count
 
 MAX_NUMEL = (1 << 63) - 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -123,3 +124,14 @@ def cost_imbalance(costs: Sequence[int]) -> float:
 def round_up(x: int, multiple: int) -> int:
     """The smallest multiple of `multiple` that is `>= x`."""
     return -(-x // multiple) * multiple
+
+
+def is_int(x: object) -> bool:
+    """Whether `x` is an integer (Python or numpy; not a bool)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True

@@ -1,5 +1,5 @@
 """`--max-restarts`: run the job on local workers and, when one fails, relaunch it from the
-latest checkpoint (torchrun's `--max-restarts`, for `wholeshard.launch`).
+latest checkpoint (torchrun's `--max-restarts`, for `wholeshard.distributed.launch`).
 
 A failure stops every worker (the launcher guarantees that); the relaunched job resumes from
 `<out>/checkpoints`' latest complete checkpoint, which restores params, optimizer state, the
@@ -17,27 +17,26 @@ import sys
 import time
 from collections.abc import Callable
 
-from wholeshard.launch import WorkerFailed
-from wholeshard.train import report
-from wholeshard.train.config import TrainConfig
-from wholeshard.train.loop import train
+from ..distributed.launch import WorkerFailed
+from . import report
+from .config import TrainConfig
+from .trainer import train
 
 
 def train_local(
     cfg: TrainConfig, nproc: int, worker: Callable[[TrainConfig], dict] = train
 ) -> dict:
-    """Run `worker(cfg)` on `nproc` local workers, restarting up to `cfg.max_restarts` times;
+    """Run `worker(cfg)` on `nproc` local workers, restarting up to `max_restarts` times;
     returns rank 0's summary. Raises the last `WorkerFailed` when no restart is left."""
-    from wholeshard.launch import launch  # looked up per call: tests replace it
+    from ..distributed.launch import launch  # looked up per call: tests replace it
 
     restarts = 0
     while True:
         try:
-            return launch(worker, nproc, args=(cfg,), collective_timeout_s=cfg.collective_timeout)[
-                0
-            ]
+            timeout = cfg.reliability.collective_timeout
+            return launch(worker, nproc, args=(cfg,), collective_timeout_s=timeout)[0]
         except WorkerFailed as failure:
-            if restarts == cfg.max_restarts:
+            if restarts == cfg.reliability.max_restarts:
                 raise
             restarts += 1
             cfg = _relaunch_config(cfg, failure, restarts)
@@ -45,7 +44,7 @@ def train_local(
 
 def _relaunch_config(cfg: TrainConfig, failure: WorkerFailed, restart: int) -> TrainConfig:
     """Log restart number `restart` and return the config that resumes the run."""
-    from wholeshard.checkpoint_dir import CheckpointError, resolve_checkpoint, step_of
+    from ..checkpoint.directory import CheckpointError, resolve_checkpoint, step_of
 
     try:
         ckpt = resolve_checkpoint(cfg.checkpoint_dir)
@@ -56,7 +55,7 @@ def _relaunch_config(cfg: TrainConfig, failure: WorkerFailed, restart: int) -> T
     step = None if ckpt is None else step_of(ckpt)
     print(
         f"wholeshard train: worker rank {failure.rank} failed ({reason}); all workers stopped. "
-        f"Restart {restart}/{cfg.max_restarts} from "
+        f"Restart {restart}/{cfg.reliability.max_restarts} from "
         f"{'the start (no checkpoint yet)' if ckpt is None else ckpt}.",
         file=sys.stderr,
         flush=True,
@@ -64,11 +63,12 @@ def _relaunch_config(cfg: TrainConfig, failure: WorkerFailed, restart: int) -> T
     event = {
         "event": "restart",
         "restart": restart,
-        "max_restarts": cfg.max_restarts,
+        "max_restarts": cfg.reliability.max_restarts,
         "failed_rank": failure.rank,
         "reason": reason,
         "resume_step": step,
         "time": time.time(),
     }
-    report.append_event(cfg.out, event)
-    return dataclasses.replace(cfg, resume=None if ckpt is None else str(ckpt))
+    report.append_event(cfg.output.out, event)
+    resume = None if ckpt is None else str(ckpt)
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))

@@ -1,16 +1,13 @@
-"""Process groups of a `DataParallel`: the data-parallel group, shard and replica groups, the
-all-gather group, and the check that every rank built the same model."""
+"""Process groups of a `DataParallel`: the data-parallel group, shard and replica groups, and the
+all-gather group."""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-
-from .routing import Route
 
 
 def make_groups(
@@ -73,28 +70,3 @@ def resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int,
             f"wholeshard.DataParallel (or pass process_group=...)"
         )
     return None, 1, 0
-
-
-def check_same_model(routes: list[Route], group: ProcessGroup | None, problem: str | None) -> None:
-    """Raise on every rank if any rank's model cannot be wrapped (`problem`: this rank's reason,
-    or None) or ranks built different models (naming the first difference)."""
-    mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (problem, mine), group=group)
-    for rank, (theirs, _) in enumerate(everyone):
-        if theirs is not None:
-            raise ValueError(f"cannot wrap the model of rank {rank}: {theirs}")
-    everyone = [signature for _, signature in everyone]
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == reference:
-            continue
-        for i in range(max(len(reference), len(theirs))):
-            a = reference[i] if i < len(reference) else "<missing>"
-            b = theirs[i] if i < len(theirs) else "<missing>"
-            if a != b:
-                raise RuntimeError(
-                    f"ranks built different models: param #{i} is {a} on rank 0 but {b} on "
-                    f"rank {rank} (fields: name, shape, dtype, routed to Muon). Build the same "
-                    f"model with the same routing on every rank."
-                )

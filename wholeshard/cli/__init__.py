@@ -1,7 +1,9 @@
-"""`wholeshard` command line: one subcommand per module, dispatched by argparse subparsers.
+"""`wholeshard` command line: one subcommand per module of this package, dispatched by argparse.
 
 A subcommand module provides `add_parser(subparsers)`, which registers its parser and sets the
-default `run=<function(args) -> int>`. Add new subcommands to `SUBCOMMANDS`.
+default `run=<function(args) -> int>`. Add new subcommands to `SUBCOMMANDS`. The package holds
+argparse and printing only; a subcommand imports its machinery (torch among it) when it runs,
+so `wholeshard --help` and each subcommand's `--help` answer without importing torch.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ MAX_NPROC = 1024
 process."""
 
 SUBCOMMANDS = (
-    "wholeshard.train.command",
-    "wholeshard.plan_tool",
-    "wholeshard.bench",
-    "wholeshard.export",
+    "wholeshard.cli.train",
+    "wholeshard.cli.plan",
+    "wholeshard.cli.bench",
+    "wholeshard.cli.export",
 )
 
 

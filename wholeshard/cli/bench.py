@@ -3,9 +3,9 @@
 Each configuration runs in its own `launch` (fresh processes, a fresh gloo group) with the same
 model init, data, seed and world size. Workers are spawned (a clean interpreter each, so memory
 figures are the worker's own); `--quick` forks them instead, to start in milliseconds. Progress
-goes to stderr; stdout carries the markdown table. `--reshard-after-forward` and
-`--[no-]separate-all-gather-group` set that `DataParallel` keyword on every wholeshard (ws_*)
-configuration of the run; the line under the table names them.
+goes to stderr; stdout carries the markdown table. The `DataParallelConfig` flags
+(`--reshard-after-forward`, `--[no-]separate-all-gather-group`, `--bucket-size`, ...) set that
+field on every wholeshard (ws_*) configuration of the run; the line under the table names them.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import sys
 import time
 from typing import Any
 
-from ..cli import MAX_NPROC, positive_int
-from ..launch import WorkerFailed, launch
-from . import report
-from .configs import CONFIGS, with_overrides
-from .worker import preload, run_rank
-from .workloads import WORKLOADS
+from ..bench.configs import CONFIGS, WORKLOADS, with_overrides
+from ..engine.config import DataParallelConfig
+from . import MAX_NPROC, positive_int
+from .flags import add_flags
 
 DEFAULT_STEPS = 10
 WARMUP = 2
@@ -60,20 +58,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         choices=tuple(CONFIGS),
         help="run only this configuration (repeatable; default: all)",
     )
-    p.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        default=None,
-        help="run every wholeshard (ws_*) configuration fully sharded: "
-        "DataParallel(reshard_after_forward=True)",
+    overrides = p.add_argument_group(
+        "overrides of every wholeshard (ws_*) configuration",
+        "DataParallelConfig fields; a flag not given leaves each configuration's own setting",
     )
-    p.add_argument(
-        "--separate-all-gather-group",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="give every wholeshard (ws_*) configuration a second process group for param "
-        "all-gathers, or none (default: each configuration's own setting)",
-    )
+    add_flags(overrides, DataParallelConfig, dest=OVERRIDE, skip=NOT_OVERRIDABLE, overrides=True)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--png", metavar="FILE", help="write a bar chart of step time and memory")
     p.add_argument(
@@ -103,31 +92,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The standalone parser of `python -m wholeshard.bench`."""
-    p = argparse.ArgumentParser(
-        prog="python -m wholeshard.bench",
-        description=__doc__,
-        epilog=_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_arguments(p)
-    return p
-
-
-OVERRIDABLE = ("reshard_after_forward", "separate_all_gather_group")
-"""The `DataParallel` keywords a flag of the same name overrides on every wholeshard
-configuration."""
+OVERRIDE = "override."
+NOT_OVERRIDABLE = frozenset(
+    {"use_muon", "param_dtype", "grad_reduce_dtype", "fp8_param_gather", "timeout"}
+)
+"""Fields each configuration decides for itself: the workload's routing, its dtypes, FP8 with
+its recipe."""
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The `DataParallel` keywords the parsed flags impose on every wholeshard configuration
-    (a flag not given imposes nothing)."""
-    return {k: getattr(args, k) for k in OVERRIDABLE if getattr(args, k) is not None}
+    """The `DataParallelConfig` fields the parsed flags impose on every wholeshard
+    configuration (a flag not given imposes nothing)."""
+    return {k[len(OVERRIDE) :]: v for k, v in vars(args).items() if k.startswith(OVERRIDE)}
 
 
-def _flag(keyword: str, value: bool) -> str:
-    return "--" + ("" if value else "no-") + keyword.replace("_", "-")
+def _flag(keyword: str, value: Any) -> str:
+    name = "--" + keyword.replace("_", "-")
+    if isinstance(value, bool):
+        return name if value else name.replace("--", "--no-", 1)
+    return f"{name} {value}"
 
 
 def _error_line(text: str) -> str:
@@ -144,11 +127,19 @@ def _run_one(
     warmup: int,
     quick: bool,
     overrides: dict[str, Any] | None = None,
-) -> tuple[report.Row, list[str]]:
+) -> tuple[Any, list[str]]:
     """One configuration (wholeshard keywords replaced by `overrides`) on fresh workers: its
     row, and any collectives the traffic model could not charge. A configuration that cannot
     run or fails gets a row carrying the reason."""
-    reason = with_overrides(config, overrides or {}).unavailable()
+    from ..bench import report
+    from ..bench.builders import unavailable
+    from ..bench.worker import run_rank
+    from ..distributed.launch import WorkerFailed, launch
+
+    try:
+        reason = unavailable(with_overrides(config, overrides or {}))
+    except ValueError as e:  # overrides no DataParallelConfig accepts
+        reason = str(e)
     if reason is not None:
         return report.Row(workload, config, error=reason), []
     timeout = 120 + 30 * (warmup + 1 + steps)
@@ -179,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     configs = [c for c in CONFIGS if not args.config or c in args.config]
     imposed = flag_overrides(args)
-    if imposed and all(CONFIGS[c].ddp_kwargs is None for c in configs):
+    if imposed and all(CONFIGS[c].parallel is None for c in configs):
         flags = " ".join(_flag(k, v) for k, v in imposed.items())
         print(
             f"error: {flags}: overrides wholeshard (ws_*) configurations only, and --config "
@@ -187,6 +178,9 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from ..bench import report
+    from ..bench.worker import preload
+
     machine = report.machine(args.nproc, forked=args.quick)
     if args.quick:
         preload()  # forked workers inherit it

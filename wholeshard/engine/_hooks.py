@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from ._bucket import CommBucket
 from ._schedule import Scheduler
+from ._storage import BucketStorage
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -54,7 +54,7 @@ def hooked_modules(root: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]
 def register(
     scheduler: Scheduler,
     root: nn.Module,
-    bucket_of: dict[int, CommBucket],
+    bucket_of: dict[int, BucketStorage],
     *,
     reshard: bool,
 ) -> list[RemovableHandle]:
@@ -85,7 +85,7 @@ def register(
     return handles
 
 
-def refuse_released_reads(root: nn.Module, bucket_of: dict[int, CommBucket]) -> list:
+def refuse_released_reads(root: nn.Module, bucket_of: dict[int, BucketStorage]) -> list:
     """Make `state_dict()` of a module raise while one of its params is released (fully
     sharded between steps, or an FP8-gathered weight), instead of returning empty values."""
     handles = []
@@ -96,7 +96,7 @@ def refuse_released_reads(root: nn.Module, bucket_of: dict[int, CommBucket]) -> 
     return handles
 
 
-def _pre_forward(scheduler: Scheduler, buckets: Sequence[CommBucket]) -> Callable:
+def _pre_forward(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> Callable:
     @torch.compiler.disable
     def hook(module: nn.Module, args: Any) -> None:
         scheduler.pre_forward(buckets)
@@ -104,7 +104,9 @@ def _pre_forward(scheduler: Scheduler, buckets: Sequence[CommBucket]) -> Callabl
     return hook
 
 
-def _post_forward(scheduler: Scheduler, buckets: Sequence[CommBucket], announce: bool) -> Callable:
+def _post_forward(
+    scheduler: Scheduler, buckets: Sequence[BucketStorage], announce: bool
+) -> Callable:
     """`announce`: hook the outputs' gradients to gather the buckets again for backward."""
 
     def pre_backward(grad: torch.Tensor) -> None:
@@ -139,7 +141,7 @@ def _root_post(scheduler: Scheduler) -> Callable:
     return hook
 
 
-def _refuse_released(buckets: Sequence[CommBucket]) -> Callable:
+def _refuse_released(buckets: Sequence[BucketStorage]) -> Callable:
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not keep_vars and not all(b.params_materialised for b in buckets):
             raise RuntimeError(

@@ -1,9 +1,9 @@
-"""Cross-rank agreement: every rank of a save or load reaches the same outcome.
+"""Rank consensus: every rank of a save or load reaches the same outcome.
 
 A step that may fail runs either on rank 0 alone (`on_first`: it touches shared files) or on
-every rank (`agree`: each checks its share); either way every rank then returns the same result
-or raises `CheckpointError` with the same message, so no rank goes on into a collective the
-others have left, and a failed load changes nothing on any rank.
+every rank (`all_succeed`: each checks its share); either way every rank then returns the same
+result or raises `CheckpointError` with the same message, so no rank goes on into a collective
+the others have left, and a failed load changes nothing on any rank.
 """
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
-from ..checkpoint_dir import CheckpointError
-from ..data_parallel import DataParallel
+from .directory import CheckpointError
 
 T = TypeVar("T")
 
 
-class Group:
-    """The collectives a save or load needs, on `ddp`'s group; local without one."""
+class RankConsensus:
+    """The collectives a save or load needs, on the `size` ranks of `pg` (this one `rank`);
+    local when `size` is 1."""
 
-    def __init__(self, ddp: DataParallel) -> None:
-        self.pg = ddp.process_group
-        self.size, self.rank = ddp.dp_size, ddp.rank
-        self.distributed = self.size > 1
+    def __init__(self, pg: ProcessGroup | None, size: int, rank: int) -> None:
+        self.pg, self.size, self.rank = pg, size, rank
+        self.distributed = size > 1
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
@@ -51,7 +51,7 @@ class Group:
             raise CheckpointError(error)
         return result
 
-    def agree(self, fn: Callable[[], T], what: str) -> T:
+    def all_succeed(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn` on every rank; if any rank fails, every rank raises all their errors."""
         result, error = _attempt(fn, what)
         errors = self.all_gather(error)

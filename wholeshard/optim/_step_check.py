@@ -1,4 +1,4 @@
-"""The step's agreement: one small all-reduce that every rank takes before any update.
+"""The step check: one small all-reduce that every rank takes before any update.
 
 It carries, over the whole data-parallel group: the first param (by registration index, the
 same on every rank) whose averaged gradient has an inf or nan, the lowest and highest step
@@ -14,20 +14,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .. import _collectives as collectives
+from ..distributed import collectives
 
-ERROR, SKIP = "error", "skip"
-NONFINITE_POLICIES = (ERROR, SKIP, None)
+NonfinitePolicy = Literal["error", "skip"]
+NONFINITE_POLICIES: tuple[NonfinitePolicy | None, ...] = ("error", "skip", None)
 _NONE = 2.0**52  # "no non-finite param": above any param index, exact in float64
 
 
 @dataclass(frozen=True)
-class Agreement:
+class Verdict:
+    """What every rank learns from the step check."""
+
     first_nonfinite: int | None  # lowest param index with a non-finite gradient on any rank
     steps: tuple[int, int]  # (lowest, highest) step count over the ranks
     changed: bool  # some rank's model changed after wrapping
@@ -36,6 +39,14 @@ class Agreement:
 def peak_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each gradient's largest magnitude (inf or nan exactly when it has an inf or nan)."""
     return torch.stack(torch._foreach_norm(list(grads), math.inf)).float()
+
+
+def first_nonfinite(grads: Sequence[torch.Tensor]) -> int | None:
+    """The index of the first of `grads` holding an inf or nan, or None (one device sync)."""
+    if not grads:
+        return None
+    bad = (~torch.isfinite(peak_norms(grads))).nonzero()
+    return int(bad[0]) if len(bad) else None
 
 
 def agree(
@@ -47,7 +58,7 @@ def agree(
     group: ProcessGroup | None,
     world: int,
     device: torch.device,
-) -> Agreement:
+) -> Verdict:
     """Combine every rank's view. `norms[i]` is any norm of the gradient of param `indices[i]`
     (`indices`: float64 on `device`; a norm is non-finite exactly when that gradient is); None:
     not checked on this rank."""
@@ -57,7 +68,7 @@ def agree(
     if world > 1:
         collectives.all_reduce(t, group, op=dist.ReduceOp.MAX)
     neg_first, high, neg_low, changed_any = t.tolist()
-    return Agreement(
+    return Verdict(
         first_nonfinite=None if -neg_first >= _NONE else int(-neg_first),
         steps=(int(-neg_low), int(high)),
         changed=bool(changed_any),

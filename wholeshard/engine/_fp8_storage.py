@@ -1,5 +1,5 @@
-"""FP8 param gather: a bucket whose params are all `Fp8Linear` weights of one recipe syncs them
-as FP8 weights (`DataParallel(..., fp8_param_gather=True)`).
+"""FP8 param gather: a storage unit whose params are all `Fp8Linear` weights of one recipe syncs
+them as FP8 weights (`DataParallelConfig(fp8_param_gather=True)`).
 
 [Note: FP8 buckets]
 Between steps each rank keeps, for such a bucket: its bf16 (param dtype) shard, which the
@@ -26,15 +26,18 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .. import _collectives as collectives
-from .._bucket import CommBucket, InFlight, _alloc, _allocated, _free, _nbytes
+from ..distributed import collectives
+from ..fp8.formats import Fp8Tensorwise
+from ..fp8.linear import Fp8Linear, Fp8Weight, quantize_weight
 from ..planning import Bucket
-from .formats import Fp8Tensorwise
-from .linear import Fp8Linear, Fp8Weight, quantize_weight
+from ._storage import BucketState, BucketStorage, InFlight, _alloc, _allocated, _free, _nbytes
 
 
-class Fp8Bucket(CommBucket):
-    """A bucket of `Fp8Linear` weights of one `recipe`, synced as FP8 ([Note: FP8 buckets])."""
+class Fp8Storage(BucketStorage):
+    """A storage unit of `Fp8Linear` weights of one `recipe`, synced as FP8 ([Note: FP8 buckets]).
+
+    Its state ([Note: bucket states]) is the FP8 weights': STALE after an update, FRESH once
+    gathered; the full bf16 storage exists only for `full_params()` (`params_materialised`)."""
 
     def __init__(self, *args, modules: Sequence[Fp8Linear], recipe: str, **kwargs) -> None:
         kwargs["reshard"] = True  # the full bf16 bucket is never kept: shards only
@@ -42,39 +45,40 @@ class Fp8Bucket(CommBucket):
         self.modules = list(modules)
         self.recipe = recipe
         self._placeholders = [self._empty.new_zeros(1).expand(p.shape) for _, p in self.params]
-        self._bf16 = False  # the gather in flight is full_params()' bf16 one
+        self._state_before_bf16: BucketState | None = None  # set while full_params() gathers
         if recipe == "tensorwise":
             self._bytes = torch.zeros(
                 self.end - self.start, dtype=torch.uint8, device=self.param.device
             )
-            # Scale slots: per part, per rank, one per matrix of that rank's shard.
+            # Scale slots: per bucket, per rank, one per matrix of that rank's shard.
             self._shard_params = [
-                [self._in_shard(b, r) for r in range(self.comm.size)] for b in self.parts
+                [self._in_shard(b, r) for r in range(self.groups.size)] for b in self.buckets
             ]
             self._scales = [
-                torch.zeros(self.comm.size * max(1, *map(len, shards)), device=self.param.device)
+                torch.zeros(self.groups.size * max(1, *map(len, shards)), device=self.param.device)
                 for shards in self._shard_params
             ]
 
     def _in_shard(self, b: Bucket, rank: int) -> list[int]:
-        """Indices of the params in `rank`'s shard of part `b`, in buffer order."""
+        """Indices of the params in `rank`'s shard of bucket `b`, in buffer order."""
         lo, hi = b.shard(rank)
         inside = [n for n, (_, p) in enumerate(self.params) if lo <= p.start and p.end <= hi]
         return sorted(inside, key=lambda n: self.params[n][1].start)
 
     def keep_shards(self) -> None:
         super().keep_shards()
-        self.fresh = False  # no FP8 weights yet
+        self.state = BucketState.STALE  # no FP8 weights yet
 
     def release_params(self) -> None:
-        """Drop the bf16 values `full_params()` gathered; the FP8 weights stay (and stay fresh)."""
-        assert self.gathering is None, "finish the gather before releasing its storage"
+        """Drop the bf16 values `full_params()` gathered; the FP8 weights stay as they are."""
+        self._expect(BucketState.FRESH, BucketState.STALE, BucketState.RELEASED)
         for (param, _), placeholder in zip(self.params, self._placeholders, strict=True):
             param.data = placeholder
         _free(self.param)
 
     def zero_grads(self) -> None:
-        assert self.reducing is None, "never zero under an in-flight reduction"
+        if self.reducing is not None:
+            raise AssertionError("never zero gradients under an in-flight reduction")
         self.reset_arrivals()
         self.grad_shard.zero_()
         if self.gathering is None:  # else the grad storage is a staging region in flight
@@ -82,35 +86,40 @@ class Fp8Bucket(CommBucket):
 
     def persistent_bytes(self) -> tuple[int, int]:
         if self.recipe == "tensorwise":
-            fp8 = _nbytes(self._bytes) + sum(_nbytes(s) for s in self._scales)
+            fp8 = self._bytes.nbytes + sum(s.nbytes for s in self._scales)
         else:
-            fp8 = sum(_nbytes(t) for m in self.modules if m.fp8_weight for t in _tensors(m))
+            fp8 = sum(t.nbytes for m in self.modules if m.fp8_weight for t in _tensors(m))
         return _nbytes(self.param_shard) + fp8, _nbytes(self.grad_shard)
 
     # -- gathers ----------------------------------------------------------------------------
 
     def start_gather(self, full: bool = False) -> None:
-        """Dispatch the FP8 sync; `full`: gather the bf16 values instead (`full_params()`)."""
-        self._bf16 = full
+        """Dispatch the FP8 sync; `full`: gather the bf16 values instead (`full_params()`),
+        which leaves the FP8 weights, and so the state, as they are."""
         if full:
+            self._expect(BucketState.FRESH, BucketState.STALE)
+            self._state_before_bf16 = self.state
+            self.state = BucketState.STALE  # as the base class gathers from
             super().start_gather()
             return
-        assert self.gathering is None
+        self._expect(BucketState.STALE)
         self.gathering = self._gather_mxfp8() if self.recipe == "mxfp8" else self._gather_bytes()
+        self.state = BucketState.GATHERING
 
     def _gathered(self) -> None:
-        if self._bf16:  # full_params(): the FP8 weights are untouched, so is `fresh`
+        if self._state_before_bf16 is not None:  # full_params(): the FP8 weights are untouched
             self._point_params_at_full()
+            self.state, self._state_before_bf16 = self._state_before_bf16, None
             return
         if self.recipe == "mxfp8":
             staging = self._staging()
             for (_, p), module in zip(self.params, self.modules, strict=True):
-                view = self._local(staging, p).view(p.shape)
+                view = self._param_range(staging, p).view(p.shape)
                 module.fp8_weight = quantize_weight(view, "mxfp8")
             _free(self.grad)  # the staging region; the next backward starts from zeros
         else:
             self._set_tensorwise()
-        self.fresh = True
+        self.state = BucketState.FRESH
 
     def _staging(self) -> torch.Tensor:
         """The bf16 staging region: the first half of the (fp32) grad storage, in bf16."""
@@ -124,29 +133,33 @@ class Fp8Bucket(CommBucket):
             )
         _alloc(self.grad)
         staging = self._staging()
-        group, rank = self.comm.gather_group, self.comm.rank
+        group, rank = self.groups.gather_group, self.groups.rank
         handles = []
-        for i, b in enumerate(self.parts):
-            mine = self._slot(staging, b, rank)
-            mine.copy_(self._mine(self.param, self.param_shard, i))  # bf16(master), staged now
-            handles.append(collectives.all_gather(self._part(staging, b), mine, group))
+        for i, b in enumerate(self.buckets):
+            mine = self._shard_range(staging, b, rank)
+            mine.copy_(self._own_shard(self.param, self.param_shard, i))  # bf16(master), staged now
+            handles.append(collectives.all_gather(self._bucket_range(staging, b), mine, group))
         return InFlight(handles)
 
     def _gather_bytes(self) -> InFlight:
-        group, rank = self.comm.gather_group, self.comm.rank
+        group, rank = self.groups.gather_group, self.groups.rank
         handles = []
-        for i, b in enumerate(self.parts):
-            mine = self._mine(self.param, self.param_shard, i)
+        for i, b in enumerate(self.buckets):
+            mine = self._own_shard(self.param, self.param_shard, i)
             lo = b.shard(rank)[0]
-            scales = self._scales[i].view(self.comm.size, -1)[rank]
+            scales = self._scales[i].view(self.groups.size, -1)[rank]
             for j, n in enumerate(self._shard_params[i][rank]):
                 p = self.params[n][1]
                 q = quantize_weight(mine[p.start - lo : p.end - lo].view(p.shape), "tensorwise")
-                self._local(self._bytes, p).copy_(q.rowwise.data.view(torch.uint8).reshape(-1))
+                self._param_range(self._bytes, p).copy_(
+                    q.rowwise.data.view(torch.uint8).reshape(-1)
+                )
                 scales[j] = q.rowwise.scale
             handles.append(
                 collectives.all_gather(
-                    self._part(self._bytes, b), self._slot(self._bytes, b, rank), group
+                    self._bucket_range(self._bytes, b),
+                    self._shard_range(self._bytes, b, rank),
+                    group,
                 )
             )
             handles.append(collectives.all_gather(self._scales[i], scales, group))
@@ -154,18 +167,18 @@ class Fp8Bucket(CommBucket):
 
     def _set_tensorwise(self) -> None:
         for i, shards in enumerate(self._shard_params):
-            scales = self._scales[i].view(self.comm.size, -1)
+            scales = self._scales[i].view(self.groups.size, -1)
             for r, members in enumerate(shards):
                 for j, n in enumerate(members):
                     p = self.params[n][1]
-                    data = self._local(self._bytes, p).view(torch.float8_e4m3fn).view(p.shape)
+                    data = self._param_range(self._bytes, p).view(torch.float8_e4m3fn).view(p.shape)
                     q = Fp8Tensorwise(data, scales[r, j].clone())
                     self.modules[n].fp8_weight = Fp8Weight(q, q)
 
 
-class MixedFp8Bucket(CommBucket):
-    """A bucket holding some `Fp8Linear` weights among other params: it gathers bf16 as usual,
-    then each rank quantizes the converted layers from the gathered values."""
+class MixedFp8Storage(BucketStorage):
+    """A storage unit holding some `Fp8Linear` weights among other params: it gathers bf16 as
+    usual, then each rank quantizes the converted layers from the gathered values."""
 
     def __init__(self, *args, fp8_members: Sequence[tuple[int, Fp8Linear]], **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -177,27 +190,27 @@ class MixedFp8Bucket(CommBucket):
             module.fp8_weight = quantize_weight(self.params[n][0], module.recipe)
 
 
-def bucket_factory(module: nn.Module) -> Callable[..., CommBucket]:
-    """Builds `Fp8Bucket`s where every param is an `Fp8Linear` weight of one recipe,
-    `MixedFp8Bucket`s where some are, plain `CommBucket`s elsewhere (`aligned_buckets`)."""
+def fp8_storage_factory(module: nn.Module) -> Callable[..., BucketStorage]:
+    """Builds `Fp8Storage` where every param is an `Fp8Linear` weight of one recipe,
+    `MixedFp8Storage` where some are, plain `BucketStorage` elsewhere."""
     owner = {id(m.weight): m for m in module.modules() if isinstance(m, Fp8Linear)}
 
-    def make(kind: str, parts, params, comm, **kwargs) -> CommBucket:
+    def make(index: int, kind: str, buckets, params, groups, **kwargs) -> BucketStorage:
         modules = [owner.get(id(param)) for param, _ in params]
         recipes = {m.recipe for m in modules if m is not None}
+        args = (index, kind, buckets, params, groups)
         if None not in modules and len(recipes) == 1:
-            return Fp8Bucket(
-                kind, parts, params, comm, modules=modules, recipe=recipes.pop(), **kwargs
-            )
+            return Fp8Storage(*args, modules=modules, recipe=recipes.pop(), **kwargs)
         members = [(n, m) for n, m in enumerate(modules) if m is not None]
         if members:
-            return MixedFp8Bucket(kind, parts, params, comm, fp8_members=members, **kwargs)
-        return CommBucket(kind, parts, params, comm, **kwargs)
+            return MixedFp8Storage(*args, fp8_members=members, **kwargs)
+        return BucketStorage(*args, **kwargs)
 
     return make
 
 
 def has_fp8_weights(module: nn.Module) -> bool:
+    """Whether `module` holds an `Fp8Linear` (converted by `wholeshard.fp8.convert`)."""
     return any(isinstance(m, Fp8Linear) for m in module.modules())
 
 

@@ -18,8 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cli import positive_int
-from .planning import (
+from ..planning import (
     DEFAULT_STRATEGY,
     STRATEGIES,
     Buffer,
@@ -28,10 +27,10 @@ from .planning import (
     default_bucket_size,
     plan_buffers,
 )
-from .planning.presets import PRESETS
-from .planning.shapes import load_shapes
-from .planning.specs import matrices
-from .plotting import figure
+from ..planning.presets import PRESETS
+from ..planning.shapes import load_shapes
+from ..planning.specs import matrices
+from . import positive_int
 
 MAX_DP = 1 << 20
 """Largest `--dp`: beyond any cluster, and the plan keeps per-rank tables."""
@@ -128,6 +127,7 @@ def draw_png(plan: Plan, path: str) -> None:
     from matplotlib import colormaps
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import ListedColormap, Normalize
+    from matplotlib.figure import Figure  # drawn with Agg by savefig, without pyplot
     from matplotlib.patches import Patch
 
     k = plan.shard_group_size
@@ -136,7 +136,7 @@ def draw_png(plan: Plan, path: str) -> None:
     else:
         cmap = colormaps["turbo"]
     colours = ScalarMappable(norm=Normalize(vmin=-0.5, vmax=k - 0.5), cmap=cmap)
-    fig = figure(figsize=(12, 0.6 + 1.3 * len(plan.buffers)), layout="constrained")
+    fig = Figure(figsize=(12, 0.6 + 1.3 * len(plan.buffers)), layout="constrained")
     axes = fig.subplots(max(1, len(plan.buffers)), 1, squeeze=False)[:, 0]
     for ax, (index, buffer) in zip(axes, enumerate(plan.buffers), strict=False):
         shards, owners = [], []
@@ -282,13 +282,3 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nwrote {args.png}")
     return 0
-
-
-def _standalone(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wholeshard plan", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return main(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(_standalone())

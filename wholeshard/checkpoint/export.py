@@ -1,4 +1,4 @@
-"""`wholeshard export CKPT OUT.safetensors`: a checkpoint's model weights as one safetensors file.
+"""A checkpoint's model weights as one safetensors file (`wholeshard export CKPT OUT`).
 
 Runs in one process without a process group. The file holds every key of the model's
 `state_dict()` (tied aliases as separate copies, so `load_state_dict(strict=True)` works) and
@@ -9,7 +9,6 @@ raw bytes), so export needs torch alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, load_consolidated
+from ._load import load_consolidated
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -35,7 +34,6 @@ _SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-_DTYPE_FLAGS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def write_safetensors(
@@ -83,43 +81,10 @@ def export_checkpoint(
     `checkpoint` is resolved like `load_checkpoint`'s path (a `step-N` directory, or a
     checkpoints directory whose `latest` is followed). With `dtype`, floating tensors are cast
     (params from their fp32 masters when the checkpoint has them). A checkpoint that does not
-    verify against its manifest (`checkpoint_dir.verify`) raises CheckpointError before anything
+    verify against its manifest (`directory.verify`) raises CheckpointError before anything
     in it is unpickled or anything is written.
     """
     tensors, manifest = load_consolidated(checkpoint, dtype=dtype)
     metadata = {"format": "pt", "wholeshard_step": str(manifest["step"])}
     write_safetensors(tensors, out, metadata)
     return tensors
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the `export` subcommand."""
-    p = subparsers.add_parser(
-        "export",
-        help="write a checkpoint's model weights as one safetensors file",
-        description="Consolidate a wholeshard checkpoint's model weights (every state_dict key, "
-        "tied aliases included) into one safetensors file for inference; runs in one process.",
-    )
-    p.add_argument("checkpoint", help="a step-N checkpoint, or a checkpoints directory (latest)")
-    p.add_argument("out", help="output file, e.g. model.safetensors")
-    p.add_argument(
-        "--dtype",
-        choices=sorted(_DTYPE_FLAGS),
-        help="cast floating tensors (params come from the fp32 masters when saved); "
-        "default: the dtype they were trained in",
-    )
-    p.set_defaults(run=export_main, parser=p)
-    return p
-
-
-def export_main(args: argparse.Namespace) -> int:
-    """Run `wholeshard export`; returns the exit code."""
-    dtype = _DTYPE_FLAGS[args.dtype] if args.dtype else None
-    try:
-        tensors = export_checkpoint(args.checkpoint, args.out, dtype=dtype)
-    except (CheckpointError, OSError) as e:  # OSError: an unreadable file, an unwritable `out`
-        print(f"wholeshard export: {e}", file=sys.stderr)
-        return 1
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"wrote {len(tensors)} tensors ({nbytes / 1e6:.1f} MB) to {args.out}")
-    return 0

@@ -17,8 +17,9 @@ all-gather group (`separate_all_gather_group`) removes even that requirement.
 
 [Note: fully sharded lifetimes]
 A bucket's full params exist from its gather until every module holding one of its params has
-finished forward (module post-hooks count down `forward_left`), and again from the backward
-pre-hook of such a module (a hook on its outputs' gradients) until all its gradients have landed.
+finished forward (module post-hooks count down `Scheduler.forward_left`), and again from the
+backward pre-hook of such a module (a hook on its outputs' gradients) until all its gradients
+have landed.
 Two exceptions keep a bucket across the forward/backward boundary when grad is enabled: the first
 bucket in backprop order (it would be gathered again at once, as FSDP2 keeps its root's params),
 and a bucket one of whose modules returned nothing autograd can hook (its backward could not be
@@ -45,7 +46,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from ._bucket import CommBucket
+from ._storage import BucketState, BucketStorage
 
 REDUCES_IN_FLIGHT = 1
 """Fully sharded: dispatching a reduction first finishes the one this many places earlier, so
@@ -60,9 +61,16 @@ class Scheduler:
     `reduces`: gradients need reducing (more than one rank).
     """
 
+    buckets: list[BucketStorage]  # in reduce order: buckets[i].index == i
+    forward_order: list[BucketStorage]
+    users: list[int]  # per bucket: hooked modules holding its params
+    forward_left: list[int]  # per bucket: of those, modules yet to finish this forward
+    comm_wait_s: float  # seconds blocked waiting on collectives since construction
+    sync_grads: bool  # False inside no_sync
+
     def __init__(
         self,
-        buckets: Sequence[CommBucket],
+        buckets: Sequence[BucketStorage],
         forward_order: Sequence[int],
         *,
         reduces: bool,
@@ -72,19 +80,20 @@ class Scheduler:
         reshard: bool,
     ) -> None:
         self.buckets = list(buckets)
-        for i, b in enumerate(self.buckets):
-            b.index = i
+        if [b.index for b in self.buckets] != list(range(len(self.buckets))):
+            raise AssertionError("buckets must come in reduce order, numbered 0, 1, ...")
         self.forward_order = [self.buckets[i] for i in forward_order]
         self.reduces, self.gathers = reduces, gathers
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.reshard = reshard
-        self.users = [0] * len(self.buckets)  # hooked modules holding each bucket's params
-        self.comm_wait_s = 0.0  # seconds blocked waiting on collectives since construction
-        self.sync_grads = True  # False inside no_sync
+        self.users = [0] * len(self.buckets)
+        self.forward_left = [0] * len(self.buckets)
+        self.comm_wait_s = 0.0
+        self.sync_grads = True
         self._next_reduce = 0  # buckets whose reduction was dispatched this step
         self._grads_reduced = False
-        self._queue: deque[CommBucket] = deque()
+        self._queue: deque[BucketStorage] = deque()
         self._queued: set[int] = set()
         self._gathering = 0  # gathers in flight
         self._backward_task: int | None = None
@@ -92,7 +101,7 @@ class Scheduler:
 
     # -- gradients --------------------------------------------------------------------------
 
-    def grad_arrived(self, bucket: CommBucket, i: int, param: torch.Tensor, name: str) -> None:
+    def grad_arrived(self, bucket: BucketStorage, i: int, param: torch.Tensor, name: str) -> None:
         """A param's gradient is complete for this backward: fold it into the grad buffer."""
         if self._grads_reduced or bucket.index < self._next_reduce:
             raise RuntimeError(
@@ -150,7 +159,7 @@ class Scheduler:
                     b.finish_reduce()
                 yield b.index
                 if self.gathers:
-                    b.fresh = False
+                    b.mark_stale()
                     if not self.reshard:
                         self._start_gather(b)
         self._grads_reduced = True
@@ -188,7 +197,7 @@ class Scheduler:
         if not self.gathers:
             return
         for b in self.buckets:
-            b.fresh = False
+            b.mark_stale()
         if self.reshard:
             self.release_all()
             return
@@ -202,21 +211,21 @@ class Scheduler:
         while self._queue:
             self._dispatch_next()
         for b in self.buckets:
-            if b.gathering is not None:
+            if b.state is BucketState.GATHERING:
                 self._finish_gather(b)
 
-    def gather_all(self) -> list[CommBucket]:
+    def gather_all(self) -> list[BucketStorage]:
         """Gather every bucket whose params are not all materialised and up to date, in forward
         order, in full precision; return them."""
         self.finish_param_sync()
-        todo = [b for b in self.forward_order if not (b.fresh and b.params_materialised)]
+        todo = [b for b in self.forward_order if not b.readable]
         for b in todo:
             self._start_gather(b, full=True)
         for b in todo:
             self._finish_gather(b)
         return todo
 
-    def release(self, buckets: Iterable[CommBucket]) -> None:
+    def release(self, buckets: Iterable[BucketStorage]) -> None:
         for b in buckets:
             self._release(b)
 
@@ -235,9 +244,8 @@ class Scheduler:
         if _in_backward():
             return
         self.finish_param_sync()
-        for b in self.buckets:
-            b.forward_left = self.users[b.index]
-        self._set_queue(b for b in self.forward_order if not b.fresh)
+        self.forward_left = list(self.users)
+        self._set_queue(b for b in self.forward_order if b.state is not BucketState.FRESH)
         if self.overlap_param_gather:
             self._dispatch_next()
 
@@ -252,25 +260,25 @@ class Scheduler:
             if b.params_materialised and not keep:
                 self._release(b)
 
-    def pre_forward(self, buckets: Sequence[CommBucket]) -> None:
+    def pre_forward(self, buckets: Sequence[BucketStorage]) -> None:
         """A module is about to run: its buckets must be gathered."""
-        if self._queue or any(not b.fresh for b in buckets):
+        if self._queue or any(b.state is not BucketState.FRESH for b in buckets):
             self._ensure(buckets)
 
-    def post_forward(self, buckets: Sequence[CommBucket], hookable: bool) -> None:
+    def post_forward(self, buckets: Sequence[BucketStorage], hookable: bool) -> None:
         """Fully sharded: a module finished forward; `hookable`: its backward is announced."""
         if _in_backward():  # recomputation: backward releases by gradients
             return
         grad = torch.is_grad_enabled()
         for b in buckets:
-            b.forward_left -= 1
+            self.forward_left[b.index] -= 1
             if grad and not hookable:
                 self._kept.add(b.index)
             keep = grad and (b.index == 0 or b.index in self._kept)
-            if b.forward_left <= 0 and not keep and b.params_materialised:
+            if self.forward_left[b.index] <= 0 and not keep and b.params_materialised:
                 self._release(b)
 
-    def pre_backward(self, buckets: Sequence[CommBucket]) -> None:
+    def pre_backward(self, buckets: Sequence[BucketStorage]) -> None:
         """Fully sharded: the gradient of a module's output arrived; gather its buckets."""
         self._enter_backward()
         self._ensure(buckets)
@@ -284,7 +292,7 @@ class Scheduler:
         self._backward_task = task
         Variable._execution_engine.queue_callback(self._backward_done)
         self.finish_param_sync()
-        self._set_queue(b for b in self.buckets if not b.fresh)
+        self._set_queue(b for b in self.buckets if b.state is not BucketState.FRESH)
 
     def _backward_done(self) -> None:
         self._backward_task = None
@@ -292,8 +300,8 @@ class Scheduler:
 
     # -- mechanics ------------------------------------------------------------------------------
 
-    def _set_queue(self, buckets: Iterable[CommBucket]) -> None:
-        self._queue = deque(b for b in buckets if b.gathering is None)
+    def _set_queue(self, buckets: Iterable[BucketStorage]) -> None:
+        self._queue = deque(b for b in buckets if b.state is not BucketState.GATHERING)
         self._queued = {b.index for b in self._queue}
 
     def _dispatch_next(self) -> None:
@@ -302,13 +310,13 @@ class Scheduler:
             self._queued.discard(b.index)
             self._start_gather(b)
 
-    def _ensure(self, buckets: Sequence[CommBucket]) -> None:
+    def _ensure(self, buckets: Sequence[BucketStorage]) -> None:
         for b in buckets:
-            if b.fresh and b.gathering is None:
+            if b.state is BucketState.FRESH:
                 continue
-            if b.gathering is None:
+            if b.state is not BucketState.GATHERING:
                 if b.index in self._queued:  # keep the dispatch order identical on every rank
-                    while b.gathering is None:
+                    while b.state is not BucketState.GATHERING:
                         self._dispatch_next()
                 else:
                     self._start_gather(b)
@@ -316,19 +324,19 @@ class Scheduler:
         if self.overlap_param_gather and not self._gathering:  # prefetch one, in queue order
             self._dispatch_next()
 
-    def _start_gather(self, b: CommBucket, full: bool = False) -> None:
+    def _start_gather(self, b: BucketStorage, full: bool = False) -> None:
         with record_function("wholeshard.param_sync.start"):
             b.start_gather(full)
         self._gathering += 1
 
-    def _finish_gather(self, b: CommBucket) -> None:
+    def _finish_gather(self, b: BucketStorage) -> None:
         with record_function("wholeshard.param_sync.finish"), self._blocked():
             b.finish_gather()
         self._gathering -= 1
-        b.forward_left = self.users[b.index]
+        self.forward_left[b.index] = self.users[b.index]
 
-    def _release(self, b: CommBucket) -> None:
-        if b.gathering is not None:
+    def _release(self, b: BucketStorage) -> None:
+        if b.state is BucketState.GATHERING:
             self._finish_gather(b)
         b.release_params()
 

@@ -1,0 +1,191 @@
+"""The shape of the package, checked: layers, private names, cycles, module size, and what the
+command line and `import wholeshard` import.
+
+Layers, lowest first; a package imports only itself or lower layers (never a peer):
+planning (routing and plans, pure) -> distributed, fp8, models -> engine -> optim -> checkpoint
+-> train, bench -> cli. A module never imports a private module or name of another package.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "wholeshard"
+LAYERS = {
+    "planning": 0,
+    "distributed": 1,
+    "fp8": 1,
+    "models": 1,
+    "engine": 2,
+    "optim": 3,
+    "checkpoint": 4,
+    "train": 5,
+    "bench": 5,
+    "cli": 6,
+}
+MAX_LINES = 400
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (`wholeshard.engine._storage`)."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) of every import in the module, at any level (function
+    bodies and `TYPE_CHECKING` blocks included), relative ones resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            found += [(target, alias.name) for alias in node.names]
+    return found
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "wholeshard" else None
+
+
+def edges() -> dict[str, set[str]]:
+    """module -> the wholeshard modules it imports (a `from package import module` counts as
+    importing the module)."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        targets = set()
+        for module, imported in imports(name, path):
+            if not module.startswith("wholeshard"):
+                continue
+            submodule = f"{module}.{imported}"
+            targets.add(submodule if submodule in known else module)
+        graph[name] = targets - {name}
+    return graph
+
+
+def test_layers_import_only_downward() -> None:
+    wrong = []
+    for name, targets in edges().items():
+        here = package_of(name)
+        if here not in LAYERS:  # wholeshard/__init__.py and __main__.py: the surface
+            continue
+        for target in targets:
+            there = package_of(target)
+            if there is None or there == here:
+                continue
+            if there not in LAYERS or LAYERS[there] >= LAYERS[here]:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_private_name_of_another_package_is_imported() -> None:
+    wrong = []
+    for name, path in modules().items():
+        here = package_of(name)
+        for module, imported in imports(name, path):
+            if package_of(module) in (None, here):
+                continue
+            private = [p for p in module.split(".")[2:] if p.startswith("_")]
+            if private or (imported or "").startswith("_"):
+                wrong.append(f"{name}: from {module} import {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle() -> None:
+    graph = edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    # A package's __init__ may re-export its own modules; that is not a cycle of concepts.
+    cycles = [c for c in cycles if not all(m.startswith(c[0]) for m in c)]
+    assert not cycles, cycles
+
+
+def test_every_module_reads_in_a_sitting() -> None:
+    long = {
+        name: n
+        for name, path in modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
+def test_top_level_holds_the_concepts_only() -> None:
+    entries = {p.name for p in ROOT.iterdir() if p.name != "__pycache__"}
+    assert entries == {"__init__.py", "__main__.py", "py.typed", *LAYERS}, entries
+
+
+def _imported_by(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import wholeshard",
+        "import wholeshard.cli as c; c.build_parser()",
+        "from wholeshard.planning.presets import PRESETS; from wholeshard.planning import "
+        "plan_buffers; plan_buffers(PRESETS['gpt2-small'](), 8)",
+        "from wholeshard.train.config import TrainConfig; TrainConfig()",
+    ],
+    ids=["import", "cli-parsers", "planning", "train-config"],
+)
+def test_what_needs_no_torch_imports_none(code: str) -> None:
+    """`wholeshard --help`, every subcommand's `--help`, `wholeshard plan` and the train job's
+    config answer without importing torch (seconds of start-up)."""
+    assert "torch" not in _imported_by(code)
+
+
+def test_checkpoints_import_dcp_only_to_save_or_load() -> None:
+    loaded = _imported_by("import wholeshard.checkpoint.directory, wholeshard.optim")
+    assert "torch" in loaded and "torch.distributed.checkpoint" not in loaded
+    assert "torch.distributed.checkpoint" in _imported_by("from wholeshard import save_checkpoint")

@@ -1,0 +1,245 @@
+"""How each kind of benchmarked configuration is built on one rank (`build`), and whether it
+can run here (`unavailable`).
+
+The builder runs on every rank of a fresh process group: it wraps the workload's freshly built
+model and makes the optimizers, and hooks whatever blocking it hides from Python into the
+rank's `WaitClock`. Every configuration uses the same hyperparameters (`configs.MUON_KW`,
+`configs.ADAMW_KW`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..engine.data_parallel import DataParallel
+from ..optim import LayerwiseOptimizer
+from ..planning.routing import Route, route_params
+from .configs import ADAMW_KW, MUON_KW, BenchConfig
+from .floor import OwnedOptimizers, copy_with_grad
+from .waits import WaitClock
+from .workloads import Workload
+
+
+@dataclass
+class Setup:
+    """A configuration built on one rank: what the timing loop drives."""
+
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    after_backward: Callable[[], None] = lambda: None
+    """Called after each backward; DDP uses it to book the comm hook's tail into the clock."""
+    memory: Callable[[], dict[str, int]] | None = None
+    """Bytes this rank holds between steps, by kind (`DataParallel.memory`); None when the
+    configuration cannot say."""
+    bare_model: Callable[[], nn.Module] | None = None
+    """The model as this configuration computes it, unwrapped, for the floor (None: the
+    workload's own)."""
+    owned_optimizers: OwnedOptimizers | None = None
+    """This rank's owned share for the floor (`floor.OwnedOptimizers`); None: every param
+    under torch's Muon/AdamW, the share of a rank that updates everything."""
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+
+def split_params(model: nn.Module, workload: Workload) -> tuple[list, list]:
+    """(Muon params, other params) by the workload's routing; a tied param appears once."""
+    routes = route_params(model, workload.use_muon)
+    return [r.param for r in routes if r.muon], [r.param for r in routes if not r.muon]
+
+
+def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.Optimizer]:
+    """`torch.optim.Muon` on the matrices and `torch.optim.AdamW` on the rest (if any)."""
+    return torch_pair(*split_params(model, workload))
+
+
+def torch_pair(muon: list, other: list) -> list[torch.optim.Optimizer]:
+    """`torch.optim.Muon` on `muon` and `torch.optim.AdamW` on `other`, each if not empty."""
+    opts: list[torch.optim.Optimizer] = []
+    if muon:
+        opts.append(torch.optim.Muon(muon, adjust_lr_fn="original", **MUON_KW))
+    if other:
+        opts.append(torch.optim.AdamW(other, **ADAMW_KW))
+    return opts
+
+
+def every_param(routes: list[Route]) -> list[torch.optim.Optimizer]:
+    """The floor's share of a rank that updates every param (torch DDP; FSDP2, whose
+    `torch.optim.Muon` orthogonalizes every full matrix on every rank)."""
+    copies = [(r.muon, copy_with_grad(r.param, r.param.grad)) for r in routes]
+    return torch_pair([c for m, c in copies if m], [c for m, c in copies if not m])
+
+
+# -- torch DDP -----------------------------------------------------------------------------
+
+
+class _HookTail:
+    """DDP's reducer waits for its all-reduces in C++, out of Python's sight. A comm hook
+    equivalent to torch's default `allreduce_hook` timestamps each bucket's launch and
+    completion; the tail, last completion minus last launch, is the time backward stayed
+    blocked after its last gradient was ready."""
+
+    def __init__(self, clock: WaitClock) -> None:
+        self.clock = clock
+        self.last_launch = 0.0
+        self.last_done = 0.0
+
+    # No annotations: DDP rejects a `bucket` annotation that is not the GradBucket class itself,
+    # and `from __future__ import annotations` would make it a string.
+    def hook(self, state, bucket):
+        self.last_launch = time.perf_counter()
+        buf = bucket.buffer().div_(dist.get_world_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            self.last_done = max(self.last_done, time.perf_counter())
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def settle(self) -> None:
+        self.clock.add(self.last_done - self.last_launch)
+        self.last_launch = self.last_done = 0.0
+
+
+def _ddp(model: nn.Module, clock: WaitClock) -> tuple[nn.Module, Callable[[], None]]:
+    ddp = nn.parallel.DistributedDataParallel(model)
+    tail = _HookTail(clock)
+    ddp.register_comm_hook(None, tail.hook)
+    return ddp, tail.settle
+
+
+def _build_ddp_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
+    model = workload.make_model()
+    ddp, settle = _ddp(model, clock)
+    return Setup(ddp, torch_optimizers(model, workload), settle)
+
+
+def _kj_unavailable() -> str | None:
+    try:
+        import muon  # noqa: F401
+    except Exception as e:  # an import of a third-party package can fail in any way
+        return f"cannot import muon (pip install muon-optimizer): {type(e).__name__}: {e}"
+    return None
+
+
+def _build_ddp_kj_muon(workload: Workload, clock: WaitClock) -> Setup:
+    from muon import MuonWithAuxAdam
+
+    model = workload.make_model()
+    ddp, settle = _ddp(model, clock)
+    muon, other = split_params(model, workload)
+    groups = [dict(params=muon, use_muon=True, **MUON_KW)]
+    if other:
+        groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
+    return Setup(ddp, [MuonWithAuxAdam(groups)], settle, owned_optimizers=_kj_share)
+
+
+def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
+    """`MuonWithAuxAdam`'s share: of the matrices sorted by size, largest first, every
+    world-th from this rank's index (Newton–Schulz in bf16, its own); AdamW on every other
+    param, which every rank updates."""
+    from muon import SingleDeviceMuonWithAuxAdam
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    matrices = sorted((r for r in routes if r.muon), key=lambda r: r.param.size(), reverse=True)
+    mine = [copy_with_grad(r.param, r.param.grad) for r in matrices[rank::world]]
+    other = [copy_with_grad(r.param, r.param.grad) for r in routes if not r.muon]
+    groups = [dict(params=mine, use_muon=True, **MUON_KW)] if mine else []
+    if other:
+        groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
+    return [SingleDeviceMuonWithAuxAdam(groups)] if groups else []
+
+
+# -- torch FSDP2 ---------------------------------------------------------------------------
+
+
+def _build_fsdp2_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
+    from torch.distributed.fsdp import fully_shard
+
+    model = workload.make_model()
+    for unit in workload.shard_units(model):
+        fully_shard(unit)
+    fully_shard(model)
+    return Setup(model, torch_optimizers(model, workload))
+
+
+# -- wholeshard ----------------------------------------------------------------------------
+
+
+def _build_wholeshard(config: BenchConfig, workload: Workload, clock: WaitClock) -> Setup:
+    """`DataParallel(model, config.parallel)` + `LayerwiseOptimizer`; with `config.fp8`, the
+    model's Muon-routed linears are converted to that FP8 recipe first."""
+    parallel = dataclasses.replace(config.parallel, use_muon=workload.use_muon)
+
+    def make_model() -> nn.Module:
+        model = workload.make_model()
+        if config.fp8 is not None:
+            from ..fp8 import convert
+
+            convert(model, config.fp8, use_muon=workload.use_muon)
+        return model
+
+    ddp = DataParallel(make_model(), parallel)
+    opt = LayerwiseOptimizer(
+        ddp,
+        muon=dict(MUON_KW, adjust_lr_fn="original"),
+        adamw=ADAMW_KW,
+        nonfinite=None,  # the peers check nothing: compare like with like
+    )
+    return Setup(
+        ddp,
+        [opt],
+        memory=ddp.memory,
+        bare_model=make_model,
+        owned_optimizers=_planned_share(opt),
+    )
+
+
+def _planned_share(opt: Any) -> OwnedOptimizers:
+    """A `LayerwiseOptimizer`'s share, its owned pieces under the plan, stepped as it steps
+    them (`OwnedPiece.master` in the optimizer's layout; a piece of a param is its range of the
+    flattened gradient)."""
+
+    def build(routes: list[Route]) -> list[torch.optim.Optimizer]:
+        grads = {r.name: r.param.grad.reshape(-1) for r in routes}
+        muon, other = [], []
+        for piece in opt.owned_pieces():
+            flat = grads[piece.name][piece.offset : piece.offset + piece.param.numel()]
+            grad = piece.oriented(flat.view(piece.param.shape))
+            (muon if piece.kind == "muon" else other).append(copy_with_grad(piece.master, grad))
+        return torch_pair(muon, other)
+
+    return build
+
+
+_BUILDERS: dict[str, Callable[[Workload, WaitClock], Setup]] = {
+    "ddp_torch_muon": _build_ddp_torch_muon,
+    "ddp_kj_muon": _build_ddp_kj_muon,
+    "fsdp2_torch_muon": _build_fsdp2_torch_muon,
+}
+
+
+def build(config: BenchConfig, workload: Workload, clock: WaitClock) -> Setup:
+    """Build `config` on this rank."""
+    if config.parallel is not None:
+        return _build_wholeshard(config, workload, clock)
+    return _BUILDERS[config.name](workload, clock)
+
+
+def unavailable(config: BenchConfig) -> str | None:
+    """Why `config` cannot run here, or None (checked before any worker starts)."""
+    return _kj_unavailable() if config.name == "ddp_kj_muon" else None

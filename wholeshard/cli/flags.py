@@ -1,0 +1,104 @@
+"""Command-line flags made from config dataclasses: one flag per field, help from its docstring.
+
+A field's flag is `--field-name`, or `metadata["flag"]` where a section names it otherwise
+(`ModelConfig.name` is `--model`). Its type, choices and default come from the field: `int`,
+`float`, `str`, a `Literal[...]` (choices), each optionally `| None`; `bool` becomes a switch
+(`--x`, or `--x/--no-x` when on by default or None). Fields of other types (callables, dtypes)
+get no flag. Docstrings are read from the source with `ast`, so help needs no import of what
+the annotations name (torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import sys
+import typing
+from typing import Any, Literal
+
+MISSING = argparse.SUPPRESS
+"""The default of a flag that overrides only when given (`add_flags(..., overrides=True)`)."""
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body) on one line; empty where
+    the source cannot be read (a frozen application)."""
+    try:
+        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return {}
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    """`--batch-size` for `batch_size`, or the field's own `metadata["flag"]`."""
+    return "--" + field.metadata.get("flag", field.name.replace("_", "-"))
+
+
+def field_kind(cls: type, field: dataclasses.Field) -> tuple[type, tuple[Any, ...] | None] | None:
+    """(`bool`, `int`, `float` or `str`; the choices of a `Literal`, else None) of a field, or
+    None when it has no flag. Annotations are evaluated one field at a time, in the class's
+    module, so an unrelated one (`torch.dtype`) is never evaluated."""
+    hint = field.type
+    if isinstance(hint, str):
+        try:
+            hint = eval(hint, vars(sys.modules[cls.__module__]))  # noqa: S307 (our own source)
+        except NameError:  # names only a type checker imports: not a flag
+            return None
+    for t in (hint, *typing.get_args(hint)):
+        if typing.get_origin(t) is Literal:
+            choices = typing.get_args(t)
+            return type(choices[0]), choices
+    kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    return (kinds[0], None) if kinds in ([bool], [int], [float], [str]) else None
+
+
+def add_flags(
+    group: Any,
+    cls: type,
+    *,
+    dest: str = "",
+    skip: frozenset[str] = frozenset(),
+    overrides: bool = False,
+    metavars: dict[str, str] | None = None,
+) -> list[tuple[str, str]]:
+    """Add a flag for every field of dataclass `cls` (except `skip`) to `group`; returns
+    (field, dest) pairs. `dest` prefixes the argparse destinations (`"parallel."`). With
+    `overrides`, a flag not given leaves its field alone (no default): bool flags are
+    `--x/--no-x`."""
+    docs = field_docs(cls)
+    added = []
+    for f in dataclasses.fields(cls):
+        kind = None if f.name in skip else field_kind(cls, f)
+        if kind is None:
+            continue
+        python_type, choices = kind
+        kwargs: dict[str, Any] = dict(
+            dest=dest + f.name, help=docs.get(f.name, "").replace("%", "%%")
+        )
+        default = MISSING if overrides else f.default
+        kwargs["default"] = default
+        if python_type is bool:
+            off_by_default = f.default is False and not overrides
+            kwargs["action"] = "store_true" if off_by_default else argparse.BooleanOptionalAction
+        else:
+            upper = f.metadata.get("flag", f.name).replace("-", "_").upper()
+            metavar = None if choices else (metavars or {}).get(f.name, upper)
+            kwargs.update(type=python_type, choices=choices, metavar=metavar)
+        group.add_argument(flag_name(f), **kwargs)
+        added.append((f.name, dest + f.name))
+    return added

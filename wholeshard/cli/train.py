@@ -1,0 +1,257 @@
+"""`wholeshard train`: flags, checks made before any worker starts, and the launch.
+
+Every `TrainConfig` field is a flag, made from the field (`flags.add_flags`): the sections'
+fields, and the `parallel` section's from `DataParallelConfig` itself; only the launch and
+output options that are not part of the job (`--nproc`, `--overwrite`, `--json`) and the
+shorthand `--overlap` are written here. Without torchrun it spawns `--nproc` CPU workers (gloo
+over 127.0.0.1) with `wholeshard.distributed.launch`; under torchrun every launched process runs
+`train()` itself. Both paths end in the same `wholeshard.train.trainer.train(config)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..engine.config import ConfigError, DataParallelConfig
+from ..train.config import PARALLEL_SET_BY_THE_JOB, SECTIONS, TrainConfig
+from . import MAX_NPROC, positive_int
+from .flags import add_flags, flag_name
+
+_TITLES = {
+    "": "job",
+    "model": "model",
+    "data": "data",
+    "optim": "optimization",
+    "parallel": "data parallelism (DataParallelConfig; muon)",
+    "checkpoint": "checkpoints (muon)",
+    "reliability": "reliability",
+    "output": "output",
+}
+_METAVARS = {
+    "path": "PATH",
+    "trace": "FILE",
+    "resume": "PATH|latest",
+    "out": "DIR",
+    "collective_timeout": "SECONDS",
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except None and switches (their help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Overlap(argparse.Action):
+    """`--overlap`: both `--overlap-grad-reduce` and `--overlap-param-gather`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, "parallel.overlap_grad_reduce", True)
+        setattr(namespace, "parallel.overlap_param_gather", True)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `train` subcommand."""
+    p = subparsers.add_parser(
+        "train",
+        help="train a small GPT with layer-wise Muon (or AdamW) across processes",
+        description="Train a byte-level GPT on the Python standard library's sources (or "
+        "--data) with wholeshard DataParallel + layer-wise Muon, or torch DDP + AdamW.",
+        formatter_class=_HelpFormatter,
+    )
+    groups = {name: p.add_argument_group(title) for name, title in _TITLES.items()}
+    groups[""].add_argument(
+        "--nproc",
+        type=positive_int(MAX_NPROC),
+        default=2,
+        help=f"worker processes, at most {MAX_NPROC} (ignored under torchrun, which sets the "
+        f"world)",
+    )
+    add_flags(groups[""], TrainConfig, skip=frozenset(SECTIONS), metavars=_METAVARS)
+    for name in SECTIONS:
+        if name == "parallel":
+            groups[name].add_argument(
+                "--overlap",
+                nargs=0,
+                action=_Overlap,
+                help="--overlap-grad-reduce and --overlap-param-gather",
+            )
+            add_flags(
+                groups[name], DataParallelConfig, dest="parallel.", skip=PARALLEL_SET_BY_THE_JOB
+            )
+            continue
+        section = _section_class(name)
+        add_flags(groups[name], section, dest=name + ".", metavars=_METAVARS)
+    output = groups["output"]
+    output.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as one JSON line on stdout at the end",
+    )
+    p.set_defaults(run=run, parser=p)
+    return p
+
+
+def _section_class(name: str) -> type:
+    return next(f for f in dataclasses.fields(TrainConfig) if f.name == name).default_factory  # type: ignore[return-value]
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the parsed flags describe; an invalid value exits 2 naming its flag."""
+    values = vars(args)
+
+    def fields_of(cls: type, prefix: str) -> dict[str, Any]:
+        return {
+            f.name: values[prefix + f.name]
+            for f in dataclasses.fields(cls)
+            if prefix + f.name in values
+        }
+
+    try:
+        sections = {}
+        for name in SECTIONS:
+            try:
+                sections[name] = _section_class(name)(**fields_of(_section_class(name), name + "."))
+            except ConfigError as e:
+                raise ConfigError(f"{name}.{e.field}", str(e)) from None
+        top = {k: v for k, v in fields_of(TrainConfig, "").items() if k not in SECTIONS}
+        return TrainConfig(**top, **sections)
+    except ConfigError as e:
+        args.parser.error(f"argument {_flag_of(e.field)}: {e}")
+
+
+def _flag_of(path: str) -> str:
+    """The flag of a `section.field` or top-level field path."""
+    section, _, name = path.rpartition(".")
+    cls = _section_class(section) if section else TrainConfig
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return flag_name(field)
+
+
+def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
+    """Everything that can be checked before any worker starts; exits 2 like argparse."""
+    from ..train import extras, report
+
+    parser: argparse.ArgumentParser = args.parser
+    if cfg.data.batch_size % world:
+        parser.error(
+            f"argument --batch-size: {cfg.data.batch_size} sequences do not split evenly across "
+            f"{world} processes; use a multiple of {world}"
+        )
+    path = cfg.data.path
+    if path is not None:
+        from ..train import data
+
+        if not os.path.exists(path):
+            parser.error(f"argument --data: no such file or directory: {path}")
+        try:
+            corpus = data.load_corpus(path)
+        except (OSError, ValueError) as e:
+            parser.error(f"argument --data: {e}")
+        for part in ("train", "val"):
+            n = len(getattr(corpus, part))
+            if n <= cfg.data.seq_len:
+                parser.error(
+                    f"argument --data: {path} gives {n} bytes of {part} text (5% of the "
+                    f"text is validation); need more than --seq-len={cfg.data.seq_len}"
+                )
+    if cfg.checkpoint.resume is not None:
+        _check_resume(parser, cfg)
+    try:
+        report.check_out_dir(cfg.output.out, args.overwrite or cfg.checkpoint.resume is not None)
+    except ValueError as e:
+        parser.error(f"argument --out: {e}")
+    lost = extras.missing()
+    if lost:
+        parser.exit(
+            1,
+            f"wholeshard train: missing {', '.join(lost)}; "
+            "install the train extra: pip install 'wholeshard[train]'\n",
+        )
+
+
+def _check_resume(parser: argparse.ArgumentParser, cfg: TrainConfig) -> None:
+    from ..checkpoint.directory import CheckpointError, resolve_checkpoint, steps_after
+
+    if cfg.checkpoint.resume == "latest" and cfg.output.out is None:
+        parser.error("argument --resume: latest needs --out DIR of the run to continue")
+    try:
+        ckpt = resolve_checkpoint(cfg.resume_path)
+    except CheckpointError as e:
+        parser.error(f"argument --resume: {e}")
+    if cfg.output.out is None:  # the run the checkpoint belongs to: <out>/checkpoints/step-N
+        cfg.output.out = str(ckpt.parent.parent)
+    later = [p.name for p in steps_after(ckpt)]
+    if later and ckpt.parent.resolve() == Path(cfg.checkpoint_dir).resolve():
+        parser.error(
+            f"argument --resume: {', '.join(later)} come after {ckpt.name} in "
+            f"{ckpt.parent}; resuming from {ckpt.name} would overwrite them. Move them away "
+            f"or resume from latest"
+        )
+
+
+def _print_summary(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary), flush=True)
+        return
+    print(
+        f"{summary['steps']} steps, {summary['world_size']} rank(s), {summary['optimizer']}: "
+        f"val loss {summary['first_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "
+        f"in {summary['wall_s']:.1f} s; outputs in {summary['out']}",
+        flush=True,
+    )
+
+
+def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None = None) -> int:
+    """Check the flags, then train locally (spawned workers) or as one torchrun process.
+
+    Every process runs `worker(config)`, by default `loop.train`; another worker (e.g. one that
+    installs hooks) must be picklable to reach spawned processes.
+    """
+    from ..train import report
+    from ..train.env import torchrun_env
+    from ..train.trainer import train
+
+    worker = worker or train
+    cfg = config_from_args(args)
+    under_torchrun = torchrun_env()
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+    if cfg.output.out is None and cfg.checkpoint.resume is None:
+        cfg.output.out = report.default_out_dir()
+    _check(args, cfg, world)
+    if under_torchrun:
+        from ..distributed.collectives import CollectiveError
+
+        try:
+            summary = worker(cfg)
+        except CollectiveError as e:  # torchrun tears the job down when this rank exits
+            print(f"wholeshard train: {e}", file=sys.stderr, flush=True)
+            return 1
+        if int(os.environ["RANK"]) == 0:
+            _print_summary(summary, args.json)
+        return 0
+
+    from ..distributed.launch import WorkerFailed
+    from ..train.restarts import train_local
+
+    try:
+        summary = train_local(cfg, args.nproc, worker)
+    except WorkerFailed as e:
+        print(f"wholeshard train: worker failed; all workers stopped.\n{e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("wholeshard train: interrupted; all workers stopped.", file=sys.stderr)
+        return 130
+    _print_summary(summary, args.json)
+    return 0

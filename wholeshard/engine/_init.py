@@ -1,0 +1,119 @@
+"""The steps that build a `DataParallel`, in the order its constructor takes them.
+
+1. `check_model`: every rank can wrap its module and built the same model (raised everywhere);
+2. `cast_frozen`: frozen params in the param dtype (they stay outside the buffers);
+3. `build_storage`: one `BucketStorage` per storage unit of the plan, in reduce order, each
+   given rank 0's values (and, fully sharded, reduced to this rank's shards) before the next
+   is built, so at most one full unit exists beside the model;
+4. `broadcast_the_rest`: frozen params and buffers from rank 0;
+5. `forward_order`: the order the next forward needs the units in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+from ..planning import Placement, Plan
+from ..planning.routing import Route
+from ._guard import placement_problem
+from ._storage import BucketStorage
+
+StorageFactory = Callable[..., BucketStorage]
+"""`factory(index, kind, buckets, params, groups, *, reshard, param_dtype, grad_dtype)`."""
+
+
+def check_model(
+    module: nn.Module, routes: list[Route], group: ProcessGroup | None, dp: int
+) -> None:
+    """Raise on every rank if any rank's module cannot be wrapped or ranks built different
+    models, naming the rank and the first difference."""
+    problem = placement_problem(module)
+    if dp == 1:
+        if problem is not None:
+            raise ValueError(f"cannot wrap the model: {problem}")
+        return
+    mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (problem, mine), group=group)
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs is not None:
+            raise ValueError(f"cannot wrap the model of rank {rank}: {theirs}")
+    reference = everyone[0][1]
+    for rank, (_, theirs) in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for i in range(max(len(reference), len(theirs))):
+            a = reference[i] if i < len(reference) else "<missing>"
+            b = theirs[i] if i < len(theirs) else "<missing>"
+            if a != b:
+                raise RuntimeError(
+                    f"ranks built different models: param #{i} is {a} on rank 0 but {b} on "
+                    f"rank {rank} (fields: name, shape, dtype, routed to Muon). Build the same "
+                    f"model with the same routing on every rank."
+                )
+
+
+def cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
+    """Cast every floating-point param with `requires_grad=False` to `dtype` in place (same
+    Parameter objects) and return them. Buffers keep their dtype, as with FSDP2's
+    `MixedPrecisionPolicy`."""
+    frozen = []
+    for p in module.parameters():
+        if not p.requires_grad:
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+            frozen.append(p)
+    return frozen
+
+
+def build_storage(
+    plan: Plan,
+    routes: list[Route],
+    make: StorageFactory,
+    settle: Callable[[BucketStorage], None],
+    **kwargs: Any,
+) -> list[BucketStorage]:
+    """One storage per storage unit of every buffer of `plan`, in reduce (backprop) order: the
+    unit holding the latest-registered param first. Each is `settle`d before the next is built.
+    `kwargs` go to `make` after the unit's own arguments."""
+    registered = {r.name: i for i, r in enumerate(routes)}
+    param_of = {r.name: r.param for r in routes}
+    units = []  # (kind, buckets, [(param, placement)])
+    for buffer in plan.buffers:
+        bucket_runs = buffer.storage_units()
+        run_of = {b: n for n, run in enumerate(bucket_runs) for b in run}
+        members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in bucket_runs]
+        for p in buffer.placements:
+            members[run_of[p.bucket]].append((param_of[p.name], p))
+        for run, params in zip(bucket_runs, members, strict=True):
+            units.append((buffer.kind, buffer.buckets[run.start : run.stop], params))
+    units.sort(key=lambda unit: -max(registered[p.name] for _, p in unit[2]))
+    storages = []
+    for index, (kind, buckets, params) in enumerate(units):
+        storage = make(index, kind, buckets, params, **kwargs)
+        settle(storage)
+        storages.append(storage)
+    return storages
+
+
+def broadcast_the_rest(
+    module: nn.Module, frozen: Sequence[nn.Parameter], group: ProcessGroup | None
+) -> None:
+    """Give every rank rank 0's frozen params and buffers."""
+    for t in [*frozen, *module.buffers()]:
+        collectives.broadcast_from_first(t.data, group)
+
+
+def forward_order(storages: Sequence[BucketStorage], routes: list[Route]) -> list[int]:
+    """Indices of `storages` in forward order: the unit holding the earliest-registered param
+    first."""
+    registered = {r.name: i for i, r in enumerate(routes)}
+    first = [min(registered[p.name] for _, p in s.params) for s in storages]
+    return sorted(range(len(storages)), key=first.__getitem__)

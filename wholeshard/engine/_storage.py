@@ -1,0 +1,379 @@
+"""Bucket storage: the flat param and grad tensors of one storage unit, and its collectives.
+
+[Note: storage units]
+A `BucketStorage` covers elements `[start, end)` of one planned buffer: one planned bucket, or
+several consecutive ones where a stacked param runs across them (a param's `.data` is one view,
+so the planned buckets it spans share one storage unit: `Buffer.storage_units`). Each planned
+bucket is cut into `k` equal shards, one per rank of the shard group, and every collective runs
+per planned bucket, so every rank moves the same number of elements (what NCCL needs).
+
+[Note: resharding]
+Without resharding (ZeRO-1/2) the full `param` and `grad` tensors live for the whole run and
+this rank's shards are views into them. With `reshard=True` (fully sharded) this rank keeps its
+shards in the separate `param_shard` and `grad_shard` tensors, and the full tensors' storage
+exists only from `start_gather` to `release_params` (params) and from the first gradient to the
+end of the reduction (grads). The `nn.Parameter` objects never change: while released, each
+param's `.data` is an empty tensor, and the full storage is freed with `resize_(0)` and regrown
+in place, so the views autograd saved during forward see the re-gathered values in backward.
+
+[Note: bucket states]
+What the params of a storage unit hold, as a `BucketState`:
+- FRESH: every param's current value, readable;
+- STALE: this rank's owned values are current (the optimizer wrote them), the others' are not;
+- GATHERING: a param sync is in flight; nothing may read or write the params until it lands;
+- RELEASED: the full storage is freed (fully sharded); params are empty until gathered.
+Transitions: FRESH -> STALE (`mark_stale`, after an update); STALE or RELEASED -> GATHERING
+(`start_gather`); GATHERING -> FRESH (`finish_gather`); FRESH or STALE -> RELEASED
+(`release_params`, resharding only). Each method asserts the state it starts from.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup, Work
+
+from ..distributed import collectives
+from ..planning import Bucket, Placement
+
+ParamSync = Literal["allgather", "broadcast"]
+
+
+class BucketState(enum.Enum):
+    """What a storage unit's params hold ([Note: bucket states])."""
+
+    FRESH = enum.auto()
+    STALE = enum.auto()
+    GATHERING = enum.auto()
+    RELEASED = enum.auto()
+
+
+@dataclass
+class InFlight:
+    """Collectives of one storage unit in flight: wait on every handle, then call `then`, which
+    may start a second stage and return its handles (waited on too)."""
+
+    handles: list[Work | None]
+    then: Callable[[], list[Work | None] | None] | None = None
+
+    def wait(self) -> None:
+        for h in self.handles:
+            collectives.wait(h)
+        if self.then is not None:
+            for h in self.then() or ():
+                collectives.wait(h)
+
+
+@dataclass(frozen=True)
+class CommGroups:
+    """Who a storage unit syncs with: `size` ranks of `group` (the shard group), this one being
+    `rank`; gradients are then averaged across `replica_group` (shard groups), params synced on
+    `gather_group` by `param_sync`."""
+
+    group: ProcessGroup | None
+    rank: int
+    size: int
+    gather_group: ProcessGroup | None
+    replica_group: ProcessGroup | None = None
+    param_sync: ParamSync = "allgather"
+
+
+class BucketStorage:
+    """Storage and collectives of one storage unit ([Note: storage units]).
+
+    `params` are the unit's params with their placements; each param's `.data` is a view of
+    `param` (while gathered) and its gradient is added into the same range of `grad`.
+    """
+
+    index: int  # position in reduce (backprop) order among the model's storage units
+    kind: str  # the buffer kind ("muon", "stacked", "adamw", "unaligned")
+    buckets: tuple[Bucket, ...]  # the planned buckets the unit spans, in buffer order
+    start: int  # first buffer element of the unit
+    end: int  # one past its last
+    params: list[tuple[nn.Parameter, Placement]]
+    groups: CommGroups
+    reshard: bool  # fully sharded ([Note: resharding])
+    param: torch.Tensor  # 1D, [start, end) of the buffer (param dtype); freed while RELEASED
+    grad: torch.Tensor  # 1D, the same range (grad-reduce dtype); freed when resharding
+    param_shard: torch.Tensor | None  # 1D, this rank's shards of every bucket; resharding only
+    grad_shard: torch.Tensor | None  # 1D, likewise
+    state: BucketState
+    arrived: int  # gradients landed in this accumulation window (synchronising backwards only)
+    landed: list[bool]  # which params `arrived` counts
+    reducing: InFlight | None  # the reduction in flight
+    gathering: InFlight | None  # the param sync in flight (state GATHERING)
+
+    def __init__(
+        self,
+        index: int,
+        kind: str,
+        buckets: tuple[Bucket, ...],
+        params: list[tuple[nn.Parameter, Placement]],
+        groups: CommGroups,
+        *,
+        reshard: bool,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+    ) -> None:
+        self.index = index
+        self.kind = kind
+        self.buckets = tuple(buckets)
+        self.start, self.end = self.buckets[0].start, self.buckets[-1].end
+        self.params = list(params)
+        self.groups = groups
+        self.reshard = reshard
+        device = self.params[0][0].device
+        numel = self.end - self.start
+        self.param = torch.zeros(numel, dtype=param_dtype, device=device)
+        # Resharding, the grads are materialised by the first gradient ([Note: resharding]).
+        make = torch.empty if reshard else torch.zeros
+        self.grad = make(numel, dtype=grad_dtype, device=device)
+        self._param_views = [self._param_range(self.param, p).view(p.shape) for _, p in params]
+        self._grad_views = [self._param_range(self.grad, p).view(p.shape) for _, p in params]
+        if reshard:
+            _free(self.grad)
+        for (param, _), view in zip(self.params, self._param_views, strict=True):
+            view.copy_(param.detach())
+            param.data = view
+        # Where each bucket's shard of this rank starts in the shard tensors.
+        self._shard_at = [0]
+        for b in self.buckets[:-1]:
+            self._shard_at.append(self._shard_at[-1] + b.shard_numel)
+        self.param_shard = self.grad_shard = None
+        self._empty = torch.empty(0, dtype=param_dtype, device=device)
+        self.reset_arrivals()
+        self.reducing = self.gathering = None
+        self.state = BucketState.FRESH
+
+    # -- geometry ---------------------------------------------------------------------------
+
+    def _elements(self, full: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Buffer elements `[lo, hi)` of a full tensor of this unit."""
+        return full[lo - self.start : hi - self.start]
+
+    def _param_range(self, full: torch.Tensor, p: Placement) -> torch.Tensor:
+        return self._elements(full, p.start, p.end)
+
+    def _bucket_range(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
+        return self._elements(full, b.start, b.end)
+
+    def _shard_range(self, full: torch.Tensor, b: Bucket, rank: int) -> torch.Tensor:
+        return self._elements(full, *b.shard(rank))
+
+    def _own_shard(self, full: torch.Tensor, shard: torch.Tensor | None, i: int) -> torch.Tensor:
+        """This rank's shard of bucket `i`: in the separate shard tensor when resharding."""
+        b = self.buckets[i]
+        if shard is None:
+            return self._shard_range(full, b, self.groups.rank)
+        return shard[self._shard_at[i] : self._shard_at[i] + b.shard_numel]
+
+    def owned_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat (param, grad) views of buffer elements `[lo, hi)`, which lie in this rank's shard
+        of one bucket: storage that persists between steps in every mode."""
+        for i, b in enumerate(self.buckets):
+            s_lo, s_hi = b.shard(self.groups.rank)
+            if s_lo <= lo and hi <= s_hi:
+                param = self._own_shard(self.param, self.param_shard, i)
+                grad = self._own_shard(self.grad, self.grad_shard, i)
+                return param[lo - s_lo : hi - s_lo], grad[lo - s_lo : hi - s_lo]
+        raise AssertionError(f"[{lo}, {hi}) is not inside this rank's shard of one bucket")
+
+    def persistent_bytes(self) -> tuple[int, int]:
+        """(param, grad) bytes this unit holds between steps."""
+        if self.param_shard is None:
+            return self.param.nbytes, self.grad.nbytes
+        return self.param_shard.nbytes, _nbytes(self.grad_shard)
+
+    def full_bytes(self) -> int:
+        """Bytes of the full param and grad tensors when materialised."""
+        return self.param.nbytes + self.grad.nbytes
+
+    # -- states ([Note: bucket states]) -----------------------------------------------------
+
+    def _expect(self, *states: BucketState) -> None:
+        if self.state not in states:
+            raise AssertionError(
+                f"bucket {self.index} is {self.state.name}, expected "
+                f"{' or '.join(s.name for s in states)}"
+            )
+
+    def mark_stale(self) -> None:
+        """The optimizer wrote this rank's owned values: the others are now out of date."""
+        self._expect(BucketState.FRESH, BucketState.STALE, BucketState.RELEASED)
+        if self.state is BucketState.FRESH:
+            self.state = BucketState.STALE
+
+    @property
+    def params_materialised(self) -> bool:
+        """Whether the full param storage exists (every state but RELEASED, in this class)."""
+        return _allocated(self.param)
+
+    @property
+    def readable(self) -> bool:
+        """Whether every param holds its current full-precision value now."""
+        return self.state is BucketState.FRESH and self.params_materialised
+
+    # -- resharding ([Note: resharding]) ----------------------------------------------------
+
+    def keep_shards(self) -> None:
+        """Start resharding: copy this rank's shards out of the full tensors, then free them."""
+        if self.param_shard is not None:
+            return
+        numel = self._shard_at[-1] + self.buckets[-1].shard_numel
+        self.param_shard = self.param.new_empty(numel)
+        self.grad_shard = self.grad.new_zeros(numel)
+        for i, b in enumerate(self.buckets):
+            self._own_shard(self.param, self.param_shard, i).copy_(
+                self._shard_range(self.param, b, self.groups.rank)
+            )
+        self.release_params()
+        _free(self.grad)
+
+    def release_params(self) -> None:
+        """Free the full param storage (resharding only); params become empty until gathered."""
+        self._expect(BucketState.FRESH, BucketState.STALE, BucketState.RELEASED)
+        if not self.reshard:
+            return
+        for param, _ in self.params:
+            param.data = self._empty
+        _free(self.param)
+        self.state = BucketState.RELEASED
+
+    def _materialise_grads(self) -> None:
+        if not _allocated(self.grad):
+            _alloc(self.grad)
+            self.grad.zero_()
+
+    # -- gradients --------------------------------------------------------------------------
+
+    @property
+    def complete(self) -> bool:
+        """Every param's gradient has landed (counted in synchronising backwards only)."""
+        return self.arrived == len(self.params)
+
+    def land(self, i: int) -> None:
+        """Count `self.params[i]`'s gradient as landed in this accumulation window."""
+        self.landed[i] = True
+        self.arrived += 1
+
+    def reset_arrivals(self) -> None:
+        """Open a new accumulation window: no gradient has landed."""
+        self.arrived = 0
+        self.landed = [False] * len(self.params)
+
+    def accumulate(self, i: int, grad: torch.Tensor) -> None:
+        """Add `grad` into the grad range of `self.params[i]`."""
+        self._materialise_grads()
+        self._grad_views[i].add_(grad)
+
+    def start_reduce(self) -> None:
+        """Dispatch the reduction: afterwards this rank's grad shards hold the averages."""
+        if self.reducing is not None:
+            raise AssertionError(f"bucket {self.index}: a reduction is already in flight")
+        self._materialise_grads()  # a unit that got no gradient reduces zeros
+        self.reducing = self._reduce()
+
+    def finish_reduce(self) -> None:
+        if self.reducing is None:
+            return
+        with collectives.naming(f"grad sync (reduction) of bucket {self.index}"):
+            self.reducing.wait()
+        self.reducing = None
+        if self.reshard:
+            _free(self.grad)
+
+    def zero_grads(self) -> None:
+        """Zero every gradient: the shards, and the full grads unless resharding frees them."""
+        if self.reducing is not None:
+            raise AssertionError("never zero gradients under an in-flight reduction")
+        self.reset_arrivals()
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+            _free(self.grad)
+        else:
+            self.grad.zero_()
+
+    def _reduce(self) -> InFlight:
+        """Reduce-scatter every bucket (average over the group), then average across replicas."""
+        group, replicas = self.groups.group, self.groups.replica_group
+        mine = [self._own_shard(self.grad, self.grad_shard, i) for i in range(len(self.buckets))]
+        handles = [
+            collectives.reduce_scatter_avg(out, self._bucket_range(self.grad, b), group)
+            for out, b in zip(mine, self.buckets, strict=True)
+        ]
+        if replicas is None:
+            return InFlight(handles)
+        # The second stage reads the reduce-scatter's output, so it starts once that is done.
+        return InFlight(handles, lambda: [collectives.all_reduce_avg(m, replicas) for m in mine])
+
+    # -- params -----------------------------------------------------------------------------
+
+    def start_gather(self, full: bool = False) -> None:
+        """Dispatch the param sync that restores every param of the unit from its owner.
+        (`full`: the full-precision values even where a subclass syncs another form.)"""
+        self._expect(BucketState.STALE, BucketState.RELEASED)
+        if not _allocated(self.param):
+            _alloc(self.param)
+        self.gathering = self._gather()
+        self.state = BucketState.GATHERING
+
+    def finish_gather(self) -> None:
+        if self.gathering is None:
+            return
+        with collectives.naming(f"param sync ({self.groups.param_sync}) of bucket {self.index}"):
+            self.gathering.wait()
+        self.gathering = None
+        self._gathered()
+
+    def _gathered(self) -> None:
+        """A gather has landed: the params are up to date (resharding: point them at it)."""
+        if self.reshard:
+            self._point_params_at_full()
+        self.state = BucketState.FRESH
+
+    def _point_params_at_full(self) -> None:
+        for (param, _), view in zip(self.params, self._param_views, strict=True):
+            param.data = view
+
+    def _gather(self) -> InFlight:
+        group, k, rank = self.groups.gather_group, self.groups.size, self.groups.rank
+        handles = []
+        for i, b in enumerate(self.buckets):
+            mine = self._own_shard(self.param, self.param_shard, i)
+            if self.groups.param_sync == "allgather":
+                handles.append(
+                    collectives.all_gather(self._bucket_range(self.param, b), mine, group)
+                )
+                continue
+            own = self._shard_range(self.param, b, rank)
+            if own.data_ptr() != mine.data_ptr():
+                own.copy_(mine)
+            handles += [
+                collectives.broadcast(self._shard_range(self.param, b, r), r, group)
+                for r in range(k)
+            ]
+        return InFlight(handles)
+
+    def drop_temporaries(self) -> None:
+        """Free temporary buffers a storage kind keeps between steps (none here)."""
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.nbytes
+
+
+def _allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().size() > 0
+
+
+def _alloc(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)

@@ -1,0 +1,82 @@
+"""Storage of the legacy ping-pong baseline's unaligned buffer.
+
+Every rank holds every bucket whole: gradients are all-reduced; each rank's owned params are
+flattened into a staging buffer and synced by one all-gather padded to the largest rank or by
+one broadcast per rank, then copied out. Every rank issues the same collectives in the same
+order, whatever it owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import collectives
+from ..planning import Placement
+from ._storage import BucketStorage, InFlight
+
+
+class UnalignedStorage(BucketStorage):
+    """A storage unit of the unaligned buffer: all-reduce for grads, a staging buffer for params
+    ([Note: unaligned buffers] in `wholeshard.planning._unaligned`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._staging: torch.Tensor | None = None
+        # _owned_in[rank]: the params rank owns in this bucket, in buffer order.
+        self._owned_in: list[list[Placement]] = [[] for _ in range(self.groups.size)]
+        for _, p in sorted(self.params, key=lambda item: item[1].start):
+            self._owned_in[p.owner].append(p)
+
+    def owned_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._elements(self.param, lo, hi), self._elements(self.grad, lo, hi)
+
+    def _reduce(self) -> InFlight:
+        return InFlight([collectives.all_reduce_avg(self.grad, self.groups.group)])
+
+    def _gather(self) -> InFlight:
+        group, rank, size = self.groups.gather_group, self.groups.rank, self.groups.size
+        sizes = [sum(p.numel for p in ps) for ps in self._owned_in]
+        if self.groups.param_sync == "allgather":  # equal sizes: pad every rank to the largest
+            width = max(sizes)
+            offsets = [r * width for r in range(size)]
+            staging = self._staging_for(width * size)
+            mine = staging[offsets[rank] : offsets[rank] + width]
+            self._pack(self._owned_in[rank], mine)
+            handles = [collectives.all_gather(staging, mine, group)]
+        else:
+            offsets = [sum(sizes[:r]) for r in range(size)]
+            staging = self._staging_for(sum(sizes))
+            self._pack(self._owned_in[rank], staging[offsets[rank] :])
+            handles = [
+                collectives.broadcast(staging[offsets[r] : offsets[r] + sizes[r]], r, group)
+                for r in range(size)
+                if sizes[r] > 0
+            ]
+
+        def unpack() -> None:
+            for r, ps in enumerate(self._owned_in):
+                if r != rank:
+                    self._unpack(ps, staging[offsets[r] :])
+
+        return InFlight(handles, unpack)
+
+    def _staging_for(self, numel: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() != numel:
+            # The param dtype, never the grad dtype: ranks must agree on byte sizes.
+            self._staging = self.param.new_empty(numel)
+        return self._staging
+
+    def _pack(self, placements: list[Placement], out: torch.Tensor) -> None:
+        offset = 0
+        for p in placements:
+            out[offset : offset + p.numel].copy_(self._param_range(self.param, p))
+            offset += p.numel
+
+    def _unpack(self, placements: list[Placement], src: torch.Tensor) -> None:
+        offset = 0
+        for p in placements:
+            self._param_range(self.param, p).copy_(src[offset : offset + p.numel])
+            offset += p.numel
+
+    def drop_temporaries(self) -> None:
+        self._staging = None

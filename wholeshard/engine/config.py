@@ -1,0 +1,177 @@
+"""`DataParallelConfig`: every option of `DataParallel`, defined once.
+
+A frozen dataclass with one docstring per field; `__post_init__` rejects bad values and
+combinations (`ConfigError`, a ValueError naming the field and saying how to fix it), so a
+config that exists is valid. The train job's parallelism flags and the bench's configurations
+are made from these fields, and `docs/data_parallel.md` lists them from the docstrings. Neither
+importing this module nor making a config imports torch (the CLI and the bench registry make
+them before any worker starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..planning import SCHEMES, STRATEGIES
+from ..planning.plan import Scheme, Strategy
+from ..planning.routing import UseMuon
+from ..planning.specs import is_int
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ConfigError(ValueError):
+    """An invalid config value; `field` names the field to fix (`section.field` in a
+    `TrainConfig`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+ParamSync = Literal["allgather", "broadcast"]
+PARAM_SYNCS: tuple[ParamSync, ...] = ("allgather", "broadcast")
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """How `DataParallel` plans, shards, syncs and schedules; see each field.
+
+    Pass it as `DataParallel(module, config)`, or pass its fields as keywords:
+    `DataParallel(module, reshard_after_forward=True)` builds `DataParallelConfig(
+    reshard_after_forward=True)`. Whatever the options, every rank computes the same model as
+    one process would (overlap, the pipelined step and fully sharded mode bitwise the same).
+    """
+
+    bucket_size: int | None = None
+    """Elements per bucket, at least; None takes `wholeshard.planning.default_bucket_size`
+    (about 1/8 of the params, from 65,536 up to max(40M, 1M x dp)). More, smaller buckets
+    overlap more; each costs one collective per step."""
+    strategy: Strategy = "balanced"
+    """How Muon matrices are dealt to ranks: `balanced` (Newton-Schulz cost even across ranks,
+    padding low) or `size_match` (rows of same-size matrices, the rule of Megatron's layout)."""
+    shard_group_size: int | None = None
+    """Shard params within groups of this many consecutive ranks and replicate them across the
+    dp / k groups (hybrid sharding); must divide the data-parallel size. None: one group."""
+    use_muon: UseMuon | None = None
+    """`use_muon(name, param) -> bool` replaces the default routing rule's Muon/AdamW decision
+    (`wholeshard.planning.routing`)."""
+    param_dtype: torch.dtype | None = None
+    """dtype of the params in the buffers, which forward and backward compute with (frozen params
+    are cast to it too); the optimizer keeps fp32 masters when it is not float32. None: the
+    trainable params' own dtype, as FSDP2's `MixedPrecisionPolicy` (float32 for a model built in
+    float32)."""
+    grad_reduce_dtype: torch.dtype | None = None
+    """dtype gradients are accumulated and reduced in. None: torch.float32."""
+    overlap_grad_reduce: bool = False
+    """Reduce-scatter each bucket during backward, as soon as all its gradients are in."""
+    overlap_param_gather: bool = False
+    """Gather the updated params during the next forward, each bucket just ahead of the modules
+    that use it, instead of at the end of `optimizer.step()`."""
+    reshard_after_forward: bool = False
+    """Fully sharded: between steps each rank keeps only its own shards; a module's params are
+    gathered before its forward and again before its backward, and released after each."""
+    separate_all_gather_group: bool | None = None
+    """Sync params on a second process group, so gathers do not queue behind reductions.
+    None: on when fully sharded or pipelined."""
+    pipelined_step: bool = False
+    """`optimizer.step()` updates each bucket as soon as its reduction lands and dispatches its
+    gather at once (`DataParallel.reduced_buckets`); the same bits as the unpipelined step."""
+    fp8_param_gather: bool = False
+    """Sync the weights of FP8 layers as FP8 (convert the model with `wholeshard.fp8.convert`
+    before wrapping)."""
+    scheme: Scheme = "whole"
+    """`whole`: every Muon matrix whole inside one rank's shard (the design). `ping_pong`: the
+    legacy baseline (one unaligned buffer, all-reduced gradients, owners dealt by size)."""
+    param_sync: ParamSync = "allgather"
+    """How updated params reach every rank: one `allgather` per bucket, or one `broadcast` per
+    owner (the legacy baseline's)."""
+    timeout: timedelta | None = None
+    """Collective timeout of the process groups `DataParallel` creates (shard, replica,
+    all-gather). None: the timeout of the group it is given."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "grad_reduce_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            import torch  # a dtype was given, so torch is imported already
+
+            if not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ConfigError(
+                    name,
+                    f"{name} must be a floating-point torch.dtype (e.g. torch.bfloat16), "
+                    f"got {value!r}",
+                )
+        for name, low in (("bucket_size", 1), ("shard_group_size", 1)):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and value >= low):
+                raise ConfigError(name, f"{name} must be None or an int >= {low}, got {value!r}")
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "reshard_after_forward",
+                     "pipelined_step", "fp8_param_gather"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    name, f"{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        if self.separate_all_gather_group not in (None, True, False):
+            raise ConfigError(
+                "separate_all_gather_group",
+                f"separate_all_gather_group must be None, True or False, got "
+                f"{self.separate_all_gather_group!r}",
+            )
+        for name, choices in (
+            ("strategy", STRATEGIES),
+            ("scheme", SCHEMES),
+            ("param_sync", PARAM_SYNCS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    name, f"{name} must be one of {choices}, got {getattr(self, name)!r}"
+                )
+        if self.use_muon is not None and not callable(self.use_muon):
+            raise ConfigError(
+                "use_muon", f"use_muon must be None or a function, got {self.use_muon!r}"
+            )
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise ConfigError(
+                "timeout", f"timeout must be None or a datetime.timedelta, got {self.timeout!r}"
+            )
+        if self.scheme == "ping_pong" and self.reshard_after_forward:
+            raise ConfigError(
+                "reshard_after_forward",
+                "scheme='ping_pong' cannot be fully sharded (its owners' params are not in "
+                "equal shards): use the default scheme='whole' with reshard_after_forward=True",
+            )
+        if self.scheme == "ping_pong" and self.fp8_param_gather:
+            raise ConfigError(
+                "fp8_param_gather",
+                "fp8_param_gather needs scheme='whole' (ping_pong has no shards)",
+            )
+
+    @classmethod
+    def from_options(
+        cls, config: DataParallelConfig | None, options: dict[str, Any]
+    ) -> DataParallelConfig:
+        """`config`, or the config `options` (field names as keywords) describe; not both."""
+        if config is not None and options:
+            raise TypeError(
+                f"pass either config=DataParallelConfig(...) or its fields as keywords, not both "
+                f"(got config and {sorted(options)}); use dataclasses.replace(config, ...) to "
+                f"change a config"
+            )
+        if config is not None:
+            if not isinstance(config, cls):
+                raise TypeError(f"config must be a DataParallelConfig, got {type(config).__name__}")
+            return config
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(
+                f"DataParallel got unexpected keyword argument(s) {unknown}; the options are the "
+                f"fields of DataParallelConfig: {sorted(names)}"
+            )
+        return cls(**options)

@@ -1,0 +1,392 @@
+"""`DataParallel`: whole-tensor sharded gradient and parameter sync for one module.
+
+Step protocol (the optimizer drives it; `_schedule.Scheduler` decides when collectives run):
+1. backward: each param's post-accumulate-grad hook adds its grad into its bucket's grad buffer;
+   with `overlap_grad_reduce` a bucket whose params are all in starts its reduce-scatter;
+2. `finish_grad_sync()`: every bucket reduced (averaged), so this rank's grad shards hold the
+   full averaged gradient of every param it owns;
+3. the optimizer writes its owned params (`owned()`: views of this rank's param shards);
+4. `start_param_sync()`: each bucket's all-gather restores every param on every rank: all at
+   once; with `overlap_param_gather` as the next forward reaches them; fully sharded
+   (`reshard_after_forward=True`): before each module's forward and backward, released after.
+With `pipelined_step` the optimizer does 2-4 bucket by bucket instead (`reduced_buckets()`):
+each bucket is updated as soon as its reduction lands and gathered at once.
+
+The engine's modules: `config` (the options), `_init` (the construction steps), `_storage`
+(a bucket's storage, states and collectives; `_fp8_storage` and `_unaligned_storage` are its
+kinds), `_schedule` (when collectives run), `_hooks` (module hooks), `_guard` (misuse checks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+from ..distributed.groups import make_groups, resolve_group
+from ..planning import Buffer, ParamSpec, Placement, Plan, default_bucket_size, plan_buffers
+from ..planning.routing import Route, route_params
+from . import _hooks as hooks
+from ._fp8_storage import fp8_storage_factory, has_fp8_weights
+from ._guard import ParamSignature
+from ._init import broadcast_the_rest, build_storage, cast_frozen, check_model, forward_order
+from ._schedule import Scheduler
+from ._storage import BucketStorage, CommGroups
+from ._unaligned_storage import UnalignedStorage
+from .config import DataParallelConfig
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """Elements `[offset, offset + param.numel())` of a flattened param that this rank updates.
+
+    `param` and `grad` are views of storage this rank keeps between steps: shaped like the param
+    when the range is the whole tensor, like one matrix when it is a matrix of a stacked param,
+    1-D otherwise.
+    """
+
+    route: Route
+    offset: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    bucket: int
+    """Index of the bucket holding the range in `DataParallel.buckets` (reduce order)."""
+
+
+class StateHolder(Protocol):
+    """What `DataParallel.memory` asks the optimizer attached to it."""
+
+    def state_bytes(self) -> dict[str, int]: ...
+
+
+class DataParallel(nn.Module):
+    """Wrap `module` (already on its device) for data-parallel training with whole-matrix owners.
+
+    Args:
+        module: the model; every rank must build the same one (construction checks this and
+            raises on every rank, naming the first difference). Rank 0's initial values are
+            broadcast to all ranks.
+        config: a `DataParallelConfig`; or pass its fields as keyword arguments
+            (`DataParallel(module, reshard_after_forward=True)`), not both.
+        process_group: the data-parallel group; None: the default group (or one process when
+            torch.distributed is not initialised).
+
+    Muon-routed params live in whole-tensor buffers, the others in element-wise sharded ones
+    (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step:
+    the wrapped params' `.grad` stays None (gradients go to the buckets), so clip with
+    `optimizer.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_`.
+    """
+
+    config: DataParallelConfig
+    module: nn.Module
+    routes: list[Route]  # every trainable param, in registration order
+    frozen: list[nn.Parameter]  # params with requires_grad=False, outside the buffers
+    plan: Plan
+    process_group: ProcessGroup | None
+    dp_size: int
+    rank: int  # in `process_group`
+    shard_group_size: int
+    shard_rank: int  # in this rank's shard group
+    reshard_after_forward: bool  # what the config asks, where there is anything to gather
+    fp8_param_gather: bool  # likewise
+    scheduler: Scheduler
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: DataParallelConfig | None = None,
+        *,
+        process_group: ProcessGroup | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.config = cfg = DataParallelConfig.from_options(config, options)
+        if cfg.fp8_param_gather and not has_fp8_weights(module):
+            raise ValueError(
+                "fp8_param_gather=True but the model has no FP8 layers: convert it first with "
+                "wholeshard.fp8.convert(model, recipe) (before wrapping)"
+            )
+        self.module = module
+        self.process_group, self.dp_size, self.rank = resolve_group(process_group)
+        self.routes = route_params(module, cfg.use_muon)
+        check_model(module, self.routes, self.process_group, self.dp_size)
+        param_dtype = cfg.param_dtype or _common_dtype(self.routes)
+        self.frozen = cast_frozen(module, param_dtype)
+        self.plan = _plan(self.routes, cfg, self.dp_size)
+        self.shard_group_size = self.plan.shard_group_size
+        self.shard_rank = self.plan.shard_rank(self.rank)
+        gathers = self.dp_size > 1 and self.shard_group_size > 1
+        self.reshard_after_forward = cfg.reshard_after_forward and gathers
+        self.fp8_param_gather = cfg.fp8_param_gather and gathers
+        separate = cfg.separate_all_gather_group
+        if separate is None:
+            separate = cfg.reshard_after_forward or cfg.pipelined_step
+        self.shard_group, self.replica_group, self.gather_group = make_groups(
+            self.process_group,
+            self.dp_size,
+            self.shard_group_size,
+            separate and gathers,
+            cfg.timeout,
+        )
+        groups = CommGroups(
+            self.shard_group,
+            self.shard_rank,
+            self.shard_group_size,
+            self.gather_group,
+            self.replica_group,
+            cfg.param_sync,
+        )
+        storages = build_storage(
+            self.plan,
+            self.routes,
+            self._storage_factory(),
+            self._settle,
+            groups=groups,
+            reshard=self.reshard_after_forward,
+            param_dtype=param_dtype,
+            grad_dtype=cfg.grad_reduce_dtype or torch.float32,
+        )
+        if self.dp_size > 1:
+            broadcast_the_rest(module, self.frozen, self.process_group)
+        self.scheduler = Scheduler(
+            storages,
+            forward_order(storages, self.routes),
+            reduces=self.dp_size > 1,
+            gathers=gathers,
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
+            overlap_param_gather=cfg.overlap_param_gather,
+            reshard=self.reshard_after_forward,
+        )
+        self._register_hooks(gathers)
+        self._optimizer: weakref.ref[StateHolder] | None = None
+        self._signature = ParamSignature(module)
+        if self.fp8_param_gather:  # the first FP8 weights, before any forward
+            self.scheduler.params_updated()
+            self.scheduler.finish_param_sync()
+
+    def _storage_factory(self):
+        """What builds each storage unit: by buffer kind, and FP8 storage where it gathers FP8."""
+        fp8 = fp8_storage_factory(self.module) if self.fp8_param_gather else BucketStorage
+
+        def make(index: int, kind: str, *args: Any, **kwargs: Any) -> BucketStorage:
+            cls = UnalignedStorage if kind == "unaligned" else fp8
+            return cls(index, kind, *args, **kwargs)
+
+        return make
+
+    def _settle(self, storage: BucketStorage) -> None:
+        """Give a new storage unit rank 0's values and, fully sharded, keep only this rank's
+        shards (units are settled one at a time: one full unit exists beside the model)."""
+        if self.dp_size > 1:
+            collectives.broadcast_from_first(storage.param, self.process_group)
+        if storage.reshard:
+            storage.keep_shards()
+
+    def _register_hooks(self, gathers: bool) -> None:
+        """Gradient hooks on every param; module hooks where params are gathered on demand."""
+        buckets = self.scheduler.buckets
+        self._where = {p.name: (b, p) for b in buckets for _, p in b.params}
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._grad_hook(b, i, p.name))
+            for b in buckets
+            for i, (param, p) in enumerate(b.params)
+        ]
+        bucket_of = {id(param): b for b in buckets for param, _ in b.params}
+        if gathers and (self.config.overlap_param_gather or self.reshard_after_forward):
+            self._hooks += hooks.register(
+                self.scheduler, self.module, bucket_of, reshard=self.reshard_after_forward
+            )
+        if self.reshard_after_forward or self.fp8_param_gather:
+            self._hooks += hooks.refuse_released_reads(self.module, bucket_of)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def buckets(self) -> list[BucketStorage]:
+        """Communication buckets in reduce (backprop) order."""
+        return self.scheduler.buckets
+
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live: the module's device."""
+        return self.buckets[0].param.device
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Seconds blocked waiting on collectives since construction."""
+        return self.scheduler.comm_wait_s
+
+    # -- ownership ------------------------------------------------------------------------
+
+    def owned(self) -> Iterator[OwnedRange]:
+        """What this rank updates, in registration order: whole params, whole matrices of
+        stacked params, or flat slices of element-wise ones. Ownership comes from the plan."""
+        ranges: dict[str, list[tuple[Placement, int, int, Buffer]]] = {}
+        for buffer in self.plan.buffers:
+            for p, offset, length in buffer.owned(self.shard_rank):
+                ranges.setdefault(p.name, []).append((p, offset, length, buffer))
+        for route in self.routes:
+            for p, offset, length, buffer in ranges.get(route.name, ()):
+                bucket = self._where[p.name][0]
+                lo = p.start + offset
+                param, grad = bucket.owned_views(lo, lo + length)
+                if buffer.whole:
+                    shape: tuple[int, ...] = p.shape
+                elif buffer.kind == "stacked":
+                    shape = p.shape[-2:]
+                else:
+                    shape = (length,)
+                yield OwnedRange(route, offset, param.view(shape), grad.view(shape), bucket.index)
+
+    # -- gradients ------------------------------------------------------------------------
+
+    def _grad_hook(self, bucket: BucketStorage, i: int, name: str):
+        def hook(param: torch.Tensor) -> None:
+            self.scheduler.grad_arrived(bucket, i, param, name)
+
+        return hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block reduces them all."""
+        previous, self.scheduler.sync_grads = self.scheduler.sync_grads, False
+        try:
+            yield
+        finally:
+            self.scheduler.sync_grads = previous
+
+    def start_grad_sync(self) -> None:
+        """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
+        self.scheduler.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Wait until this rank's grad shards hold the averaged gradients of its owned params.
+
+        Params that got no gradient this step count as zero: readiness is settled here.
+        """
+        self.scheduler.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every gradient and open the next accumulation window."""
+        self.scheduler.zero_grads()
+        for r in self.routes:
+            r.param.grad = None
+
+    def reduced_buckets(self) -> Iterator[int]:
+        """The pipelined step: yield each bucket's index (in `buckets`) once its grads are
+        reduced; when the caller, having written its owned params, comes back, its param sync
+        is dispatched. Every rank walks it to the end (`wholeshard._schedule.Scheduler`)."""
+        return self.scheduler.reduced_in_order()
+
+    # -- parameters -----------------------------------------------------------------------
+
+    def start_param_sync(self) -> None:
+        """Begin restoring every param from its owner (after the optimizer wrote its own).
+
+        Synchronous mode dispatches every bucket; with `overlap_param_gather` only the first in
+        forward order, the rest as the forward reaches them; fully sharded, nothing until the
+        next forward (the buckets are released).
+        """
+        self.scheduler.params_updated()
+
+    def finish_param_sync(self) -> None:
+        """Complete every pending param sync: afterwards every param outside a released bucket
+        is up to date (in ZeRO-1/2 mode: every param)."""
+        self.scheduler.finish_param_sync()
+
+    @contextlib.contextmanager
+    def full_params(self) -> Iterator[None]:
+        """Every param materialised and up to date on every rank inside the block, for reading
+        outside a forward (comparisons, export, `model.state_dict()`). Fully sharded, what it
+        gathered is released on exit (writes to params are not kept); otherwise it completes
+        pending gathers. Every rank must enter it."""
+        gathered = self.scheduler.gather_all()
+        try:
+            yield
+        finally:
+            self.scheduler.release(gathered)
+
+    def free_overlap_buffers(self) -> None:
+        """Wait for anything in flight, then drop temporary buffers and (fully sharded) full
+        buckets. Safe to repeat; call it before a checkpoint save."""
+        self.scheduler.finish_param_sync()
+        for b in self.buckets:
+            b.finish_reduce()
+            b.drop_temporaries()
+        if self.reshard_after_forward:
+            self.scheduler.release_all()
+
+    def model_changes(self) -> str | None:
+        """What changed in the wrapped module's params since wrapping (a param frozen,
+        unfrozen, replaced, added or removed), or None. `LayerwiseOptimizer.step` raises on
+        every rank when any rank's answer is not None."""
+        return self._signature.changes(self.module)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds between steps, by kind.
+
+        `params` and `grads`: the bucket storage kept between steps (this rank's shards when
+        fully sharded, the full buffers otherwise); `masters` and `optimizer_state`: from the
+        attached `LayerwiseOptimizer` (0 without one); `frozen_params`: params outside the
+        buffers; `transient_bucket`: the largest full param + grad bucket that exists only
+        during forward and backward (0 unless fully sharded).
+        """
+        params = grads = 0
+        for b in self.buckets:
+            p, g = b.persistent_bytes()
+            params, grads = params + p, grads + g
+        out = {
+            "params": params,
+            "grads": grads,
+            "masters": 0,
+            "optimizer_state": 0,
+            "frozen_params": sum(p.numel() * p.element_size() for p in self.frozen),
+            "transient_bucket": max(b.full_bytes() for b in self.buckets)
+            if self.reshard_after_forward
+            else 0,
+        }
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if optimizer is not None:
+            out.update(optimizer.state_bytes())
+        return out
+
+    def attach_optimizer(self, optimizer: StateHolder) -> None:
+        """Let `memory()` report `optimizer`'s masters and state (held by weak reference)."""
+        self._optimizer = weakref.ref(optimizer)
+
+
+def _plan(routes: list[Route], cfg: DataParallelConfig, dp_size: int) -> Plan:
+    """The plan of the routed params, with the config's bucket size or the default."""
+    specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
+    bucket_size = cfg.bucket_size
+    if bucket_size is None:
+        bucket_size = default_bucket_size(sum(s.numel for s in specs), dp_size)
+    return plan_buffers(
+        specs,
+        dp_size,
+        bucket_size=bucket_size,
+        strategy=cfg.strategy,
+        shard_group_size=cfg.shard_group_size,
+        scheme=cfg.scheme,
+    )
+
+
+def _common_dtype(routes: list[Route]) -> torch.dtype:
+    """The one floating dtype of the trainable params (`param_dtype=None`)."""
+    dtypes = {r.param.dtype for r in routes}
+    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(
+            f"the trainable params have dtypes {sorted(map(str, dtypes))}, but the buffers hold "
+            f"one floating dtype: pass param_dtype=... (e.g. torch.bfloat16 or torch.float32)"
+        )
+    return dtypes.pop()

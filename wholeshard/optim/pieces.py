@@ -1,0 +1,177 @@
+"""The optimizer's pieces, and the contract between an optimizer and checkpoints.
+
+`OwnedPiece` is what the optimizer steps: a whole tensor this rank owns, one matrix of a stacked
+param, or a flat slice of an element-wise one, with its fp32 master (`pieces_of` makes them from
+the engine's `OwnedRange`s).
+
+`Checkpointable` is the whole contract between checkpoints and an optimizer: the pieces of
+params this rank updates, each piece's torch optimizer state, and the param groups' hyperparameters.
+`LayerwiseOptimizer` satisfies it; so can any optimizer whose pieces are `OwnedPiece`s.
+
+`install_state` is the single path by which loaded values replace the live ones, used by
+`LayerwiseOptimizer.load_state_dict` (same layout) and `wholeshard.checkpoint.load_checkpoint`
+(any layout): masters, then params from the masters, then optimizer state, then param-group
+hyperparameters, then every rank gathers every param from its owner.
+
+[Note: what Muon sees]
+Muon's update depends on the matrix's orientation (`adjust_lr_fn` scales by its shape) and only
+works on 2-D tensors, so every Muon piece is one matrix in (out, in) orientation:
+- a stacked param (more than 2 dims: fused MoE experts) is stepped as one piece per matrix, each
+  its own `torch.optim.Muon` param, exactly as if each expert's slice were a separate param;
+- a weight stored (in, out) (`Route.transposed`: transformers' `Conv1D`) is stepped on a
+  contiguous (out, in) fp32 master, exactly as the same layer stored as `nn.Linear` would be.
+`OwnedPiece.oriented` maps between the storage layout and the optimizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..engine.data_parallel import DataParallel, OwnedRange
+
+MUON, ADAMW = "muon", "adamw"
+
+
+@dataclass
+class OwnedPiece:
+    """A piece of one param that this rank updates: the whole tensor, one matrix of a stacked
+    param, or a flat slice.
+
+    The piece covers elements `[offset, offset + param.numel())` of the flattened param.
+    `master` is in the optimizer's layout ([Note: what Muon sees]), `param` and `grad` in the
+    storage layout.
+    """
+
+    name: str
+    kind: str  # "muon" or "adamw"
+    full_shape: tuple[int, ...]
+    offset: int
+    param: torch.Tensor  # view into the param buffer (param dtype)
+    grad: torch.Tensor  # view into the reduced grad shard (grad-reduce dtype)
+    master: torch.Tensor  # fp32; the param view itself when the param is fp32 and not transposed
+    matrix: int | None = None  # index of the matrix within a stacked param
+    transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
+
+    @property
+    def key(self) -> str:
+        """Unique among this rank's pieces: the param name, with `[i]` for matrix i of a stack."""
+        return self.name if self.matrix is None else f"{self.name}[{self.matrix}]"
+
+    @property
+    def separate_master(self) -> bool:
+        return self.master is not self.param
+
+    def oriented(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` moved between the storage and the optimizer layout (its own inverse)."""
+        return t.T if self.transposed else t
+
+
+class Checkpointable(Protocol):
+    """An optimizer that updates `OwnedPiece`s of `DataParallel`'s params.
+
+    Every element of every routed param is in exactly one piece across the ranks of a shard
+    group; `piece_state(piece)` is the live (mutable) torch optimizer state of `piece`, whose
+    tensors are either shaped like `piece.master` (elementwise, in the optimizer's layout) or
+    the same on every piece of one param (AdamW's scalar `step`).
+    """
+
+    param_groups: list[dict[str, Any]]
+
+    def owned_pieces(self) -> list[OwnedPiece]: ...
+
+    def piece_state(self, piece: OwnedPiece) -> dict[str, Any]: ...
+
+
+class LoadedPiece(NamedTuple):
+    """New values for one piece: its master in the optimizer's layout (None: keep the live one)
+    and its optimizer state, whose tensors `install_state` takes over (pass private copies)."""
+
+    piece: OwnedPiece
+    master: torch.Tensor | None
+    state: dict[str, Any]
+
+
+@torch.no_grad()
+def install_state(
+    ddp: DataParallel,
+    optimizer: Checkpointable,
+    pieces: Iterable[LoadedPiece],
+    param_groups: list[dict[str, Any]],
+) -> None:
+    """Make loaded values live, then gather every param from its owner.
+
+    `param_groups` are the saved groups' hyperparameters, one per group of `optimizer` (a
+    `params` key is ignored). Every rank of `ddp`'s group must call it; afterwards every rank
+    holds every param it keeps between steps (all of them unless fully sharded).
+    """
+    ddp.finish_param_sync()  # a gather still in flight must land before params are written
+    for piece, master, state in pieces:
+        if master is not None:
+            piece.master.copy_(master)
+            if piece.separate_master:
+                piece.param.copy_(piece.oriented(piece.master))
+        live = optimizer.piece_state(piece)
+        live.clear()
+        live.update(state)
+    for group, saved in zip(optimizer.param_groups, param_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    ddp.start_param_sync()
+    ddp.finish_param_sync()
+
+
+def elementwise(value: torch.Tensor, piece: OwnedPiece) -> bool:
+    """Whether a state tensor of `piece` holds one value per element (else one per param)."""
+    return tuple(value.shape) == tuple(piece.master.shape)
+
+
+def pieces_of(owned: OwnedRange) -> list[OwnedPiece]:
+    """The optimizer's pieces of one owned range: one per matrix of a Muon stack, else one."""
+    route, full_shape = owned.route, owned.route.shape
+    if not route.muon:
+        return [_piece(route.name, ADAMW, full_shape, owned.offset, owned.param, owned.grad)]
+    rows, cols = owned.param.shape[-2:]
+    first = owned.offset // (rows * cols)
+    params = owned.param.reshape(-1, rows, cols).unbind()
+    grads = owned.grad.reshape(-1, rows, cols).unbind()
+    stacked = len(full_shape) > 2
+    return [
+        _piece(
+            route.name,
+            MUON,
+            full_shape,
+            owned.offset + i * rows * cols,
+            param,
+            grad,
+            matrix=first + i if stacked else None,
+            transposed=route.transposed,
+        )
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True))
+    ]
+
+
+def _piece(
+    name: str,
+    kind: str,
+    full_shape: tuple[int, ...],
+    offset: int,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    matrix: int | None = None,
+    transposed: bool = False,
+) -> OwnedPiece:
+    """A piece with its fp32 master: the param view itself when fp32 and not transposed."""
+    if param.dtype == torch.float32 and not transposed:
+        master = param
+    else:
+        master = (param.detach().T if transposed else param.detach()).float().contiguous()
+        if master.data_ptr() == param.data_ptr():  # .float() of fp32 returns the same tensor
+            master = master.clone()
+    direct = grad.dtype == torch.float32 and not transposed
+    master.grad = grad if direct else torch.zeros_like(master)
+    return OwnedPiece(name, kind, full_shape, offset, param, grad, master, matrix, transposed)

@@ -1,0 +1,77 @@
+"""Where this process runs: joining (or creating, or doing without) the process group, the
+device, the compute dtype and the CPU threads."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: rank, world size, device, and whether it owns the group."""
+
+    rank: int
+    world: int
+    local_world: int
+    device: torch.device
+    owns_group: bool
+
+
+def torchrun_env() -> bool:
+    """True when the environment describes a launched world (torchrun or `wholeshard.distributed
+    .launch`)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def setup_distributed(timeout: timedelta | None = None) -> DistEnv:
+    """Join the existing process group, or create one from torchrun's env (with collective
+    `timeout`), or run alone."""
+    owns = False
+    if not dist.is_initialized() and torchrun_env():
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+        owns = True
+    if not dist.is_initialized():
+        return DistEnv(0, 1, 1, torch.device("cpu"), False)
+    world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return DistEnv(dist.get_rank(), world, local_world, device, owns)
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether `device` has native bf16 matmuls (CUDA with bf16, or AVX512-BF16/AMX CPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    except AttributeError:  # private helpers: absent means unknown, so stay in float32
+        return False
+
+
+def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype `--param-dtype` names; `auto` is bfloat16 where `fast_bf16`, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
+    return getattr(torch, name)
+
+
+def set_threads(threads: int | None, env: DistEnv) -> None:
+    """CPU threads per process: `threads`, or the cores divided among the local processes."""
+    if env.device.type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(threads or max(1, (cores or 1) // env.local_world))

@@ -1,0 +1,389 @@
+"""`train(config, hooks)`: the job every rank runs, under `wholeshard.distributed.launch` or
+torchrun; `Trainer` is that job on one rank.
+
+One code path for any world size: it uses the process group that is already initialised
+(`wholeshard.distributed.launch`), else initialises one from torchrun's environment (NCCL on
+CUDA, gloo on CPU), else runs as a single process.
+
+[Note: hooks]
+`train(config, hooks)` calls every `hook(point, step, rank)` on every rank at two points of a
+step: `BEFORE_SAVE` just before a checkpoint save starts (on steps that save), and `AFTER_STEP`
+once the step's update, and its checkpoint if any, is done. Hooks watch the run or stop it
+(the tests make a rank raise or die there, or arm a fault inside the save that follows
+`BEFORE_SAVE`); they must not change training state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.gpt import GPT, VOCAB, model_config, num_params
+from ..planning.routing import routing_summary
+from . import data, report
+from .baseline import build_ddp_adamw, step_or_skip
+from .config import TrainConfig
+from .env import DistEnv, resolve_param_dtype, set_threads, setup_distributed
+from .plot import plot_losses
+from .schedule import make_scheduler
+
+BEFORE_SAVE, AFTER_STEP = "before_save", "after_step"
+Hook = Callable[[str, int, int], None]
+"""`hook(point, step, rank)`; see [Note: hooks]."""
+TRACE_STEPS = 3  # steps recorded by --trace, after one warm-up step
+
+
+def train(cfg: TrainConfig, hooks: Sequence[Hook] = ()) -> dict:
+    """Run the training job on this rank; returns the run summary (the same on every rank).
+
+    `hooks` are called as [Note: hooks] says."""
+    cfg.validate()
+    env = setup_distributed(timedelta(seconds=cfg.reliability.collective_timeout))
+    try:
+        return Trainer(cfg, env, hooks).train()
+    finally:
+        if env.owns_group:
+            dist.destroy_process_group()
+
+
+class Trainer:
+    """The job on one rank: the data, the model wrapped for data parallelism, its optimizer and
+    schedule; `train()` runs the loop (`train_step`, `evaluate`, `save`) and returns the summary.
+
+    bfloat16 compute: the muon path keeps bf16 params in wholeshard's buffers with fp32 masters
+    in the optimizer; the adamw path keeps fp32 params and runs forward/backward under
+    `torch.autocast`, so both keep fp32 optimizer maths.
+    """
+
+    model: GPT
+    module: nn.Module  # what the loop calls: the wrapper, or the model itself
+    opt: torch.optim.Optimizer
+    clip: Callable[[float], torch.Tensor]  # clips the averaged gradients; returns their norm
+    params: int  # counted before wrapping: a fully sharded wrapper releases params
+    param_dtype: torch.dtype
+    autocast: torch.dtype | None  # the adamw path's compute dtype under autocast
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, hooks: Sequence[Hook] = ()) -> None:
+        self.start_time = time.perf_counter()
+        self.cfg, self.env, self.hooks = cfg, env, hooks
+        set_threads(cfg.threads, env)
+        if cfg.data.batch_size % env.world:
+            raise ValueError(
+                f"batch_size={cfg.data.batch_size} is not divisible by world={env.world}"
+            )
+        self.corpus = data.load_corpus(cfg.data.path)
+        self.val = data.val_batches(
+            self.corpus.val,
+            cfg.output.eval_batches,
+            cfg.data.batch_size,
+            cfg.data.seq_len,
+            env.rank,
+            env.world,
+        )
+        self._build()
+        self.scheduler = make_scheduler(
+            self.opt, cfg.optim.steps, cfg.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio
+        )
+        self.out = cfg.output.out or report.default_out_dir()
+
+    def _build(self) -> None:
+        """The model, wrapped for data parallelism, and its optimizer, as `cfg.optim` says."""
+        cfg, env = self.cfg, self.env
+        torch.manual_seed(cfg.seed)  # identical init on every rank
+        gpt = model_config(cfg.model.name, cfg.data.seq_len, cfg.model.pos, cfg.model.tie)
+        self.model = GPT(gpt).to(env.device)
+        self.params = num_params(self.model)
+        if cfg.model.fp8 is not None:
+            from ..fp8 import convert
+
+            convert(self.model, cfg.model.fp8)
+        self.param_dtype = resolve_param_dtype(cfg.model.param_dtype, env.device)
+        self.autocast = None
+        lr, wd = cfg.peak_lr, cfg.optim.weight_decay
+        if cfg.optim.name == "muon":
+            self._build_wholeshard(lr, wd)
+            return
+        self.module, self.opt, self.clip = build_ddp_adamw(
+            self.model, env, lr, wd, cfg.parallel.bucket_size
+        )
+        if self.param_dtype != torch.float32:
+            self.autocast = self.param_dtype
+
+    def _build_wholeshard(self, lr: float, weight_decay: float) -> None:
+        from ..engine.data_parallel import DataParallel
+        from ..optim import LayerwiseOptimizer
+        from .baseline import ADAMW_BETAS
+
+        parallel = dataclasses.replace(
+            self.cfg.parallel,
+            param_dtype=self.param_dtype,
+            fp8_param_gather=self.cfg.model.fp8 is not None,
+        )
+        self.module = DataParallel(self.model, parallel)
+        self.opt = LayerwiseOptimizer(
+            self.module,
+            muon=dict(
+                lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=weight_decay, momentum=0.95
+            ),
+            adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay),
+            nonfinite=self.cfg.optim.on_nonfinite,
+        )
+        self.clip = self.opt.clip_grad_norm_
+
+    def comm_wait_s(self) -> float:
+        """Seconds this rank has waited on collectives so far; nan where not measured."""
+        return getattr(self.module, "comm_wait_s", math.nan)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy of the next byte, in nats."""
+        with torch.autocast(x.device.type, self.autocast, enabled=self.autocast is not None):
+            logits = self.module(x)
+        return F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1), reduction=reduction)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Forward, backward, clip, update and schedule for `step`; returns its figures. Raises
+        FloatingPointError on a non-finite loss (before the update) or gradient (policy error)."""
+        cfg, env = self.cfg, self.env
+        x, y = data.train_batch(
+            self.corpus.train,
+            step,
+            cfg.data.batch_size,
+            cfg.data.seq_len,
+            cfg.seed,
+            env.rank,
+            env.world,
+        )
+        loss = self.loss(x.to(env.device), y.to(env.device))
+        loss_value = _global_mean(loss, env)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(
+                f"non-finite loss ({loss_value}) at step {step}: stopped before the update; "
+                f"nothing was saved at this step"
+            )
+        loss.backward()
+        max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else math.inf
+        grad_norm = self.clip(max_norm)
+        lr = self.opt.param_groups[0]["lr"]
+        try:
+            skipped = self._update()
+        except FloatingPointError as e:
+            raise FloatingPointError(f"at step {step}: {e}") from None
+        self.opt.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
+
+    def _update(self) -> bool:
+        """The optimizer step; True when skipped for non-finite gradients (policy skip)."""
+        if isinstance(self.opt, torch.optim.AdamW):
+            return step_or_skip(self.model, self.opt, self.cfg.optim.on_nonfinite)
+        before = self.opt.skipped_steps  # LayerwiseOptimizer checks, with every rank
+        self.opt.step()
+        return self.opt.skipped_steps > before
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss per byte over every rank's validation windows."""
+        env = self.env
+        self.module.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=env.device)
+        for x, y in self.val:
+            x, y = x.to(env.device), y.to(env.device)
+            total[0] += self.loss(x, y, reduction="sum").double()
+            total[1] += y.numel()
+        if env.world > 1:
+            dist.all_reduce(total)
+        self.module.train()
+        return (total[0] / total[1]).item()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, step: int, progress: dict[str, Any]) -> None:
+        """Checkpoint the run at `step`; `progress` (validation losses, skipped steps) travels
+        in the checkpoint's `extra`."""
+        from ..checkpoint import save_checkpoint
+
+        extra = {
+            "step": step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            **progress,
+        }
+        ckpt = self.cfg.checkpoint
+        save_checkpoint(
+            self.cfg.checkpoint_dir, self.module, self.opt, extra=extra, keep_last=ckpt.keep_last
+        )
+
+    def resume(self) -> dict[str, Any]:
+        """Load `checkpoint.resume` into the model, optimizer and scheduler; returns its `extra`
+        (with `path`). The data position is the step: batch `s` is a pure function of (seed, s,
+        rank, world)."""
+        from ..checkpoint import load_checkpoint, resolve_checkpoint
+
+        path = resolve_checkpoint(self.cfg.resume_path)
+        extra = load_checkpoint(path, self.module, self.opt)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng"])
+        return dict(extra, path=str(path))
+
+    # -- the job ----------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        """Run (or resume) the job to `optim.steps`; returns the summary."""
+        cfg, env = self.cfg, self.env
+        resumed = self.resume() if cfg.checkpoint.resume is not None else None
+        log = report.RunLog(
+            self.out,
+            cfg.optim.steps,
+            enabled=env.rank == 0,
+            progress=cfg.output.progress,
+            resume_step=None if resumed is None else resumed["step"],
+        )
+        self._announce(log)
+        tracer = _tracer(cfg, env)
+        try:
+            if resumed is None:
+                first_val = self.evaluate()
+                log.record({"step": 0, "val_loss": first_val, "lr": 0.0, "tokens": 0})
+                progress = {"first_val": first_val, "last_val": first_val, "skipped_steps": 0}
+                if cfg.reliability.max_restarts:  # so that every restart resumes from one
+                    self.save(0, progress)
+                start = 1
+            else:
+                log.note(f"resumed from {resumed['path']} at step {resumed['step']}")
+                progress = {
+                    k: resumed.get(k, 0) for k in ("first_val", "last_val", "skipped_steps")
+                }
+                start = resumed["step"] + 1
+            figures: dict[str, Any] = {"loss": math.nan}
+            for step in range(start, cfg.optim.steps + 1):
+                figures = self._step_and_log(step, progress, log, tracer)
+            return self._finish(log, progress, figures["loss"])
+        finally:
+            if tracer is not None:
+                tracer.stop()
+            log.close()
+
+    def _announce(self, log: report.RunLog) -> None:
+        cfg, env, corpus = self.cfg, self.env, self.corpus
+        log.note(
+            f"wholeshard train: {cfg.model.name} GPT ({self.params / 1e6:.2f}M params), "
+            f"{cfg.optim.name}, {env.world} rank(s) on {env.device.type} "
+            f"({str(self.param_dtype).removeprefix('torch.')}); data: {corpus.source} "
+            f"({corpus.files} files, {len(corpus.train) + len(corpus.val)} bytes); out: {self.out}"
+        )
+        if cfg.optim.name == "muon":
+            log.note(routing_summary(self.module.routes))
+
+    def _step_and_log(
+        self, step: int, progress: dict[str, Any], log: report.RunLog, tracer: Any
+    ) -> dict[str, Any]:
+        """One step, its checkpoint (with the hooks around it) and its metrics record."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        waited = self.comm_wait_s()
+        figures = self.train_step(step)
+        progress["skipped_steps"] += figures["skipped"]
+        if tracer is not None:
+            tracer.step()
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+            for hook in self.hooks:
+                hook(BEFORE_SAVE, step, self.env.rank)
+            self.save(step, progress)
+        for hook in self.hooks:
+            hook(AFTER_STEP, step, self.env.rank)
+        evaluating = step % cfg.output.eval_every == 0 or step == cfg.optim.steps
+        if not (evaluating or figures["skipped"] or step % cfg.output.log_every == 0):
+            return figures
+        step_s = time.perf_counter() - t0
+        tokens = cfg.data.batch_size * cfg.data.seq_len
+        rec = {
+            "step": step,
+            "loss": figures["loss"],
+            "lr": figures["lr"],
+            "grad_norm": figures["grad_norm"].item(),
+            "tokens": step * tokens,
+            "tokens_per_s": tokens / step_s,
+            "step_s": step_s,
+            "comm_wait_s": self.comm_wait_s() - waited,
+        }
+        if figures["skipped"]:
+            rec["skipped"] = True
+        if evaluating:
+            progress["last_val"] = rec["val_loss"] = self.evaluate()
+        log.record(rec)
+        return figures
+
+    def _finish(self, log: report.RunLog, progress: dict[str, Any], final_loss: float) -> dict:
+        """The summary (written to summary.json) and the loss plot."""
+        cfg, env = self.cfg, self.env
+        wall_s = time.perf_counter() - self.start_time
+        tokens = cfg.optim.steps * cfg.data.batch_size * cfg.data.seq_len
+        summary = {
+            "steps": cfg.optim.steps,
+            "final_loss": final_loss,
+            "final_val_loss": progress["last_val"],
+            "skipped_steps": progress["skipped_steps"],
+            "first_val_loss": progress["first_val"],
+            "tokens": tokens,
+            "wall_s": wall_s,
+            "world_size": env.world,
+            "optimizer": cfg.optim.name,
+            "model": cfg.model.name,
+            "params": self.params,
+            "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "seed": cfg.seed,
+            "lr": cfg.peak_lr,
+            "batch_size": cfg.data.batch_size,
+            "seq_len": cfg.data.seq_len,
+            "tokens_per_s": tokens / wall_s,
+            "data": self.corpus.source,
+            "out": str(self.out),
+        }
+        log.write_json(report.SUMMARY, summary)
+        if log.enabled:
+            title = f"{cfg.model.name} GPT, {cfg.optim.name}, {env.world} rank(s)"
+            plot_losses(log.records, os.path.join(self.out, report.PLOT), title)
+        return summary
+
+
+def _global_mean(t: torch.Tensor, env: DistEnv) -> float:
+    if env.world > 1:
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        t /= env.world
+    return t.item()
+
+
+def _tracer(cfg: TrainConfig, env: DistEnv) -> Any:
+    """A started torch.profiler that writes `output.trace` (rank 0) after a few steps, or None."""
+    path = cfg.output.trace
+    if path is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def write(prof: Any) -> None:
+        if env.rank == 0:
+            prof.export_chrome_trace(path)
+
+    activities = [ProfilerActivity.CPU]
+    if env.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=TRACE_STEPS, repeat=1),
+        on_trace_ready=write,
+    )
+    prof.start()
+    return prof
