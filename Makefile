@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: venv
-	$(BIN)/ruff check wholeshard tests examples
-	$(BIN)/ruff format --check wholeshard tests examples
+	$(BIN)/ruff check wholeshard tests examples tools
+	$(BIN)/ruff format --check wholeshard tests examples tools
 	$(BIN)/python -m pytest -q
 
 soak: venv
@@ -30,8 +30,8 @@ bench: venv
 	$(BIN)/wholeshard bench --json runs/bench.json --png runs/bench.png $(ARGS)
 
 lint: venv
-	$(BIN)/ruff check wholeshard tests examples
+	$(BIN)/ruff check wholeshard tests examples tools
 
 format: venv
-	$(BIN)/ruff format wholeshard tests examples
-	$(BIN)/ruff check --fix wholeshard tests examples
+	$(BIN)/ruff format wholeshard tests examples tools
+	$(BIN)/ruff check --fix wholeshard tests examples tools

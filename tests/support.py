@@ -71,6 +71,17 @@ def make_model(seed: int = 0, **kw: Any) -> nn.Module:
     return TinyLM(**kw)
 
 
+def fp8_model(recipe: str) -> Callable[[], nn.Module]:
+    """Makes `make_model()` with its Muon-routed linears converted to FP8 `recipe`."""
+
+    def make() -> nn.Module:
+        from wholeshard import fp8
+
+        return fp8.convert(make_model(), recipe)
+
+    return make
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step`: inputs and next-token targets, same on every rank."""
     g = torch.Generator().manual_seed(1000 + step)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from wholeshard import cli
 from wholeshard.checkpoint.directory import TMP_PREFIX, TRAINER
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.005
 
 

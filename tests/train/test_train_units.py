@@ -17,7 +17,7 @@ from wholeshard.train.config import CheckpointConfig, ConfigError, OptimConfig, 
 from wholeshard.train.schedule import lr_factor
 from wholeshard.train.trainer import train
 
-TEXT = (Path(__file__).resolve().parent.parent / "wholeshard" / "train" / "trainer.py").read_bytes()
+TEXT = (Path(__file__).resolve().parents[2] / "wholeshard" / "train" / "trainer.py").read_bytes()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from support import (
     MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
+    fp8_model,
     lm_loss,
     local_batch,
     make_model,
@@ -32,17 +33,13 @@ BUCKETS = dict(bucket_size=3000)
 MODES = {"zero": {}, "fully_sharded": dict(reshard_after_forward=True)}
 
 
-def converted(recipe: str):
-    return lambda: fp8.convert(make_model(), recipe)
-
-
 def _on_and_off(mode: dict) -> dict:
     """For both recipes, sync and overlapped: the run with FP8 param gather and without."""
     out = {}
     for recipe in fp8.RECIPES:
         for overlap in (False, True):
             kw = dict(BUCKETS, **mode, **(OVERLAP if overlap else {}))
-            common = dict(make=converted(recipe), param_dtype=torch.bfloat16, evaluate=True)
+            common = dict(make=fp8_model(recipe), param_dtype=torch.bfloat16, evaluate=True)
             off = wholeshard_run(STEPS, ddp_kw=kw, **common)
             on = wholeshard_run(
                 STEPS, ddp_kw=dict(kw, fp8_param_gather=True), keep_ddp=True, **common
@@ -67,7 +64,7 @@ def test_fp8_param_gather_is_bitwise_equal_to_quantizing_every_forward(
 
 def _gathered_vs_local(recipe: str) -> list[bool]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = converted(recipe)()
+    model = fp8_model(recipe)()
     ddp = wholeshard.DataParallel(
         model, **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=True
     )
@@ -181,7 +178,7 @@ def _staged_at_step() -> list:
 
 def _on_and_off_mxfp8_overlap() -> list:
     kw = dict(BUCKETS, **OVERLAP)
-    common = dict(make=converted("mxfp8"), param_dtype=torch.bfloat16)
+    common = dict(make=fp8_model("mxfp8"), param_dtype=torch.bfloat16)
     off = wholeshard_run(STEPS, ddp_kw=kw, **common)
     on = wholeshard_run(STEPS, ddp_kw=dict(kw, fp8_param_gather=True), **common)
     return [off["losses"], on["losses"]]
@@ -198,7 +195,7 @@ def test_fp8_param_gather_needs_fp8_layers_and_the_whole_scheme() -> None:
     with pytest.raises(ValueError, match="convert it first"):
         wholeshard.DataParallel(make_model(), fp8_param_gather=True)
     with pytest.raises(ValueError, match="scheme='whole'"):
-        wholeshard.DataParallel(converted("mxfp8")(), scheme="ping_pong", fp8_param_gather=True)
+        wholeshard.DataParallel(fp8_model("mxfp8")(), scheme="ping_pong", fp8_param_gather=True)
 
 
 def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[float]]:
@@ -207,7 +204,7 @@ def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[fl
 
     def setup(on: bool):
         ddp = wholeshard.DataParallel(
-            converted("mxfp8")(), **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=on
+            fp8_model("mxfp8")(), **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=on
         )
         return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
 
@@ -228,7 +225,7 @@ def test_checkpoints_hold_masters_and_load_either_way(tmp_path, save_on: bool) -
 
 def _mixed_on_and_off() -> dict:
     """`pos` (8 x 32, a bare param) routed to Muon lands in buckets with converted weights."""
-    kw = dict(make=converted("mxfp8"), param_dtype=torch.bfloat16, use_muon=_muon_with_pos)
+    kw = dict(make=fp8_model("mxfp8"), param_dtype=torch.bfloat16, use_muon=_muon_with_pos)
     off = wholeshard_run(3, ddp_kw=dict(BUCKETS, **OVERLAP), **kw)
     on = wholeshard_run(
         3, ddp_kw=dict(BUCKETS, fp8_param_gather=True, **OVERLAP), keep_ddp=True, **kw

@@ -17,7 +17,7 @@ from wholeshard.cli import plan as plan_tool
 from wholeshard.planning import default_bucket_size, plan_buffers
 from wholeshard.planning.presets import preset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -21,7 +21,7 @@ import wholeshard
 from wholeshard.distributed.groups import group_timeout
 from wholeshard.distributed.launch import WorkerFailed, launch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 15  # short, yet longer than a busy machine's start-up skew between ranks
 
 # Runs `wholeshard train` as one torchrun-launched rank; rank VICTIM kills itself with SIGKILL

@@ -12,14 +12,13 @@ from support import (
     MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
+    fp8_model,
     lm_loss,
     local_batch,
     make_model,
     run,
     wholeshard_run,
 )
-from test_checkpoint import _resume_bitwise
-from test_fp8_gather import converted
 from torch.profiler import ProfilerActivity, profile
 
 import wholeshard
@@ -87,17 +86,13 @@ def _fp8_pairs() -> dict:
     out = {}
     for recipe in fp8.RECIPES:
         mode = {recipe: dict(fp8_param_gather=True, **OVERLAP)}
-        kw = dict(make=converted(recipe), param_dtype=torch.bfloat16)
+        kw = dict(make=fp8_model(recipe), param_dtype=torch.bfloat16)
         out |= _pairs(mode, clips=(None,), **kw)
     return out
 
 
 def test_fp8_param_gather() -> None:
     _assert_pairs_equal(run(_fp8_pairs, 2))
-
-
-def test_checkpoint_resume_is_bitwise(tmp_path) -> None:
-    run(_resume_bitwise, 2, str(tmp_path), dict(OVERLAP, **PIPELINED), torch.float32)
 
 
 # -- the order of events ------------------------------------------------------------------------

@@ -28,12 +28,11 @@ import wholeshard
 from wholeshard.checkpoint import (
     CheckpointError,
     export_checkpoint,
-    flat_range_boxes,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
-from wholeshard.checkpoint._chunks import Chunks, ChunkSavePlanner
+from wholeshard.checkpoint._chunks import Chunks, ChunkSavePlanner, flat_range_boxes
 from wholeshard.cli import export as export_cli
 from wholeshard.optim import OwnedPiece
 from wholeshard.planning.routing import route_params
@@ -181,6 +180,10 @@ MODES = [
     pytest.param({}, id="sync"),
     pytest.param(dict(overlap_grad_reduce=True, overlap_param_gather=True), id="overlap"),
     pytest.param(dict(reshard_after_forward=True, bucket_size=3000), id="fully_sharded"),
+    pytest.param(
+        dict(overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True),
+        id="pipelined",
+    ),
 ]
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from wholeshard.train import report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MARKER = "WHOLESHARD_TRAIN_TEST_MARKER"
 HANG_GUARD_S = 180  # generous: a hung run fails instead of blocking the suite
 
@@ -136,7 +136,7 @@ def test_torchrun_gives_the_same_losses(
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_crashed_worker_stops_the_run(text_file: Path, tmp_path: Path, kind: str) -> None:
     args = _args(text_file, tmp_path, "--nproc", "2", "--steps", "1000")
-    cmd = [sys.executable, str(ROOT / "tests" / "train_faults.py"), f"1:2:{kind}", *args]
+    cmd = [sys.executable, str(ROOT / "tests" / "train" / "train_faults.py"), f"1:2:{kind}", *args]
     proc, _ = _run(cmd)  # rank 0 blocks in a collective
     assert proc.returncode != 0
     assert "worker failed" in proc.stderr

@@ -3,7 +3,7 @@
 In process: `run_train(["train", *flags], fault)` runs `wholeshard train` with every worker
 running `faulty_train`. As a program (spawned workers find this module on `sys.path`):
 
-    python tests/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
+    python tests/train/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
 
 `KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`) or `kill` (SIGKILL). `WHEN`: `after_step`
 (default: once the step and its checkpoint are done), `before_save` (before that step's save
