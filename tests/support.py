@@ -21,6 +21,7 @@ import wholeshard
 from wholeshard.distributed.launch import launch
 from wholeshard.planning import Buffer, ParamSpec, validate_specs
 from wholeshard.planning._whole import plan_whole
+from wholeshard.planning.plan import _group_size
 from wholeshard.planning.routing import route_params
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 64, 32, 8, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
@@ -413,7 +414,8 @@ def whole_buffer(
     """The whole-tensor planner (the machinery `plan_buffers` runs on 2-D Muon specs) on every
     spec, as one checked "muon" buffer."""
     specs = tuple(specs)
-    validate_specs(specs, dp, bucket_size, align, strategy)
+    _group_size(dp, None, bucket_size, align, strategy, "whole")
+    validate_specs(specs)
     buffer = plan_whole(specs, dp, bucket_size, align, strategy)
     buffer.check(specs)
     return buffer

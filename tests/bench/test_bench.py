@@ -1,4 +1,4 @@
-"""Smoke test of `python -m wholeshard.bench --quick`: every row present, the JSON schema exact.
+"""Smoke test of `wholeshard bench --quick`: every row present, the JSON schema exact.
 
 Times are never asserted (they vary 2x on a shared machine); final losses must agree (the bench
 flags them otherwise). A configuration this version of `DataParallel` cannot run must carry its
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from wholeshard import DataParallel
 from wholeshard.bench.configs import CONFIGS, REFERENCE
 from wholeshard.bench.workloads import WORKLOADS
 
@@ -47,7 +46,7 @@ PERSISTENT = ("persistent_bytes", "persistent_bytes_all_ranks")
 def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "wholeshard.bench", "--quick", "--nproc", "2"]
+        [sys.executable, "-m", "wholeshard", "bench", "--quick", "--nproc", "2"]
         + ["--json", str(out), "--png", str(png)],
         capture_output=True,
         text=True,
@@ -78,23 +77,16 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
         if row["config"] == "ddp_kj_muon" and not kj_importable:
             assert "muon" in row["error"], where
             continue
-        reason = config.unavailable()
-        if reason is not None:  # e.g. a fully sharded row before DataParallel has the mode
-            assert row["error"] == reason, where
-            assert all(
-                row[k] is None for k in ROW_TYPES if k not in ("workload", "config", "error")
-            )
-            continue
         assert row["error"] is None, f"{where}: {row['error']}"
         ran += 1
-        reports_memory = config.ddp_kwargs is not None and hasattr(DataParallel, "memory")
+        reports_memory = config.parallel is not None
         for key, kind in ROW_TYPES.items():
             kind = type(None) if key in PERSISTENT and not reports_memory else kind
             assert type(row[key]) is kind, f"{where}: {key}={row[key]!r} is not {kind.__name__}"
         assert row["step_s"] > 0 and row["peak_rss_bytes"] > 0 and row["bytes_sent_per_rank"] > 0
         assert 0 <= row["peak_rss_delta_bytes"] <= row["peak_rss_bytes"], where
         assert 0 <= row["gather_bytes_per_rank"] <= row["bytes_sent_per_rank"], where
-        if config.ddp_kwargs is not None:  # wholeshard syncs params by all-gather or broadcast
+        if config.parallel is not None:  # wholeshard syncs params by all-gather or broadcast
             assert row["gather_bytes_per_rank"] > 0, where
         if reports_memory:
             assert 0 < row["persistent_bytes"] <= row["persistent_bytes_all_ranks"], where

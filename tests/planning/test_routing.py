@@ -242,7 +242,7 @@ def test_nothing_routed_to_muon_raises_with_the_table() -> None:
 
 def test_routing_table_of_a_module_and_of_routes() -> None:
     model = qwen3_moe()
-    table = wholeshard.planning.routing_table(model)
+    table = wholeshard.routing_table(model)
     assert table == routing_table(route_params(model))
     lines = {line.split()[0]: line for line in table.splitlines()[1:]}
     assert len(lines) == len(list(model.parameters()))

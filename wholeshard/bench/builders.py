@@ -211,7 +211,7 @@ def _build_wholeshard(config: BenchConfig, workload: Workload, clock: WaitClock)
 
 def _planned_share(opt: Any) -> OwnedOptimizers:
     """A `LayerwiseOptimizer`'s share, its owned pieces under the plan, stepped as it steps
-    them (`OwnedPiece.master` in the optimizer's layout; a piece of a param is its range of the
+    them (`OwnedPiece.master` in the optimizer's orientation; a piece of a param is its range of the
     flattened gradient)."""
 
     def build(routes: list[Route]) -> list[torch.optim.Optimizer]:

@@ -22,32 +22,20 @@ Format: one DCP entry per logical tensor, keyed by parameter FQN, with the tenso
 Each rank writes exactly the elements it owns, as rectangular chunks with offsets into the full
 tensor (`chunks`). Optimizer state that is not elementwise (AdamW's scalar `step`) is identical
 across the pieces of one param and is written by the piece holding element 0. Nothing in the
-format depends on the layout, the world size or the sharding strategy, so DCP reshards on load.
+format depends on the plan, the world size or the sharding strategy, so DCP reshards on load.
 
 What a checkpoint needs of the optimizer is `Checkpointable`: its owned pieces, their state and
 its param groups (`wholeshard.optim.pieces`). Modules: `directory` (the directory protocol),
 `export` (a checkpoint's weights as safetensors), and the private `_save`, `_load`, `_chunks`
 (geometry and DCP planners), `_consensus` (same outcome on every rank), `_model_table` (the
 model's description and checks).
-
-The functions are imported on first use, so that `directory` (which the train CLI reads) and
-`import wholeshard` do not import torch.distributed.checkpoint.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
+from ._load import load_checkpoint, load_consolidated
+from ._save import save_checkpoint
 from .directory import CheckpointError, resolve_checkpoint
+from .export import export_checkpoint, write_safetensors
 
-_EXPORTS = {
-    "save_checkpoint": "._save",
-    "load_checkpoint": "._load",
-    "load_consolidated": "._load",
-    "export_checkpoint": ".export",
-    "write_safetensors": ".export",
-}
 __all__ = [
     "CheckpointError",
     "export_checkpoint",
@@ -57,16 +45,3 @@ __all__ = [
     "save_checkpoint",
     "write_safetensors",
 ]
-
-if TYPE_CHECKING:
-    from ._load import load_checkpoint, load_consolidated
-    from ._save import save_checkpoint
-    from .export import export_checkpoint, write_safetensors
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

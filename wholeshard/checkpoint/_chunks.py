@@ -4,7 +4,7 @@ A logical tensor is written and read as rectangular chunks with offsets into the
 (`Chunks`). An owned whole tensor is one chunk at offset 0; a flat slice `[offset, offset + n)`
 of a param is cut into at most `2 * ndim - 1` row-major boxes (`flat_range_boxes`). The planners
 hand DCP exactly these chunks: no flattening, no resharding of their own, so DCP finds for each
-chunk read the saved chunks that overlap it, whatever the world size or layout at save time.
+chunk read the saved chunks that overlap it, whatever the world size or plan at save time.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`load_checkpoint` (into a `DataParallel` and its optimizer, at any world size and layout)
+"""`load_checkpoint` (into a `DataParallel` and its optimizer, at any world size and plan)
 and `load_consolidated` (full tensors in one process, for export)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .directory import (
 
 
 def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Checkpointable) -> Any:
-    """Load a checkpoint into `ddp` and `optimizer` at any world size and layout; return `extra`.
+    """Load a checkpoint into `ddp` and `optimizer` at any world size and plan; return `extra`.
 
     `path` is a checkpoint (`.../step-N`), a checkpoints directory (its `latest` is followed),
     or a `latest` file. Every rank of `ddp`'s group must call it. Param-group hyperparameters
@@ -118,7 +118,7 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
     for piece in optimizer.owned_pieces():
         name, shape = piece.name, piece.full_shape
         key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"
-        # Read in the storage layout; install through the optimizer-layout view.
+        # Read in the storage orientation; install through the optimizer-orientation view.
         master = piece.param.new_empty(piece.param.shape, dtype=piece.master.dtype)
         add(entries, key, shape, piece_parts(piece, master))
         state = {}
@@ -142,7 +142,7 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
 
 
 def _private(loaded: LoadedPiece) -> LoadedPiece:
-    """`loaded` with state the piece alone holds: contiguous in the optimizer's layout, and
+    """`loaded` with state the piece alone holds: contiguous in the optimizer's orientation, and
     per-param values copied so no two pieces share one."""
     piece = loaded.piece
     state = {

@@ -24,10 +24,10 @@ import shutil
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
 FORMAT, VERSION = "wholeshard-checkpoint", 1
 MANIFEST, TRAINER, LATEST = "wholeshard.json", "trainer.pt", "latest"
@@ -131,8 +131,6 @@ def _file_entry(entry: Any) -> bool:
 
 
 def read_dcp_metadata(ckpt: Path) -> Metadata:
-    import torch.distributed.checkpoint as dcp  # only where a checkpoint is read
-
     return dcp.FileSystemReader(ckpt).read_metadata()
 
 

@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(report.to_json(machine, args.nproc, rows, imposed) + "\n")
     if args.png:
-        from .plot import write_png
+        from ..bench.plot import write_png
 
         _make_parent(args.png)
         title = f"wholeshard bench: {args.nproc} gloo ranks, torch {machine['torch']}"

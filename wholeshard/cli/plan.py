@@ -6,7 +6,7 @@
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
 ...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
 to `routing.muon_by_name`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
-or malformed shapes file, a model no torch process could hold, a plan no layout can serve).
+or malformed shapes file, a model no torch process could hold, a model no plan can serve).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         choices=STRATEGIES,
         default=DEFAULT_STRATEGY,
-        help=f"whole-tensor layout strategy (default {DEFAULT_STRATEGY})",
+        help=f"how Muon matrices are dealt to ranks (default {DEFAULT_STRATEGY})",
     )
     parser.add_argument(
         "--shard-group-size",

@@ -30,7 +30,7 @@ from ..distributed import collectives
 from ..fp8.formats import Fp8Tensorwise
 from ..fp8.linear import Fp8Linear, Fp8Weight, quantize_weight
 from ..planning import Bucket
-from ._storage import BucketState, BucketStorage, InFlight, _alloc, _allocated, _free, _nbytes
+from ._storage import BucketState, BucketStorage, InFlight, _alloc, _allocated, _free
 
 
 class Fp8Storage(BucketStorage):
@@ -89,7 +89,8 @@ class Fp8Storage(BucketStorage):
             fp8 = self._bytes.nbytes + sum(s.nbytes for s in self._scales)
         else:
             fp8 = sum(t.nbytes for m in self.modules if m.fp8_weight for t in _tensors(m))
-        return _nbytes(self.param_shard) + fp8, _nbytes(self.grad_shard)
+        param, grad = super().persistent_bytes()
+        return param + fp8, grad
 
     # -- gathers ----------------------------------------------------------------------------
 
@@ -103,8 +104,7 @@ class Fp8Storage(BucketStorage):
             super().start_gather()
             return
         self._expect(BucketState.STALE)
-        self.gathering = self._gather_mxfp8() if self.recipe == "mxfp8" else self._gather_bytes()
-        self.state = BucketState.GATHERING
+        self._dispatched(self._gather_mxfp8() if self.recipe == "mxfp8" else self._gather_bytes())
 
     def _gathered(self) -> None:
         if self._state_before_bf16 is not None:  # full_params(): the FP8 weights are untouched

@@ -56,17 +56,20 @@ class BucketState(enum.Enum):
 @dataclass
 class InFlight:
     """Collectives of one storage unit in flight: wait on every handle, then call `then`, which
-    may start a second stage and return its handles (waited on too)."""
+    may start a second stage and return its handles (waited on too). A failure is raised as a
+    `CollectiveError` naming `what` (set by the storage that dispatched them)."""
 
     handles: list[Work | None]
     then: Callable[[], list[Work | None] | None] | None = None
+    what: str = "a collective"
 
     def wait(self) -> None:
-        for h in self.handles:
-            collectives.wait(h)
-        if self.then is not None:
-            for h in self.then() or ():
+        with collectives.naming(self.what):
+            for h in self.handles:
                 collectives.wait(h)
+            if self.then is not None:
+                for h in self.then() or ():
+                    collectives.wait(h)
 
 
 @dataclass(frozen=True)
@@ -185,9 +188,9 @@ class BucketStorage:
 
     def persistent_bytes(self) -> tuple[int, int]:
         """(param, grad) bytes this unit holds between steps."""
-        if self.param_shard is None:
+        if self.param_shard is None or self.grad_shard is None:
             return self.param.nbytes, self.grad.nbytes
-        return self.param_shard.nbytes, _nbytes(self.grad_shard)
+        return self.param_shard.nbytes, self.grad_shard.nbytes
 
     def full_bytes(self) -> int:
         """Bytes of the full param and grad tensors when materialised."""
@@ -277,15 +280,14 @@ class BucketStorage:
             raise AssertionError(f"bucket {self.index}: a reduction is already in flight")
         self._materialise_grads()  # a unit that got no gradient reduces zeros
         self.reducing = self._reduce()
+        self.reducing.what = f"grad sync (reduction) of bucket {self.index}"
 
     def finish_reduce(self) -> None:
-        if self.reducing is None:
-            return
-        with collectives.naming(f"grad sync (reduction) of bucket {self.index}"):
+        if self.reducing is not None:
             self.reducing.wait()
-        self.reducing = None
-        if self.reshard:
-            _free(self.grad)
+            self.reducing = None
+            if self.reshard:
+                _free(self.grad)
 
     def zero_grads(self) -> None:
         """Zero every gradient: the shards, and the full grads unless resharding frees them."""
@@ -319,16 +321,17 @@ class BucketStorage:
         self._expect(BucketState.STALE, BucketState.RELEASED)
         if not _allocated(self.param):
             _alloc(self.param)
-        self.gathering = self._gather()
-        self.state = BucketState.GATHERING
+        self._dispatched(self._gather())
+
+    def _dispatched(self, gathering: InFlight) -> None:
+        gathering.what = f"param sync ({self.groups.param_sync}) of bucket {self.index}"
+        self.gathering, self.state = gathering, BucketState.GATHERING
 
     def finish_gather(self) -> None:
-        if self.gathering is None:
-            return
-        with collectives.naming(f"param sync ({self.groups.param_sync}) of bucket {self.index}"):
+        if self.gathering is not None:
             self.gathering.wait()
-        self.gathering = None
-        self._gathered()
+            self.gathering = None
+            self._gathered()
 
     def _gathered(self) -> None:
         """A gather has landed: the params are up to date (resharding: point them at it)."""
@@ -361,10 +364,6 @@ class BucketStorage:
 
     def drop_temporaries(self) -> None:
         """Free temporary buffers a storage kind keeps between steps (none here)."""
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.nbytes
 
 
 def _allocated(t: torch.Tensor) -> bool:

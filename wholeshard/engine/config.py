@@ -53,7 +53,7 @@ class DataParallelConfig:
     overlap more; each costs one collective per step."""
     strategy: Strategy = "balanced"
     """How Muon matrices are dealt to ranks: `balanced` (Newton-Schulz cost even across ranks,
-    padding low) or `size_match` (rows of same-size matrices, the rule of Megatron's layout)."""
+    padding low) or `size_match` (rows of same-size matrices, Megatron's rule)."""
     shard_group_size: int | None = None
     """Shard params within groups of this many consecutive ranks and replicate them across the
     dp / k groups (hybrid sharding); must divide the data-parallel size. None: one group."""

@@ -350,7 +350,7 @@ class DataParallel(nn.Module):
             "grads": grads,
             "masters": 0,
             "optimizer_state": 0,
-            "frozen_params": sum(p.numel() * p.element_size() for p in self.frozen),
+            "frozen_params": sum(p.nbytes for p in self.frozen),
             "transient_bucket": max(b.full_bytes() for b in self.buckets)
             if self.reshard_after_forward
             else 0,

@@ -31,23 +31,31 @@ from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_
 class LayerwiseOptimizer(torch.optim.Optimizer):
     """Muon on the Muon-routed params, AdamW on the rest, each only on this rank's owned params.
 
-    `muon` and `adamw` are keyword arguments of `torch.optim.Muon` and `torch.optim.AdamW`.
-    `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
-    LR schedulers work unchanged. `zero_grad()` zeros the grad buffer (grads are views into it,
-    never set to None); a param that got no gradient is stepped with a zero gradient. With
-    `DataParallel(pipelined_step=True)`, `step()` updates bucket by bucket as the reductions land
-    (`DataParallel.reduced_buckets`): the same per-param arithmetic, so the same bits.
+    Args:
+        ddp: the `DataParallel` whose owned params this optimizer steps; it owns the step (the
+            wrapped params' `.grad` stays None: gradients live in the buckets).
+        muon: keyword arguments of `torch.optim.Muon` (lr, weight_decay, momentum, nesterov,
+            ns_steps, adjust_lr_fn, ...).
+        adamw: keyword arguments of `torch.optim.AdamW`.
+        nonfinite: what an inf or nan in the averaged gradients does: "error" raises
+            `FloatingPointError` on every rank naming the param and the step; "skip" leaves
+            params and optimizer state untouched, zeroes the grads and counts `skipped_steps`;
+            None does not look.
 
-    Before any update, every rank takes one small all-reduce (`wholeshard.optim._step_check`):
+    `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
+    LR schedulers work unchanged. `zero_grad()` zeros the grad buffer; a param that got no
+    gradient is stepped with a zero gradient. With `DataParallelConfig(pipelined_step=True)`,
+    `step()` updates bucket by bucket as the reductions land (`DataParallel.reduced_buckets`):
+    the same per-param arithmetic, so the same bits.
+
+    Before any update, every rank takes the step check, one small all-reduce (`_step_check`):
     `step()` raises on every rank if some rank's model changed after wrapping
-    (`DataParallel.model_changes`) or ranks are at different steps. `nonfinite` says what an
-    inf or nan in the averaged gradients does: "error" raises `FloatingPointError` naming the
-    param and the step, "skip" leaves params and optimizer state untouched, zeroes the grads and
-    counts `skipped_steps`, None does not look. The check reuses the per-param norms
-    `clip_grad_norm_` computed in the same step, else it takes one max-norm pass over the owned
-    grads. It reads every reduced grad, so a pipelined step then overlaps only the gathers with
-    the updates (as after clipping); with `nonfinite=None` a pipelined step takes no step check
-    (nothing waits) and checks for a changed model on its own rank only.
+    (`DataParallel.model_changes`), ranks are at different steps, or (policy "error") an
+    averaged gradient is not finite. It reuses the per-param norms `clip_grad_norm_` computed in
+    the same step, else it takes one max-norm pass over the owned grads. It reads every reduced
+    grad, so a pipelined step then overlaps only the gathers with the updates (as after
+    clipping); with `nonfinite=None` a pipelined step takes no step check (nothing waits) and
+    checks for a changed model on its own rank only.
     """
 
     def __init__(
@@ -243,7 +251,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return self._inner[piece.kind].state[piece.master]
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, keyed by param name; valid to load at the same layout only."""
+        """This rank's state, keyed by param name; loads at the same world size and plan only."""
         state: dict[str, dict[str, Any]] = {}
         for o in self._owned:
             entry = dict(self._inner[o.kind].state.get(o.master, {}))
@@ -257,7 +265,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups, "steps": self.steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load `state_dict()` of an optimizer at the same world size and layout (any other:
+        """Load `state_dict()` of an optimizer at the same world size and plan (any other:
         wholeshard checkpoints); every rank loads its own and all gather the params."""
         owned = {o.key: o for o in self._owned}
         saved = state_dict["state"]
@@ -265,7 +273,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             missing, extra = sorted(set(owned) - set(saved)), sorted(set(saved) - set(owned))
             raise ValueError(
                 f"optimizer state does not match the params this rank owns (missing {missing[:5]}, "
-                f"unexpected {extra[:5]}); it was saved at another world size or layout: use "
+                f"unexpected {extra[:5]}); it was saved at another world size or plan: use "
                 f"wholeshard checkpoints to reshard"
             )
         self.steps = state_dict.get("steps", self.steps)

@@ -9,8 +9,8 @@ params this rank updates, each piece's torch optimizer state, and the param grou
 `LayerwiseOptimizer` satisfies it; so can any optimizer whose pieces are `OwnedPiece`s.
 
 `install_state` is the single path by which loaded values replace the live ones, used by
-`LayerwiseOptimizer.load_state_dict` (same layout) and `wholeshard.checkpoint.load_checkpoint`
-(any layout): masters, then params from the masters, then optimizer state, then param-group
+`LayerwiseOptimizer.load_state_dict` (same plan) and `wholeshard.checkpoint.load_checkpoint`
+(any plan): masters, then params from the masters, then optimizer state, then param-group
 hyperparameters, then every rank gathers every param from its owner.
 
 [Note: what Muon sees]
@@ -20,7 +20,7 @@ works on 2-D tensors, so every Muon piece is one matrix in (out, in) orientation
   its own `torch.optim.Muon` param, exactly as if each expert's slice were a separate param;
 - a weight stored (in, out) (`Route.transposed`: transformers' `Conv1D`) is stepped on a
   contiguous (out, in) fp32 master, exactly as the same layer stored as `nn.Linear` would be.
-`OwnedPiece.oriented` maps between the storage layout and the optimizer's.
+`OwnedPiece.oriented` maps between the storage orientation and the optimizer's.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class OwnedPiece:
     param, or a flat slice.
 
     The piece covers elements `[offset, offset + param.numel())` of the flattened param.
-    `master` is in the optimizer's layout ([Note: what Muon sees]), `param` and `grad` in the
-    storage layout.
+    `master` is in the optimizer's orientation ([Note: what Muon sees]), `param` and `grad` in the
+    storage orientation.
     """
 
     name: str
@@ -67,7 +67,7 @@ class OwnedPiece:
         return self.master is not self.param
 
     def oriented(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` moved between the storage and the optimizer layout (its own inverse)."""
+        """`t` moved between the storage and the optimizer's orientation (its own inverse)."""
         return t.T if self.transposed else t
 
 
@@ -76,7 +76,7 @@ class Checkpointable(Protocol):
 
     Every element of every routed param is in exactly one piece across the ranks of a shard
     group; `piece_state(piece)` is the live (mutable) torch optimizer state of `piece`, whose
-    tensors are either shaped like `piece.master` (elementwise, in the optimizer's layout) or
+    tensors are either shaped like `piece.master` (elementwise, in the optimizer's orientation) or
     the same on every piece of one param (AdamW's scalar `step`).
     """
 
@@ -88,7 +88,7 @@ class Checkpointable(Protocol):
 
 
 class LoadedPiece(NamedTuple):
-    """New values for one piece: its master in the optimizer's layout (None: keep the live one)
+    """New values for one piece: its master in the optimizer's orientation (None: keep the live one)
     and its optimizer state, whose tensors `install_state` takes over (pass private copies)."""
 
     piece: OwnedPiece

@@ -26,11 +26,13 @@ Every bucket is one row (`_rows`) whose width is the shard size.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ._packing import FirstFit, pack
+from ._packing import FirstFit, Packing, pack
 from ._rows import Row
 from .specs import ParamSpec, round_up, spec_cost
 
@@ -58,40 +60,49 @@ def plan_balanced(
         dp_size=dp_size,
         align=align,
     )
-    planned: list[tuple[int, Row, Assignment]] = []  # (first position, row, assignment)
+    planned: list[_Planned] = []
     head = 0
     while True:
         while head < n and plan.taken[head]:
             head += 1
         if head == n:
-            return [[row] for _, row, _ in planned]
-        planned.append((head, *plan.bucket(head, bucket_size)))
-        if len(planned) > 1 and plan.finished_run(planned[-2][0], head):
+            return [[plan.row(bucket.assignment)] for bucket in planned]
+        planned.append(plan.bucket(head, bucket_size))
+        plan.take(planned[-1].assignment)
+        if len(planned) > 1 and plan.finished_run(planned[-2].head, head):
             _merge_tail(plan, planned, bucket_size)
 
 
-def _merge_tail(
-    plan: _Balancer, planned: list[tuple[int, Row, Assignment]], bucket_size: int | None
-) -> None:
+def _merge_tail(plan: _Balancer, planned: list[_Planned], bucket_size: int | None) -> None:
     """The last bucket ended a run. If it pads more than the tolerance, try one bucket for it
     and the `m - 1` buckets of its run before it (m = 2..MAX_MERGE); keep the first that pads
     less than the buckets it replaces."""
-    dp = plan.dp_size
-    if plan.padded(planned[-1][1]) <= BALANCE_TOLERANCE * dp * planned[-1][1][0]:
+    if planned[-1].padded <= BALANCE_TOLERANCE * plan.dp_size * planned[-1].shard:
         return
     for m in range(2, MAX_MERGE + 1):
-        if m > len(planned) or not plan.finished_run(planned[-m][0], planned[-1][0]):
+        if m > len(planned) or not plan.finished_run(planned[-m].head, planned[-1].head):
             return
         tail = planned[-m:]
-        for _, _, assignment in reversed(tail):
-            plan.undo(assignment)
-        merged = plan.bucket(tail[0][0], bucket_size, absorb=True)
-        if plan.padded(merged[0]) < sum(plan.padded(row) for _, row, _ in tail):
-            planned[-m:] = [(tail[0][0], *merged)]
+        for bucket in reversed(tail):
+            plan.undo(bucket.assignment)
+        merged = plan.bucket(tail[0].head, bucket_size, absorb=True)
+        if merged.padded < sum(bucket.padded for bucket in tail):
+            plan.take(merged.assignment)
+            planned[-m:] = [merged]
             return
-        plan.undo(merged[1])  # keep the m buckets: take their params again
-        for _, _, assignment in tail:
-            plan.take(assignment)
+        for bucket in tail:  # keep the m buckets: take their params again
+            plan.take(bucket.assignment)
+
+
+@dataclass
+class _Planned:
+    """A planned bucket of one row: its first (backprop) position, its params, its shard size
+    and how many elements of it are padding."""
+
+    head: int
+    assignment: Assignment
+    shard: int
+    padded: int
 
 
 @dataclass
@@ -100,6 +111,7 @@ class _Try:
 
     padding: float
     length: int
+    total: int  # elements of the `length` params
     items: list[int]  # the chunk's positions in packing order
     ranks: list[int]  # rank of each item
     cost: list[int]  # cost per rank, carried included
@@ -121,6 +133,7 @@ class _Balancer:
         self.dp_size, self.align = dp_size, align
         n = len(widths)
         self.taken = bytearray(n)
+        # Widths of the free untied params (chunks included: filling starts after its chunk).
         self.fit = FirstFit([math.inf if t else w for t, w in zip(tied, widths, strict=True)])
         # Minus the widths of free untied params: range minima give the widest free param.
         self.negated = FirstFit([math.inf if t else -w for t, w in zip(tied, widths, strict=True)])
@@ -135,11 +148,16 @@ class _Balancer:
         for p in range(n):
             if not tied[p]:
                 self.run_free[self.run_end[p]] = self.run_free.get(self.run_end[p], 0) + widths[p]
-
-    def padded(self, row: Row) -> int:
-        """Padding elements in a bucket of one row."""
-        width, entries = row
-        return self.dp_size * width - sum(self.widths[q] for _, q, _ in entries)
+        # packing_order[q]: where position q comes in step 2's order (largest cost first).
+        by_width = sorted(range(n), key=widths.__getitem__, reverse=True)  # stable: ties by q
+        by_cost = sorted(by_width, key=costs.__getitem__, reverse=True)
+        self.packing_order = [0] * n
+        for i, q in enumerate(by_cost):
+            self.packing_order[q] = i
+        # `_pack` results by input, for the run planned last: `_merge_tail` packs again what
+        # its buckets packed (same params and carried cost).
+        self.packed: dict[tuple[tuple[int, ...], tuple[int, ...]], Packing] = {}
+        self.packed_run = -1
 
     def finished_run(self, previous: int, head: int) -> bool:
         """Whether the buckets starting at free positions `previous` and `head` are untied
@@ -152,43 +170,43 @@ class _Balancer:
             and self.run_free[end] == 0
         )
 
-    def bucket(
-        self, head: int, bucket_size: int | None, *, absorb: bool = False
-    ) -> tuple[Row, Assignment]:
-        """Plan the bucket whose first param is the free position `head` and take its params
-        (steps 1-4 of [Note: balanced]); with `absorb`, the bucket takes every free param left
-        in the run."""
+    def bucket(self, head: int, bucket_size: int | None, *, absorb: bool = False) -> _Planned:
+        """Plan the bucket whose first param is the free position `head` (steps 1-4 of [Note:
+        balanced]), taking nothing; with `absorb`, the bucket holds every free param left in
+        the run."""
         if self.tied[head]:
-            assignment = [(0, head)]
+            assignment, shard, used = [(0, head)], self.widths[head], self.widths[head]
         else:
+            if self.packed_run != self.run_end[head]:
+                self.packed.clear()
+                self.packed_run = self.run_end[head]
             wanted = math.inf if bucket_size is None or absorb else bucket_size
             chunk = _Chunk(self, head, wanted)
             chunk.grow(wanted)
             limit = MAX_GROWTH * chunk.total
-            best = latest = self._try(head, chunk)
+            best = latest = self._try(chunk)
             while latest.padding > BALANCE_TOLERANCE and not chunk.ended and chunk.total < limit:
                 chunk.grow(chunk.total * min(4.0, max(1.5, latest.padding / BALANCE_TOLERANCE)))
-                latest = self._try(head, chunk)
+                latest = self._try(chunk)
                 if latest.padding < best.padding:
                     best = latest
-            chunk.give_back(best.length)
-            assignment = best.assignment() + self._fill(head, best.cost, best.loads)
-        self.take(assignment)
-        return self._row(assignment), assignment
+            fills = self._fill(chunk.positions[best.length - 1] + 1, best.cost, best.loads)
+            assignment = best.assignment() + fills
+            shard = max(best.loads)  # filling stays below it
+            used = best.total + sum(self.widths[q] for _, q in fills)
+        return _Planned(head, assignment, shard, self.dp_size * shard - used)
 
-    def _try(self, head: int, chunk: _Chunk) -> _Try:
+    def _try(self, chunk: _Chunk) -> _Try:
         """Pack the chunk (step 2) and fill the rooms left (step 3), taking nothing."""
         widths = self.widths
-        items = sorted(chunk.positions, key=lambda q: (-self.costs[q], -widths[q], q))
-        ranks, cost, loads = self._pack(items, chunk.total, chunk.widest)
-        fills = self._fill(head, cost, list(loads))
-        for _, q in fills:
-            self.fit.put(q, widths[q])
+        items = sorted(chunk.positions, key=self.packing_order.__getitem__)
+        ranks, cost, loads, _ = self._pack(items, chunk.total, chunk.widest)
+        fills = self._fill(chunk.positions[-1] + 1, cost, loads)
         filled = chunk.total + sum(widths[q] for _, q in fills)
         padding = 1 - filled / (self.dp_size * max(loads))
-        return _Try(padding, len(items), items, ranks, cost, loads)
+        return _Try(padding, len(items), chunk.total, items, ranks, cost, loads)
 
-    def _row(self, assignment: Assignment) -> Row:
+    def row(self, assignment: Assignment) -> Row:
         """The bucket's one row: each rank's params in backprop order, the widest shard's
         width."""
         offsets = [0] * self.dp_size
@@ -198,20 +216,21 @@ class _Balancer:
             offsets[r] += self.widths[q]
         return max(offsets), entries
 
-    def _fill(self, head: int, cost: list[int], loads: list[int]) -> Assignment:
-        """Fill each rank's room below the largest load with the first free params (from
-        `head` on) that fit and keep it below the cost ceiling (a few misfits are skipped);
-        take them out of the fit tree and add them to `loads`."""
+    def _fill(self, lo: int, cost: list[int], loads: list[int]) -> Assignment:
+        """Fill each rank's room below the largest of `loads` with the first free params from
+        `lo` on (the chunk's params come before it) that fit and keep it below the cost
+        ceiling (a few misfits are skipped), taking nothing."""
         widths, costs = self.widths, self.costs
+        loads = list(loads)
         shard = max(loads)
         fills = []
         for r in sorted(range(self.dp_size), key=cost.__getitem__):
-            lo, spent, skips = head, cost[r], 0
+            start, spent, skips = lo, cost[r], 0
             while loads[r] < shard and skips < FILL_SKIPS:
-                q = self.fit.first_fit(lo, shard - loads[r])
+                q = self.fit.first_fit(start, shard - loads[r])
                 if q < 0:
                     break
-                lo = q + 1
+                start = q + 1
                 if self.hard and costs[q] and spent + costs[q] > self.ceiling:
                     skips += 1
                     continue
@@ -219,14 +238,19 @@ class _Balancer:
                 fills.append((r, q))
                 loads[r] += widths[q]
                 spent += costs[q]
+        self.fit.update([q for _, q in fills], [widths[q] for _, q in fills])
         return fills
 
-    def _pack(
-        self, items: list[int], total: int, widest: int
-    ) -> tuple[list[int], list[int], list[int]]:
+    def _pack(self, items: list[int], total: int, widest: int) -> Packing:
         """`pack` under the lowest cap, `max(widest, total / dp)`; if a param overflows it
         but not by far, again under caps between it and the largest load that came out. The
-        best packing."""
+        best packing (remembered; callers do not change it)."""
+        key = (tuple(items), tuple(self.carried))
+        if key not in self.packed:
+            self.packed[key] = self._best_packing(items, total, widest)
+        return self.packed[key]
+
+    def _best_packing(self, items: list[int], total: int, widest: int) -> Packing:
         dp, align = self.dp_size, self.align
         widths = [self.widths[q] for q in items]
         costs = [self.costs[q] for q in items]
@@ -234,11 +258,17 @@ class _Balancer:
         best = pack(widths, costs, self.carried, dp, low, self.ceiling, self.hard)
         high = max(best[2])
         hopeless = dp * high - total > 4 * BALANCE_TOLERANCE * dp * high  # it will grow anyway
+        # The caps under which each packing made comes out again (so no lower largest load).
+        same_caps = [best[3]]
         for _ in range(0 if hopeless else 2):
             cap = round_up((low + high) // 2, align)
             if high - low <= align or cap >= high:
                 break
+            if any(lo <= cap < hi for lo, hi in same_caps):
+                low = cap
+                continue
             packed = pack(widths, costs, self.carried, dp, cap, self.ceiling, self.hard)
+            same_caps.append(packed[3])
             if max(packed[2]) < high:
                 best, high = packed, max(packed[2])
             else:
@@ -247,29 +277,38 @@ class _Balancer:
 
     def undo(self, assignment: Assignment) -> None:
         """Free the params `take` took, as if their bucket had never been planned."""
+        taken, carried, costs = self.taken, self.carried, self.costs
         for r, q in assignment:
-            self.taken[q] = 0
-            self.carried[r] -= self.costs[q]
-            if not self.tied[q]:
-                self.fit.put(q, self.widths[q])
-                self.negated.put(q, -self.widths[q])
-                self.run_free[self.run_end[q]] += self.widths[q]
+            taken[q] = 0
+            carried[r] -= costs[q]
+        untied = [q for _, q in assignment if not self.tied[q]]
+        for end, width in self._run_widths(untied):
+            self.run_free[end] += width
+        self.fit.update(untied, [self.widths[q] for q in untied])
+        self.negated.update(untied, [-self.widths[q] for q in untied])
 
     def take(self, assignment: Assignment) -> None:
         """Take the params of a bucket: (rank, position) pairs."""
+        taken, carried, costs = self.taken, self.carried, self.costs
         for r, q in assignment:
-            self.taken[q] = 1
-            self.fit.remove(q)
-            self.negated.remove(q)
-            self.carried[r] += self.costs[q]
-            if not self.tied[q]:
-                self.run_free[self.run_end[q]] -= self.widths[q]
+            taken[q] = 1
+            carried[r] += costs[q]
+        untied = [q for _, q in assignment if not self.tied[q]]
+        for end, width in self._run_widths(untied):
+            self.run_free[end] -= width
+        removed = [math.inf] * len(untied)
+        self.fit.update(untied, removed)
+        self.negated.update(untied, removed)
+
+    def _run_widths(self, untied: list[int]) -> Iterator[tuple[int, int]]:
+        """(run end, elements) of consecutive params of one run."""
+        for end, run in itertools.groupby(untied, key=self.run_end.__getitem__):
+            yield end, sum(map(self.widths.__getitem__, run))
 
 
 class _Chunk:
     """The free params a bucket is planned from (step 1): free positions from `head` on, in
-    order, up to the end of head's run. They are out of the balancer's first-fit trees while
-    the bucket is planned, so filling does not pick them again."""
+    order, up to the end of head's run."""
 
     def __init__(self, plan: _Balancer, head: int, wanted: float) -> None:
         self.plan, self.wanted = plan, wanted
@@ -290,19 +329,11 @@ class _Chunk:
 
     def grow(self, target: float) -> None:
         """Take free params until the chunk `holds(target)`; then, if too little is left in
-        the run for a bucket of its own, take the rest of the run too."""
-        while not self.ended and not self.holds(target):
-            self._step()
+        the run for a bucket of its own, take the rest of the run too. Its params stay free
+        (in the trees) until the bucket is taken."""
+        self._take_until(target)
         if self.holds(target) and self._too_little_left():
-            while not self.ended:
-                self._step()
-
-    def give_back(self, length: int) -> None:
-        """Return the params after the first `length` to the free trees."""
-        for q in self.positions[length:]:
-            self.plan.fit.put(q, self.plan.widths[q])
-            self.plan.negated.put(q, -self.plan.widths[q])
-        del self.positions[length:]
+            self._take_until(math.inf)
 
     def _too_little_left(self) -> bool:
         plan = self.plan
@@ -310,13 +341,21 @@ class _Chunk:
         left_widest = -plan.negated.range_min(self.cursor, self.run_end)
         return left < max(self.wanted, plan.dp_size * left_widest)
 
-    def _step(self) -> None:
-        q, plan = self.cursor, self.plan
-        self.cursor += 1
-        if plan.taken[q]:
-            return
-        self.positions.append(q)
-        plan.fit.remove(q)
-        plan.negated.remove(q)
-        self.total += plan.widths[q]
-        self.widest = max(self.widest, plan.widths[q])
+    def _take_until(self, target: float) -> None:
+        """Take the next free params until the chunk `holds(target)` or the run ends."""
+        taken, widths, dp = self.plan.taken, self.plan.widths, self.plan.dp_size
+        positions, q, end = self.positions, self.cursor, self.run_end
+        total, widest = self.total, self.widest
+        if target == math.inf:  # the rest of the run, at once
+            rest = [p for p in range(q, end) if not taken[p]]
+            positions += rest
+            total += sum(map(widths.__getitem__, rest))
+            widest = max([widest, *map(widths.__getitem__, rest)])
+            q = end
+        while q < end and (total < target or total < dp * widest):
+            if not taken[q]:
+                positions.append(q)
+                total += widths[q]
+                widest = widths[q] if widths[q] > widest else widest
+            q += 1
+        self.cursor, self.total, self.widest = q, total, widest

@@ -16,6 +16,7 @@ Planners work on backprop positions: position p is registration index `len(specs
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 
@@ -66,14 +67,14 @@ def plan_rows(
             continue
 
         partners = same_numel[numels[seed]]
-        for rank in range(1, dp_size):
-            while partners and taken[partners[0]]:
-                partners.popleft()
-            if partners:
-                pos = partners.popleft()
+        mates: list[int] = []  # the next untaken partners, one per rank 1..
+        while partners and len(mates) < dp_size - 1:
+            pos = partners.popleft()
+            if not taken[pos]:
                 taken[pos] = 1
-                entries.append((rank, pos, 0))
-                continue
+                mates.append(pos)
+        entries += zip(range(1, len(mates) + 1), mates, itertools.repeat(0))
+        for rank in range(len(mates) + 1, dp_size):
             # No partner left: pack the following params that fit, in backprop order.
             used, lo = 0, seed + 1
             while used < width:
@@ -111,13 +112,16 @@ def buffer_of_rows(
     for index, rows in enumerate(bucket_rows):
         shard_numel = sum(width for width, _ in rows)
         bucket = Bucket(index, bucket_start, bucket_start + dp_size * shard_numel, shard_numel)
+        owner = bucket.owner
         row_offset = 0
         for width, entries in rows:
             for rank, pos, slot_offset in entries:
                 spec = specs[n - 1 - pos]
-                start = bucket.shard(rank)[0] + row_offset + slot_offset
-                shape, end, owner = tuple(spec.shape), start + spec.numel, bucket.owner(start)
-                placements[n - 1 - pos] = Placement(spec.name, shape, index, start, end, owner)
+                # bucket.shard(rank)[0] + the offsets in the shard, inlined
+                start = bucket_start + rank * shard_numel + row_offset + slot_offset
+                placements[n - 1 - pos] = Placement(
+                    spec.name, tuple(spec.shape), index, start, start + spec.numel, owner(start)
+                )
             row_offset += width
         buckets.append(bucket)
         bucket_start = bucket.end

@@ -10,19 +10,39 @@ matching, which balancing cannot beat.
 from __future__ import annotations
 
 from ._balanced import plan_balanced
-from ._rows import buffer_of_rows, plan_rows
+from ._rows import Row, buffer_of_rows, plan_rows
 from .buffer import Buffer
-from .specs import ParamSpec, cost_imbalance
+from .specs import ParamSpec, cost_imbalance, ns_cost
 
 
 def plan_whole(
     specs: tuple[ParamSpec, ...], k: int, bucket_size: int | None, align: int, strategy: str
 ) -> Buffer:
     """The `"muon"` buffer of validated `specs` over `k` ranks (not yet checked)."""
-    matched = buffer_of_rows(specs, k, align, plan_rows(specs, k, bucket_size, align))
+    matched = plan_rows(specs, k, bucket_size, align)
     if strategy == "size_match":
-        return matched
-    balanced = buffer_of_rows(specs, k, align, plan_balanced(specs, k, bucket_size, align))
-    b = (balanced.padding_fraction, cost_imbalance(balanced.rank_costs()))
-    m = (matched.padding_fraction, cost_imbalance(matched.rank_costs()))
-    return matched if m != b and m[0] <= b[0] and m[1] <= b[1] else balanced
+        return buffer_of_rows(specs, k, align, matched)
+    balanced = plan_balanced(specs, k, bucket_size, align)
+    b, m = _scores(specs, k, balanced, matched)
+    chosen = matched if m != b and m[0] <= b[0] and m[1] <= b[1] else balanced
+    return buffer_of_rows(specs, k, align, chosen)
+
+
+def _scores(
+    specs: tuple[ParamSpec, ...], k: int, *plans: list[list[Row]]
+) -> list[tuple[float, float]]:
+    """`(padding_fraction, cost_imbalance(rank_costs()))` of the buffer `buffer_of_rows` would
+    make of each plan, without making it: every param is placed, and its owner is its rank."""
+    used = sum(s.numel for s in specs)
+    cost_of = {shape: ns_cost(shape) for shape in {s.shape for s in specs}}
+    costs = [cost_of[s.shape] for s in reversed(specs)]  # by backprop position
+    scores = []
+    for bucket_rows in plans:
+        numel = k * sum(width for rows in bucket_rows for width, _ in rows)
+        rank_costs = [0] * k
+        for rows in bucket_rows:
+            for _, entries in rows:
+                for rank, pos, _ in entries:
+                    rank_costs[rank] += costs[pos]
+        scores.append((0.0 if numel == 0 else 1.0 - used / numel, cost_imbalance(rank_costs)))
+    return scores

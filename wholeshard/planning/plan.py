@@ -148,20 +148,9 @@ def plan_buffers(
     result passes `Plan.check(params)`.
     """
     specs = tuple(params)
-    validate_specs(specs, dp_size, bucket_size, align, strategy)
-    k = dp_size if shard_group_size is None else shard_group_size
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or dp_size % k:
-        divisors = [d for d in range(1, dp_size + 1) if dp_size % d == 0]
-        raise ValueError(
-            f"shard_group_size must be an int dividing dp_size={dp_size} (params are sharded "
-            f"within groups of that many ranks and replicated across groups), got {k!r}; "
-            f"choose one of {divisors}"
-        )
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    validate_specs(specs)
+    k = _group_size(dp_size, shard_group_size, bucket_size, align, strategy, scheme)
     if scheme == "ping_pong":
-        if k != dp_size:
-            raise ValueError("scheme='ping_pong' has no shard groups: leave shard_group_size unset")
         plan = Plan(
             dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, bucket_size),)
         )
@@ -188,17 +177,15 @@ def buffer_kind(spec: ParamSpec) -> BufferKind:
     return "stacked" if len(spec.shape) > 2 else "muon"
 
 
-def validate_specs(
-    specs: Sequence[ParamSpec],
-    dp_size: int,
-    bucket_size: int | None = None,
-    align: int = 64,
-    strategy: str = DEFAULT_STRATEGY,
-) -> None:
-    """Raise ValueError, saying how to fix it, for inputs no plan can serve: the one validator
-    of specs and planning options (shapes files report `spec_problem` with their context)."""
+def _group_size(
+    dp_size: int, k: int | None, bucket_size: int | None, align: int, strategy: str, scheme: str
+) -> int:
+    """The shard group size the options ask for (`k`, None: `dp_size`), once they are valid;
+    ValueError, saying how to fix it, otherwise."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     if not is_int(dp_size) or dp_size < 1:
         raise ValueError(
             f"dp_size must be an int >= 1 (the data-parallel world size), got {dp_size!r}"
@@ -209,6 +196,23 @@ def validate_specs(
         raise ValueError(
             f"bucket_size must be None (one bucket) or an int > 0 (elements), got {bucket_size!r}"
         )
+    if k is None:
+        return dp_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or dp_size % k:
+        divisors = [d for d in range(1, dp_size + 1) if dp_size % d == 0]
+        raise ValueError(
+            f"shard_group_size must be an int dividing dp_size={dp_size} (params are sharded "
+            f"within groups of that many ranks and replicated across groups), got {k!r}; "
+            f"choose one of {divisors}"
+        )
+    if scheme == "ping_pong" and k != dp_size:
+        raise ValueError("scheme='ping_pong' has no shard groups: leave shard_group_size unset")
+    return k
+
+
+def validate_specs(specs: Sequence[ParamSpec]) -> None:
+    """Raise ValueError, saying how to fix it, for specs no plan can serve: the one validator of
+    specs (shapes files report `shape_problem` with their own context)."""
     seen: set[str] = set()
     for spec in specs:
         if not isinstance(spec, ParamSpec):
