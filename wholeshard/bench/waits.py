@@ -5,13 +5,13 @@ included: gloo's reduce-scatter clones the whole input before it returns) or wai
 collective's handle. `WaitClock.watch()` patches, inside one worker process:
 - the `torch.distributed` collectives (a synchronous call blocks until the collective is done:
   FSDP2's all-gathers and reduce-scatters on CPU, the all-gathers in `MuonWithAuxAdam.step`);
-- every function of `wholeshard._collectives` (all of wholeshard's dispatches and waits);
+- every function of `wholeshard.distributed.collectives` (all of wholeshard's dispatches and waits);
 - `Work.wait` (waits on async handles issued from Python);
 - `torch.distributed._functional_collectives.wait_tensor` (DTensor redistributions, e.g. what
   `torch.optim.Muon` triggers on FSDP2's sharded params).
 
 DDP's C++ reducer waits out of Python's sight: its configurations book the backward tail through
-`add` (see `configs.py`). Nested blocks (a `Work.wait` inside `collectives.wait`) count once, and
+`add` (see `builders.py`). Nested blocks (a `Work.wait` inside `collectives.wait`) count once, and
 only blocks on the thread that made the clock count.
 """
 

@@ -283,7 +283,7 @@ class DataParallel(nn.Module):
     def reduced_buckets(self) -> Iterator[int]:
         """The pipelined step: yield each bucket's index (in `buckets`) once its grads are
         reduced; when the caller, having written its owned params, comes back, its param sync
-        is dispatched. Every rank walks it to the end (`wholeshard._schedule.Scheduler`)."""
+        is dispatched. Every rank walks it to the end ([Note: pipelined step] in `_schedule`)."""
         return self.scheduler.reduced_in_order()
 
     # -- parameters -----------------------------------------------------------------------
