@@ -90,8 +90,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                 groups[name], DataParallelConfig, dest="parallel.", skip=PARALLEL_SET_BY_THE_JOB
             )
             continue
-        section = _section_class(name)
-        add_flags(groups[name], section, dest=name + ".", metavars=_METAVARS)
+        add_flags(groups[name], SECTIONS[name], dest=name + ".", metavars=_METAVARS)
     output = groups["output"]
     output.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     output.add_argument(
@@ -101,10 +100,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.set_defaults(run=run, parser=p)
     return p
-
-
-def _section_class(name: str) -> type:
-    return next(f for f in dataclasses.fields(TrainConfig) if f.name == name).default_factory  # type: ignore[return-value]
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -122,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         sections = {}
         for name in SECTIONS:
             try:
-                sections[name] = _section_class(name)(**fields_of(_section_class(name), name + "."))
+                sections[name] = SECTIONS[name](**fields_of(SECTIONS[name], name + "."))
             except ConfigError as e:
                 raise ConfigError(f"{name}.{e.field}", str(e)) from None
         top = {k: v for k, v in fields_of(TrainConfig, "").items() if k not in SECTIONS}
@@ -134,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _flag_of(path: str) -> str:
     """The flag of a `section.field` or top-level field path."""
     section, _, name = path.rpartition(".")
-    cls = _section_class(section) if section else TrainConfig
+    cls = SECTIONS[section] if section else TrainConfig
     field = next(f for f in dataclasses.fields(cls) if f.name == name)
     return flag_name(field)
 

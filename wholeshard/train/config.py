@@ -235,8 +235,16 @@ class TrainConfig:
         return warmup if warmup is not None else max(1, self.optim.steps // 20)
 
 
-SECTIONS = ("model", "data", "optim", "parallel", "checkpoint", "reliability", "output")
-"""`TrainConfig`'s sections, in the order `--help` lists them."""
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "parallel": DataParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "reliability": ReliabilityConfig,
+    "output": OutputConfig,
+}
+"""`TrainConfig`'s sections and their classes, in the order `--help` lists them."""
 
 
 def _check_fields(obj: Any, prefix: str) -> None:
