@@ -118,7 +118,7 @@ def matrices_of(route: wholeshard.Route, t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def from_matrices(route: wholeshard.Route, masters: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of `matrices_of`: the param's values in its own layout."""
+    """The inverse of `matrices_of`: the param's values in its own shape."""
     if len(masters) > 1 or route.param.ndim > 2:
         return torch.stack(masters).view(route.param.shape)
     return masters[0].T if route.muon and route.transposed else masters[0]
@@ -144,7 +144,7 @@ def reference_run(
     `make()` builds the model instead of `make_model(**model_kw)`; `probe(model)` runs on the
     trained model and its result is returned as "probe" (e.g. generated tokens). `start` is the
     first step's batch; `state` (by param name: full fp32 "value" and optimizer state, as in
-    the param's layout) replaces the initial params and the optimizers' empty state."""
+    the param's shape) replaces the initial params and the optimizers' empty state."""
     model = make() if make is not None else make_model(**(model_kw or {}))
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
@@ -421,23 +421,23 @@ def whole_buffer(
     return buffer
 
 
-def verify_layout(layout: Buffer, specs: list[ParamSpec]) -> None:
+def verify_whole_buffer(buffer: Buffer, specs: list[ParamSpec]) -> None:
     """Re-check every invariant of a whole-tensor buffer (either strategy) without calling
     `Buffer.check`."""
-    k, align = layout.shard_group_size, layout.align
-    assert layout.kind == "muon" and layout.whole
+    k, align = buffer.shard_group_size, buffer.align
+    assert buffer.kind == "muon" and buffer.whole
     # Buckets: numbered in order, contiguous from 0, k equal aligned shards.
     pos = 0
-    for i, b in enumerate(layout.buckets):
+    for i, b in enumerate(buffer.buckets):
         assert b.index == i and b.start == pos and b.numel == k * b.shard_numel > 0
         assert b.shard_numel % align == 0
         pos = b.end
-    assert layout.numel == pos
+    assert buffer.numel == pos
 
     # Placements: spec order, exact sizes, aligned, inside one shard, owner by the offset rule.
-    assert [(p.name, p.shape) for p in layout.placements] == [(s.name, s.shape) for s in specs]
-    for s, p in zip(specs, layout.placements, strict=True):
-        b = layout.buckets[p.bucket]
+    assert [(p.name, p.shape) for p in buffer.placements] == [(s.name, s.shape) for s in specs]
+    for s, p in zip(specs, buffer.placements, strict=True):
+        b = buffer.buckets[p.bucket]
         assert p.end - p.start == s.numel and p.start % align == 0
         owner = (p.start - b.start) // b.shard_numel
         assert p.owner == owner and 0 <= owner < k
@@ -445,17 +445,17 @@ def verify_layout(layout: Buffer, specs: list[ParamSpec]) -> None:
         assert lo <= p.start and p.end <= hi, f"{p.name} leaves shard {owner}"
 
     # No two params share an element.
-    spans = sorted((p.start, p.end) for p in layout.placements)
+    spans = sorted((p.start, p.end) for p in buffer.placements)
     assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:], strict=False)), "overlap"
 
     # Rank r owns exactly the params that lie in its shards, whole.
     for r in sorted({0, k // 2, k - 1}):
-        mine = [(p, 0, p.numel) for p in layout.placements if p.owner == r]
-        assert list(layout.owned(r)) == mine
+        mine = [(p, 0, p.numel) for p in buffer.placements if p.owner == r]
+        assert list(buffer.owned(r)) == mine
 
     # Backprop order: bucket b holds the last-registered param not in buckets < b.
-    members: list[list[int]] = [[] for _ in layout.buckets]
-    for i, p in enumerate(layout.placements):
+    members: list[list[int]] = [[] for _ in buffer.buckets]
+    for i, p in enumerate(buffer.placements):
         members[p.bucket].append(i)
     remaining = set(range(len(specs)))
     for idx in members:
@@ -463,8 +463,8 @@ def verify_layout(layout: Buffer, specs: list[ParamSpec]) -> None:
         remaining -= set(idx)
 
     # Tied params sit alone at the start of a bucket whose shard is exactly their aligned size.
-    for i, (s, p) in enumerate(zip(specs, layout.placements, strict=True)):
+    for i, (s, p) in enumerate(zip(specs, buffer.placements, strict=True)):
         if s.tied:
-            b = layout.buckets[p.bucket]
+            b = buffer.buckets[p.bucket]
             assert members[p.bucket] == [i] and p.start == b.start
             assert b.shard_numel == round_up(s.numel, align)

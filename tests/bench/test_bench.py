@@ -58,7 +58,8 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
 
     doc = json.loads(out.read_text())
-    assert set(doc) == {"machine", "world_size", "overrides", "results"}
+    assert set(doc) == {"machine", "measured", "world_size", "overrides", "results"}
+    assert set(doc["measured"]) == {"date", "command", "steps", "warmup", "repeat"}
     assert doc["world_size"] == 2 and doc["overrides"] == {}
     machine = doc["machine"]
     assert isinstance(machine["cpu"], str) and isinstance(machine["torch"], str)

@@ -1,4 +1,4 @@
-"""Checkpoints: bitwise resume, resharding across world sizes and layouts, format, export."""
+"""Checkpoints: bitwise resume, resharding across world sizes and modes, format, export."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fuzzing the command line: every numeric flag of `train`, `layout` and `bench`, and `layout
+"""Fuzzing the command line: every numeric flag of `train`, `plan` and `bench`, and `plan
 --shapes` files. A bad value always exits 2 with one argparse-style error line on stderr naming
 what is wrong, before any worker starts; never a traceback, never a hang.
 
@@ -302,7 +302,7 @@ def test_nastiest_values_name_the_flag(base_argv) -> None:
     assert_rejected(run(argv_with(base_argv, "train", "--seed", str(2**31))), "--seed")
 
 
-# -- layout --shapes files ---------------------------------------------------------------------
+# -- plan --shapes files -----------------------------------------------------------------------
 
 NAMES = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
 DIMS = st.lists(st.integers(1, 64), max_size=4)
@@ -356,7 +356,7 @@ def write_shapes(directory: Path, document: object) -> str:
     return str(path)
 
 
-def layout(path: str, dp: int = 4) -> Result:
+def plan_shapes(path: str, dp: int = 4) -> Result:
     return run(["plan", "--shapes", path, f"--dp={dp}", "--json"])
 
 
@@ -368,7 +368,7 @@ def _unique(entries: list[dict]) -> list[dict]:
 @FUZZ
 @given(entries=st.lists(GOOD_ENTRY, max_size=12).map(_unique), dp=st.integers(1, 8))
 def test_valid_shapes_files_plan_every_param(shapes_dir: Path, entries, dp: int) -> None:
-    result = layout(write_shapes(shapes_dir, {"params": entries}), dp)
+    result = plan_shapes(write_shapes(shapes_dir, {"params": entries}), dp)
     assert result.code == 0, result.err
     doc = json.loads(result.out)
     assert [p["name"] for p in doc["params"]] == [e["name"] for e in entries]
@@ -385,7 +385,7 @@ def test_one_bad_entry_rejects_the_file(shapes_dir: Path, before, bad, after) ->
     before = _unique(before)
     index = len(before)
     path = write_shapes(shapes_dir, {"params": [*before, bad, *after]})
-    result = layout(path)
+    result = plan_shapes(path)
     assert_rejected(result, "wholeshard plan: error:", path)
     # the first bad entry is the one reported (a duplicate name among `before` is ruled out)
     assert f"params[{index}]" in result.error_lines[0]
@@ -399,7 +399,7 @@ def test_one_bad_entry_rejects_the_file(shapes_dir: Path, before, bad, after) ->
 @example(document="\ud800")  # not valid UTF-8 on disk
 def test_documents_without_a_params_list_are_rejected(shapes_dir: Path, document) -> None:
     path = write_shapes(shapes_dir, document)
-    assert_rejected(layout(path), path)
+    assert_rejected(plan_shapes(path), path)
 
 
 @FUZZ
@@ -407,14 +407,14 @@ def test_documents_without_a_params_list_are_rejected(shapes_dir: Path, document
 def test_duplicate_names_are_rejected(shapes_dir: Path, entries, copy) -> None:
     twin = copy.draw(st.sampled_from(entries))
     entries = [*entries, {**copy.draw(GOOD_ENTRY), "name": twin["name"]}]
-    assert_rejected(layout(write_shapes(shapes_dir, {"params": entries})), "duplicate", "name")
+    assert_rejected(plan_shapes(write_shapes(shapes_dir, {"params": entries})), "duplicate", "name")
 
 
 def test_shapes_edge_cases(shapes_dir: Path) -> None:
     """Explicit worst cases."""
 
     def rejected(params: list, *mentions: str) -> None:
-        assert_rejected(layout(write_shapes(shapes_dir, {"params": params})), *mentions)
+        assert_rejected(plan_shapes(write_shapes(shapes_dir, {"params": params})), *mentions)
 
     rejected([{"name": "w", "shape": [4, 0]}], "no elements")
     rejected([{"name": "w", "shape": [4, -3]}], "negative")
@@ -434,9 +434,9 @@ def test_shapes_edge_cases(shapes_dir: Path) -> None:
 def test_thousands_of_params_plan(shapes_dir: Path) -> None:
     params = [{"name": f"layers.{i}.w", "shape": [32 + i % 7, 16]} for i in range(3000)]
     params += [{"name": f"layers.{i}.b", "shape": [16]} for i in range(3000)]
-    result = layout(write_shapes(shapes_dir, {"params": params}), dp=8)
+    result = plan_shapes(write_shapes(shapes_dir, {"params": params}), dp=8)
     assert result.code == 0, result.err
     assert len(json.loads(result.out)["params"]) == 6000
     # the same model as a stack is also accepted, matrices and elementwise params alike
     stacked = [{"name": "experts.w", "shape": [3000, 16, 8], "muon": True}]
-    assert layout(write_shapes(shapes_dir, {"params": stacked}), dp=8).code == 0
+    assert plan_shapes(write_shapes(shapes_dir, {"params": stacked}), dp=8).code == 0

@@ -82,7 +82,7 @@ def _grads_after_sync() -> dict:
     }
 
 
-def test_owner_from_layout_receives_the_reduced_gradient() -> None:
+def test_owner_from_the_plan_receives_the_reduced_gradient() -> None:
     model = make_model()
     lm_loss(model, *batch(0)).backward()
     want = {n: p.grad for n, p in model.named_parameters()}

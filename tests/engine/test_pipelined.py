@@ -73,7 +73,7 @@ def test_fully_sharded_and_shard_groups() -> None:
 
 def test_accumulation_schedules_one_group_and_ping_pong() -> None:
     """no_sync micro-batches with an LR schedule; gathers on the one process group; the legacy
-    ping-pong layout with broadcasts."""
+    ping-pong baseline with broadcasts."""
     modes = {
         "one-group": dict(separate_all_gather_group=False, **OVERLAP),
         "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast", **OVERLAP),

@@ -72,7 +72,7 @@ def test_conv1d_steps_exactly_like_linear(nproc: int, dtype: torch.dtype) -> Non
     assert torch.equal(conv["bias"], linear["bias"])
 
 
-def test_conv1d_checkpoint_keeps_the_storage_layout(tmp_path) -> None:
+def test_conv1d_checkpoint_keeps_the_storage_orientation(tmp_path) -> None:
     conv = run(train, 2, True, torch.bfloat16, str(tmp_path / "conv"))[0]
     linear = run(train, 2, False, torch.bfloat16, str(tmp_path / "linear"))[0]
     plain = run(train, 2, True, torch.bfloat16)[0]

@@ -10,7 +10,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, spec, verify_layout
+from support import round_up, spec, verify_whole_buffer
 
 from wholeshard.planning import Bucket, Buffer, ParamSpec, Placement, Plan, plan_buffers
 from wholeshard.planning.specs import ns_cost
@@ -18,7 +18,7 @@ from wholeshard.planning.specs import ns_cost
 
 def verify(plan: Plan, specs: list[ParamSpec]) -> None:
     """Re-check every plan invariant without calling `Plan.check`: whole-tensor buffers by
-    `verify_layout`, element-wise ones by `verify_elementwise`."""
+    `verify_whole_buffer`, element-wise ones by `verify_elementwise`."""
     k = plan.shard_group_size
     assert plan.dp_size % k == 0
     kinds = {"muon": [s for s in specs if s.muon], "adamw": [s for s in specs if not s.muon]}
@@ -28,7 +28,7 @@ def verify(plan: Plan, specs: list[ParamSpec]) -> None:
         mine = kinds[buffer.kind]
         assert (buffer.shard_group_size, buffer.align) == (k, plan.align)
         if buffer.whole:
-            verify_layout(buffer, mine)
+            verify_whole_buffer(buffer, mine)
         else:
             verify_elementwise(buffer, mine)
         for p in buffer.placements:

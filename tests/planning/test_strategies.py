@@ -1,4 +1,4 @@
-"""Tests for `whole_buffer(..., strategy=...)`: both strategies keep every layout invariant
+"""Tests for `whole_buffer(..., strategy=...)`: both strategies keep every buffer invariant
 (re-checked here without `Buffer.check`), and the balanced strategy balances Newton-Schulz
 cost with little padding on models it was not tuned on."""
 
@@ -9,7 +9,7 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, spec_lists, verify_layout, whole_buffer
+from support import round_up, spec_lists, verify_whole_buffer, whole_buffer
 
 from wholeshard.planning import STRATEGIES, Buffer, ParamSpec, plan_buffers
 from wholeshard.planning._packing import FirstFit
@@ -17,15 +17,15 @@ from wholeshard.planning.presets import moe_256x, spec
 from wholeshard.planning.specs import ns_cost, spec_cost
 
 
-def rank_costs(layout: Buffer, specs: list[ParamSpec]) -> list[int]:
-    costs = [0] * layout.shard_group_size
-    for s, p in zip(specs, layout.placements, strict=True):
+def rank_costs(buffer: Buffer, specs: list[ParamSpec]) -> list[int]:
+    costs = [0] * buffer.shard_group_size
+    for s, p in zip(specs, buffer.placements, strict=True):
         costs[p.owner] += spec_cost(s)
     return costs
 
 
-def imbalance(layout: Buffer, specs: list[ParamSpec]) -> float:
-    costs = rank_costs(layout, specs)
+def imbalance(buffer: Buffer, specs: list[ParamSpec]) -> float:
+    costs = rank_costs(buffer, specs)
     return max(costs) * len(costs) / sum(costs) if sum(costs) else 1.0
 
 
@@ -43,23 +43,23 @@ def imbalance(layout: Buffer, specs: list[ParamSpec]) -> float:
 def test_both_strategies_keep_every_invariant(
     specs: list[ParamSpec], dp: int, bucket_size: int | None, align: int, strategy: str
 ) -> None:
-    layout = whole_buffer(specs, dp, bucket_size=bucket_size, align=align, strategy=strategy)
-    layout.check(specs)
-    verify_layout(layout, specs)
+    buffer = whole_buffer(specs, dp, bucket_size=bucket_size, align=align, strategy=strategy)
+    buffer.check(specs)
+    verify_whole_buffer(buffer, specs)
     if strategy == "balanced" and bucket_size is not None:
         # Every bucket holds >= bucket_size elements, except the last before a tied param or
         # the end (the tail of a run of untied params).
-        tied = [specs[layout.placements.index(p)].tied for p in _first_members(layout)]
-        for i, b in enumerate(layout.buckets[:-1]):
+        tied = [specs[buffer.placements.index(p)].tied for p in _first_members(buffer)]
+        for i, b in enumerate(buffer.buckets[:-1]):
             if not tied[i] and not tied[i + 1]:
                 assert b.numel >= bucket_size, f"bucket {i} closed early"
 
 
-def _first_members(layout: Buffer) -> list:
+def _first_members(buffer: Buffer) -> list:
     first = {}
-    for p in layout.placements:
+    for p in buffer.placements:
         first.setdefault(p.bucket, p)
-    return [first[i] for i in range(len(layout.buckets))]
+    return [first[i] for i in range(len(buffer.buckets))]
 
 
 @settings(max_examples=60, deadline=None)
@@ -77,10 +77,10 @@ def test_balanced_splits_shapes_repeated_dp_times_exactly(
 ) -> None:
     copies = data.draw(st.permutations([s for s in shapes for _ in range(dp)]))
     specs = [ParamSpec(f"s{i}", shape, muon=len(shape) == 2) for i, shape in enumerate(copies)]
-    layout = whole_buffer(specs, dp, strategy="balanced")
-    verify_layout(layout, specs)
-    assert layout.numel == sum(round_up(s.numel, 64) for s in specs)
-    costs = rank_costs(layout, specs)
+    buffer = whole_buffer(specs, dp, strategy="balanced")
+    verify_whole_buffer(buffer, specs)
+    assert buffer.numel == sum(round_up(s.numel, 64) for s in specs)
+    costs = rank_costs(buffer, specs)
     assert costs == [costs[0]] * dp
 
 
@@ -117,9 +117,9 @@ def test_balanced_spreads_cost_where_size_matching_cannot() -> None:
     specs.append(spec("sq2", 256, 256))
     sizes = whole_buffer(specs, 2, strategy="size_match")
     balanced = whole_buffer(specs, 2, strategy="balanced")
-    for layout in (sizes, balanced):
-        verify_layout(layout, specs)
-        assert layout.padding_fraction == 0.0
+    for buffer in (sizes, balanced):
+        verify_whole_buffer(buffer, specs)
+        assert buffer.padding_fraction == 0.0
     owners = {p.name: p.owner for p in balanced.placements}
     assert owners["sq1"] != owners["sq2"]  # the two expensive ones apart
     assert imbalance(balanced, specs) == 1.0
@@ -132,20 +132,20 @@ def test_balanced_carries_cost_across_buckets() -> None:
     # cheap matrices of the same numel: rank 0, which carries the tied one, gets the cheap ones.
     specs = [spec("mid1", 16, 256), spec("mid2", 16, 256), spec("cheap1", 4, 1024)]
     specs += [spec("cheap2", 4, 1024), ParamSpec("hog", (64, 64), muon=True, tied=True)]
-    layout = whole_buffer(specs, 2, strategy="balanced")
-    verify_layout(layout, specs)
-    owners = {p.name: p.owner for p in layout.placements}
+    buffer = whole_buffer(specs, 2, strategy="balanced")
+    verify_whole_buffer(buffer, specs)
+    owners = {p.name: p.owner for p in buffer.placements}
     assert owners == {"hog": 0, "cheap1": 0, "cheap2": 0, "mid1": 1, "mid2": 1}
     sizes = whole_buffer(specs, 2, strategy="size_match")
-    assert imbalance(layout, specs) < imbalance(sizes, specs)
+    assert imbalance(buffer, specs) < imbalance(sizes, specs)
 
 
 def test_balanced_isolates_tied_params() -> None:
     specs = [spec("emb", 1000, 64, tied=True)] + [spec(f"w{i}", 64, 64) for i in range(6)]
-    layout = whole_buffer(specs, 3, strategy="balanced", bucket_size=10)
-    verify_layout(layout, specs)
-    emb = layout.placements[0]
-    assert emb.owner == 0 and emb.bucket == len(layout.buckets) - 1
+    buffer = whole_buffer(specs, 3, strategy="balanced", bucket_size=10)
+    verify_whole_buffer(buffer, specs)
+    emb = buffer.placements[0]
+    assert emb.owner == 0 and emb.bucket == len(buffer.buckets) - 1
 
 
 def transformer(rng: random.Random) -> list[ParamSpec]:
@@ -172,7 +172,7 @@ def test_balanced_beats_size_matching_on_random_transformers() -> None:
     """Not tuned to the presets: on random decoders and every shard group size (<= 64) that
     leaves the widest matrix room, balanced meets the targets (padding <= 1%, Newton-Schulz
     imbalance <= 1.10) wherever size matching does, is never worse beyond them, and pads less
-    than half as much overall. (Some cases are infeasible for any layout: e.g. 36 matrices of
+    than half as much overall. (Some cases are infeasible for any buffer: e.g. 36 matrices of
     21 units and 72 of 8 on 8 ranks cannot be split with less than 0.9% padding.)"""
     padding = {"size_match": 0.0, "balanced": 0.0}
     for seed in range(12):
@@ -187,7 +187,7 @@ def test_balanced_beats_size_matching_on_random_transformers() -> None:
                 for strategy in STRATEGIES
             }
             for plan in plans.values():
-                verify_layout(plan.buffers[0], muon)
+                verify_whole_buffer(plan.buffers[0], muon)
             sizes, balanced = plans["size_match"], plans["balanced"]
             case = (seed, k, sizes.padding_fraction, balanced.padding_fraction)
             assert balanced.padding_fraction <= max(0.01, sizes.padding_fraction), case

@@ -1,5 +1,5 @@
-"""Tests for `wholeshard.layout`: every invariant is re-checked here independently of
-`Buffer.check`, and `plan_layout` is compared with a naive reference of the size-matching rule."""
+"""The whole-tensor ("muon") buffer: every invariant is re-checked here independently of
+`Buffer.check`, and the planner is compared with a naive reference of the size-matching rule."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, spec, spec_lists, verify_layout, whole_buffer
+from support import round_up, spec, spec_lists, verify_whole_buffer, whole_buffer
 
 from wholeshard.planning import Bucket, Buffer, ParamSpec, Placement
 from wholeshard.planning._packing import FirstFit
@@ -20,12 +20,12 @@ def aligned_total(specs: list[ParamSpec], align: int) -> int:
     return sum(round_up(s.numel, align) for s in specs)
 
 
-def verify(layout: Buffer, specs: list[ParamSpec], bucket_size: int | None = None) -> None:
-    """`verify_layout`, and the size-matching rule for closing buckets."""
-    verify_layout(layout, specs)
-    dp, align, buckets = layout.shard_group_size, layout.align, layout.buckets
+def verify(buffer: Buffer, specs: list[ParamSpec], bucket_size: int | None = None) -> None:
+    """`verify_whole_buffer`, and the size-matching rule for closing buckets."""
+    verify_whole_buffer(buffer, specs)
+    dp, align, buckets = buffer.shard_group_size, buffer.align, buffer.buckets
     members: list[list[int]] = [[] for _ in buckets]
-    for i, p in enumerate(layout.placements):
+    for i, p in enumerate(buffer.placements):
         members[p.bucket].append(i)
 
     # Bucket cutting: a bucket is closed as soon as it reaches bucket_size, so dropping its last
@@ -125,29 +125,29 @@ def transformer_block(i: int, d: int = 128) -> list[ParamSpec]:
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_uniform_stack_has_no_padding_beyond_alignment(dp: int) -> None:
     specs = [s for i in range(8) for s in transformer_block(i)]
-    layout = whole_buffer(specs, dp)
-    verify(layout, specs)
-    assert layout.numel == aligned_total(specs, 64)
-    assert layout.padding_fraction == 0.0  # every size here is a multiple of 64
-    assert len(layout.buckets) == 1
+    buffer = whole_buffer(specs, dp)
+    verify(buffer, specs)
+    assert buffer.numel == aligned_total(specs, 64)
+    assert buffer.padding_fraction == 0.0  # every size here is a multiple of 64
+    assert len(buffer.buckets) == 1
 
 
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_uniform_stack_with_small_buckets_has_no_padding_beyond_alignment(dp: int) -> None:
     specs = [s for i in range(8) for s in transformer_block(i)]
-    layout = whole_buffer(specs, dp, bucket_size=100_000)
-    verify(layout, specs, bucket_size=100_000)
-    assert len(layout.buckets) > 1
-    assert layout.numel == aligned_total(specs, 64)
+    buffer = whole_buffer(specs, dp, bucket_size=100_000)
+    verify(buffer, specs, bucket_size=100_000)
+    assert len(buffer.buckets) > 1
+    assert buffer.numel == aligned_total(specs, 64)
 
 
 @pytest.mark.parametrize("dp", [2, 3, 5])
 def test_counts_multiple_of_dp_give_no_padding_beyond_alignment(dp: int) -> None:
     shapes = [(7,), (100, 3), (65,), (1,), (64, 64)]
     specs = [spec(f"p{k}.{j}", *shapes[(k * 7 + j) % 5]) for k in range(dp) for j in range(5)]
-    layout = whole_buffer(specs, dp, align=16)
-    verify(layout, specs)
-    assert layout.numel == aligned_total(specs, 16)
+    buffer = whole_buffer(specs, dp, align=16)
+    verify(buffer, specs)
+    assert buffer.numel == aligned_total(specs, 16)
 
 
 def test_unique_seed_gets_following_params_packed_before_padding() -> None:
@@ -160,10 +160,10 @@ def test_unique_seed_gets_following_params_packed_before_padding() -> None:
         spec("e", 4, 64),
         spec("big", 10, 64),
     ]
-    layout = whole_buffer(specs, 3)
-    verify(layout, specs)
-    assert len(layout.buckets) == 1 and layout.buckets[0].shard_numel == 640
-    at = {p.name: (p.owner, p.start - 640 * p.owner) for p in layout.placements}
+    buffer = whole_buffer(specs, 3)
+    verify(buffer, specs)
+    assert len(buffer.buckets) == 1 and buffer.buckets[0].shard_numel == 640
+    at = {p.name: (p.owner, p.start - 640 * p.owner) for p in buffer.placements}
     # Shard 1 takes e, d, c, b in backprop order until the slot is full; shard 2 takes a.
     assert at == {
         "big": (0, 0),
@@ -173,36 +173,36 @@ def test_unique_seed_gets_following_params_packed_before_padding() -> None:
         "b": (1, 448),
         "a": (2, 0),
     }
-    assert layout.numel == 3 * 640
+    assert buffer.numel == 3 * 640
 
 
 def test_packing_skips_params_that_do_not_fit_and_takes_later_ones() -> None:
     # Backprop order: big (640), x (512), y (512), z (128).
     specs = [spec("z", 128), spec("y", 512), spec("x", 512), spec("big", 640)]
-    layout = whole_buffer(specs, 3)
-    verify(layout, specs)
-    owner = {p.name: p.owner for p in layout.placements}
+    buffer = whole_buffer(specs, 3)
+    verify(buffer, specs)
+    owner = {p.name: p.owner for p in buffer.placements}
     assert owner == {"big": 0, "x": 1, "z": 1, "y": 2}
-    assert layout.numel == 3 * 640
+    assert buffer.numel == 3 * 640
 
 
 def test_exact_numel_partner_beats_packing() -> None:
     # A same-numel partner far back in backprop order (first registered) is preferred over
     # the smaller params right behind the seed.
     specs = [spec("partner", 8, 64), spec("s1", 64), spec("s2", 64), spec("seed", 64, 8)]
-    layout = whole_buffer(specs, 2)
-    verify(layout, specs)
-    owner = {p.name: (p.bucket, p.owner) for p in layout.placements}
+    buffer = whole_buffer(specs, 2)
+    verify(buffer, specs)
+    owner = {p.name: (p.bucket, p.owner) for p in buffer.placements}
     assert owner["seed"] == (0, 0) and owner["partner"] == (0, 1)
-    assert layout.buckets[0].shard_numel == 512 + 64  # second row: s2 seeds, s1 partners it
+    assert buffer.buckets[0].shard_numel == 512 + 64  # second row: s2 seeds, s1 partners it
 
 
 def test_row_without_anything_to_pack_is_padded() -> None:
     specs = [spec("large", 1000), spec("small", 10)]  # backprop: small first, nothing fits
-    layout = whole_buffer(specs, 4, align=1)
-    verify(layout, specs)
-    assert layout.buckets[0].shard_numel == 10 + 1000
-    assert layout.numel == 4 * 1010
+    buffer = whole_buffer(specs, 4, align=1)
+    verify(buffer, specs)
+    assert buffer.buckets[0].shard_numel == 10 + 1000
+    assert buffer.numel == 4 * 1010
 
 
 def test_tied_param_gets_an_isolated_bucket() -> None:
@@ -215,86 +215,86 @@ def test_tied_param_gets_an_isolated_bucket() -> None:
         spec("d", 32, 64),
         spec("e", 100),  # same numel as the tied gate, which still must not partner it
     ]
-    layout = whole_buffer(specs, 2)
-    verify(layout, specs)
-    buckets = [sorted(p.name for p in layout.placements if p.bucket == i) for i in range(4)]
-    assert len(layout.buckets) == 4
+    buffer = whole_buffer(specs, 2)
+    verify(buffer, specs)
+    buckets = [sorted(p.name for p in buffer.placements if p.bucket == i) for i in range(4)]
+    assert len(buffer.buckets) == 4
     assert buckets == [["c", "d", "e"], ["gate"], ["a", "b"], ["wte"]]
     for name, numel in (("wte", 64_000), ("gate", 100)):
-        p = layout.placements[[s.name for s in specs].index(name)]
-        b = layout.buckets[p.bucket]
+        p = buffer.placements[[s.name for s in specs].index(name)]
+        b = buffer.buckets[p.bucket]
         assert p.owner == 0 and p.start == b.start
         assert b.shard_numel == round_up(numel, 64)  # shard 1 is padding
-    assert layout.buckets[0].shard_numel == 128 + 2048  # row e (padded), row d | c
+    assert buffer.buckets[0].shard_numel == 128 + 2048  # row e (padded), row d | c
 
 
 def test_tied_params_in_a_real_stack_stay_isolated() -> None:
     specs = [spec("wte", 1000, 64, tied=True)] + transformer_block(0) + transformer_block(1)
     specs.insert(13, spec("shared_gate", 100, tied=True))
     for bucket_size in (None, 50_000):
-        layout = whole_buffer(specs, 4, bucket_size=bucket_size)
-        verify(layout, specs, bucket_size)
-        assert layout.placements[0].bucket == len(layout.buckets) - 1
+        buffer = whole_buffer(specs, 4, bucket_size=bucket_size)
+        verify(buffer, specs, bucket_size)
+        assert buffer.placements[0].bucket == len(buffer.buckets) - 1
 
 
 def test_tied_param_at_dp1_has_no_padding() -> None:
     specs = [spec("emb", 50, 3, tied=True), spec("w", 30, 30)]
-    layout = whole_buffer(specs, 1, align=1)
-    verify(layout, specs)
-    assert layout.padding_fraction == 0.0 and len(layout.buckets) == 2
+    buffer = whole_buffer(specs, 1, align=1)
+    verify(buffer, specs)
+    assert buffer.padding_fraction == 0.0 and len(buffer.buckets) == 2
 
 
 @pytest.mark.parametrize("bucket_size", [None, 5000])
 def test_dp1_has_no_padding_beyond_alignment(bucket_size: int | None) -> None:
     specs = [spec(f"p{i}", 1 + 37 * i % 101, 1 + 13 * i % 29) for i in range(30)]
-    layout = whole_buffer(specs, 1, bucket_size=bucket_size)
-    verify(layout, specs, bucket_size)
-    assert layout.numel == aligned_total(specs, 64)
+    buffer = whole_buffer(specs, 1, bucket_size=bucket_size)
+    verify(buffer, specs, bucket_size)
+    assert buffer.numel == aligned_total(specs, 64)
     assert whole_buffer(specs, 1, bucket_size=bucket_size, align=1).padding_fraction == 0.0
 
 
 def test_first_bucket_holds_the_last_registered_params() -> None:
     specs = [spec(f"p{i}", 64 * (i + 1)) for i in range(10)]  # distinct sizes: one param per row
-    layout = whole_buffer(specs, 1, bucket_size=1)
-    verify(layout, specs, bucket_size=1)
-    assert [p.bucket for p in layout.placements] == list(range(9, -1, -1))
+    buffer = whole_buffer(specs, 1, bucket_size=1)
+    verify(buffer, specs, bucket_size=1)
+    assert [p.bucket for p in buffer.placements] == list(range(9, -1, -1))
 
 
 def test_backprop_order_with_repeated_blocks() -> None:
     specs = [s for i in range(4) for s in transformer_block(i)]
-    layout = whole_buffer(specs, 2, bucket_size=150_000)
-    verify(layout, specs, bucket_size=150_000)
-    first = {p.name for p in layout.placements if p.bucket == 0}
+    buffer = whole_buffer(specs, 2, bucket_size=150_000)
+    verify(buffer, specs, bucket_size=150_000)
+    first = {p.name for p in buffer.placements if p.bucket == 0}
     assert "h.3.mlp.fc2.bias" in first and "h.3.mlp.fc2.weight" in first
     assert "h.0.ln_1.weight" not in first
-    assert layout.placements[-1].bucket == 0
+    assert buffer.placements[-1].bucket == 0
 
 
 def test_buckets_are_cut_near_bucket_size() -> None:
     specs = [spec(f"w{i}", 64, 64) for i in range(40)]  # rows of 2 * 4096 elements at dp 2
-    layout = whole_buffer(specs, 2, bucket_size=20_000)
-    verify(layout, specs, bucket_size=20_000)
-    assert [b.numel for b in layout.buckets] == [24_576] * 6 + [16_384]
+    buffer = whole_buffer(specs, 2, bucket_size=20_000)
+    verify(buffer, specs, bucket_size=20_000)
+    assert [b.numel for b in buffer.buckets] == [24_576] * 6 + [16_384]
 
 
 def test_bucket_closes_when_it_reaches_bucket_size_exactly() -> None:
     specs = [spec(f"w{i}", 64, 64) for i in range(12)]
-    layout = whole_buffer(specs, 2, bucket_size=3 * 8192)
-    assert [b.numel for b in layout.buckets] == [3 * 8192, 3 * 8192]
+    buffer = whole_buffer(specs, 2, bucket_size=3 * 8192)
+    assert [b.numel for b in buffer.buckets] == [3 * 8192, 3 * 8192]
 
 
 def test_one_bucket_without_bucket_size() -> None:
     specs = [spec(f"w{i}", 64, 64 + i) for i in range(20)]
-    layout = whole_buffer(specs, 4)
-    verify(layout, specs)
-    assert len(layout.buckets) == 1
+    buffer = whole_buffer(specs, 4)
+    verify(buffer, specs)
+    assert len(buffer.buckets) == 1
 
 
 def test_scalar_params_and_empty_spec_list() -> None:
     specs = [spec("scale"), spec("bias", 3), spec("gain")]
-    layout = whole_buffer(specs, 2, align=1)
-    verify(layout, specs)
-    assert [p.shape for p in layout.placements] == [(), (3,), ()]
+    buffer = whole_buffer(specs, 2, align=1)
+    verify(buffer, specs)
+    assert [p.shape for p in buffer.placements] == [(), (3,), ()]
     empty = whole_buffer([], 8)
     assert empty.buckets == () and empty.placements == () and empty.numel == 0
     assert empty.padding_fraction == 0.0
@@ -302,9 +302,9 @@ def test_scalar_params_and_empty_spec_list() -> None:
 
 def test_placement_fields() -> None:
     specs = transformer_block(0, d=96)
-    layout = whole_buffer(specs, 3, align=32)
-    verify(layout, specs)
-    for s, p in zip(specs, layout.placements, strict=True):
+    buffer = whole_buffer(specs, 3, align=32)
+    verify(buffer, specs)
+    for s, p in zip(specs, buffer.placements, strict=True):
         assert (p.name, p.shape, p.numel) == (s.name, s.shape, s.numel)
 
 
@@ -318,20 +318,20 @@ def test_placement_fields() -> None:
     bucket_size=st.one_of(st.none(), st.integers(1, 400_000)),
     align=st.sampled_from([1, 8, 64, 100]),
 )
-def test_random_layouts_keep_invariants_and_match_reference(
+def test_random_buffers_keep_invariants_and_match_reference(
     specs: list[ParamSpec], dp: int, bucket_size: int | None, align: int
 ) -> None:
-    layout = whole_buffer(specs, dp, bucket_size=bucket_size, align=align)
-    layout.check(specs)
-    verify(layout, specs, bucket_size)
-    got = {p.name: (p.bucket, p.start, p.owner) for p in layout.placements}
+    buffer = whole_buffer(specs, dp, bucket_size=bucket_size, align=align)
+    buffer.check(specs)
+    verify(buffer, specs, bucket_size)
+    got = {p.name: (p.bucket, p.start, p.owner) for p in buffer.placements}
     assert got == reference_plan(specs, dp, bucket_size, align)
     if dp == 1 or (
         bucket_size is None
         and not any(s.tied for s in specs)
         and all(sum(t.numel == s.numel for t in specs) % dp == 0 for s in specs)
     ):
-        assert layout.numel == aligned_total(specs, align)
+        assert buffer.numel == aligned_total(specs, align)
 
 
 @settings(max_examples=60, deadline=None)
@@ -352,9 +352,9 @@ def test_shapes_repeated_dp_times_have_no_padding_beyond_alignment(
     copies = [(i, shape) for i, shape in enumerate(shapes) for _ in range(dp)]
     copies = data.draw(st.permutations(copies))
     specs = [ParamSpec(f"s{i}.{k}", shape, muon=True) for k, (i, shape) in enumerate(copies)]
-    layout = whole_buffer(specs, dp)
-    verify(layout, specs)
-    assert layout.numel == aligned_total(specs, 64)
+    buffer = whole_buffer(specs, dp)
+    verify(buffer, specs)
+    assert buffer.numel == aligned_total(specs, 64)
 
 
 @settings(max_examples=100, deadline=None)
@@ -375,31 +375,31 @@ def test_first_fit_tree_matches_linear_scan(sizes: list[int], data: st.DataObjec
 # ---------------------------------------------------------------- Buffer.check catches breakage
 
 
-def good_layout() -> tuple[Buffer, list[ParamSpec]]:
+def good_buffer() -> tuple[Buffer, list[ParamSpec]]:
     specs = [spec("a", 128), spec("b", 64), spec("c", 64), spec("d", 128)]
-    layout = whole_buffer(specs, 2)
-    return layout, specs
+    buffer = whole_buffer(specs, 2)
+    return buffer, specs
 
 
 def test_check_catches_param_straddling_shards() -> None:
     bucket = Bucket(index=0, start=0, end=256, shard_numel=128)
     straddler = Placement("w", (192,), bucket=0, start=0, end=192, owner=0)
-    layout = Buffer("muon", 2, 64, buckets=(bucket,), placements=(straddler,))
+    buffer = Buffer("muon", 2, 64, buckets=(bucket,), placements=(straddler,))
     with pytest.raises(AssertionError, match=r"'w'.*straddles shards 0"):
-        layout.check()
+        buffer.check()
 
 
-def test_check_accepts_planned_layout() -> None:
-    layout, specs = good_layout()
-    layout.check()
-    layout.check(specs)
+def test_check_accepts_a_planned_buffer() -> None:
+    buffer, specs = good_buffer()
+    buffer.check()
+    buffer.check(specs)
 
 
-def _replace_placement(layout: Buffer, name: str, **changes: int) -> Buffer:
+def _replace_placement(buffer: Buffer, name: str, **changes: int) -> Buffer:
     placements = tuple(
-        dataclasses.replace(p, **changes) if p.name == name else p for p in layout.placements
+        dataclasses.replace(p, **changes) if p.name == name else p for p in buffer.placements
     )
-    return dataclasses.replace(layout, placements=placements)
+    return dataclasses.replace(buffer, placements=placements)
 
 
 @pytest.mark.parametrize(
@@ -429,9 +429,9 @@ def _replace_placement(layout: Buffer, name: str, **changes: int) -> Buffer:
         (lambda L: dataclasses.replace(L, placements=L.placements + L.placements[:1]), "twice"),
     ],
 )
-def test_check_catches_broken_layouts(breakage, message: str) -> None:
-    layout, _ = good_layout()
-    broken = breakage(layout)
+def test_check_catches_broken_buffers(breakage, message: str) -> None:
+    buffer, _ = good_buffer()
+    broken = breakage(buffer)
     with pytest.raises(AssertionError, match=message):
         broken.check()
 
@@ -466,9 +466,9 @@ def test_check_with_specs_catches_shared_tied_bucket_and_order() -> None:
     packed = whole_buffer([spec("emb", 64), spec("w", 64)], 2)
     with pytest.raises(AssertionError, match="tied param 'emb'"):
         packed.check(specs)
-    layout = whole_buffer(specs, 2)
+    buffer = whole_buffer(specs, 2)
     with pytest.raises(AssertionError, match="specs' order"):
-        layout.check(specs[::-1])
+        buffer.check(specs[::-1])
 
 
 # ---------------------------------------------------------------- bad inputs
@@ -538,13 +538,13 @@ def test_fifty_thousand_params_at_dp_1024() -> None:
     specs = deepseek_like_specs()
     assert len(specs) >= 50_000
     t0 = time.perf_counter()
-    layout = whole_buffer(specs, 1024, bucket_size=2_000_000_000)
+    buffer = whole_buffer(specs, 1024, bucket_size=2_000_000_000)
     print(f"planned {len(specs)} params at dp 1024 in {time.perf_counter() - t0:.3f} s")
-    verify(layout, specs, bucket_size=2_000_000_000)
-    embed = layout.placements[0]
-    assert layout.buckets[embed.bucket].shard_numel == round_up(129_280 * 7168, 64)
-    experts = [p for p in layout.placements if ".experts." in p.name]
+    verify(buffer, specs, bucket_size=2_000_000_000)
+    embed = buffer.placements[0]
+    assert buffer.buckets[embed.bucket].shard_numel == round_up(129_280 * 7168, 64)
+    experts = [p for p in buffer.placements if ".experts." in p.name]
     assert len({p.owner for p in experts}) == 1024
     assert math.isclose(
-        sum(p.numel for p in layout.placements) / layout.numel, 1 - layout.padding_fraction
+        sum(p.numel for p in buffer.placements) / buffer.numel, 1 - buffer.padding_fraction
     )

@@ -201,11 +201,14 @@ def to_json(
     world_size: int,
     rows: list[Row],
     overrides: dict[str, Any] | None = None,
+    measured: dict[str, Any] | None = None,
 ) -> str:
-    """The `--json` document; `overrides` are the `DataParallel` keywords the run imposed on
-    every wholeshard configuration (`{}` if none)."""
+    """The `--json` document; `overrides` are the `DataParallelConfig` fields the run imposed on
+    every wholeshard configuration (`{}` if none), `measured` when and how (date, command, step
+    counts)."""
     doc = {
         "machine": machine_info,
+        "measured": dict(measured or {}),
         "world_size": world_size,
         "overrides": dict(overrides or {}),
         "results": [asdict(r) for r in rows],

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wholeshard",
         description="Data-parallel training for matrix optimizers (Muon), "
-        "every tensor whole on one rank.",
+        "every matrix whole on one rank.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in SUBCOMMANDS:

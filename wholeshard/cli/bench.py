@@ -213,7 +213,14 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         _make_parent(args.json)
         with open(args.json, "w") as f:
-            f.write(report.to_json(machine, args.nproc, rows, imposed) + "\n")
+            measured = {
+                "date": time.strftime("%Y-%m-%d"),
+                "command": " ".join(["wholeshard", *sys.argv[1:]]),
+                "steps": steps,
+                "warmup": warmup,
+                "repeat": args.repeat,
+            }
+            f.write(report.to_json(machine, args.nproc, rows, imposed, measured) + "\n")
     if args.png:
         from ..bench.plot import write_png
 

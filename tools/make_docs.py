@@ -1,0 +1,624 @@
+"""Regenerate the generated blocks of the docs: option tables from the code, results from JSON.
+
+    python tools/make_docs.py           # rewrite every stale block in place
+    python tools/make_docs.py --check   # exit 1 naming the stale blocks, change nothing
+
+A generated block is everything between a marker line `<!-- make_docs: NAME -->` and the next
+`<!-- /make_docs -->` in README.md or a page under docs/. NAME picks the generator (`BLOCKS`);
+a block may appear on several pages. Option tables come from the dataclasses and their field
+docstrings (`wholeshard.engine.config.DataParallelConfig`, `wholeshard.train.config`); results
+tables come from the files under docs/results/, which only the `tools/measure_*.py` scripts
+write, and each starts with a line naming when, where and how they were measured. Nothing here
+imports torch or measures anything, so `--check` takes about a second (tests/test_docs.py runs
+it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing it
+
+from wholeshard.cli.flags import field_docs, field_kind, flag_name  # noqa: E402
+
+RESULTS = ROOT / "docs" / "results"
+BLOCK = re.compile(r"(<!-- make_docs: (\S+) -->\n)(.*?)(<!-- /make_docs -->)", re.S)
+REQUIRED = {
+    "data-parallel-config": "docs/data_parallel.md",
+    "train-flags": "docs/train.md",
+    "bench": "docs/benchmarks.md",
+    "plans-recommended": "docs/planning.md",
+}
+"""Blocks that must exist (on that page): `--check` fails when a marker goes missing."""
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def load(name: str) -> dict:
+    """docs/results/NAME, parsed."""
+    path = RESULTS / name
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(
+            f"make_docs: {path.relative_to(ROOT)} is missing; measure it first"
+        ) from None
+
+
+def cell(text: object) -> str:
+    """`text` made safe for one markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(head: list[str], align: str, rows: Iterable[list[object]]) -> list[str]:
+    """A markdown table; `align` has one letter per column: l (left) or r (right)."""
+    out = ["| " + " | ".join(head) + " |"]
+    out.append("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
+    out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def type_text(cls: type, field: dataclasses.Field) -> str:
+    """The field's choices where it has them (a `Literal`), else its annotation."""
+    kind = field_kind(cls, field)
+    if kind is not None and kind[1] is not None:
+        choices = [f'`"{c}"`' for c in kind[1]]
+        if "None" in str(field.type):
+            choices.append("`None`")
+        return " | ".join(choices)
+    return f"`{field.type}`"
+
+
+def default_text(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return "required"
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value}`"
+
+
+def measured(when: str, machine: dict, how: str, source: str, extra: str = "") -> str:
+    """The header line of a results block: date, machine, software, command, source file."""
+    where = f"{machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)"
+    software = f"torch {machine.get('torch', '?')}"
+    if machine.get("python"):
+        software += f", Python {machine['python']}"
+    line = f"_Measured {when} on {where}, {software}; `{how}`"
+    if extra:
+        line += f"; {extra}"
+    return line + f". Data: [{source}]({_link(source)})._"
+
+
+def _link(source: str) -> str:
+    """`source` (relative to the repository) as a link from a page under docs/."""
+    return source.removeprefix("docs/")
+
+
+def mb(x: float | None) -> str:
+    return "" if x is None else f"{x / 1e6:.1f}"
+
+
+def sec(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+# -- option tables ------------------------------------------------------------------------------
+
+
+def data_parallel_config() -> list[str]:
+    """Every `DataParallelConfig` field: name, type, default, docstring."""
+    from wholeshard.engine.config import DataParallelConfig
+
+    docs = field_docs(DataParallelConfig)
+    rows = [
+        [f"`{f.name}`", type_text(DataParallelConfig, f), default_text(f), docs.get(f.name, "")]
+        for f in dataclasses.fields(DataParallelConfig)
+    ]
+    return table(["field", "type", "default", "meaning"], "llll", rows)
+
+
+def train_flags() -> list[str]:
+    """Every `wholeshard train` flag, section by section, from `TrainConfig` and the parser."""
+    from wholeshard.cli import build_parser
+    from wholeshard.engine.config import DataParallelConfig
+    from wholeshard.train.config import PARALLEL_SET_BY_THE_JOB, SECTIONS, TrainConfig
+
+    sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    train = next(
+        p
+        for a in build_parser()._subparsers._group_actions  # type: ignore[union-attr]
+        for name, p in a.choices.items()
+        if name == "train"
+    )
+    out: list[str] = []
+
+    def rows_of(cls: type, prefix: str, skip: frozenset[str] = frozenset()) -> list[list[str]]:
+        docs = field_docs(cls)
+        rows = []
+        for f in dataclasses.fields(cls):
+            if f.name in skip or f.name in SECTIONS or field_kind(cls, f) is None:
+                continue
+            flag = flag_name(f)
+            text = f"`{flag}`"
+            if field_kind(cls, f)[0] is bool and f.default is not False:  # a --x/--no-x switch
+                text += f", `--no-{flag[2:]}`"
+            rows.append([text, f"`{prefix}{f.name}`", default_text(f), docs.get(f.name, "")])
+        return rows
+
+    def extras(dests: set[str]) -> list[list[str]]:
+        """Flags the parser adds beyond the config's fields (in `cli/train.py`)."""
+        rows = []
+        for action in train._actions:
+            flag = next((s for s in action.option_strings if s.startswith("--")), None)
+            if flag in dests:
+                default = "" if action.default in (None, False) else f"`{action.default}`"
+                rows.append([f"`{flag}`", "", default, action.help or ""])
+        return rows
+
+    head, align = ["flag", "field", "default", "meaning"], "llll"
+    out += ["### job", ""]
+    out += table(head, align, extras({"--nproc"}) + rows_of(TrainConfig, ""))
+    for name in SECTIONS:
+        cls = sections[name].default_factory
+        doc = " ".join((cls.__doc__ or "").split())
+        if name == "parallel":
+            doc = (
+                "`DataParallelConfig` (see [data_parallel.md](data_parallel.md#options)), "
+                "except the fields the job sets itself: "
+                + ", ".join(f"`{n}`" for n in sorted(PARALLEL_SET_BY_THE_JOB))
+                + ". Only with `--optimizer muon`."
+            )
+            rows = extras({"--overlap"}) + rows_of(
+                DataParallelConfig, "parallel.", PARALLEL_SET_BY_THE_JOB
+            )
+        else:
+            rows = rows_of(cls, name + ".")
+        if name == "output":
+            rows += extras({"--overwrite", "--json"})
+        out += ["", f"### {name}", "", doc, ""]
+        out += table(head, align, rows)
+    return out
+
+
+# -- results: wholeshard bench ----------------------------------------------------------------
+
+BENCH_COLUMNS: list[tuple[str, str, Callable[[dict], str]]] = [
+    ("step s", "step_s", lambda r: sec(r["step_s"])),
+    ("optimizer s", "optimizer_s", lambda r: sec(r["optimizer_s"])),
+    ("comm wait s", "comm_wait_s", lambda r: sec(r["comm_wait_s"])),
+    ("sent/rank MB", "bytes_sent_per_rank", lambda r: mb(r["bytes_sent_per_rank"])),
+    ("gather MB/rank", "gather_bytes_per_rank", lambda r: mb(r["gather_bytes_per_rank"])),
+    ("peak RSS MB", "peak_rss_bytes", lambda r: mb(r["peak_rss_bytes"])),
+    ("peak RSS delta MB", "peak_rss_delta_bytes", lambda r: mb(r["peak_rss_delta_bytes"])),
+    ("opt state MB", "optimizer_state_bytes", lambda r: mb(r["optimizer_state_bytes"])),
+    ("persistent MB/rank", "persistent_bytes", lambda r: mb(r["persistent_bytes"])),
+    (
+        "persistent MB, all ranks",
+        "persistent_bytes_all_ranks",
+        lambda r: mb(r["persistent_bytes_all_ranks"]),
+    ),
+    ("vs ddp_torch_muon", "ratio_vs_ddp_torch_muon", lambda r: ratio(r["ratio_vs_ddp_torch_muon"])),
+    ("floor s", "floor_s", lambda r: sec(r["floor_s"])),
+    ("vs floor", "ratio_vs_floor", lambda r: ratio(r["ratio_vs_floor"])),
+    (
+        "final loss",
+        "final_loss",
+        lambda r: "" if r["final_loss"] is None else f"{r['final_loss']:.5f}",
+    ),
+]
+
+
+def bench_header(doc: dict) -> str:
+    m, run = doc["machine"], doc.get("measured", {})
+    threads = m.get("threads_per_rank", "?")
+    extra = f"{doc['world_size']} gloo ranks x {threads} thread(s)"
+    if run.get("steps"):
+        extra += (
+            f", medians of {run['steps']} steps after {run.get('warmup', '?')} warm-up, "
+            f"{run.get('repeat', 1)} round(s)"
+        )
+    start, end = m.get("load_average_start"), m.get("load_average_end")
+    if start and end:
+        extra += f"; load average {start[0]:.2f} -> {end[0]:.2f}"
+    if doc.get("overrides"):
+        extra += "; every ws_* configuration overridden with " + ", ".join(
+            f"{k}={v!r}" for k, v in doc["overrides"].items()
+        )
+    return measured(
+        run.get("date", "(date not recorded)"),
+        m,
+        run.get("command", "wholeshard bench --json FILE"),
+        "docs/results/bench.json",
+        extra,
+    )
+
+
+def bench_rows(doc: dict, configs: list[str] | None = None) -> list[dict]:
+    rows = [r for r in doc["results"] if configs is None or r["config"] in configs]
+    if configs is not None:
+        rows.sort(key=lambda r: (r["workload"], configs.index(r["config"])))
+    return rows
+
+
+def bench(doc: dict | None = None) -> list[str]:
+    """Every row of the bench JSON, with every column some row has a value for."""
+    doc = doc or load("bench.json")
+    rows = bench_rows(doc)
+    columns = [c for c in BENCH_COLUMNS if any(r.get(c[1]) is not None for r in rows)]
+    full = [{c[1]: r.get(c[1]) for c in BENCH_COLUMNS} | r for r in rows]
+    body = [
+        [r["workload"], r["config"], *(c[2](r) for c in columns), r.get("error") or ""]
+        for r in full
+    ]
+    head = ["workload", "config", *(c[0] for c in columns), "note"]
+    out = [bench_header(doc), "", *table(head, "ll" + "r" * len(columns) + "l", body)]
+    from wholeshard.bench.configs import CONFIGS
+
+    absent = [name for name in CONFIGS if name not in {r["config"] for r in rows}]
+    if absent:
+        out += ["", "Configurations not in this run: " + ", ".join(f"`{n}`" for n in absent) + "."]
+    return out
+
+
+def bench_subset(configs: list[str], keys: list[str], versus: str) -> list[str]:
+    """Some configurations and columns of the bench JSON, with step time relative to `versus`."""
+    doc = load("bench.json")
+    rows = bench_rows(doc, configs)
+    base = {r["workload"]: r["step_s"] for r in rows if r["config"] == versus and r["step_s"]}
+    columns = [c for c in BENCH_COLUMNS if c[1] in keys]
+    head = ["workload", "config", "step s", f"vs {versus}", *(c[0] for c in columns)]
+    body = []
+    for r in rows:
+        r = {c[1]: r.get(c[1]) for c in BENCH_COLUMNS} | r
+        rel = r["step_s"] / base[r["workload"]] if r["step_s"] and r["workload"] in base else None
+        body.append(
+            [r["workload"], r["config"], sec(r["step_s"]), ratio(rel), *(c[2](r) for c in columns)]
+        )
+    return [bench_header(doc), "", *table(head, "llrr" + "r" * len(columns), body)]
+
+
+def bench_memory() -> list[str]:
+    return bench_subset(
+        [
+            "ws_sync",
+            "ws_overlap",
+            "ws_fully_sharded",
+            "ws_fully_sharded_one_group",
+            "fsdp2_torch_muon",
+        ],  # fmt: skip
+        [
+            "comm_wait_s",
+            "bytes_sent_per_rank",
+            "gather_bytes_per_rank",
+            "persistent_bytes",
+            "persistent_bytes_all_ranks",
+            "peak_rss_delta_bytes",
+        ],  # fmt: skip
+        "ws_overlap",
+    )
+
+
+def bench_fp8() -> list[str]:
+    return bench_subset(
+        ["ws_overlap", "ws_fp8_mxfp8", "ws_fp8_tensorwise"],
+        ["bytes_sent_per_rank", "gather_bytes_per_rank", "persistent_bytes", "final_loss"],
+        "ws_overlap",
+    )
+
+
+def bench_baselines() -> list[str]:
+    return bench_subset(
+        ["ws_sync", "ws_overlap", "ws_ping_pong"],
+        [
+            "comm_wait_s",
+            "bytes_sent_per_rank",
+            "gather_bytes_per_rank",
+            "persistent_bytes",
+            "final_loss",
+        ],  # fmt: skip
+        "ws_sync",
+    )
+
+
+# -- results: wholeshard train ----------------------------------------------------------------
+
+
+def train_set(name: str) -> dict:
+    doc = load("train.json")
+    if name not in doc.get("sets", {}):
+        raise SystemExit(
+            f"make_docs: docs/results/train.json has no set {name!r}: run "
+            f"python tools/measure_train.py --set {name}"
+        )
+    return doc["sets"][name]
+
+
+def train_header(s: dict, set_name: str) -> str:
+    m = s["machine"]
+    extra = ""
+    if m.get("load_average_start") is not None and m.get("load_average_end") is not None:
+        extra = f"load average {m['load_average_start']:.2f} -> {m['load_average_end']:.2f}"
+    return measured(
+        s["date"],
+        m,
+        f"python tools/measure_train.py --set {set_name}",
+        "docs/results/train.json",
+        extra,
+    )
+
+
+def train_compare(set_name: str = "optimizers") -> list[str]:
+    """Validation loss at a few steps of each run of a set of full-length runs, and when the
+    first run reaches the others' final validation loss."""
+    s = train_set(set_name)
+    runs = s["runs"]
+    steps = sorted({int(k) for r in runs for k in r["val_loss"]} - {0})
+    shown = [st for st in steps if st in (50, 100, 150) or st == steps[-1]]
+    best = {st: min(r["val_loss"][str(st)] for r in runs) for st in shown}
+    body = []
+    for r in runs:
+        summary = r["summary"]
+        losses = [r["val_loss"][str(st)] for st in shown]
+        body.append(
+            [
+                f"`{r['command']}`",
+                summary["optimizer"],
+                f"{summary['lr']:g}",
+                summary["param_dtype"],
+                " / ".join(
+                    f"**{v:.3f}**" if v == best[st] and len(runs) > 1 else f"{v:.3f}"
+                    for st, v in zip(shown, losses, strict=True)
+                ),
+            ]
+        )
+    head = ["run", "optimizer", "lr", "params", "val loss at step " + " / ".join(map(str, shown))]
+    out = [train_header(s, set_name), "", *table(head, "llllr", body)]
+    first = runs[0]
+    for other in runs[1:]:
+        target = other["val_loss"][str(steps[-1])]
+        reached = [st for st in steps if first["val_loss"][str(st)] <= target]
+        if reached:
+            out += [
+                "",
+                f"`{first['command']}` reaches the final validation loss of "
+                f"`{other['command']}` ({target:.3f}) by step {reached[0]} of {steps[-1]} "
+                f"(evaluations every {steps[1] - steps[0]} steps).",
+            ]
+    return out
+
+
+def train_transcript() -> list[str]:
+    """What the default run printed (its first lines and its last)."""
+    s = train_set("optimizers")
+    run = s["runs"][0]
+    if not run["printed"]:
+        raise SystemExit("make_docs: the stored default run kept no output; measure it again")
+    lines = [
+        ln.replace(str(Path(run["summary"]["out"])), "runs/<timestamp>") for ln in run["printed"]
+    ]
+    return [train_header(s, "optimizers"), "", "```", "$ make train", *lines, "```"]
+
+
+def train_modes() -> list[str]:
+    """Median step time and time blocked on collectives, and the final loss, per mode."""
+    s = train_set("modes")
+    body = [
+        [
+            f"`{' '.join(r['flags'][4:]) or '(none: synchronous)'}`",
+            sec(r["median_step_s"]),
+            f"{r['median_comm_wait_s']:.4f}",
+            f"{r['summary']['final_loss']:.4f}",
+            f"{r['summary']['final_val_loss']:.4f}",
+        ]
+        for r in s["runs"]
+    ]
+    head = ["flags (with --steps 100 --eval-every 100)", "median step s", "median comm wait s",
+            "final loss", "final val loss"]  # fmt: skip
+    return [train_header(s, "modes"), "", *table(head, "lrrrr", body)]
+
+
+# -- results: plans ---------------------------------------------------------------------------
+
+PADDING_TARGET, IMBALANCE_TARGET = 0.01, 1.10
+
+
+def plans_doc() -> dict:
+    return load("plans.json")
+
+
+def plans_header(doc: dict) -> str:
+    return measured(
+        doc["date"],
+        doc["machine"],
+        "python tools/measure_plans.py",
+        "docs/results/plans.json",
+    )
+
+
+def _plans_index(doc: dict) -> dict[tuple, dict]:
+    return {
+        (r["preset"], r["dp"], r["shard_group_size"], r["strategy"], r["bucket_rule"]): r
+        for r in doc["rows"]
+    }
+
+
+def _ok(r: dict) -> bool:
+    return r["padding_fraction"] <= PADDING_TARGET and r["ns_cost_imbalance"] <= IMBALANCE_TARGET
+
+
+def _plan_cells(r: dict) -> list[str]:
+    """Padding, imbalance (each marked ✗ where it misses its target), buckets, seconds."""
+    padding, imbalance = r["padding_fraction"], r["ns_cost_imbalance"]
+    return [
+        f"{padding:.2%}" + (" ✗" if padding > PADDING_TARGET else ""),
+        f"{imbalance:.3f}" + (" ✗" if imbalance > IMBALANCE_TARGET else ""),
+        str(r["muon_buckets"]),
+        f"{r['plan_seconds']:.2f}",
+    ]
+
+
+def recommended_k(doc: dict, index: dict, preset: str, dp: int, rule: str) -> tuple[int, bool]:
+    """The largest measured k at which `balanced` meets both targets, else the smallest k."""
+    ks = sorted(
+        {r["shard_group_size"] for r in doc["rows"] if (r["preset"], r["dp"]) == (preset, dp)}
+    )
+    good = [k for k in ks if _ok(index[(preset, dp, k, "balanced", rule)])]
+    return (max(good), True) if good else (ks[0], False)
+
+
+def plans_table(rule: str, which: str) -> list[str]:
+    """Both strategies side by side; `which`: the recommended k, or k = dp."""
+    doc = plans_doc()
+    index = _plans_index(doc)
+    body = []
+    for preset in doc["presets"]:
+        for dp in doc["dps"]:
+            if which == "recommended":
+                k, reachable = recommended_k(doc, index, preset, dp, rule)
+                k_cell = str(k) if reachable else f"{k} (targets unreachable)"
+            else:
+                k, k_cell = dp, str(dp)
+            rows = [index[(preset, dp, k, s, rule)] for s in ("size_match", "balanced")]
+            body.append([preset, dp, k_cell, f"{rows[0]['bucket_size']:,}", *_plan_cells(rows[0]),
+                         *_plan_cells(rows[1])])  # fmt: skip
+    head = ["preset", "dp", "k", "bucket size", "size_match: padding", "imbalance", "Muon buckets",
+            "plan s", "balanced: padding", "imbalance", "Muon buckets", "plan s"]  # fmt: skip
+    return [plans_header(doc), "", *table(head, "lrrr" + "r" * 8, body)]
+
+
+def plans_every_k(presets: tuple[str, ...] = ("llama3-70b", "qwen3-30b-a3b")) -> list[str]:
+    doc = plans_doc()
+    index = _plans_index(doc)
+    body = []
+    for preset in presets:
+        for dp in doc["dps"]:
+            ks = sorted(
+                {
+                    r["shard_group_size"]
+                    for r in doc["rows"]
+                    if (r["preset"], r["dp"]) == (preset, dp)
+                }
+            )
+            for k in ks:
+                rows = [index[(preset, dp, k, s, "default")] for s in ("size_match", "balanced")]
+                body.append([preset, dp, k, *_plan_cells(rows[0]), *_plan_cells(rows[1])])
+    head = ["preset", "dp", "k", "size_match: padding", "imbalance", "Muon buckets", "plan s",
+            "balanced: padding", "imbalance", "Muon buckets", "plan s"]  # fmt: skip
+    return [plans_header(doc), "", *table(head, "lrr" + "r" * 8, body)]
+
+
+# -- results: resident memory -----------------------------------------------------------------
+
+
+def rss() -> list[str]:
+    doc = load("rss.json")
+    body = []
+    for run in doc["runs"]:
+        for w in run["workers"]:
+            body.append(
+                [
+                    f"`{run['command']}`",
+                    w["rank"],
+                    f"{w['from_step']} -> {w['to_step']}",
+                    f"{w['from_mib']:.1f} -> {w['to_mib']:.1f}",
+                    f"{w['growth']:+.2%}",
+                    f"{w['min_mib']:.1f} / {w['max_mib']:.1f}",
+                ]
+            )
+    head = ["run", "worker", "steps", "RSS MiB", "change", "min / max MiB in between"]
+    dates = " and ".join(sorted({run["date"] for run in doc["runs"]}))
+    how = "python tools/measure_rss.py --steps N --from-step S -- TRAIN FLAGS"
+    return [
+        measured(dates, doc["runs"][-1]["machine"], how, "docs/results/rss.json"),
+        "",
+        *table(head, "lrrrrr", body),
+    ]
+
+
+# -- the blocks -------------------------------------------------------------------------------
+
+BLOCKS: dict[str, Callable[[], list[str]]] = {
+    "data-parallel-config": data_parallel_config,
+    "train-flags": train_flags,
+    "train-transcript": train_transcript,
+    "train-compare": train_compare,
+    "train-fp8": lambda: train_compare("fp8"),
+    "train-modes": train_modes,
+    "bench": bench,
+    "bench-memory": bench_memory,
+    "bench-fp8": bench_fp8,
+    "bench-baselines": bench_baselines,
+    "plans-recommended": lambda: plans_table("default", "recommended"),
+    "plans-recommended-40m": lambda: plans_table("40M", "recommended"),
+    "plans-no-groups": lambda: plans_table("default", "no_groups"),
+    "plans-every-k": plans_every_k,
+    "rss": rss,
+}
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def render(text: str, cache: dict[str, str]) -> tuple[str, list[str]]:
+    """`text` with every block regenerated, and the names of the blocks that changed."""
+    changed = []
+
+    def replace(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in BLOCKS:
+            raise SystemExit(f"make_docs: unknown block {name!r}; known: {', '.join(BLOCKS)}")
+        if name not in cache:
+            cache[name] = "\n".join(BLOCKS[name]()) + "\n"
+        if m.group(3) != cache[name]:
+            changed.append(name)
+        return m.group(1) + cache[name] + m.group(4)
+
+    return BLOCK.sub(replace, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="report stale blocks, write nothing")
+    args = parser.parse_args(argv)
+    cache: dict[str, str] = {}
+    stale, found = [], {}
+    for page in pages():
+        text = page.read_text()
+        new, changed = render(text, cache)
+        rel = str(page.relative_to(ROOT))
+        for m in BLOCK.finditer(text):
+            found.setdefault(m.group(2), set()).add(rel)
+        stale += [f"{rel}: {name}" for name in changed]
+        if changed and not args.check:
+            page.write_text(new)
+    missing = [
+        f"{page}: {name}" for name, page in REQUIRED.items() if page not in found.get(name, ())
+    ]
+    for line in missing:
+        print(f"make_docs: missing block {line}", file=sys.stderr)
+    if args.check:
+        for line in stale:
+            print(f"make_docs: stale block {line} (run python tools/make_docs.py)", file=sys.stderr)
+        return 1 if stale or missing else 0
+    for line in stale:
+        print(f"make_docs: rewrote {line}")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
