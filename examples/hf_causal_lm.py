@@ -27,30 +27,21 @@ import wholeshard
 from wholeshard.distributed.launch import launch
 from wholeshard.train.data import load_corpus, train_batch
 
-TINY = {  # byte-level (vocab 256), hidden 64, 2 layers: builds in milliseconds
+SMALL = dict(  # byte-level (vocab 256), hidden 64, 2 layers: builds in milliseconds
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+TINY = {
     "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4),
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    ),  # fmt: skip
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    ),  # fmt: skip
+        **SMALL, moe_intermediate_size=32, head_dim=16, num_experts=4, num_experts_per_tok=2
+    ),
 }
 
 

@@ -387,6 +387,12 @@ def spec(name: str, *shape: int, muon: bool | None = None, tied: bool = False) -
     return ParamSpec(name, shape, muon=len(shape) == 2 if muon is None else muon, tied=tied)
 
 
+def shape_lists(max_size: int) -> st.SearchStrategy[list[tuple[int, ...]]]:
+    """1..`max_size` shapes: vectors of up to 300 elements and matrices of up to 40 x 40."""
+    vector, matrix = st.tuples(st.integers(1, 300)), st.tuples(*[st.integers(1, 40)] * 2)
+    return st.lists(st.one_of(vector, matrix), min_size=1, max_size=max_size)
+
+
 @st.composite
 def spec_lists(draw: st.DrawFn, max_params: int = 40, tied_one_in: int = 20) -> list[ParamSpec]:
     """1..`max_params` specs of 0-, 1- and 2-D shapes (Muon iff 2-D), about half of them drawn

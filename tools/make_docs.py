@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing it
 
+from wholeshard.bench.report import fmt_mb, fmt_ratio, fmt_s  # noqa: E402
 from wholeshard.cli.flags import field_docs, field_kind, flag_name  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
@@ -102,18 +103,6 @@ def measured(when: str, machine: dict, how: str, source: str, extra: str = "") -
 def _link(source: str) -> str:
     """`source` (relative to the repository) as a link from a page under docs/."""
     return source.removeprefix("docs/")
-
-
-def mb(x: float | None) -> str:
-    return "" if x is None else f"{x / 1e6:.1f}"
-
-
-def sec(x: float | None) -> str:
-    return "" if x is None else f"{x:.3f}"
-
-
-def ratio(x: float | None) -> str:
-    return "" if x is None else f"{x:.2f}x"
 
 
 # -- option tables ------------------------------------------------------------------------------
@@ -197,23 +186,27 @@ def train_flags() -> list[str]:
 # -- results: wholeshard bench ----------------------------------------------------------------
 
 BENCH_COLUMNS: list[tuple[str, str, Callable[[dict], str]]] = [
-    ("step s", "step_s", lambda r: sec(r["step_s"])),
-    ("optimizer s", "optimizer_s", lambda r: sec(r["optimizer_s"])),
-    ("comm wait s", "comm_wait_s", lambda r: sec(r["comm_wait_s"])),
-    ("sent/rank MB", "bytes_sent_per_rank", lambda r: mb(r["bytes_sent_per_rank"])),
-    ("gather MB/rank", "gather_bytes_per_rank", lambda r: mb(r["gather_bytes_per_rank"])),
-    ("peak RSS MB", "peak_rss_bytes", lambda r: mb(r["peak_rss_bytes"])),
-    ("peak RSS delta MB", "peak_rss_delta_bytes", lambda r: mb(r["peak_rss_delta_bytes"])),
-    ("opt state MB", "optimizer_state_bytes", lambda r: mb(r["optimizer_state_bytes"])),
-    ("persistent MB/rank", "persistent_bytes", lambda r: mb(r["persistent_bytes"])),
+    ("step s", "step_s", lambda r: fmt_s(r["step_s"])),
+    ("optimizer s", "optimizer_s", lambda r: fmt_s(r["optimizer_s"])),
+    ("comm wait s", "comm_wait_s", lambda r: fmt_s(r["comm_wait_s"])),
+    ("sent/rank MB", "bytes_sent_per_rank", lambda r: fmt_mb(r["bytes_sent_per_rank"])),
+    ("gather MB/rank", "gather_bytes_per_rank", lambda r: fmt_mb(r["gather_bytes_per_rank"])),
+    ("peak RSS MB", "peak_rss_bytes", lambda r: fmt_mb(r["peak_rss_bytes"])),
+    ("peak RSS delta MB", "peak_rss_delta_bytes", lambda r: fmt_mb(r["peak_rss_delta_bytes"])),
+    ("opt state MB", "optimizer_state_bytes", lambda r: fmt_mb(r["optimizer_state_bytes"])),
+    ("persistent MB/rank", "persistent_bytes", lambda r: fmt_mb(r["persistent_bytes"])),
     (
         "persistent MB, all ranks",
         "persistent_bytes_all_ranks",
-        lambda r: mb(r["persistent_bytes_all_ranks"]),
+        lambda r: fmt_mb(r["persistent_bytes_all_ranks"]),
     ),
-    ("vs ddp_torch_muon", "ratio_vs_ddp_torch_muon", lambda r: ratio(r["ratio_vs_ddp_torch_muon"])),
-    ("floor s", "floor_s", lambda r: sec(r["floor_s"])),
-    ("vs floor", "ratio_vs_floor", lambda r: ratio(r["ratio_vs_floor"])),
+    (
+        "vs ddp_torch_muon",
+        "ratio_vs_ddp_torch_muon",
+        lambda r: fmt_ratio(r["ratio_vs_ddp_torch_muon"]),
+    ),
+    ("floor s", "floor_s", lambda r: fmt_s(r["floor_s"])),
+    ("vs floor", "ratio_vs_floor", lambda r: fmt_ratio(r["ratio_vs_floor"])),
     (
         "final loss",
         "final_loss",
@@ -286,7 +279,13 @@ def bench_subset(configs: list[str], keys: list[str], versus: str) -> list[str]:
         r = {c[1]: r.get(c[1]) for c in BENCH_COLUMNS} | r
         rel = r["step_s"] / base[r["workload"]] if r["step_s"] and r["workload"] in base else None
         body.append(
-            [r["workload"], r["config"], sec(r["step_s"]), ratio(rel), *(c[2](r) for c in columns)]
+            [
+                r["workload"],
+                r["config"],
+                fmt_s(r["step_s"]),
+                fmt_ratio(rel),
+                *(c[2](r) for c in columns),
+            ]
         )
     return [bench_header(doc), "", *table(head, "llrr" + "r" * len(columns), body)]
 
@@ -419,7 +418,7 @@ def train_modes() -> list[str]:
     body = [
         [
             f"`{' '.join(r['flags'][4:]) or '(none: synchronous)'}`",
-            sec(r["median_step_s"]),
+            fmt_s(r["median_step_s"]),
             f"{r['median_comm_wait_s']:.4f}",
             f"{r['summary']['final_loss']:.4f}",
             f"{r['summary']['final_val_loss']:.4f}",

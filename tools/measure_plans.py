@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.planning import default_bucket_size, plan_buffers  # noqa: E402
 from wholeshard.planning.presets import PRESETS  # noqa: E402
 
@@ -40,29 +40,6 @@ SLOW_S = 1.0
 
 def shard_group_sizes(dp: int) -> list[int]:
     return [k for k in range(min(dp, max(8, dp // 8)), dp + 1) if dp % k == 0]
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch_version,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_average_start": os.getloadavg()[0],
-    }
 
 
 def measure(preset: str, specs: list, dp: int, k: int, strategy: str, rule: str) -> dict:
@@ -96,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "plans.json"))
     parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=list(PRESETS))
     args = parser.parse_args(argv)
-    info = machine()
+    info = machine(nproc=1)
     rows = []
     for preset in args.presets:
         specs = PRESETS[preset]()

@@ -18,11 +18,12 @@ import csv
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from wholeshard.bench.report import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,24 +66,6 @@ def last_step(metrics: Path) -> int:
         return -1
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import torch
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -119,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": " ".join(command),
         "date": datetime.date.today().isoformat(),
-        "machine": machine(),
+        "machine": machine(nproc=2),
         "workers": [],
     }
     for rank, pid in enumerate(sorted({s[2] for s in samples})):

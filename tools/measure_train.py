@@ -23,12 +23,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from wholeshard.bench.report import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results" / "train.json"
@@ -57,25 +58,6 @@ SETS: dict[str, list[tuple[str, list[str]]]] = {
 }
 SKIP_STEPS = 5
 """Per-step medians leave out this many first steps (warm-up)."""
-
-
-def machine() -> dict:
-    """What the runs were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import torch
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
 
 
 OUTPUT = "measure_train.json"
@@ -174,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["sets"][name] = {
             "date": datetime.date.fromtimestamp(finished).isoformat(),
             "machine": {
-                **machine(),
+                **machine(nproc=2),
                 # the load while these runs ran, where this invocation ran them
                 "load_average_start": None if args.reuse else load_start,
                 "load_average_end": None if args.reuse else os.getloadavg()[0],

@@ -9,7 +9,7 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, spec_lists, verify_whole_buffer, whole_buffer
+from support import round_up, shape_lists, spec_lists, verify_whole_buffer, whole_buffer
 
 from wholeshard.planning import STRATEGIES, Buffer, ParamSpec, plan_buffers
 from wholeshard.planning._packing import FirstFit
@@ -63,15 +63,7 @@ def _first_members(buffer: Buffer) -> list:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    shapes=st.lists(
-        st.one_of(st.tuples(st.integers(1, 300)), st.tuples(*[st.integers(1, 40)] * 2)),
-        min_size=1,
-        max_size=10,
-    ),
-    dp=st.integers(1, 16),
-    data=st.data(),
-)
+@given(shapes=shape_lists(10), dp=st.integers(1, 16), data=st.data())
 def test_balanced_splits_shapes_repeated_dp_times_exactly(
     shapes: list[tuple[int, ...]], dp: int, data: st.DataObject
 ) -> None:

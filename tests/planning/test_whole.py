@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, spec, spec_lists, verify_whole_buffer, whole_buffer
+from support import round_up, shape_lists, spec, spec_lists, verify_whole_buffer, whole_buffer
 
 from wholeshard.planning import Bucket, Buffer, ParamSpec, Placement
 from wholeshard.planning._packing import FirstFit
@@ -102,21 +102,19 @@ def reference_plan(
 
 
 def transformer_block(i: int, d: int = 128) -> list[ParamSpec]:
-    p = f"h.{i}."
-    return [
-        spec(p + "ln_1.weight", d),
-        spec(p + "ln_1.bias", d),
-        spec(p + "attn.qkv.weight", 3 * d, d),
-        spec(p + "attn.qkv.bias", 3 * d),
-        spec(p + "attn.proj.weight", d, d),
-        spec(p + "attn.proj.bias", d),
-        spec(p + "ln_2.weight", d),
-        spec(p + "ln_2.bias", d),
-        spec(p + "mlp.fc.weight", 4 * d, d),
-        spec(p + "mlp.fc.bias", 4 * d),
-        spec(p + "mlp.fc2.weight", d, 4 * d),
-        spec(p + "mlp.fc2.bias", d),
+    """A GPT-2-style block d wide, in registration order: each layer's weight, then its bias."""
+    layers = [
+        ("ln_1", (d,)),
+        ("attn.qkv", (3 * d, d)),
+        ("attn.proj", (d, d)),
+        ("ln_2", (d,)),
+        ("mlp.fc", (4 * d, d)),
+        ("mlp.fc2", (d, 4 * d)),
     ]
+    specs = []
+    for name, shape in layers:
+        specs += [spec(f"h.{i}.{name}.weight", *shape), spec(f"h.{i}.{name}.bias", shape[0])]
+    return specs
 
 
 # ---------------------------------------------------------------- concrete size-matching cases
@@ -335,17 +333,7 @@ def test_random_buffers_keep_invariants_and_match_reference(
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    shapes=st.lists(
-        st.one_of(
-            st.tuples(st.integers(1, 300)), st.tuples(st.integers(1, 40), st.integers(1, 40))
-        ),
-        min_size=1,
-        max_size=12,
-    ),
-    dp=st.integers(1, 16),
-    data=st.data(),
-)
+@given(shapes=shape_lists(12), dp=st.integers(1, 16), data=st.data())
 def test_shapes_repeated_dp_times_have_no_padding_beyond_alignment(
     shapes: list[tuple[int, ...]], dp: int, data: st.DataObject
 ) -> None:

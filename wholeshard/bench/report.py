@@ -19,8 +19,6 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
 
-import torch
-
 from .configs import REFERENCE
 
 LOSS_RTOL = 1e-2
@@ -162,6 +160,8 @@ def disagreements(rows: list[Row], rtol: float = LOSS_RTOL) -> list[str]:
 
 def machine(nproc: int, forked: bool = False) -> dict[str, Any]:
     """What the numbers were measured on (`forked`: workers run one thread, see `launch`)."""
+    import torch  # here, not at the top: the report's formatting serves tools without torch
+
     cores = os.cpu_count() or 1
     try:
         usable = len(os.sched_getaffinity(0))
@@ -216,15 +216,18 @@ def to_json(
     return json.dumps(doc, indent=2)
 
 
-def _mb(x: int | None) -> str:
+def fmt_mb(x: float | None) -> str:
+    """Bytes as MB in a table cell ("" when unknown)."""
     return "" if x is None else f"{x / 1e6:.1f}"
 
 
-def _s(x: float | None) -> str:
+def fmt_s(x: float | None) -> str:
+    """Seconds in a table cell."""
     return "" if x is None else f"{x:.3f}"
 
 
-def _x(x: float | None) -> str:
+def fmt_ratio(x: float | None) -> str:
+    """A ratio in a table cell."""
     return "" if x is None else f"{x:.2f}x"
 
 
@@ -238,16 +241,17 @@ def markdown(rows: list[Row], flagged: list[str]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        ratio = _x(r.ratio_vs_ddp_torch_muon)
+        ratio = fmt_ratio(r.ratio_vs_ddp_torch_muon)
         loss = "" if r.final_loss is None else f"{r.final_loss:.5f}"
         note = r.error or ("LOSS DISAGREES" if f"{r.workload}/{r.config}" in bad else "")
         note = note.replace("|", "\\|").replace("\n", " ")
         lines.append(
-            f"| {r.workload} | {r.config} | {_s(r.step_s)} | {_s(r.optimizer_s)} "
-            f"| {_s(r.comm_wait_s)} | {_mb(r.bytes_sent_per_rank)} "
-            f"| {_mb(r.gather_bytes_per_rank)} | {_mb(r.peak_rss_bytes)} "
-            f"| {_mb(r.peak_rss_delta_bytes)} | {_mb(r.optimizer_state_bytes)} "
-            f"| {_mb(r.persistent_bytes)} | {ratio} | {_s(r.floor_s)} | {_x(r.ratio_vs_floor)} "
+            f"| {r.workload} | {r.config} | {fmt_s(r.step_s)} | {fmt_s(r.optimizer_s)} "
+            f"| {fmt_s(r.comm_wait_s)} | {fmt_mb(r.bytes_sent_per_rank)} "
+            f"| {fmt_mb(r.gather_bytes_per_rank)} | {fmt_mb(r.peak_rss_bytes)} "
+            f"| {fmt_mb(r.peak_rss_delta_bytes)} | {fmt_mb(r.optimizer_state_bytes)} "
+            f"| {fmt_mb(r.persistent_bytes)} | {ratio} | {fmt_s(r.floor_s)} "
+            f"| {fmt_ratio(r.ratio_vs_floor)} "
             f"| {loss} | {note} |"
         )
     return "\n".join(lines)
