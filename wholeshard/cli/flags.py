@@ -17,7 +17,9 @@ import functools
 import inspect
 import sys
 import typing
-from typing import Any, Literal
+from typing import Any
+
+from ..engine.config import literal_choices
 
 MISSING = argparse.SUPPRESS
 """The default of a flag that overrides only when given (`add_flags(..., overrides=True)`)."""
@@ -59,10 +61,9 @@ def field_kind(cls: type, field: dataclasses.Field) -> tuple[type, tuple[Any, ..
             hint = eval(hint, vars(sys.modules[cls.__module__]))  # noqa: S307 (our own source)
         except NameError:  # names only a type checker imports: not a flag
             return None
-    for t in (hint, *typing.get_args(hint)):
-        if typing.get_origin(t) is Literal:
-            choices = typing.get_args(t)
-            return type(choices[0]), choices
+    choices = literal_choices(hint)
+    if choices is not None:
+        return type(choices[0]), choices
     kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
     return (kinds[0], None) if kinds in ([bool], [int], [float], [str]) else None
 

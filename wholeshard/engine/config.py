@@ -11,6 +11,7 @@ them before any worker starts).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,6 +32,15 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+def literal_choices(hint: Any) -> tuple[Any, ...] | None:
+    """The values a `Literal[...]` (or `Literal[...] | None`) type admits; None for other types.
+    The one reading of a config field's choices (validation, flags, docs)."""
+    for t in (hint, *typing.get_args(hint)):
+        if typing.get_origin(t) is Literal:
+            return typing.get_args(t)
+    return None
 
 
 ParamSync = Literal["allgather", "broadcast"]

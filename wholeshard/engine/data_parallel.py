@@ -192,7 +192,7 @@ class DataParallel(nn.Module):
     def _register_hooks(self, gathers: bool) -> None:
         """Gradient hooks on every param; module hooks where params are gathered on demand."""
         buckets = self.scheduler.buckets
-        self._where = {p.name: (b, p) for b in buckets for _, p in b.params}
+        self._bucket_of = {p.name: b for b in buckets for _, p in b.params}
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._grad_hook(b, i, p.name))
             for b in buckets
@@ -235,7 +235,7 @@ class DataParallel(nn.Module):
                 ranges.setdefault(p.name, []).append((p, offset, length, buffer))
         for route in self.routes:
             for p, offset, length, buffer in ranges.get(route.name, ()):
-                bucket = self._where[p.name][0]
+                bucket = self._bucket_of[p.name]
                 lo = p.start + offset
                 param, grad = bucket.owned_views(lo, lo + length)
                 if buffer.whole:

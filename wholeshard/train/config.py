@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..engine.config import ConfigError, DataParallelConfig
+from ..engine.config import ConfigError, DataParallelConfig, literal_choices
 
 DEFAULT_LR = {"muon": 1e-2, "adamw": 2e-3}
 """Peak learning rate per optimizer when `optim.lr` is not given (tuned on the tiny model)."""
@@ -258,7 +258,7 @@ def _check_fields(obj: Any, prefix: str) -> None:
         name = f.metadata.get("flag", f.name).replace("-", "_")  # as the user spells it
         if value is None and f.default is None:
             continue
-        choices = _choices(hints[f.name])
+        choices = literal_choices(hints[f.name])
         if choices is not None and value not in choices:
             raise ConfigError(where, f"{name} must be one of {choices}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):
@@ -268,11 +268,3 @@ def _check_fields(obj: Any, prefix: str) -> None:
             raise ConfigError(where, f"{name} must be >= {low}, got {value}")
         if high is not None and value > high:
             raise ConfigError(where, f"{name} must be <= {high:,}, got {value}")
-
-
-def _choices(hint: Any) -> tuple[Any, ...] | None:
-    """The values a `Literal[...]` (or `Literal[...] | None`) admits; None for other types."""
-    for t in (hint, *typing.get_args(hint)):
-        if typing.get_origin(t) is Literal:
-            return typing.get_args(t)
-    return None
