@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from ..bench import report
 from ..bench.configs import CONFIGS, WORKLOADS, with_overrides
 from ..engine.config import DataParallelConfig
 from . import MAX_NPROC, positive_int
@@ -127,11 +128,10 @@ def _run_one(
     warmup: int,
     quick: bool,
     overrides: dict[str, Any] | None = None,
-) -> tuple[Any, list[str]]:
+) -> tuple[report.Row, list[str]]:
     """One configuration (wholeshard keywords replaced by `overrides`) on fresh workers: its
     row, and any collectives the traffic model could not charge. A configuration that cannot
     run or fails gets a row carrying the reason."""
-    from ..bench import report
     from ..bench.builders import unavailable
     from ..bench.worker import run_rank
     from ..distributed.launch import WorkerFailed, launch
@@ -178,7 +178,6 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from ..bench import report
     from ..bench.worker import preload
 
     machine = report.machine(args.nproc, forked=args.quick)
