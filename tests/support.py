@@ -96,14 +96,21 @@ def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.T
     return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
+def device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of `model` on `(x, y)`, moved to the model's device."""
+    x, y = x.to(device_of(model)), y.to(device_of(model))
     out = model(x)
     logits = getattr(out, "logits", out)  # a transformers model returns an output object
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    """Every param as fp32 on the CPU (comparable across devices and processes)."""
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def matrices_of(route: wholeshard.Route, t: torch.Tensor) -> list[torch.Tensor]:
@@ -138,17 +145,19 @@ def reference_run(
     probe: Callable[[nn.Module], Any] | None = None,
     start: int = 0,
     state: dict[str, dict[str, torch.Tensor]] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Train on the full batch in one process with torch's own optimizers, each Muon matrix
     (every matrix of a stack, a transposed weight as (out, in)) a param of its own.
     `make()` builds the model instead of `make_model(**model_kw)`; `probe(model)` runs on the
     trained model and its result is returned as "probe" (e.g. generated tokens). `start` is the
     first step's batch; `state` (by param name: full fp32 "value" and optimizer state, as in
-    the param's shape) replaces the initial params and the optimizers' empty state."""
+    the param's shape) replaces the initial params and the optimizers' empty state. `device`:
+    where it trains ("cpu" or "cuda")."""
     model = make() if make is not None else make_model(**(model_kw or {}))
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
-    model.to(param_dtype)
+    model.to(device=device, dtype=param_dtype)
     routes = route_params(model, use_muon)
     if state is not None:
         with torch.no_grad():
@@ -172,10 +181,10 @@ def reference_run(
     for step in range(start, start + steps):
         loss = lm_loss(model, *batch(step))
         loss.backward()
-        for r in routes:
-            g = torch.zeros_like(r.param) if r.param.grad is None else r.param.grad
-            for m, gm in zip(masters[r.name], matrices_of(r, g), strict=True):
-                m.grad = gm
+        for r in routes:  # a param without a gradient is not stepped (its masters' grads None)
+            g = r.param.grad
+            for i, m in enumerate(masters[r.name]):
+                m.grad = None if g is None else matrices_of(r, g)[i]
             r.param.grad = None
         if clip is not None:
             every = [m for ms in masters.values() for m in ms]
@@ -207,6 +216,7 @@ def wholeshard_run(
     probe: Callable[[nn.Module], Any] | None = None,
     keep_ddp: bool = False,
     lr_lambda: Callable[[int], float] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The same training on this rank's slice of every batch; returns what the tests compare.
 
@@ -215,12 +225,14 @@ def wholeshard_run(
     `probe(model)` runs on the wrapped module right after the last step (overlapped gathers
     still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
     "ddp" (for inspection inside the worker: it does not pickle); `lr_lambda` drives a
-    `LambdaLR` scheduler stepped after every optimizer step.
+    `LambdaLR` scheduler stepped after every optimizer step; `device`: where the model runs
+    (outputs come back on the CPU).
     """
     rank, world = rank_world()
     model = make() if make is not None else make_model(**(model_kw or {}))
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
+    model.to(device)
     ddp = wholeshard.DataParallel(
         model, param_dtype=param_dtype, use_muon=use_muon, **(ddp_kw or {})
     )
@@ -229,7 +241,7 @@ def wholeshard_run(
     losses, norms, evals = [], [], []
     for step in range(steps):
         x, y = local_batch(step, rank, world)
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for i, (xm, ym) in enumerate(
             zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches), strict=True)
         ):
@@ -252,7 +264,7 @@ def wholeshard_run(
     with ddp.full_params():
         params = full_params(model)
     state = {
-        name: {k: v.clone() for k, v in entry.items() if torch.is_tensor(v)}
+        name: {k: v.cpu().clone() for k, v in entry.items() if torch.is_tensor(v)}
         for name, entry in opt.state_dict()["state"].items()
     }
     out = {
@@ -313,6 +325,39 @@ def run(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> list[A
     if nproc == 0:
         return [fn(*args, **kwargs)]
     return launch(functools.partial(fn, *args, **kwargs), nproc, start_method="fork", timeout=120)
+
+
+def run_cuda(
+    fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", **kwargs: Any
+) -> list[Any]:
+    """`run` on the GPU: `nproc` spawned ranks, each on GPU `rank % device_count` (gloo lets
+    several share one; NCCL needs one each)."""
+    return launch(
+        functools.partial(fn, *args, **kwargs),
+        nproc,
+        start_method="spawn",
+        timeout=600,
+        backend=backend,
+        device="cuda",
+    )
+
+
+def cuda_deterministic() -> None:
+    """[Note: deterministic GPU runs]
+    On CUDA two runs of the same program can differ in the last bits: cuBLAS picks workspace-
+    dependent kernels, flash and memory-efficient attention backward and some scatter backwards
+    use atomics, and NCCL's sum order follows its algorithm and protocol. The GPU tier's bitwise
+    claims (overlap == sync, fully sharded == ZeRO, resume == uninterrupted) hold under
+    deterministic algorithms, a fixed cuBLAS workspace, math attention and a fixed NCCL ring,
+    which this sets for the calling process (its spawned workers inherit the environment)."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    os.environ.setdefault("NCCL_PROTO", "Simple")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -289,6 +289,88 @@ def test_one_process_load_gets_every_owners_values(saved_at_2: dict) -> None:
     assert_same(merge_states([state]), saved_at_2["state"], "state")
 
 
+# -- a changed set of frozen params (freezing after pre-training, progressive unfreezing) ------
+
+FC = ("blocks.0.fc.bias", "blocks.0.fc.weight")
+
+
+def frozen_fc(model: torch.nn.Module) -> torch.nn.Module:
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in FC)
+    return model
+
+
+def _global_losses(losses: list[torch.Tensor]) -> list[float]:
+    for loss in losses:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return [x.item() for x in losses]
+
+
+def _freeze_then_unfreeze(root: str) -> dict:
+    """Train all params, save; resume with FC frozen, train, save; resume with all trainable."""
+    out = {}
+    model, ddp, opt = setup()
+    train_steps(ddp, opt, range(2))
+    save_checkpoint(f"{root}/all", ddp, opt)
+    with ddp.full_params():
+        out["saved_all"] = full_params(model)
+    out["state_all"] = owned_state(opt)
+
+    model, ddp, opt = setup(model=frozen_fc(make_model(seed=5)))
+    with pytest.warns(UserWarning, match=r"frozen now, .*: blocks\.0\.fc\.bias, blocks\.0\.fc\.w"):
+        load_checkpoint(f"{root}/all", ddp, opt)
+    with ddp.full_params():
+        out["loaded_frozen"] = full_params(model)
+    out["losses_frozen"] = _global_losses(train_steps(ddp, opt, range(2, 4)))
+    save_checkpoint(f"{root}/frozen", ddp, opt)
+    with ddp.full_params():
+        out["saved_frozen"] = full_params(model)
+    out["state_frozen"] = owned_state(opt)
+
+    model, ddp, opt = setup(seed=6)
+    with pytest.warns(
+        UserWarning, match=r"trainable now .*: blocks\.0\.fc\.bias, blocks\.0\.fc\.w"
+    ):
+        load_checkpoint(f"{root}/frozen", ddp, opt)
+    with ddp.full_params():
+        out["loaded_all"] = full_params(model)
+    out["fc_state"] = [dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.name in FC]
+    out["losses_all"] = _global_losses(train_steps(ddp, opt, range(4, 6)))
+    with ddp.full_params():
+        out["trained_all"] = full_params(model)
+    return out
+
+
+def test_resume_with_a_changed_set_of_frozen_params(tmp_path: Path) -> None:
+    outs = run(_freeze_then_unfreeze, 2, str(tmp_path))
+    out = outs[0]
+    for o in outs:  # every param gets its saved value, frozen or not, on every rank
+        assert_same(o["loaded_frozen"], out["saved_all"], "params loaded with FC frozen")
+        assert_same(o["loaded_all"], out["saved_frozen"], "params loaded with FC trainable")
+    assert [s for o in outs for s in o["fc_state"]] == [{}, {}], "FC's optimizer state is fresh"
+
+    # The reference: one process resuming from the saved state, FC frozen, then trainable.
+    def saved_model_with_fc_frozen() -> torch.nn.Module:
+        model = frozen_fc(make_model())
+        model.load_state_dict(out["saved_all"])
+        return model
+
+    state = merge_states([o["state_all"] for o in outs])
+    ref = reference_run(
+        2,
+        start=2,
+        make=saved_model_with_fc_frozen,
+        state={n: v for n, v in state.items() if n not in FC},
+    )
+    assert_matches({"params": out["saved_frozen"], "losses": out["losses_frozen"]}, ref)
+    assert all(torch.equal(out["saved_frozen"][n], out["saved_all"][n]) for n in FC)
+
+    state = merge_states([o["state_frozen"] for o in outs])
+    state |= {n: {"value": out["saved_frozen"][n]} for n in FC}  # no optimizer state
+    ref = reference_run(2, start=4, state=state)
+    assert_matches({"params": out["trained_all"], "losses": out["losses_all"]}, ref)
+
+
 # -- flat slices (element-wise sharded AdamW) ---------------------------------------------------
 
 
@@ -371,25 +453,25 @@ def test_flat_slices_reshard_both_ways(saved_at_2: dict, tmp_path: Path) -> None
 
 def test_step_numbers_latest_and_keep_last(tmp_path: Path) -> None:
     model, ddp, opt = setup()
-    for _ in range(3):
+    for _ in range(3):  # named by the optimizer's step count
         train_steps(ddp, opt, range(1))
         save_checkpoint(tmp_path, ddp, opt, extra={"note": "counter"}, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2"]
-    assert resolve_checkpoint(tmp_path) == tmp_path / "step-2"
-    assert resolve_checkpoint(tmp_path / "latest") == tmp_path / "step-2"
-    assert resolve_checkpoint(tmp_path / "step-1") == tmp_path / "step-1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step-3"
+    assert resolve_checkpoint(tmp_path / "latest") == tmp_path / "step-3"
+    assert resolve_checkpoint(tmp_path / "step-2") == tmp_path / "step-2"
 
     with pytest.raises(CheckpointError, match="latest checkpoint; refusing"):
-        save_checkpoint(tmp_path, ddp, opt, extra={"step": 2})
+        save_checkpoint(tmp_path, ddp, opt)
     now = full_params(model)
-    save_checkpoint(tmp_path, ddp, opt, extra={"step": 1})  # replaces the older step-1
-    assert (tmp_path / "latest").read_text() == "step-1\n"
+    save_checkpoint(tmp_path, ddp, opt, extra={"step": 2})  # replaces the older step-2
+    assert (tmp_path / "latest").read_text() == "step-2\n"
     with pytest.raises(CheckpointError, match="weights_only"):
         save_checkpoint(tmp_path, ddp, opt, extra={"step": 9, "bad": object()})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
 
     model, ddp, opt = setup(seed=3)
-    assert load_checkpoint(tmp_path, ddp, opt) == {"step": 1}
+    assert load_checkpoint(tmp_path, ddp, opt) == {"step": 2}
     assert_same(full_params(model), now, "params")
     with pytest.raises(CheckpointError, match="neither a checkpoint"):
         load_checkpoint(tmp_path / "nothing", ddp, opt)
@@ -474,7 +556,7 @@ def test_export_tied_bf16_model_with_buffer(tmp_path: Path) -> None:
     plain.register_buffer("scale", torch.zeros(2))
     plain.to(torch.bfloat16).load_state_dict(got, strict=True)
 
-    assert _export_cli(tmp_path / "step-0", tmp_path / "w32.safetensors", "--dtype", "float32") == 0
+    assert _export_cli(tmp_path / "step-1", tmp_path / "w32.safetensors", "--dtype", "float32") == 0
     got32 = read_safetensors(tmp_path / "w32.safetensors")
     assert torch.equal(got32["head.weight"], masters["emb.weight"])
     assert got32["scale"].dtype == torch.float32

@@ -15,7 +15,7 @@ from support import ADAMW_KW, MUON_KW, lm_loss, local_batch, make_model
 import wholeshard
 from wholeshard import cli
 from wholeshard.checkpoint import directory as checkpoint_dir
-from wholeshard.checkpoint import save_checkpoint
+from wholeshard.checkpoint import export_checkpoint, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +142,20 @@ def test_export_to_an_unwritable_place_is_one_line(
 ) -> None:
     code, err = export(saved, tmp_path / "no" / "such" / "dir" / "m.safetensors", capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1 and "No such file" in err, err
+
+
+def test_export_keeps_an_existing_file_unless_overwrite(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"the user's own file")
+    code, err = export(saved, out, capsys)
+    assert code == 1 and f"{out} already exists" in err and "--overwrite" in err, err
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export_checkpoint(saved, out)
+    assert out.read_bytes() == b"the user's own file"
+    assert cli.main(["export", str(saved), str(out), "--overwrite"]) == 0
+    export_checkpoint(saved, tmp_path / "fresh.safetensors")
+    assert out.read_bytes() == (tmp_path / "fresh.safetensors").read_bytes()
+    export_checkpoint(saved, out, overwrite=True)  # and from Python
+    assert out.read_bytes() == (tmp_path / "fresh.safetensors").read_bytes()

@@ -268,3 +268,42 @@ def test_routing_summary_counts_stack_matrices() -> None:
     assert f"({muon_numel / 1e6:.2f}M params) to Muon" in summary
     one = routing_summary(route_params(nn.Sequential(nn.Linear(4, 4, bias=False))))
     assert one == "routing: 1 matrix (16 params) to Muon, 0 tensors (0 params) to AdamW"
+
+
+class _Embed(nn.Module):
+    """An embedding table a model indexes itself (not an `nn.Embedding`)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, dim))
+
+
+@pytest.mark.parametrize("where", ["emb", "tok_embeddings", "embed"])
+def test_embedding_tables_are_told_by_name(where: str) -> None:
+    model = nn.Module()
+    model.body = nn.Module()
+    model.body.proj = nn.Linear(8, 8)
+    setattr(model.body, where, _Embed(16, 8))  # a module named like an embedding
+    model.body.tables = nn.Module()
+    setattr(model.body.tables, where, nn.Parameter(torch.randn(16, 8)))  # a bare table
+    routes = {r.name: r.muon for r in route_params(model)}
+    assert routes == {
+        "body.proj.weight": True,
+        "body.proj.bias": False,
+        f"body.{where}.weight": False,
+        f"body.tables.{where}": False,
+    }
+    for name, muon in routes.items():  # shapes files tell the same from the names
+        assert muon_by_name(name, (16, 8) if "bias" not in name else (8,)) == muon
+
+
+def test_routing_table_lists_frozen_params() -> None:
+    model = nn.Module()
+    model.body = nn.Linear(8, 8)
+    model.frozen = nn.Linear(8, 4)
+    model.frozen.requires_grad_(False)
+    table = routing_table(model)
+    lines = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
+    assert lines["frozen.weight"] == ["4x8", "frozen"]
+    assert lines["frozen.bias"] == ["4", "frozen"]
+    assert lines["body.weight"] == ["8x8", "muon"]

@@ -47,7 +47,7 @@ def measure(
         workload.loss(bare_model(x), y).backward()
         if s > warmup:
             forward_backward.append(time.perf_counter() - t0)
-    for r in routes:  # a param that got no gradient is stepped with a zero one, as in training
+    for r in routes:  # every workload uses every param; zeros keep a stray one copyable
         if r.param.grad is None:
             r.param.grad = torch.zeros_like(r.param)
     optimizers = owned_optimizers(routes)

@@ -3,15 +3,20 @@
 A checkpoint is a `step-N` directory of a checkpoints directory (the directory protocol, with
 its atomic rename, `latest` marker and pruning, is `directory`):
 
-    root/step-N/           one complete checkpoint (N = extra["step"], else the next free number)
+    root/step-N/           one complete checkpoint (N = extra["step"], else the optimizer's
+                           step count, else the next free number)
         .metadata, __R_I.distcp    DCP's files: logical tensors, see "Format"
-        trainer.pt                 param-group hyperparameters and the caller's `extra` (rank 0)
+        trainer.pt                 param-group hyperparameters, the optimizer's step count and
+                                   the caller's `extra` (rank 0)
         wholeshard.json            manifest, written last: model table, size + crc32 of every file
     root/latest            text file naming the most recently completed save ("step-N")
 
-A load validates everything (manifest, every file's size and crc32, model names, shapes and
-routing, chunk coverage) and agrees on the outcome across ranks BEFORE any param or optimizer
-state is touched; a damaged or mismatched checkpoint raises `CheckpointError` on every rank.
+Every rank of the group calls a save or load; each first checks that all did (`_arrival`),
+so a rank calling alone raises `CheckpointError` within the arrival timeout, having written
+nothing. A load validates everything (manifest, every file's size and crc32, model names, shapes
+and routing, chunk coverage) and agrees on the outcome across ranks BEFORE any param or
+optimizer state is touched; a damaged or mismatched checkpoint raises `CheckpointError` on every
+rank. Which params are frozen may differ between save and load (`_model_table`).
 
 Format: one DCP entry per logical tensor, keyed by parameter FQN, with the tensor's full shape:
     model/<fqn>              the param as the model holds it (param dtype); also persistent
@@ -27,8 +32,8 @@ format depends on the plan, the world size or the sharding strategy, so DCP resh
 What a checkpoint needs of the optimizer is `Checkpointable`: its owned pieces, their state and
 its param groups (`wholeshard.optim.pieces`). Modules: `directory` (the directory protocol),
 `export` (a checkpoint's weights as safetensors), and the private `_save`, `_load`, `_chunks`
-(geometry and DCP planners), `_consensus` (same outcome on every rank), `_model_table` (the
-model's description and checks).
+(geometry and DCP planners), `_arrival` (every rank made the call), `_consensus` (same outcome
+on every rank), `_model_table` (the model's description and checks).
 """
 
 from ._load import load_checkpoint, load_consolidated

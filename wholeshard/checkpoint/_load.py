@@ -4,6 +4,7 @@ and `load_consolidated` (full tensors in one process, for export)."""
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +15,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
 from . import _chunks as chunks
+from ._arrival import all_arrive
 from ._chunks import Chunks, add, piece_parts, whole
 from ._consensus import RankConsensus
-from ._model_table import check_model, other_tensors, state_keys
+from ._model_table import check_model, names, other_tensors, state_keys, trainable_changes
 from .directory import (
     TRAINER,
     CheckpointError,
@@ -32,13 +34,21 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     """Load a checkpoint into `ddp` and `optimizer` at any world size and plan; return `extra`.
 
     `path` is a checkpoint (`.../step-N`), a checkpoints directory (its `latest` is followed),
-    or a `latest` file. Every rank of `ddp`'s group must call it. Param-group hyperparameters
-    (lr, betas, ...) are restored, as `torch.optim.Optimizer.load_state_dict` does. Afterwards
-    every rank holds every param (gathered from the owners) and the gradient buffer is zero.
-    Raises CheckpointError on every rank, changing nothing, if the checkpoint is damaged or was
-    saved from a different model (names, shapes or Muon/AdamW routing).
+    or a `latest` file. Every rank of `ddp`'s group must call it (one that calls it alone
+    raises `CheckpointError` after the arrival timeout, `_arrival`). Param-group hyperparameters
+    (lr, betas, ...) and the optimizer's step count are restored, as
+    `torch.optim.Optimizer.load_state_dict` does. Afterwards every rank holds every param
+    (gathered from the owners) and the gradient buffer is zero. Raises CheckpointError on every
+    rank, changing nothing, if the checkpoint is damaged or was saved from a different model
+    (names, shapes or Muon/AdamW routing).
+
+    Which params are frozen may have changed since the save: every param gets its saved value;
+    one trainable now but frozen then starts with fresh optimizer state (its master from the
+    loaded value), one frozen now drops its saved state; a warning names them.
     """
     group = RankConsensus(ddp.process_group, ddp.dp_size, ddp.rank)
+    if group.distributed:  # before anything is read or a collective is entered
+        all_arrive(ddp.process_group, "load_checkpoint")
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while reading
     ckpt = group.on_first(lambda: resolve_checkpoint(path), "cannot find the checkpoint")
 
@@ -63,8 +73,34 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
         for live, value in plan.others:
             live.copy_(value)
     ddp.zero_grad_buffer()
-    install_state(ddp, optimizer, [_private(p) for p in plan.pieces], trainer["param_groups"])
+    pieces = [_private(p) for p in plan.pieces]
+    install_state(ddp, optimizer, pieces, trainer["param_groups"], _saved_steps(trainer))
+    _warn_trainable_changes(ckpt, manifest, ddp)
     return trainer["extra"]
+
+
+def _saved_steps(trainer: dict[str, Any]) -> int | None:
+    """The optimizer's step count at the save; for checkpoints that did not record it (or whose
+    optimizer kept none), `extra["step"]` if that is an int."""
+    steps = trainer.get("steps")
+    if steps is None and isinstance(trainer["extra"], dict):
+        steps = trainer["extra"].get("step")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
+def _warn_trainable_changes(ckpt: os.PathLike, manifest: dict[str, Any], ddp: DataParallel) -> None:
+    unfrozen, frozen = trainable_changes(manifest, ddp)
+    said = []
+    if unfrozen:
+        said.append(
+            f"trainable now but frozen in the checkpoint, fresh optimizer state: {names(unfrozen)}"
+        )
+    if frozen:
+        said.append(f"frozen now, their saved optimizer state dropped: {names(frozen)}")
+    if said:
+        warnings.warn(
+            f"loaded {ckpt} with a changed set of frozen params; " + "; ".join(said), stacklevel=3
+        )
 
 
 def load_consolidated(
@@ -134,9 +170,10 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
                     add(entries, key, saved.size, whole(full))
                 state[k] = entries[key].parts[0][1]
         plan.pieces.append(LoadedPiece(piece, piece.oriented(master), state))
-    for name, live in other_tensors(ddp).items():
+    for name, live in other_tensors(ddp).items():  # a param trainable at save: from its master
+        key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"
         value = torch.empty_like(live, memory_format=torch.contiguous_format)
-        add(entries, f"model/{name}", live.shape, whole(value))
+        add(entries, key, live.shape, whole(value))
         plan.others.append((live, value))
     return plan
 

@@ -2,7 +2,9 @@
 
 The manifest's model table names every routed param (shape, dtype, Muon or AdamW), every
 other state-dict tensor (persistent buffers and frozen params) and every tied alias. A load
-checks the model against it, and the DCP metadata against both, before anything is read.
+checks the model against it, and the DCP metadata against both, before anything is read. Which
+params are frozen may differ (`trainable_changes`): every value is saved as `model/<name>`
+either way, and only params trainable in both are checked for the same routing.
 """
 
 from __future__ import annotations
@@ -79,10 +81,14 @@ def check_model(
     optimizer: Checkpointable,
     trainer: dict[str, Any],
 ) -> None:
-    """Raise naming every difference between the checkpoint and this model."""
+    """Raise naming every difference between the checkpoint and this model (which params are
+    frozen aside)."""
     params, others = model_table(ddp)
-    problems = _compare_tables("param", manifest["params"], params, ("shape", "optimizer"))
-    problems += _compare_tables("buffer or frozen param", manifest["others"], others, ("shape",))
+    problems = _compare_shapes({**manifest["params"], **manifest["others"]}, {**params, **others})
+    for name in sorted(set(manifest["params"]) & set(params)):  # trainable then and now
+        want, got = manifest["params"][name]["optimizer"], params[name]["optimizer"]
+        if want != got:
+            problems.append(f"{name}: optimizer {want} in the checkpoint, {got} in the model")
     if problems:
         raise CheckpointError(
             f"checkpoint {ckpt} was saved from a different model: " + "; ".join(problems)
@@ -113,24 +119,30 @@ def check_model(
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(damaged[:10]))
 
 
-def _compare_tables(
-    what: str, saved: dict[str, Any], model: dict[str, Any], fields: tuple[str, ...]
-) -> list[str]:
-    def names(xs: list[str]) -> str:
-        return ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")
+def trainable_changes(manifest: dict[str, Any], ddp: DataParallel) -> tuple[list[str], list[str]]:
+    """Params trainable now but frozen in the checkpoint, and the reverse (sorted names)."""
+    params, others = model_table(ddp)
+    saved_params, saved_others = manifest["params"], manifest["others"]
+    return sorted(set(params) & set(saved_others)), sorted(set(others) & set(saved_params))
 
+
+def names(xs: list[str]) -> str:
+    """`xs` joined, the first 8 of them."""
+    return ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")
+
+
+def _compare_shapes(saved: dict[str, Any], model: dict[str, Any]) -> list[str]:
     problems = []
     missing = sorted(set(model) - set(saved))
     unexpected = sorted(set(saved) - set(model))
     if missing:
-        problems.append(f"{what}s missing from the checkpoint: {names(missing)}")
+        problems.append(f"params or buffers missing from the checkpoint: {names(missing)}")
     if unexpected:
-        problems.append(f"{what}s in the checkpoint but not in the model: {names(unexpected)}")
+        problems.append(
+            f"params or buffers in the checkpoint but not in the model: {names(unexpected)}"
+        )
     for name in sorted(set(saved) & set(model)):
-        for f in fields:
-            if saved[name][f] != model[name][f]:
-                want, got = saved[name][f], model[name][f]
-                if f == "shape":
-                    want, got = tuple(want), tuple(got)
-                problems.append(f"{name}: {f} {want} in the checkpoint, {got} in the model")
+        want, got = tuple(saved[name]["shape"]), tuple(model[name]["shape"])
+        if want != got:
+            problems.append(f"{name}: shape {want} in the checkpoint, {got} in the model")
     return problems

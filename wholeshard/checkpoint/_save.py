@@ -12,8 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..engine.data_parallel import DataParallel
-from ..optim.pieces import Checkpointable, elementwise
+from ..optim.pieces import Checkpointable, elementwise, step_count
 from . import _chunks as chunks
+from ._arrival import all_arrive
 from ._chunks import Chunks, add, piece_parts, whole
 from ._consensus import RankConsensus
 from ._model_table import aliases, model_table, other_tensors
@@ -38,11 +39,14 @@ def save_checkpoint(
 ) -> Path:
     """Save params, optimizer state and hyperparameters, and `extra`, as `path/step-N`.
 
-    Every rank of `ddp`'s group must call it, between optimizer steps. N is `extra["step"]` when
-    given (an int >= 0), else one more than the largest existing `step-M` (0 if none). `extra`
-    is rank 0's small dict (step, RNG states, data position, scheduler state); it must survive
+    Every rank of `ddp`'s group must call it, between optimizer steps; a rank that calls it alone
+    raises `CheckpointError` after the arrival timeout (`_arrival`), having written nothing. N is
+    `extra["step"]` when given (an int >= 0), else the optimizer's `steps` (its step() calls),
+    else one more than the largest existing `step-M` (0 if none). `extra` is rank 0's small dict
+    (step, RNG states, data position, scheduler state); it must survive
     `torch.load(weights_only=True)` (tensors, numbers, strings, None, and containers of them),
-    which is checked here rather than at resume time. Gradients are not saved.
+    which is checked here rather than at resume time. Gradients are not saved; the optimizer's
+    step count is.
 
     Replacing an existing `step-N` is allowed unless `latest` names it. With `keep_last=K`,
     older checkpoints (`step-M`, M < N) beyond the K - 1 most recent are deleted after the new
@@ -52,10 +56,12 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
     root = Path(path)
     group = RankConsensus(ddp.process_group, ddp.dp_size, ddp.rank)
+    if group.distributed:  # before anything touches the disk or a collective
+        all_arrive(ddp.process_group, "save_checkpoint")
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while writing
 
     def prepare() -> tuple[int, Path]:
-        step = choose_step(root, extra)
+        step = choose_step(root, extra, step_count(optimizer))
         trainer = _trainer_blob(optimizer, extra)
         tmp = begin(root, step)
         write_durably(tmp / TRAINER, trainer)
@@ -113,10 +119,11 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
 
 
 def _trainer_blob(optimizer: Checkpointable, extra: dict[str, Any] | None) -> bytes:
-    """`trainer.pt`'s bytes: param-group hyperparameters and `extra`, checked to load back."""
+    """`trainer.pt`'s bytes: param-group hyperparameters, the optimizer's step count (None if
+    it keeps none) and `extra`, checked to load back."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     buf = io.BytesIO()
-    torch.save({"param_groups": groups, "extra": extra}, buf)
+    torch.save({"param_groups": groups, "steps": step_count(optimizer), "extra": extra}, buf)
     try:
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:

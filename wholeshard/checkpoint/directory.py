@@ -174,13 +174,17 @@ def steps(root: Path) -> dict[int, Path]:
     return {int(m[1]): p for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()}
 
 
-def choose_step(root: Path, extra: Mapping[str, Any] | None) -> int:
+def choose_step(root: Path, extra: Mapping[str, Any] | None, counted: int | None) -> int:
+    """The N of the new `step-N`: `extra["step"]`, else `counted` (the optimizer's step count),
+    else one more than the largest existing one; never the one `latest` names."""
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
     if extra is not None and "step" in extra:
         step = extra["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f'extra["step"] must be an int >= 0, got {step!r}')
+    elif counted is not None:
+        step = counted
     else:
         step = max(steps(root), default=-1) + 1
     if read_latest(root) == f"step-{step}":

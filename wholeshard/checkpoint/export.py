@@ -74,16 +74,26 @@ def write_safetensors(
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Write the checkpoint's model weights to `out`; returns what was written.
 
     `checkpoint` is resolved like `load_checkpoint`'s path (a `step-N` directory, or a
     checkpoints directory whose `latest` is followed). With `dtype`, floating tensors are cast
-    (params from their fp32 masters when the checkpoint has them). A checkpoint that does not
-    verify against its manifest (`directory.verify`) raises CheckpointError before anything
-    in it is unpickled or anything is written.
+    (params from their fp32 masters when the checkpoint has them). An existing `out` raises
+    FileExistsError unless `overwrite`. A checkpoint that does not verify against its manifest
+    (`directory.verify`) raises CheckpointError before anything in it is unpickled or anything
+    is written.
     """
+    if not overwrite and os.path.lexists(out):
+        raise FileExistsError(
+            f"{out} already exists; pass --overwrite (export_checkpoint(..., overwrite=True)) "
+            f"to replace it"
+        )
     tensors, manifest = load_consolidated(checkpoint, dtype=dtype)
     metadata = {"format": "pt", "wholeshard_step": str(manifest["step"])}
     write_safetensors(tensors, out, metadata)

@@ -24,6 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="cast floating tensors (params come from the fp32 masters when saved); "
         "default: the dtype they were trained in",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(run=main, parser=p)
     return p
 
@@ -36,7 +37,9 @@ def main(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
-        tensors = export_checkpoint(args.checkpoint, args.out, dtype=dtype)
+        tensors = export_checkpoint(
+            args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite
+        )
     except (CheckpointError, OSError) as e:  # OSError: an unreadable file, an unwritable `out`
         print(f"wholeshard export: {e}", file=sys.stderr)
         return 1

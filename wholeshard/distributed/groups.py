@@ -1,5 +1,18 @@
 """Process groups of a `DataParallel`: the data-parallel group, shard and replica groups, and the
-all-gather group."""
+all-gather group.
+
+[Note: making groups]
+torch makes a new group in one of three ways, and which one is safe depends on who calls:
+- `new_subgroups_by_enumeration` (or `new_group` without local synchronization) must be called
+  by every rank of the world: right when `group` is the whole world;
+- when NCCL is initialised eagerly (a device bound to the default group: `init_process_group(
+  device_id=...)`, as the train job does), every new communicator is split from the world's,
+  which also needs every world rank: for a strict subgroup, `split_group` splits `group`'s own
+  communicator instead, which needs only its ranks;
+- otherwise `new_group(ranks, use_local_synchronization=True)`, called by the members alone.
+So a `DataParallel` over a strict subgroup (pipeline stages, ranks that only evaluate) never
+waits for ranks outside it.
+"""
 
 from __future__ import annotations
 
@@ -21,9 +34,10 @@ def make_groups(
 
     Consecutive blocks of k ranks shard the params; ranks at the same position of every block
     replicate them (no replica group if k = dp). The all-gather group is the shard group, or a
-    second group over the same ranks when `separate_gather`. Every rank creates the groups in
-    the same order. New groups get `timeout`, or else `group`'s own (torch would give them its
-    backend default, 30 minutes for gloo, whatever `init_process_group` was told).
+    second group over the same ranks when `separate_gather`. Only the ranks of `group` call this,
+    in the same order ([Note: making groups]). New groups get `timeout`, or else `group`'s own
+    (torch would give them its backend default, 30 minutes for gloo, whatever
+    `init_process_group` was told).
     """
     if dp_size == 1:
         return group, None, group
@@ -31,18 +45,36 @@ def make_groups(
     world = [dist.get_global_rank(group or dist.group.WORLD, r) for r in range(dp_size)]
     blocks = [world[g * k : (g + 1) * k] for g in range(dp_size // k)]
     if k == dp_size:
-        shard, replica = group, None
-        if separate_gather:
-            gather = dist.new_group(world, timeout=timeout, use_local_synchronization=True)
-        else:
-            gather = group
-        return shard, replica, gather
-    shard, _ = dist.new_subgroups_by_enumeration(blocks, timeout=timeout)
-    replica, _ = dist.new_subgroups_by_enumeration([world[r::k] for r in range(k)], timeout=timeout)
-    gather = (
-        dist.new_subgroups_by_enumeration(blocks, timeout=timeout)[0] if separate_gather else shard
-    )
+        gather = _split(group, world, [world], timeout) if separate_gather else group
+        return group, None, gather
+    shard = _split(group, world, blocks, timeout)
+    replica = _split(group, world, [world[r::k] for r in range(k)], timeout)
+    gather = _split(group, world, blocks, timeout) if separate_gather else shard
     return shard, replica, gather
+
+
+def _split(
+    parent: ProcessGroup | None,
+    parent_ranks: list[int],
+    splits: list[list[int]],
+    timeout: timedelta | None,
+) -> ProcessGroup:
+    """This rank's group among `splits`: disjoint lists of global ranks covering `parent`'s
+    ranks `parent_ranks` ([Note: making groups])."""
+    if len(parent_ranks) == dist.get_world_size():
+        return dist.new_subgroups_by_enumeration(splits, timeout=timeout)[0]
+    if comms_split_from_world():
+        local = [[parent_ranks.index(r) for r in ranks] for ranks in splits]
+        return dist.split_group(parent, local, timeout=timeout)
+    me = dist.get_rank()
+    mine = next(ranks for ranks in splits if me in ranks)
+    return dist.new_group(mine, timeout=timeout, use_local_synchronization=True)
+
+
+def comms_split_from_world() -> bool:
+    """Whether torch makes every new communicator by splitting the world's (NCCL initialised
+    eagerly: a device bound to the default group), which every world rank must join."""
+    return dist.distributed_c10d._get_default_group().bound_device_id is not None
 
 
 def group_timeout(group: ProcessGroup | None) -> timedelta | None:

@@ -1,4 +1,5 @@
-"""Run a function on N local worker processes joined in one gloo process group.
+"""Run a function on N local worker processes joined in one process group (gloo by default; on
+`device="cuda"` each worker first takes GPU `rank % device_count` as its current device).
 
 The launcher is the single place that starts local workers (train job, bench, tests). It
 guarantees: a worker that raises or dies takes the others down and its traceback reaches the
@@ -54,6 +55,8 @@ def _worker(
     results: Any,
     timeout_s: float,
     forked: bool,
+    backend: str,
+    device: str,
 ) -> None:
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the launcher asks for stacks before killing a hang
@@ -72,12 +75,18 @@ def _worker(
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
         store = dist.FileStore(store_path, nproc)
+        bound = None
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            if backend == "nccl":  # eager init on this rank's GPU, as the train job does
+                bound = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=nproc,
             timeout=timedelta(seconds=timeout_s),
+            device_id=bound,
         )
         # Plain pickle: the queue's own pickler would share tensors by file descriptor, which
         # dies with this process.
@@ -129,16 +138,27 @@ def launch(
     start_method: str = "spawn",
     timeout: float | None = None,
     collective_timeout_s: float = 300.0,
+    backend: str = "gloo",
+    device: str = "cpu",
 ) -> list[Any]:
-    """Run `fn(*args)` on `nproc` local workers in one gloo group; return per-rank values.
+    """Run `fn(*args)` on `nproc` local workers in one `backend` group; return per-rank values.
 
-    `start_method="fork"` starts in milliseconds (tests); "spawn" is safe in any parent.
+    `start_method="fork"` starts in milliseconds (tests); "spawn" is safe in any parent, and the
+    only choice with `device="cuda"` (CUDA does not survive a fork). On "cuda" each worker's
+    current device is GPU `rank % torch.cuda.device_count()` (several ranks share a GPU with
+    gloo); with `backend="nccl"` its group is bound to it (NCCL needs one GPU per rank).
     `collective_timeout_s`: how long a collective of the group waits for its peers.
     Raises WorkerFailed if a worker raises or exits abnormally, TimeoutError after `timeout`
     seconds; either way every worker is stopped first.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and start_method == "fork":
+        raise ValueError("device='cuda' needs start_method='spawn': CUDA does not survive a fork")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("backend='nccl' needs device='cuda'")
     ctx = mp.get_context(start_method)
     forked = start_method == "fork"
     # A FileStore, not a TCPStore: a TCPStore server thread in this process could hold a lock
@@ -149,7 +169,18 @@ def launch(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, rank, nproc, store_path, results, collective_timeout_s, forked),
+            args=(
+                fn,
+                args,
+                rank,
+                nproc,
+                store_path,
+                results,
+                collective_timeout_s,
+                forked,
+                backend,
+                device,
+            ),
             daemon=True,
         )
         for rank in range(nproc)

@@ -1,8 +1,12 @@
 """What a wrapped model must be, and must stay: checks that turn misuse into clear errors.
 
-- At construction (`placement_problem`): every param and buffer is materialised (not on the meta
-  device), all params are on one device, and every param is contiguous (each param becomes a
-  contiguous view of its bucket: strides another tensor relies on would silently change).
+- At construction (`placement_problem`): no param is wrapped already (by another
+  `DataParallel`: its hooks would fire too), every param and buffer is materialised (not on the
+  meta device), all params are on one device, and every param is contiguous (each param becomes
+  a contiguous view of its bucket: strides another tensor relies on would silently change).
+- While wrapped (`claim`, `check_torch_optimizer`): a torch optimizer stepping wrapped params
+  raises instead of silently doing nothing (their `.grad` is always None: gradients live in the
+  buckets, and `LayerwiseOptimizer` owns the step).
 - After construction (`ParamSignature`): the same Parameter objects, in the same number, with
   the same `requires_grad`. Buffers are planned once, so a param frozen, unfrozen, replaced,
   added or removed after wrapping would train wrongly (its gradient never reduced, its update
@@ -12,12 +16,61 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+_WRAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> its name in the wrapped module
+_STEP_GUARD: list[Any] = []  # the handle of the global optimizer step pre-hook, once installed
+
+
+def claim(params: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """Mark `params` (name, param) as wrapped, and make any torch optimizer that steps one of
+    them raise (`check_torch_optimizer`)."""
+    for name, p in params:
+        _WRAPPED[p] = name
+    if not _STEP_GUARD:
+        _STEP_GUARD.append(register_optimizer_step_pre_hook(check_torch_optimizer))
+
+
+def unclaim(params: Iterable[nn.Parameter]) -> None:
+    for p in params:
+        _WRAPPED.pop(p, None)
+
+
+def check_torch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Raise if `optimizer` holds a param wrapped by a `DataParallel`: its step would do nothing
+    for it (the param's `.grad` is always None), silently."""
+    if not _WRAPPED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = _WRAPPED.get(p)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() would not update {name!r}: the param is "
+                    f"wrapped by wholeshard.DataParallel, so its .grad is always None (gradients "
+                    f"live in DataParallel's buckets and are reduced to the rank that owns the "
+                    f"param). wholeshard.LayerwiseOptimizer(ddp, muon=..., adamw=...) owns the "
+                    f"step; clip with its clip_grad_norm_ (torch.nn.utils.clip_grad_norm_ sees "
+                    f"no gradient)"
+                )
 
 
 def placement_problem(module: nn.Module) -> str | None:
     """Why `module` cannot be wrapped as it is, or None."""
+    for name, p in module.named_parameters():
+        if p in _WRAPPED:
+            return (
+                f"param {name!r} is already wrapped by a wholeshard.DataParallel (as "
+                f"{_WRAPPED[p]!r}): a module is wrapped once. To wrap it again (after freezing "
+                f"or unfreezing params, say), first take it back with ddp.release() on every "
+                f"rank, or wrap a freshly built model"
+            )
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if t.is_meta:
             return (
@@ -37,6 +90,38 @@ def placement_problem(module: nn.Module) -> str | None:
                 f"each param becomes a contiguous view of its bucket, so make it contiguous "
                 f"before wrapping (p.data = p.data.contiguous())"
             )
+    return None
+
+
+def device_problem(
+    device: torch.device,
+    *,
+    backend: str,
+    current: int,
+    bound: torch.device | None,
+    local_rank: int,
+    local_world: int,
+    visible: int,
+) -> str | None:
+    """Why a model on `device` cannot run collectives on `backend`, or None. NCCL runs on the
+    current CUDA device (`current`; `bound`: the device bound to the group, if any); torchrun's
+    `LOCAL_RANK` of `LOCAL_WORLD_SIZE` ranks on a node with `visible` GPUs tells a forgotten
+    `torch.cuda.set_device` apart: every rank of the node on GPU 0."""
+    if device.type != "cuda" or backend != "nccl":
+        return None
+    fix = (
+        "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group "
+        "and before building the model, then build it on that device"
+    )
+    if device.index != current:
+        return f"the model is on {device} but the current CUDA device is cuda:{current}: {fix}"
+    if bound is not None and bound != device:
+        return f"the model is on {device} but the process group is bound to {bound}: {fix}"
+    if local_rank > 0 and current == 0 and visible >= local_world > 1:
+        return (
+            f"local rank {local_rank} of {local_world} is on cuda:0 while {visible} GPUs are "
+            f"visible, so the node's ranks would share one GPU (NCCL refuses): {fix}"
+        )
     return None
 
 
@@ -76,5 +161,6 @@ class ParamSignature:
 def _changed(what: str) -> str:
     return (
         f"the model changed after it was wrapped in DataParallel: {what}. The buffers are planned "
-        f"once, at wrapping: freeze, replace or add params before wrapping (then wrap again)"
+        f"once, at wrapping: freeze, replace or add params before wrapping (or take the module "
+        f"back with ddp.release() on every rank, change it, and wrap it again)"
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from ._schedule import Scheduler
@@ -85,15 +85,35 @@ def register(
     return handles
 
 
-def refuse_released_reads(root: nn.Module, bucket_of: dict[int, BucketStorage]) -> list:
-    """Make `state_dict()` of a module raise while one of its params is released (fully
-    sharded between steps, or an FP8-gathered weight), instead of returning empty values."""
+def refuse_stale_reads(
+    scheduler: Scheduler, root: nn.Module, bucket_of: dict[int, BucketStorage]
+) -> list[RemovableHandle]:
+    """Make `state_dict()` of a module wait for the param syncs of its params already in flight,
+    then raise while one of them is still not current: released (fully sharded between steps,
+    an FP8-gathered weight) or updated but not gathered yet (`overlap_param_gather` after a
+    step), instead of returning empty or stale values, different on each rank. Only syncs every
+    rank dispatched are waited for: a rank calling it alone cannot hang."""
     handles = []
     for mod, params in hooked_modules(root):
         buckets = {bucket_of[id(p)] for p in params if id(p) in bucket_of}
         if buckets:
-            handles.append(mod.register_state_dict_pre_hook(_refuse_released(list(buckets))))
+            handles.append(
+                mod.register_state_dict_pre_hook(_refuse_stale(scheduler, list(buckets)))
+            )
     return handles
+
+
+def cast_forward_inputs(root: nn.Module, dtype: torch.dtype) -> RemovableHandle:
+    """Cast the floating-point tensors among the root's forward inputs to `dtype`, as FSDP2's
+    `MixedPrecisionPolicy(cast_forward_inputs=True)` does."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+    return root.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _pre_forward(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> Callable:
@@ -141,12 +161,24 @@ def _root_post(scheduler: Scheduler) -> Callable:
     return hook
 
 
-def _refuse_released(buckets: Sequence[BucketStorage]) -> Callable:
+def _refuse_stale(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> Callable:
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not keep_vars and not all(b.params_materialised for b in buckets):
+        if keep_vars:  # the Parameter objects themselves: they are updated in place
+            return
+        scheduler.settle(buckets)
+        if all(b.readable for b in buckets):
+            return
+        where = prefix.rstrip(".") or "the model"
+        if all(b.params_materialised for b in buckets):
             raise RuntimeError(
-                f"{prefix or 'the model'}: params are released between steps (fully sharded, "
-                f"or FP8-gathered weights); read them inside `with ddp.full_params():`"
+                f"{where}: params updated by the last optimizer step are not gathered yet "
+                f"(overlap_param_gather gathers them during the next forward), so they differ "
+                f"across ranks: call ddp.finish_param_sync() on every rank before reading them, "
+                f"or read them inside `with ddp.full_params():` (every rank)"
             )
+        raise RuntimeError(
+            f"{where}: params are released between steps (fully sharded, or FP8-gathered "
+            f"weights); read them inside `with ddp.full_params():` (every rank)"
+        )
 
     return hook

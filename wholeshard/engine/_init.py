@@ -1,7 +1,9 @@
 """The steps that build a `DataParallel`, in the order its constructor takes them.
 
-1. `check_model`: every rank can wrap its module and built the same model (raised everywhere);
-2. `cast_frozen`: frozen params in the param dtype (they stay outside the buffers);
+1. `check_model`: every rank can wrap its module and built the same model (raised everywhere;
+   a device NCCL cannot use, on the ranks where it is wrong, before any collective);
+2. `cast_frozen`: frozen params in the param dtype (`common_dtype` when the config gives none;
+   they stay outside the buffers), and `plan_routes`: the plan of the trainable params;
 3. `build_storage`: one `BucketStorage` per storage unit of the plan, in reduce order, each
    given rank 0's values (and, fully sharded, reduced to this rank's shards) before the next
    is built, so at most one full unit exists beside the model;
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,10 +23,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..planning import Placement, Plan
+from ..planning import ParamSpec, Placement, Plan, default_bucket_size, plan_buffers
 from ..planning.routing import Route
-from ._guard import placement_problem
+from ._guard import device_problem, placement_problem
 from ._storage import BucketStorage
+from .config import DataParallelConfig
 
 StorageFactory = Callable[..., BucketStorage]
 """`factory(index, kind, buckets, params, groups, *, reshard, param_dtype, grad_dtype)`."""
@@ -39,6 +43,8 @@ def check_model(
         if problem is not None:
             raise ValueError(f"cannot wrap the model: {problem}")
         return
+    if problem is None:  # before the first collective, which would fail on a wrong device
+        check_device(routes[0].param.device, group)
     mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (problem, mine), group=group)
@@ -103,12 +109,41 @@ def build_storage(
     return storages
 
 
+def check_device(device: torch.device, group: ProcessGroup | None) -> None:
+    """Raise (on this rank, before any collective) if NCCL cannot run on `device`
+    (`_guard.device_problem`)."""
+    if device.type != "cuda" or dist.get_backend(group) != "nccl":
+        return
+    pg = group or dist.distributed_c10d._get_default_group()
+    problem = device_problem(
+        device,
+        backend="nccl",
+        current=torch.cuda.current_device(),
+        bound=pg.bound_device_id,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        visible=torch.cuda.device_count(),
+    )
+    if problem is not None:
+        raise ValueError(f"cannot wrap the model: {problem}")
+
+
 def broadcast_the_rest(
-    module: nn.Module, frozen: Sequence[nn.Parameter], group: ProcessGroup | None
+    module: nn.Module,
+    frozen: Sequence[nn.Parameter],
+    group: ProcessGroup | None,
+    device: torch.device,
 ) -> None:
-    """Give every rank rank 0's frozen params and buffers."""
+    """Give every rank rank 0's frozen params and buffers. A tensor kept off the model's
+    `device` (a CPU table in a CUDA model) travels through a copy on it: NCCL moves device
+    tensors only."""
     for t in [*frozen, *module.buffers()]:
-        collectives.broadcast_from_first(t.data, group)
+        if t.device == device:
+            collectives.broadcast_from_first(t.data, group)
+            continue
+        staged = t.data.to(device)
+        collectives.broadcast_from_first(staged, group)
+        t.data.copy_(staged)
 
 
 def forward_order(storages: Sequence[BucketStorage], routes: list[Route]) -> list[int]:
@@ -117,3 +152,30 @@ def forward_order(storages: Sequence[BucketStorage], routes: list[Route]) -> lis
     registered = {r.name: i for i, r in enumerate(routes)}
     first = [min(registered[p.name] for _, p in s.params) for s in storages]
     return sorted(range(len(storages)), key=first.__getitem__)
+
+
+def plan_routes(routes: list[Route], cfg: DataParallelConfig, dp_size: int) -> Plan:
+    """The plan of the routed params, with the config's bucket size or the default."""
+    specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
+    bucket_size = cfg.bucket_size
+    if bucket_size is None:
+        bucket_size = default_bucket_size(sum(s.numel for s in specs), dp_size)
+    return plan_buffers(
+        specs,
+        dp_size,
+        bucket_size=bucket_size,
+        strategy=cfg.strategy,
+        shard_group_size=cfg.shard_group_size,
+        scheme=cfg.scheme,
+    )
+
+
+def common_dtype(routes: list[Route]) -> torch.dtype:
+    """The one floating dtype of the trainable params (`param_dtype=None`)."""
+    dtypes = {r.param.dtype for r in routes}
+    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(
+            f"the trainable params have dtypes {sorted(map(str, dtypes))}, but the buffers hold "
+            f"one floating dtype: pass param_dtype=... (e.g. torch.bfloat16 or torch.float32)"
+        )
+    return dtypes.pop()

@@ -11,9 +11,13 @@ further down the queue first dispatches everything before it, and whatever is le
 when the forward or backward ends, so a module that runs on one rank only (an MoE expert no
 token chose) changes no rank's sequence. Gathers outside the queue happen only when a module
 needs a released bucket again (a module called twice; activation checkpointing), which all ranks
-do alike when they run the same modules. On one process group the reductions and gathers must
-also interleave alike, which they do when every rank runs the same modules; a separate
-all-gather group (`separate_all_gather_group`) removes even that requirement.
+do alike when they run the same modules. Reductions and gathers interleave alike too, on one
+group or two: a separate all-gather group (`separate_all_gather_group`) lets gathers progress
+beside reductions, but on NCCL two communicators may serialise (`CUDA_DEVICE_MAX_CONNECTIONS=1`,
+or compute filling the GPU), so it does not excuse a different order.
+`tests/engine/test_collective_order.py` records every collective of every rank (op, group,
+elements, dtype) through steps of every mode, with a block one rank skips and activation
+checkpointing, and checks the sequences are identical.
 
 [Note: fully sharded lifetimes]
 A bucket's full params exist from its gather until every module holding one of its params has
@@ -112,8 +116,10 @@ class Scheduler:
         if self.sync_grads and bucket.landed[i]:
             raise RuntimeError(
                 f"a second gradient for {name!r} arrived before the optimizer step (backward "
-                f"called twice): call optimizer.step() and optimizer.zero_grad() between "
-                f"backwards, and wrap all but the last micro-batch's backward in ddp.no_sync()"
+                f"called twice): call step() and zero_grad() of the wholeshard "
+                f"LayerwiseOptimizer between backwards (it owns the step: a torch optimizer "
+                f"over ddp.parameters() sees no .grad and steps nothing), and wrap all but the "
+                f"last micro-batch's backward in ddp.no_sync()"
             )
         self._enter_backward()
         bucket.accumulate(i, param.grad)
@@ -224,6 +230,12 @@ class Scheduler:
         for b in todo:
             self._finish_gather(b)
         return todo
+
+    def settle(self, buckets: Iterable[BucketStorage]) -> None:
+        """Wait for the gathers of `buckets` already in flight (dispatches nothing)."""
+        for b in buckets:
+            if b.state is BucketState.GATHERING:
+                self._finish_gather(b)
 
     def release(self, buckets: Iterable[BucketStorage]) -> None:
         for b in buckets:

@@ -108,6 +108,7 @@ class BucketStorage:
     state: BucketState
     arrived: int  # gradients landed in this accumulation window (synchronising backwards only)
     landed: list[bool]  # which params `arrived` counts
+    received: list[bool]  # which params got a gradient in this window (any backward)
     reducing: InFlight | None  # the reduction in flight
     gathering: InFlight | None  # the param sync in flight (state GATHERING)
 
@@ -268,10 +269,12 @@ class BucketStorage:
         """Open a new accumulation window: no gradient has landed."""
         self.arrived = 0
         self.landed = [False] * len(self.params)
+        self.received = [False] * len(self.params)
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
         """Add `grad` into the grad range of `self.params[i]`."""
         self._materialise_grads()
+        self.received[i] = True
         self._grad_views[i].add_(grad)
 
     def start_reduce(self) -> None:

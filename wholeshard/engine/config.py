@@ -75,6 +75,9 @@ class DataParallelConfig:
     are cast to it too); the optimizer keeps fp32 masters when it is not float32. None: the
     trainable params' own dtype, as FSDP2's `MixedPrecisionPolicy` (float32 for a model built in
     float32)."""
+    cast_forward_inputs: bool = True
+    """With `param_dtype` given, cast the floating-point tensors among the forward inputs to it
+    (FSDP2's `MixedPrecisionPolicy` default), so a float32 batch feeds a bfloat16 model."""
     grad_reduce_dtype: torch.dtype | None = None
     """dtype gradients are accumulated and reduced in. None: torch.float32."""
     overlap_grad_reduce: bool = False

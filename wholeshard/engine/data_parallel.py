@@ -31,12 +31,20 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.groups import make_groups, resolve_group
-from ..planning import Buffer, ParamSpec, Placement, Plan, default_bucket_size, plan_buffers
+from ..planning import Buffer, Placement, Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
 from ._fp8_storage import fp8_storage_factory, has_fp8_weights
-from ._guard import ParamSignature
-from ._init import broadcast_the_rest, build_storage, cast_frozen, check_model, forward_order
+from ._guard import ParamSignature, claim, unclaim
+from ._init import (
+    broadcast_the_rest,
+    build_storage,
+    cast_frozen,
+    check_model,
+    common_dtype,
+    forward_order,
+    plan_routes,
+)
 from ._schedule import Scheduler
 from ._storage import BucketStorage, CommGroups
 from ._unaligned_storage import UnalignedStorage
@@ -81,7 +89,9 @@ class DataParallel(nn.Module):
     Muon-routed params live in whole-tensor buffers, the others in element-wise sharded ones
     (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step:
     the wrapped params' `.grad` stays None (gradients go to the buckets), so clip with
-    `optimizer.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_`.
+    `optimizer.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_` (it would see no
+    gradient); a torch optimizer over `ddp.parameters()` raises at its step. A module is
+    wrapped once; `release()` gives it back.
     """
 
     config: DataParallelConfig
@@ -117,9 +127,9 @@ class DataParallel(nn.Module):
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
         self.routes = route_params(module, cfg.use_muon)
         check_model(module, self.routes, self.process_group, self.dp_size)
-        param_dtype = cfg.param_dtype or _common_dtype(self.routes)
+        param_dtype = cfg.param_dtype or common_dtype(self.routes)
         self.frozen = cast_frozen(module, param_dtype)
-        self.plan = _plan(self.routes, cfg, self.dp_size)
+        self.plan = plan_routes(self.routes, cfg, self.dp_size)
         self.shard_group_size = self.plan.shard_group_size
         self.shard_rank = self.plan.shard_rank(self.rank)
         gathers = self.dp_size > 1 and self.shard_group_size > 1
@@ -154,7 +164,7 @@ class DataParallel(nn.Module):
             grad_dtype=cfg.grad_reduce_dtype or torch.float32,
         )
         if self.dp_size > 1:
-            broadcast_the_rest(module, self.frozen, self.process_group)
+            broadcast_the_rest(module, self.frozen, self.process_group, storages[0].param.device)
         self.scheduler = Scheduler(
             storages,
             forward_order(storages, self.routes),
@@ -167,6 +177,7 @@ class DataParallel(nn.Module):
         self._register_hooks(gathers)
         self._optimizer: weakref.ref[StateHolder] | None = None
         self._signature = ParamSignature(module)
+        claim((r.name, r.param) for r in self.routes)
         if self.fp8_param_gather:  # the first FP8 weights, before any forward
             self.scheduler.params_updated()
             self.scheduler.finish_param_sync()
@@ -192,19 +203,21 @@ class DataParallel(nn.Module):
     def _register_hooks(self, gathers: bool) -> None:
         """Gradient hooks on every param; module hooks where params are gathered on demand."""
         buckets = self.scheduler.buckets
-        self._bucket_of = {p.name: b for b in buckets for _, p in b.params}
+        self._slot_of = {p.name: (b, i) for b in buckets for i, (_, p) in enumerate(b.params)}
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._grad_hook(b, i, p.name))
             for b in buckets
             for i, (param, p) in enumerate(b.params)
         ]
         bucket_of = {id(param): b for b in buckets for param, _ in b.params}
-        if gathers and (self.config.overlap_param_gather or self.reshard_after_forward):
-            self._hooks += hooks.register(
-                self.scheduler, self.module, bucket_of, reshard=self.reshard_after_forward
-            )
-        if self.reshard_after_forward or self.fp8_param_gather:
-            self._hooks += hooks.refuse_released_reads(self.module, bucket_of)
+        reshard, overlap = self.reshard_after_forward, self.config.overlap_param_gather
+        if gathers and (overlap or reshard):
+            self._hooks += hooks.register(self.scheduler, self.module, bucket_of, reshard=reshard)
+        if gathers and (overlap or reshard or self.fp8_param_gather):  # params can be stale
+            self._hooks += hooks.refuse_stale_reads(self.scheduler, self.module, bucket_of)
+        dtype = self.config.param_dtype
+        if dtype is not None and self.config.cast_forward_inputs:
+            self._hooks.append(hooks.cast_forward_inputs(self.module, dtype))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -235,7 +248,7 @@ class DataParallel(nn.Module):
                 ranges.setdefault(p.name, []).append((p, offset, length, buffer))
         for route in self.routes:
             for p, offset, length, buffer in ranges.get(route.name, ()):
-                bucket = self._bucket_of[p.name]
+                bucket = self._slot_of[p.name][0]
                 lo = p.start + offset
                 param, grad = bucket.owned_views(lo, lo + length)
                 if buffer.whole:
@@ -273,6 +286,12 @@ class DataParallel(nn.Module):
         Params that got no gradient this step count as zero: readiness is settled here.
         """
         self.scheduler.finish_grad_sync()
+
+    def received_grads(self) -> list[bool]:
+        """Per route (in `routes` order): whether this rank got a gradient for the param since
+        `zero_grad_buffer()`. A param no rank got one for is not stepped (torch's rule)."""
+        slots = (self._slot_of[r.name] for r in self.routes)
+        return [bucket.received[i] for bucket, i in slots]
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient and open the next accumulation window."""
@@ -313,6 +332,22 @@ class DataParallel(nn.Module):
             yield
         finally:
             self.scheduler.release(gathered)
+
+    def release(self) -> nn.Module:
+        """Take the module back (every rank must call it): each trainable param gets storage of
+        its own holding its current value, every hook is removed, and the module can be wrapped
+        again (after freezing or unfreezing params, say). Do not use this wrapper or its
+        optimizer afterwards."""
+        self.free_overlap_buffers()  # nothing in flight
+        self.scheduler.gather_all()
+        for b in self.buckets:
+            for param, _ in b.params:
+                param.data = param.data.clone()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        unclaim(r.param for r in self.routes)
+        return self.module
 
     def free_overlap_buffers(self) -> None:
         """Wait for anything in flight, then drop temporary buffers and (fully sharded) full
@@ -363,30 +398,3 @@ class DataParallel(nn.Module):
     def attach_optimizer(self, optimizer: StateHolder) -> None:
         """Let `memory()` report `optimizer`'s masters and state (held by weak reference)."""
         self._optimizer = weakref.ref(optimizer)
-
-
-def _plan(routes: list[Route], cfg: DataParallelConfig, dp_size: int) -> Plan:
-    """The plan of the routed params, with the config's bucket size or the default."""
-    specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
-    bucket_size = cfg.bucket_size
-    if bucket_size is None:
-        bucket_size = default_bucket_size(sum(s.numel for s in specs), dp_size)
-    return plan_buffers(
-        specs,
-        dp_size,
-        bucket_size=bucket_size,
-        strategy=cfg.strategy,
-        shard_group_size=cfg.shard_group_size,
-        scheme=cfg.scheme,
-    )
-
-
-def _common_dtype(routes: list[Route]) -> torch.dtype:
-    """The one floating dtype of the trainable params (`param_dtype=None`)."""
-    dtypes = {r.param.dtype for r in routes}
-    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
-        raise ValueError(
-            f"the trainable params have dtypes {sorted(map(str, dtypes))}, but the buffers hold "
-            f"one floating dtype: pass param_dtype=... (e.g. torch.bfloat16 or torch.float32)"
-        )
-    return dtypes.pop()

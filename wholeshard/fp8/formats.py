@@ -98,13 +98,9 @@ def quantize_tensorwise(x: torch.Tensor) -> Fp8Tensorwise:
     underflow float32 (amax < ~2**-141) is clamped to 2**-149."""
     xf = x.float()
     amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-    if not torch.isfinite(amax):
-        nan = torch.full_like(xf, float("nan")).to(torch.float8_e4m3fn)
-        return Fp8Tensorwise(nan, torch.tensor(float("nan")))
-    if amax == 0:
-        scale = torch.tensor(1.0)
-    else:
-        scale = (amax / E4M3_MAX).clamp_min(2.0**-149)
+    # Decided on the device (no host sync); the scale stays where `x` is.
+    scale = torch.where(amax == 0, 1.0, (amax / E4M3_MAX).clamp_min(2.0**-149))
+    scale = torch.where(torch.isfinite(amax), scale, float("nan"))  # x / NaN: all data NaN
     return Fp8Tensorwise((xf / scale).to(torch.float8_e4m3fn), scale)
 
 

@@ -43,8 +43,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             None does not look.
 
     `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
-    LR schedulers work unchanged. `zero_grad()` zeros the grad buffer; a param that got no
-    gradient is stepped with a zero gradient. With `DataParallelConfig(pipelined_step=True)`,
+    LR schedulers work unchanged. `zero_grad()` zeros the grad buffer. A param that got no
+    gradient on any rank since `zero_grad()` is not stepped (no momentum, no weight decay, state
+    untouched), as torch's optimizers skip a param whose `.grad` is None; one used on some ranks
+    only is stepped on the average, the others counting zeros (as torch DDP). With
+    `DataParallelConfig(pipelined_step=True)`,
     `step()` updates bucket by bucket as the reductions land (`DataParallel.reduced_buckets`):
     the same per-param arithmetic, so the same bits.
 
@@ -54,8 +57,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     averaged gradient is not finite. It reuses the per-param norms `clip_grad_norm_` computed in
     the same step, else it takes one max-norm pass over the owned grads. It reads every reduced
     grad, so a pipelined step then overlaps only the gathers with the updates (as after
-    clipping); with `nonfinite=None` a pipelined step takes no step check (nothing waits) and
-    checks for a changed model on its own rank only.
+    clipping); with `nonfinite=None` the check reads no gradient and a pipelined step's updates
+    overlap the reductions still in flight.
     """
 
     def __init__(
@@ -110,32 +113,29 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pipelined = self.ddp.config.pipelined_step
-        if pipelined and self.nonfinite is None:  # nothing waits; see the class docstring
-            self._piece_norms = None
-            change = self.ddp.model_changes()
-            if change is not None:
-                raise RuntimeError(change)
-            self.steps += 1
-        else:
+        if not (pipelined and self.nonfinite is None):  # else the check reads no gradient
             self.ddp.finish_grad_sync()
-            if self._check_step():
-                self.skipped_steps += 1
-                self.ddp.zero_grad_buffer()
-                return loss
+        stepped = self._check_step()
+        if stepped is None:
+            self.skipped_steps += 1
+            self.ddp.zero_grad_buffer()
+            return loss
         if pipelined:
             for bucket in self.ddp.reduced_buckets():
-                self._update(self._by_bucket.get(bucket, []))
+                self._update(self._by_bucket.get(bucket, []), stepped)
         else:
             self.ddp.finish_param_sync()  # a gather in flight must land before we write params
-            self._update(self._owned)
+            self._update(self._owned, stepped)
             self.ddp.start_param_sync()
         if not self.ddp.config.overlap_param_gather:
             self.ddp.finish_param_sync()
         return loss
 
-    def _update(self, pieces: list[OwnedPiece]) -> None:
-        """Step `pieces` with the torch optimizers. Their updates are per param, so which pieces
-        step together does not change a bit of the result."""
+    def _update(self, pieces: list[OwnedPiece], stepped: frozenset[str]) -> None:
+        """Step those of `pieces` whose param is in `stepped` with the torch optimizers. Their
+        updates are per param, so which pieces step together does not change a bit of the
+        result."""
+        pieces = [o for o in pieces if o.name in stepped]
         if not pieces:
             return
         with record_function("wholeshard.optimizer_step"):
@@ -151,10 +151,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if o.separate_master:
                     o.param.copy_(o.oriented(o.master))
 
-    def _check_step(self) -> bool:
+    def _check_step(self) -> frozenset[str] | None:
         """Take the step check (`wholeshard.optim._step_check`) with every rank: raise on a
-        changed model, ranks at different steps, or (policy "error") a non-finite gradient;
-        True when every rank skips this step (policy "skip")."""
+        changed model, ranks at different steps, or (policy "error") a non-finite gradient.
+        Return the names of the params to step (those that got a gradient on some rank), or
+        None when every rank skips this step (policy "skip")."""
         norms, self._piece_norms = self._piece_norms, None
         if self.nonfinite is None:
             norms = None
@@ -167,7 +168,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             indices=self._indices,
             norms=norms,
             changed=change is not None,
-            group=ddp.process_group,
+            received=ddp.received_grads(),
+            group=self._check_group(self.nonfinite is not None),
             world=ddp.dp_size,
             device=ddp.device,
         )
@@ -182,15 +184,24 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 f"number of times and load the same checkpoint"
             )
         if verdict.first_nonfinite is None:
-            return False
+            received = zip(ddp.routes, verdict.received, strict=True)
+            return frozenset(r.name for r, got in received if got)
         if self.nonfinite == "skip":
-            return True
+            return None
         raise FloatingPointError(
             f"non-finite gradient at optimizer step {step}: "
             f"{ddp.routes[verdict.first_nonfinite].name!r} is the first param (in registration "
             f"order) whose averaged gradient has an inf or nan. Nothing was updated; pass "
             f"nonfinite='skip' to LayerwiseOptimizer to skip such steps instead"
         )
+
+    def _check_group(self, reads_grads: bool):
+        """Where the step check runs: the data-parallel group; when it reads no gradient and a
+        separate all-gather group spans every rank, that group, where the check does not wait
+        behind the reductions in flight (a pipelined step keeps overlapping them)."""
+        ddp = self.ddp
+        spans = ddp.shard_group_size == ddp.dp_size and ddp.gather_group is not ddp.shard_group
+        return ddp.gather_group if spans and not reads_grads else ddp.process_group
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""

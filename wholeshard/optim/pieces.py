@@ -5,13 +5,14 @@ param, or a flat slice of an element-wise one, with its fp32 master (`pieces_of`
 the engine's `OwnedRange`s).
 
 `Checkpointable` is the whole contract between checkpoints and an optimizer: the pieces of
-params this rank updates, each piece's torch optimizer state, and the param groups' hyperparameters.
-`LayerwiseOptimizer` satisfies it; so can any optimizer whose pieces are `OwnedPiece`s.
+params this rank updates, each piece's torch optimizer state, the param groups' hyperparameters,
+and optionally a step count (`step_count`). `LayerwiseOptimizer` satisfies it; so can any
+optimizer whose pieces are `OwnedPiece`s.
 
 `install_state` is the single path by which loaded values replace the live ones, used by
 `LayerwiseOptimizer.load_state_dict` (same plan) and `wholeshard.checkpoint.load_checkpoint`
 (any plan): masters, then params from the masters, then optimizer state, then param-group
-hyperparameters, then every rank gathers every param from its owner.
+hyperparameters and the step count, then every rank gathers every param from its owner.
 
 [Note: what Muon sees]
 Muon's update depends on the matrix's orientation (`adjust_lr_fn` scales by its shape) and only
@@ -78,6 +79,9 @@ class Checkpointable(Protocol):
     group; `piece_state(piece)` is the live (mutable) torch optimizer state of `piece`, whose
     tensors are either shaped like `piece.master` (elementwise, in the optimizer's orientation) or
     the same on every piece of one param (AdamW's scalar `step`).
+
+    Optional: an int attribute `steps`, the step() calls taken (`LayerwiseOptimizer.steps`). A
+    checkpoint saves it, names itself `step-<steps>` unless told otherwise, and restores it.
     """
 
     param_groups: list[dict[str, Any]]
@@ -85,6 +89,12 @@ class Checkpointable(Protocol):
     def owned_pieces(self) -> list[OwnedPiece]: ...
 
     def piece_state(self, piece: OwnedPiece) -> dict[str, Any]: ...
+
+
+def step_count(optimizer: Checkpointable) -> int | None:
+    """The optimizer's `steps` (step() calls taken), or None if it keeps no int count."""
+    steps = getattr(optimizer, "steps", None)
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 class LoadedPiece(NamedTuple):
@@ -102,14 +112,19 @@ def install_state(
     optimizer: Checkpointable,
     pieces: Iterable[LoadedPiece],
     param_groups: list[dict[str, Any]],
+    steps: int | None = None,
 ) -> None:
     """Make loaded values live, then gather every param from its owner.
 
     `param_groups` are the saved groups' hyperparameters, one per group of `optimizer` (a
-    `params` key is ignored). Every rank of `ddp`'s group must call it; afterwards every rank
-    holds every param it keeps between steps (all of them unless fully sharded).
+    `params` key is ignored); `steps`, if not None, becomes the optimizer's step count (when
+    it keeps one, `step_count`). Every rank of `ddp`'s group must call it; afterwards every
+    rank holds every param it keeps between steps (all of them unless fully sharded).
     """
     ddp.finish_param_sync()  # a gather still in flight must land before params are written
+    for group, saved in zip(optimizer.param_groups, param_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for piece, master, state in pieces:
         if master is not None:
             piece.master.copy_(master)
@@ -117,11 +132,27 @@ def install_state(
                 piece.param.copy_(piece.oriented(piece.master))
         live = optimizer.piece_state(piece)
         live.clear()
-        live.update(state)
-    for group, saved in zip(optimizer.param_groups, param_groups, strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+        group = group_of.get(id(piece.master), {})
+        live.update({k: _placed(k, v, piece.master, group) for k, v in state.items()})
+    if steps is not None and step_count(optimizer) is not None:
+        optimizer.steps = steps  # type: ignore[attr-defined]  # the optional attribute
     ddp.start_param_sync()
     ddp.finish_param_sync()
+
+
+def _placed(key: str, value: Any, master: torch.Tensor, group: dict[str, Any]) -> Any:
+    """A loaded state value where torch's `Optimizer.load_state_dict` puts it: `step` stays
+    where it is (the CPU) unless the group is fused or capturable, which need it as float32 on
+    the param's device; other floating tensors take the master's dtype and device."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=master.device)
+        return value
+    if value.is_floating_point():
+        return value.to(dtype=master.dtype, device=master.device)
+    return value.to(device=master.device)
 
 
 def elementwise(value: torch.Tensor, piece: OwnedPiece) -> bool:

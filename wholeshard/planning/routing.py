@@ -10,7 +10,10 @@ weights of hidden layers with >= 2 dims, AdamW everything else. The module class
 matter: `nn.Linear`, transformers' `Conv1D`, a bare 2-D `nn.Parameter` (an MoE router) and a
 3-D fused expert stack (E, out, in) all go to Muon. `route_params` sends a param to AdamW when:
 - it has fewer than 2 dims (norms, biases, scalars);
-- it is held by (or tied to) an `nn.Embedding` / `nn.EmbeddingBag`;
+- it is held by (or tied to) an `nn.Embedding` / `nn.EmbeddingBag`, or it is a table a model
+  indexes itself, told by name: its own name or its module's contains "embed" or is one of
+  `emb`, `wte`, `wpe`, `tok_emb`, `pos_emb` (`self.tok_embeddings = nn.Parameter(...)`, a
+  custom `Embed` module's `weight`);
 - it belongs to the output head: the module `model.get_output_embeddings()` returns when the
   model has that method and it returns a module (transformers' convention); otherwise any module
   whose name's last component is `lm_head`, `output`, `head` or `classifier`. A head tied to an
@@ -28,7 +31,8 @@ shape. `use_muon(name, param)` replaces the Muon/AdamW decision (not `transposed
 `muon_by_name` is the same rule from names and shapes alone, for shapes files and presets,
 which carry no modules. It agrees with `route_params` on transformers' GPT-2, Llama, Qwen3-MoE
 and Mixtral (`tests/test_routing.py`); where it must guess, it guesses from names:
-- a component containing "embed", or one of `wte`, `wpe`, `tok_emb`, `pos_emb`, is an embedding;
+- a component containing "embed", or one of `emb`, `wte`, `wpe`, `tok_emb`, `pos_emb`, is an
+  embedding;
 - a tied param is an embedding (the shared tensor of a tied head);
 - the last-but-one component is the module's name: `lm_head`, `output`, `head`, `classifier`
   make it the head;
@@ -53,7 +57,7 @@ UseMuon = Callable[[str, "nn.Parameter"], bool]
 HEAD_NAMES = frozenset({"lm_head", "output", "head", "classifier"})
 """Last name components that make a module the output head (when the model does not say)."""
 
-_EMBEDDING_COMPONENTS = frozenset({"wte", "wpe", "tok_emb", "pos_emb"})
+_EMBEDDING_COMPONENTS = frozenset({"emb", "wte", "wpe", "tok_emb", "pos_emb"})
 _COMPILE_WRAPPER = "_orig_mod"  # torch.compile(m) registers m under this name
 
 
@@ -99,6 +103,7 @@ def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
         aliases[id(p)] = aliases.get(id(p), 0) + 1
     roots = _roots(module)
     heads = _head_modules(roots[-1])
+    last_name = {id(m): name.rsplit(".", 1)[-1] for name, m in module.named_modules()}
 
     routes = []
     for fqn, p in module.named_parameters():
@@ -111,10 +116,11 @@ def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
         else:
             muon = p.ndim >= 2 and not any(
                 isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                or _embedding_name(last_name.get(id(m), ""), a)
                 or id(m) in heads
                 or any(m is r for r in roots)
                 or isinstance(m, nn.modules.conv._ConvNd)
-                for m, _ in held
+                for m, a in held
             )
         transposed = any(type(m).__name__ == "Conv1D" and a == "weight" for m, a in held)
         routes.append(
@@ -138,23 +144,36 @@ def muon_by_name(name: str, shape: Sequence[int], tied: bool = False) -> bool:
     parts = name.lower().split(".")
     if len(parts) >= 2 and parts[-2] in HEAD_NAMES:
         return False
-    if any("embed" in part or part in _EMBEDDING_COMPONENTS for part in parts):
+    if _embedding_name(*parts):
         return False
     return not (len(shape) > 2 and any("conv" in part for part in parts))
+
+
+def _embedding_name(*parts: str) -> bool:
+    """Whether one of the name components says "embedding" (see the module note)."""
+    return any("embed" in p or p in _EMBEDDING_COMPONENTS for p in map(str.lower, parts))
 
 
 def routing_table(routes: nn.Module | Sequence[Route]) -> str:
     """A readable table of every route (name, shape, optimizer, markers), for errors and logs.
 
     `routes` is a list of `Route`, or a module, which is routed by the default rule first
-    (without `route_params`' checks, so the table of a model that routes nothing to Muon shows).
+    (without `route_params`' checks, so the table of a model that routes nothing to Muon shows)
+    and whose frozen params (`requires_grad=False`) are listed too, as "frozen".
     """
+    frozen: list[tuple[str, tuple[int, ...]]] = []
     if not isinstance(routes, Sequence):  # a module
-        routes = _route(routes, None)
-    width = max([40, *(len(r.name) + 1 for r in routes)])
+        module = routes
+        routes = _route(module, None)
+        frozen = [
+            (clean_name(name), tuple(p.shape))
+            for name, p in module.named_parameters()
+            if not p.requires_grad
+        ]
+    width = max([40, *(len(r.name) + 1 for r in routes), *(len(n) + 1 for n, _ in frozen)])
     lines = [f"  {'param':<{width}} {'shape':<18} optimizer"]
     for r in routes:
-        shape = "x".join(map(str, r.shape)) or "scalar"
+        shape = _shape_text(r.shape)
         marks = []
         if r.muon and r.param.ndim > 2:
             marks.append(f"stack of {_matrices(r)}")
@@ -164,6 +183,8 @@ def routing_table(routes: nn.Module | Sequence[Route]) -> str:
             marks.append("transposed: stored (in, out)")
         note = f" ({', '.join(marks)})" if marks else ""
         lines.append(f"  {r.name:<{width}} {shape:<18} {'muon' if r.muon else 'adamw'}{note}")
+    for name, shape in frozen:
+        lines.append(f"  {name:<{width}} {_shape_text(shape):<18} frozen")
     return "\n".join(lines)
 
 
@@ -217,6 +238,10 @@ def _head_modules(root: nn.Module) -> set[int]:
 def _matrices(route: Route) -> int:
     """Matrices in a Muon param: the product of its leading dims (1 for a matrix)."""
     return math.prod(route.shape[:-2])
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
 
 
 def _count(n: int, one: str, many: str) -> str:

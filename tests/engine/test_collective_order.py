@@ -1,0 +1,134 @@
+"""Every rank issues the same collectives in the same order, across all its groups, with the same
+sizes ([Note: collective order] in `wholeshard/engine/_schedule.py`).
+
+On NCCL two communicators can serialise (`CUDA_DEVICE_MAX_CONNECTIONS=1`, or compute filling the
+GPU), so an order that differs between ranks, even across groups, can deadlock; and NCCL needs
+equal sizes on every rank. gloo forgives both, so the test records what each rank issues
+(operation, group, elements, dtype) through every step of every mode, including steps where one
+rank's forward skips a block (an MoE expert no token chose) and activation checkpointing
+re-gathers in backward, and compares the sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import ADAMW_KW, DIM, MUON_KW, OVERLAP, VOCAB, Block, local_batch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import wholeshard
+from wholeshard import fp8
+from wholeshard.distributed import collectives
+from wholeshard.distributed.launch import launch
+
+Call = tuple[str, str, int, str]
+
+
+class Branchy(nn.Module):
+    """Three blocks; `skip` leaves the middle one out of the forward on this rank (a module no
+    token chose), `recompute` runs the blocks under activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.skip = False
+        self.recompute = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for i, block in enumerate(self.blocks):
+            if self.skip and i == 1:
+                continue
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
+        return self.head(x)
+
+
+def _recording() -> list[tuple]:
+    """Record every collective this process issues from now on, through the engine's
+    `collectives` and torch's own functions: (op, group, elements, dtype)."""
+    calls: list[tuple] = []
+
+    def record(op: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            t = args[0]
+            calls.append((op, kwargs.get("group") or dist.group.WORLD, t.numel(), str(t.dtype)))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    dist.all_reduce = record("all_reduce", dist.all_reduce)
+    dist.broadcast = record("broadcast", dist.broadcast)
+    collectives._all_gather = record("all_gather", collectives._all_gather)
+    collectives._reduce_scatter = record("reduce_scatter", collectives._reduce_scatter)
+    return calls
+
+
+def _roles(calls: list[tuple], ddp: wholeshard.DataParallel) -> list[Call]:
+    """Each call's group by its roles ("dp+shard+gather"): the same on every rank, unlike a
+    shard group's ranks."""
+    roles = {
+        "dp": ddp.process_group or dist.group.WORLD,
+        "shard": ddp.shard_group or dist.group.WORLD,
+        "replica": ddp.replica_group,
+        "gather": ddp.gather_group or dist.group.WORLD,
+    }
+    out = []
+    for op, group, numel, dtype in calls:
+        names = "+".join(name for name, g in roles.items() if g is group) or "other"
+        out.append((op, names, numel, dtype))
+    return out
+
+
+def _steps(ddp_kw: dict, recipe: str | None) -> list[Call]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Branchy()
+    if recipe is not None:
+        model = fp8.convert(model, recipe)
+    calls = _recording()
+    ddp = wholeshard.DataParallel(model, bucket_size=3000, **ddp_kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    for step in range(4):
+        model.skip = step in (1, 3) and rank == 1  # the middle block: rank 0 only
+        model.recompute = step >= 2
+        x, y = local_batch(step, rank, world)
+        loss = nn.functional.cross_entropy(ddp(x).float().reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # an evaluation between steps
+            ddp(x)
+    ddp.free_overlap_buffers()
+    return _roles(calls, ddp)
+
+
+FULLY_SHARDED = dict(reshard_after_forward=True)
+MODES = {
+    "overlap": (OVERLAP, None),
+    "pipelined": (dict(pipelined_step=True, **OVERLAP), None),
+    "fully-sharded-overlap": (dict(FULLY_SHARDED, **OVERLAP), None),
+    "pipelined-fully-sharded": (dict(pipelined_step=True, **FULLY_SHARDED, **OVERLAP), None),
+    "shard-groups": (dict(shard_group_size=2, **OVERLAP), None),
+    "fp8-gather": (dict(fp8_param_gather=True, param_dtype=torch.bfloat16, **OVERLAP), "mxfp8"),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_rank_issues_the_same_collectives_in_the_same_order(mode: str) -> None:
+    ddp_kw, recipe = MODES[mode]
+    world = 4 if "shard_group_size" in ddp_kw else 2
+    seqs = launch(_steps, world, (ddp_kw, recipe), start_method="fork", timeout=120)
+    assert len(seqs[0]) > 20  # construction, 4 steps and evaluations all issue collectives
+    for rank, seq in enumerate(seqs[1:], start=1):
+        for i, (a, b) in enumerate(zip(seqs[0], seq, strict=False)):
+            assert a == b, f"collective #{i}: rank 0 issues {a}, rank {rank} issues {b}"
+        assert len(seq) == len(seqs[0]), (
+            f"rank {rank}: {len(seq)} collectives, rank 0 {len(seqs[0])}"
+        )
