@@ -73,6 +73,7 @@ def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
         (["--fp8", "e5m2"], "--fp8"),
         (["--optimizer", "adamw", "--no-separate-all-gather-group"], "--separate-all-gather-group"),
         (["--optimizer", "adamw", "--resume", "latest"], "--resume"),
+        (["--resume", "auto"], "--resume"),  # needs --out
     ],
 )
 def test_invalid_flag_values_exit_2_naming_the_flag(capsys, argv, flag) -> None:

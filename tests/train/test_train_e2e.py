@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from test_restarts import _assert_bitwise_equal, _final_state
 
 from wholeshard.train import report
 
@@ -90,7 +91,8 @@ def _records(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def muon_run(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("runs") / "muon"
-    proc, _ = _run([sys.executable, "-m", "wholeshard", *_args(text_file, out, "--nproc", "2")])
+    args = _args(text_file, out, "--nproc", "2", "--checkpoint-every", "2")
+    proc, _ = _run([sys.executable, "-m", "wholeshard", *args])
     return out, _summary(proc)
 
 
@@ -131,6 +133,33 @@ def test_torchrun_gives_the_same_losses(
     _check_run(tmp_path, summary, "muon")
     losses = [(r.get("loss"), r.get("val_loss")) for r in _records(tmp_path)]
     assert losses == [(r.get("loss"), r.get("val_loss")) for r in _records(muon_run[0])]
+
+
+def test_torchrun_max_restarts_with_resume_auto_continues_the_run(
+    text_file: Path, tmp_path: Path, muon_run: tuple[Path, dict]
+) -> None:
+    """The README's recipe: a rank SIGKILLed after step 3 of its first attempt; torchrun's
+    relaunch resumes from step-2 and ends bitwise equal to the uninterrupted local run."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2", "--max-restarts", "1"]
+    faulty = [str(ROOT / "tests" / "train" / "train_faults.py"), "1:3:kill"]
+    args = _args(text_file, tmp_path, "--checkpoint-every", "2", "--resume", "auto")
+    proc, _ = _run([*torchrun, *faulty, *args], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    summary = _summary(proc)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in proc.stderr  # (the warning's)
+    assert f"--resume auto: no checkpoint in {tmp_path / 'checkpoints'}; starting at step 0\n" in (
+        proc.stderr
+    )
+    assert f"--resume auto: resumed from {tmp_path / 'checkpoints' / 'step-2'} at step 2" in (
+        proc.stderr
+    )
+    _check_run(tmp_path, summary, "muon")  # each step logged once
+    straight_out, straight = muon_run
+    for key in ("final_loss", "final_val_loss", "first_val_loss"):
+        assert summary[key] == straight[key], key
+    losses = [(r.get("loss"), r.get("val_loss")) for r in _records(tmp_path)]
+    assert losses == [(r.get("loss"), r.get("val_loss")) for r in _records(straight_out)]
+    _assert_bitwise_equal(_final_state(straight_out, 4), _final_state(tmp_path, 4))
 
 
 @pytest.mark.parametrize("kind", ["raise", "kill"])

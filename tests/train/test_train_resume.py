@@ -75,7 +75,7 @@ def test_resume_refuses_to_overwrite_later_checkpoints(
             str(tmp_path / "run" / "checkpoints" / "step-3"),
         )
     assert e.value.code == 2
-    assert "step-6 come after step-3" in capsys.readouterr().err
+    assert "holds step-6, after step 3 that this run resumes from" in capsys.readouterr().err
 
 
 def test_checkpoints_need_the_muon_path(text_file: Path, tmp_path: Path, capsys) -> None:

@@ -8,7 +8,8 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
 `KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`) or `kill` (SIGKILL). `WHEN`: `after_step`
 (default: once the step and its checkpoint are done), `before_save` (before that step's save
 starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
-checkpoint on disk, the other ranks blocked in or past the save).
+checkpoint on disk, the other ranks blocked in or past the save). Under torchrun a fault fires
+on the first attempt only (`TORCHELASTIC_RESTART_COUNT` 0), so that a relaunch runs clean.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Fault:
     def __call__(self, point: str, step: int, rank: int) -> None:
         """The `trainer.Hook`."""
         if (rank, step) != (self.rank, self.step):
+            return
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return
         if point == self.when:
             self.fire()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -57,9 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (argparse errors exit with 2 directly)."""
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    """Run the CLI; returns the exit code (argparse errors exit with 2 directly). Output cut
+    short by its reader (`wholeshard plan | head`) ends quietly with 128 + SIGPIPE, as a
+    program killed by SIGPIPE does."""
+    try:
+        try:
+            args = build_parser().parse_args(argv)  # (--help exits from here)
+            return args.run(args)
+        finally:
+            sys.stdout.flush()  # here, not at exit, where a failed write cannot be caught
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit writes nowhere
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ _TITLES = {
 _METAVARS = {
     "path": "PATH",
     "trace": "FILE",
-    "resume": "PATH|latest",
+    "resume": "PATH|latest|auto",
     "out": "DIR",
     "collective_timeout": "SECONDS",
 }
@@ -92,7 +92,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             continue
         add_flags(groups[name], SECTIONS[name], dest=name + ".", metavars=_METAVARS)
     output = groups["output"]
-    output.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    output.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a run already in --out: its metrics, summary, plot and checkpoints are "
+        "deleted at the start (not with --resume)",
+    )
     output.add_argument(
         "--json",
         action="store_true",
@@ -161,8 +166,7 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
                     f"argument --data: {path} gives {n} bytes of {part} text (5% of the "
                     f"text is validation); need more than --seq-len={cfg.data.seq_len}"
                 )
-    if cfg.checkpoint.resume is not None:
-        _check_resume(parser, cfg)
+    _check_start(parser, cfg, args.overwrite)
     try:
         report.check_out_dir(cfg.output.out, args.overwrite or cfg.checkpoint.resume is not None)
     except ValueError as e:
@@ -176,24 +180,31 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
         )
 
 
-def _check_resume(parser: argparse.ArgumentParser, cfg: TrainConfig) -> None:
-    from ..checkpoint.directory import CheckpointError, resolve_checkpoint, steps_after
+def _check_start(parser: argparse.ArgumentParser, cfg: TrainConfig, overwrite: bool) -> None:
+    """The checkpoint `--resume` names, and that the run's saves replace none in
+    `<out>/checkpoints` (`wholeshard.train.resume`); sets `--out` from `--resume PATH`."""
+    resume = cfg.checkpoint.resume
+    if overwrite and resume is not None:
+        parser.error(
+            "argument --overwrite: not allowed with --resume: --overwrite starts the run over, "
+            "deleting its outputs and checkpoints; --resume continues it"
+        )
+    if resume is None and not Path(cfg.checkpoint_dir).is_dir():
+        return  # (without importing torch.distributed.checkpoint)
+    from ..checkpoint.directory import CheckpointError
+    from ..train.resume import check_start, find_checkpoint
 
-    if cfg.checkpoint.resume == "latest" and cfg.output.out is None:
-        parser.error("argument --resume: latest needs --out DIR of the run to continue")
     try:
-        ckpt = resolve_checkpoint(cfg.resume_path)
+        ckpt = find_checkpoint(cfg)
     except CheckpointError as e:
         parser.error(f"argument --resume: {e}")
-    if cfg.output.out is None:  # the run the checkpoint belongs to: <out>/checkpoints/step-N
+    if cfg.output.out is None:  # --resume PATH: the run it belongs to, <out>/checkpoints/step-N
         cfg.output.out = str(ckpt.parent.parent)
-    later = [p.name for p in steps_after(ckpt)]
-    if later and ckpt.parent.resolve() == Path(cfg.checkpoint_dir).resolve():
-        parser.error(
-            f"argument --resume: {', '.join(later)} come after {ckpt.name} in "
-            f"{ckpt.parent}; resuming from {ckpt.name} would overwrite them. Move them away "
-            f"or resume from latest"
-        )
+    if not overwrite:  # (--overwrite removes them: `run`)
+        try:
+            check_start(cfg, ckpt)
+        except CheckpointError as e:
+            parser.error(f"argument {'--out' if ckpt is None else '--resume'}: {e}")
 
 
 def _print_summary(summary: dict, as_json: bool) -> None:
@@ -225,6 +236,10 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
     if cfg.output.out is None and cfg.checkpoint.resume is None:
         cfg.output.out = report.default_out_dir()
     _check(args, cfg, world)
+    if args.overwrite and (not under_torchrun or os.environ["RANK"] == "0"):
+        from ..train.resume import remove_checkpoints
+
+        remove_checkpoints(Path(cfg.checkpoint_dir))  # before any rank's first collective
     if under_torchrun:
         from ..distributed.collectives import CollectiveError
 

@@ -1,9 +1,11 @@
-"""Optimizers that run on the pieces of params each rank owns: `LayerwiseOptimizer`, and the
-contract checkpoints need of an optimizer (`pieces`: `OwnedPiece`, `Checkpointable`), and
+"""Optimizers that run on the pieces of params each rank owns: `LayerwiseOptimizer`;
+`BatchedMuon`, torch's Muon with same-shape matrices orthogonalized together; the contract
+checkpoints need of an optimizer (`pieces`: `OwnedPiece`, `Checkpointable`); and
 `first_nonfinite`, the non-finite check a plain torch optimizer can share."""
 
 from ._step_check import first_nonfinite
+from .batched_muon import BatchedMuon
 from .layerwise import LayerwiseOptimizer
 from .pieces import Checkpointable, OwnedPiece
 
-__all__ = ["Checkpointable", "LayerwiseOptimizer", "OwnedPiece", "first_nonfinite"]
+__all__ = ["BatchedMuon", "Checkpointable", "LayerwiseOptimizer", "OwnedPiece", "first_nonfinite"]

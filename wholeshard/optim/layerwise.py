@@ -35,7 +35,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         ddp: the `DataParallel` whose owned params this optimizer steps; it owns the step (the
             wrapped params' `.grad` stays None: gradients live in the buckets).
         muon: keyword arguments of `torch.optim.Muon` (lr, weight_decay, momentum, nesterov,
-            ns_steps, adjust_lr_fn, ...).
+            ns_steps, adjust_lr_fn, ...), or of `matrix_optimizer`.
+        matrix_optimizer: the torch optimizer class stepping the owned Muon-routed matrices:
+            `torch.optim.Muon`, or `wholeshard.optim.BatchedMuon` (the same maths and state,
+            same-shape matrices orthogonalized together). Checkpoints reshard state shaped like
+            the param, so an optimizer whose update of a param reads only that param, its grad
+            and such state runs distributed unchanged.
         adamw: keyword arguments of `torch.optim.AdamW`.
         nonfinite: what an inf or nan in the averaged gradients does: "error" raises
             `FloatingPointError` on every rank naming the param and the step; "skip" leaves
@@ -68,6 +73,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         muon: dict[str, Any] | None = None,
         adamw: dict[str, Any] | None = None,
         nonfinite: NonfinitePolicy | None = "error",
+        matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
@@ -92,7 +98,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         )
 
         self._inner = {
-            MUON: torch.optim.Muon([{"params": self._masters(MUON)}], **(muon or {})),
+            MUON: matrix_optimizer([{"params": self._masters(MUON)}], **(muon or {})),
             ADAMW: torch.optim.AdamW([{"params": self._masters(ADAMW)}], **(adamw or {})),
         }
         super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})

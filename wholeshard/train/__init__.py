@@ -1,3 +1,3 @@
 """The example training job behind `wholeshard train`: `config` (TrainConfig), `trainer`
-(Trainer, train), `env`, `baseline` (the torch DDP + AdamW path), `data`, `schedule`, `report`,
-`plot`, `restarts`, `extras`."""
+(Trainer, train), `resume` (where a run starts), `env`, `baseline` (the torch DDP + AdamW path),
+`data`, `schedule`, `report`, `plot`, `restarts`, `extras`."""

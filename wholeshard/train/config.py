@@ -101,8 +101,9 @@ class CheckpointConfig:
     keep_last: int | None = field(default=3, metadata=_at_least(1))
     """Keep this many newest checkpoints (None: all)."""
     resume: str | None = None
-    """Resume from a checkpoint: a `step-N` directory, a checkpoints directory, or `latest`
-    (`<out>/checkpoints`); the run continues in `out`."""
+    """Resume from a checkpoint: a `step-N` directory, a checkpoints directory, `latest` (the
+    latest in `<out>/checkpoints`, which must exist) or `auto` (that one if there is one, else
+    start at step 0: the choice for torchrun's `--max-restarts`); the run continues in `out`."""
 
 
 @dataclass
@@ -114,7 +115,8 @@ class ReliabilityConfig:
     likely died or stalled; every process group the job creates carries it."""
     max_restarts: int = field(default=0, metadata=_at_least(0))
     """Local launcher: after a worker fails, stop all workers and relaunch the job from the
-    latest checkpoint in `<out>/checkpoints`, at most this many times (needs checkpoint_every)."""
+    latest checkpoint in `<out>/checkpoints`, at most this many times (needs checkpoint_every).
+    Under torchrun, use torchrun's own `--max-restarts` with `--resume auto`."""
 
 
 @dataclass
@@ -191,6 +193,12 @@ class TrainConfig:
             )
         if optim.name != "muon":
             self._check_adamw()
+        if self.checkpoint.resume in ("latest", "auto") and self.output.out is None:
+            raise ConfigError(
+                "checkpoint.resume",
+                f"resume {self.checkpoint.resume} needs out, the directory of the run to "
+                f"continue (e.g. --out runs/a)",
+            )
 
     def _check_adamw(self) -> None:
         """The AdamW path is torch DDP: wholeshard's modes and checkpoints need muon."""
@@ -222,17 +230,29 @@ class TrainConfig:
 
     @property
     def resume_path(self) -> str | None:
-        """The checkpoint path `checkpoint.resume` names (`latest`: this run's directory)."""
+        """The checkpoint path `checkpoint.resume` names (`latest`, `auto`: this run's
+        checkpoint directory)."""
         resume = self.checkpoint.resume
         if resume is None:
             return None
-        return self.checkpoint_dir if resume == "latest" else resume
+        return self.checkpoint_dir if resume in ("latest", "auto") else resume
 
     @property
     def warmup_steps(self) -> int:
         """`optim.warmup`, or 5% of `optim.steps` when not set."""
         warmup = self.optim.warmup
         return warmup if warmup is not None else max(1, self.optim.steps // 20)
+
+    @property
+    def lr_schedule(self) -> dict[str, Any]:
+        """The learning-rate schedule's settings (`schedule.lr_factor`'s keyword arguments)."""
+        optim = self.optim
+        return dict(
+            steps=optim.steps,
+            warmup=self.warmup_steps,
+            schedule=optim.schedule,
+            min_ratio=optim.min_lr_ratio,
+        )
 
 
 SECTIONS: dict[str, type] = {

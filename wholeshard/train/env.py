@@ -28,6 +28,21 @@ def torchrun_env() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def torchrun_restart_warning() -> str | None:
+    """A warning when torchrun may relaunch this job (`--max-restarts`) while its processes
+    share torchrun's TCP store, which keeps the previous attempt's keys (torch 2.13): a
+    relaunched process may read a dead peer's address and fail to connect, or hang."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not shared or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        return None
+    return (
+        "warning: torchrun shares its TCP store with this job and keeps the previous attempt's "
+        "keys in it, so after a restart a process may read a dead peer's address and fail to "
+        "connect or hang; run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+        "environment"
+    )
+
+
 def setup_distributed(timeout: timedelta | None = None) -> DistEnv:
     """Join the existing process group, or create one from torchrun's env (with collective
     `timeout`), or run alone."""

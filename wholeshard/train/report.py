@@ -1,4 +1,5 @@
-"""A run's outputs on rank 0: the output directory, `metrics.jsonl`, the progress bar."""
+"""A run's outputs on rank 0: the output directory, `metrics.jsonl`, the progress bar, the
+trace."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from wholeshard.train.extras import require
 
@@ -15,6 +17,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PLOT = "loss.png"
 RUN_FILES = (METRICS, SUMMARY, PLOT)
+TRACE_STEPS = 3  # steps recorded by --trace, after one warm-up step
 
 
 def default_out_dir() -> str:
@@ -136,3 +139,26 @@ class RunLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def start_trace(path: str | None, rank: int, cuda: bool) -> Any:
+    """A started torch.profiler that writes a Chrome trace to `path` (rank 0) after a few
+    steps, or None without a `path`."""
+    if path is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def write(prof: Any) -> None:
+        if rank == 0:
+            prof.export_chrome_trace(path)
+
+    activities = [ProfilerActivity.CPU]
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=TRACE_STEPS, repeat=1),
+        on_trace_ready=write,
+    )
+    prof.start()
+    return prof

@@ -33,14 +33,22 @@ from ..planning.routing import routing_summary
 from . import data, report
 from .baseline import build_ddp_adamw, step_or_skip
 from .config import TrainConfig
-from .env import DistEnv, resolve_param_dtype, set_threads, setup_distributed
+from .env import (
+    DistEnv,
+    resolve_param_dtype,
+    set_threads,
+    setup_distributed,
+    torchrun_restart_warning,
+)
 from .plot import plot_losses
-from .schedule import make_scheduler
+from .resume import AUTO, check_start, find_checkpoint
+from .schedule import adopt_schedule, make_scheduler
 
 BEFORE_SAVE, AFTER_STEP = "before_save", "after_step"
 Hook = Callable[[str, int, int], None]
 """`hook(point, step, rank)`; see [Note: hooks]."""
-TRACE_STEPS = 3  # steps recorded by --trace, after one warm-up step
+PROGRESS = ("first_val", "last_val", "last_loss", "skipped_steps")
+"""What a run keeps across resumes besides the training state (in each checkpoint's `extra`)."""
 
 
 def train(cfg: TrainConfig, hooks: Sequence[Hook] = ()) -> dict:
@@ -91,9 +99,7 @@ class Trainer:
             env.world,
         )
         self._build()
-        self.scheduler = make_scheduler(
-            self.opt, cfg.optim.steps, cfg.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio
-        )
+        self.scheduler = make_scheduler(self.opt, **cfg.lr_schedule)
         self.out = cfg.output.out or report.default_out_dir()
 
     def _build(self) -> None:
@@ -210,13 +216,14 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save(self, step: int, progress: dict[str, Any]) -> None:
-        """Checkpoint the run at `step`; `progress` (validation losses, skipped steps) travels
-        in the checkpoint's `extra`."""
+        """Checkpoint the run at `step`; `progress` (validation losses, the last training loss,
+        skipped steps) travels in the checkpoint's `extra`."""
         from ..checkpoint import save_checkpoint
 
         extra = {
             "step": step,
             "scheduler": self.scheduler.state_dict(),
+            "schedule": self.cfg.lr_schedule,
             "rng": torch.get_rng_state(),
             **progress,
         }
@@ -225,24 +232,30 @@ class Trainer:
             self.cfg.checkpoint_dir, self.module, self.opt, extra=extra, keep_last=ckpt.keep_last
         )
 
-    def resume(self) -> dict[str, Any]:
-        """Load `checkpoint.resume` into the model, optimizer and scheduler; returns its `extra`
-        (with `path`). The data position is the step: batch `s` is a pure function of (seed, s,
-        rank, world)."""
-        from ..checkpoint import load_checkpoint, resolve_checkpoint
+    def resume(self, path: os.PathLike) -> dict[str, Any]:
+        """Load checkpoint `path` into the model, optimizer and scheduler; returns its `extra`
+        (with `path`, and `warning` when this run's schedule settings differ from the saved
+        ones: the run then follows its own schedule from the next step). The data position is
+        the step: batch `s` is a pure function of (seed, s, rank, world)."""
+        from ..checkpoint import load_checkpoint
 
-        path = resolve_checkpoint(self.cfg.resume_path)
         extra = load_checkpoint(path, self.module, self.opt)
-        self.scheduler.load_state_dict(extra["scheduler"])
+        self.scheduler.load_state_dict(extra["scheduler"])  # keeps this run's lr function
         torch.set_rng_state(extra["rng"])
-        return dict(extra, path=str(path))
+        schedule = extra.get("schedule"), self.cfg.lr_schedule, extra["step"]
+        return dict(extra, path=str(path), warning=adopt_schedule(self.scheduler, *schedule))
 
     # -- the job ----------------------------------------------------------------------------------
 
     def train(self) -> dict:
-        """Run (or resume) the job to `optim.steps`; returns the summary."""
+        """Run (or resume) the job to `optim.steps`; returns the summary. Checks where it starts
+        on every rank first (`resume.check_start`); after construction, whose collectives order
+        it after `wholeshard train --overwrite` removed old checkpoints on rank 0."""
         cfg, env = self.cfg, self.env
-        resumed = self.resume() if cfg.checkpoint.resume is not None else None
+        ckpt = find_checkpoint(cfg)
+        check_start(cfg, ckpt)
+        replaced = env.rank == 0 and ckpt is None and report.existing_run(self.out)
+        resumed = None if ckpt is None else self.resume(ckpt)
         log = report.RunLog(
             self.out,
             cfg.optim.steps,
@@ -251,25 +264,33 @@ class Trainer:
             resume_step=None if resumed is None else resumed["step"],
         )
         self._announce(log)
-        tracer = _tracer(cfg, env)
+        auto = "--resume auto: " if cfg.checkpoint.resume == AUTO else ""
+        if auto and ckpt is None:
+            log.note(
+                f"{auto}no checkpoint in {cfg.checkpoint_dir}; starting at step 0"
+                + (f", replacing the run in {self.out}" if replaced else "")
+            )
+        tracer = report.start_trace(cfg.output.trace, env.rank, env.device.type == "cuda")
         try:
             if resumed is None:
                 first_val = self.evaluate()
                 log.record({"step": 0, "val_loss": first_val, "lr": 0.0, "tokens": 0})
-                progress = {"first_val": first_val, "last_val": first_val, "skipped_steps": 0}
+                progress = dict(
+                    first_val=first_val, last_val=first_val, last_loss=math.nan, skipped_steps=0
+                )
                 if cfg.reliability.max_restarts:  # so that every restart resumes from one
                     self.save(0, progress)
                 start = 1
             else:
-                log.note(f"resumed from {resumed['path']} at step {resumed['step']}")
-                progress = {
-                    k: resumed.get(k, 0) for k in ("first_val", "last_val", "skipped_steps")
-                }
+                log.note(f"{auto}resumed from {resumed['path']} at step {resumed['step']}")
+                if resumed["warning"] is not None:
+                    log.note(f"wholeshard train: {resumed['warning']}")
+                progress = {k: resumed.get(k, math.nan) for k in PROGRESS}
+                progress["skipped_steps"] = resumed.get("skipped_steps", 0)
                 start = resumed["step"] + 1
-            figures: dict[str, Any] = {"loss": math.nan}
             for step in range(start, cfg.optim.steps + 1):
-                figures = self._step_and_log(step, progress, log, tracer)
-            return self._finish(log, progress, figures["loss"])
+                self._step_and_log(step, progress, log, tracer)
+            return self._finish(log, progress)
         finally:
             if tracer is not None:
                 tracer.stop()
@@ -285,28 +306,38 @@ class Trainer:
         )
         if cfg.optim.name == "muon":
             log.note(routing_summary(self.module.routes))
+        warning = torchrun_restart_warning()
+        if warning is not None:
+            log.note(f"wholeshard train: {warning}")
 
     def _step_and_log(
         self, step: int, progress: dict[str, Any], log: report.RunLog, tracer: Any
-    ) -> dict[str, Any]:
-        """One step, its checkpoint (with the hooks around it) and its metrics record."""
+    ) -> None:
+        """One step, its evaluation, its checkpoint (with the hooks around it; after the
+        evaluation, so that it holds the step's validation loss) and its metrics record."""
         cfg = self.cfg
         t0 = time.perf_counter()
         waited = self.comm_wait_s()
         figures = self.train_step(step)
         progress["skipped_steps"] += figures["skipped"]
+        progress["last_loss"] = figures["loss"]
         if tracer is not None:
             tracer.step()
+        evaluating = step % cfg.output.eval_every == 0 or step == cfg.optim.steps
+        eval_s = 0.0  # step_s leaves it out
+        if evaluating:
+            t_eval = time.perf_counter()
+            progress["last_val"] = self.evaluate()
+            eval_s = time.perf_counter() - t_eval
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             for hook in self.hooks:
                 hook(BEFORE_SAVE, step, self.env.rank)
             self.save(step, progress)
         for hook in self.hooks:
             hook(AFTER_STEP, step, self.env.rank)
-        evaluating = step % cfg.output.eval_every == 0 or step == cfg.optim.steps
         if not (evaluating or figures["skipped"] or step % cfg.output.log_every == 0):
-            return figures
-        step_s = time.perf_counter() - t0
+            return
+        step_s = time.perf_counter() - t0 - eval_s
         tokens = cfg.data.batch_size * cfg.data.seq_len
         rec = {
             "step": step,
@@ -321,18 +352,17 @@ class Trainer:
         if figures["skipped"]:
             rec["skipped"] = True
         if evaluating:
-            progress["last_val"] = rec["val_loss"] = self.evaluate()
+            rec["val_loss"] = progress["last_val"]
         log.record(rec)
-        return figures
 
-    def _finish(self, log: report.RunLog, progress: dict[str, Any], final_loss: float) -> dict:
+    def _finish(self, log: report.RunLog, progress: dict[str, Any]) -> dict:
         """The summary (written to summary.json) and the loss plot."""
         cfg, env = self.cfg, self.env
         wall_s = time.perf_counter() - self.start_time
         tokens = cfg.optim.steps * cfg.data.batch_size * cfg.data.seq_len
         summary = {
             "steps": cfg.optim.steps,
-            "final_loss": final_loss,
+            "final_loss": progress["last_loss"],
             "final_val_loss": progress["last_val"],
             "skipped_steps": progress["skipped_steps"],
             "first_val_loss": progress["first_val"],
@@ -364,26 +394,3 @@ def _global_mean(t: torch.Tensor, env: DistEnv) -> float:
         dist.all_reduce(t)
         t /= env.world
     return t.item()
-
-
-def _tracer(cfg: TrainConfig, env: DistEnv) -> Any:
-    """A started torch.profiler that writes `output.trace` (rank 0) after a few steps, or None."""
-    path = cfg.output.trace
-    if path is None:
-        return None
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    def write(prof: Any) -> None:
-        if env.rank == 0:
-            prof.export_chrome_trace(path)
-
-    activities = [ProfilerActivity.CPU]
-    if env.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    prof = profile(
-        activities=activities,
-        schedule=schedule(wait=0, warmup=1, active=TRACE_STEPS, repeat=1),
-        on_trace_ready=write,
-    )
-    prof.start()
-    return prof

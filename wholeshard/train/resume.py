@@ -1,0 +1,97 @@
+"""Where a run starts: `find_checkpoint` (the checkpoint `checkpoint.resume` names, or None for
+step 0), `check_start` (the run's checkpoint directory holds nothing its saves would replace)
+and `remove_checkpoints` (`--overwrite`).
+
+`find_checkpoint` and `check_start` only read files, and nothing writes checkpoints before the
+first step, so every rank that calls them at the start of a run gets the same answer: an error
+is raised on every rank, before any step. A run without `resume` whose checkpoint directory does
+not exist reads nothing (nor imports torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import TrainConfig
+
+AUTO = "auto"
+"""`checkpoint.resume` that resumes from `<out>/checkpoints`' latest checkpoint if there is one,
+else starts at step 0 (the relaunch-safe choice for torchrun's `--max-restarts`)."""
+
+
+def holds_checkpoints(root: Path) -> bool:
+    """Whether `root` has a `latest` marker or a `step-N` directory."""
+    if not root.is_dir():
+        return False
+    from ..checkpoint.directory import read_latest, steps
+
+    return read_latest(root) is not None or bool(steps(root))
+
+
+def find_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The checkpoint the run resumes from; None: it starts at step 0 (no `resume`, or `auto`
+    with no checkpoint in `<out>/checkpoints`). Raises CheckpointError when `resume` names no
+    complete checkpoint."""
+    resume = cfg.checkpoint.resume
+    if resume is None or (resume == AUTO and not holds_checkpoints(Path(cfg.checkpoint_dir))):
+        return None
+    from ..checkpoint.directory import resolve_checkpoint
+
+    return resolve_checkpoint(cfg.resume_path)
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The step a complete checkpoint was saved at (its manifest's)."""
+    from ..checkpoint.directory import read_manifest
+
+    return read_manifest(ckpt)["step"]
+
+
+def check_start(cfg: TrainConfig, ckpt: Path | None) -> None:
+    """Raise CheckpointError if the run, starting from `ckpt` (None: step 0), has nothing to do
+    (`ckpt` is past `optim.steps`) or would save over checkpoints in `<out>/checkpoints`: any
+    at all when it starts at step 0, those after `ckpt` when it resumes from another one than
+    `latest` names. (After `latest`, a `step-N` is a save killed before `latest` named it; the
+    directory protocol replaces it when the resumed run saves step N.)"""
+    root = Path(cfg.checkpoint_dir)
+    if ckpt is None and not holds_checkpoints(root):
+        return
+    from ..checkpoint.directory import CheckpointError, read_latest, steps
+
+    if ckpt is None:
+        names = ", ".join(p.name for _, p in sorted(steps(root).items())) or "none"
+        raise CheckpointError(
+            f"{root} holds the checkpoints of an earlier run (latest: "
+            f"{read_latest(root) or 'none'}; present: {names}), and this run starts at step "
+            f"0: its saves would replace them. Continue that run with --resume auto (or "
+            f"--resume latest), choose another --out, or pass --overwrite to delete them and "
+            f"start over"
+        )
+    start = checkpoint_step(ckpt)
+    if start > cfg.optim.steps:
+        raise CheckpointError(
+            f"{ckpt} was saved at step {start}, past --steps {cfg.optim.steps}: nothing to "
+            f"train. Pass --steps {start} or more"
+        )
+    later = [p.name for s, p in sorted(steps(root).items()) if s > start]
+    latest = read_latest(root)
+    if later and not (latest is not None and (root / latest).resolve() == ckpt.resolve()):
+        raise CheckpointError(
+            f"{root} holds {', '.join(later)}, after step {start} that this run resumes from "
+            f"({ckpt}): its saves would replace them. Resume from the latest with --resume auto "
+            f"(or --resume latest), choose another --out, or move them away"
+        )
+
+
+def remove_checkpoints(root: Path) -> None:
+    """Delete every checkpoint in `root`: the `latest` marker first (so it never names a
+    missing checkpoint), then each `step-N` directory (never left half-deleted), then what
+    killed saves left."""
+    if not root.is_dir():
+        return
+    from ..checkpoint.directory import LATEST, clean_leftovers, remove, steps
+
+    (root / LATEST).unlink(missing_ok=True)
+    for ckpt in steps(root).values():
+        remove(root, ckpt)
+    clean_leftovers(root)
