@@ -15,7 +15,9 @@ import pytest
 
 from wholeshard.cli import plan as plan_tool
 from wholeshard.planning import default_bucket_size, plan_buffers
+from wholeshard.planning.costs import OPS, Mode, plan_costs
 from wholeshard.planning.presets import preset
+from wholeshard.planning.projection import project
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,6 +66,9 @@ def test_json_has_every_field_with_its_type(
         "plan_seconds",
         "buffers",
         "params",
+        "mode",
+        "per_rank",
+        "per_step",
     }
     assert (doc["dp"], doc["shard_group_size"], doc["strategy"]) == (4, 2, "balanced")
     assert doc["bucket_size"] == 4096
@@ -93,6 +98,119 @@ def test_json_has_every_field_with_its_type(
     by_name = {p["name"]: p for p in doc["params"]}
     assert by_name["h.0.proj.weight"]["kind"] == "adamw"  # explicit "muon": false wins
     assert by_name["wte.weight"]["kind"] == "adamw" and by_name["h.0.fc.weight"]["kind"] == "muon"
+    assert doc["mode"] == {
+        "reshard_after_forward": False,
+        "param_dtype": "float32",
+        "grad_reduce_dtype": "float32",
+        "shard_group_size": 2,
+        "overlap_grad_reduce": False,
+        "overlap_param_gather": False,
+        "param_sync": "allgather",
+        "clip_grad_norm": True,
+    }
+    per_rank, per_step = doc["per_rank"], doc["per_step"]
+    assert set(per_rank) == {"shard_rank", "persistent_bytes", "persistent_total_min",
+                             "peak_transient_bytes", "transient_bucket_bytes"}  # fmt: skip
+    kinds = {"params", "grads", "masters", "optimizer_state", "master_grads", "total"}
+    assert set(per_rank["persistent_bytes"]) == kinds
+    assert all(isinstance(v, int) and v >= 0 for v in per_rank["persistent_bytes"].values())
+    assert per_rank["persistent_bytes"]["params"] == 4 * sum(b["numel"] for b in doc["buffers"])
+    assert per_rank["peak_transient_bytes"] == per_rank["transient_bucket_bytes"] == 0
+    assert set(per_step) == {"collectives", "bytes_sent", "bytes_sent_by_op"}
+    assert set(per_step["collectives"]) <= set(OPS) and isinstance(per_step["bytes_sent"], int)
+    assert per_step["bytes_sent"] == sum(per_step["bytes_sent_by_op"].values())
+    buckets = sum(len(b["buckets"]) for b in doc["buffers"])
+    # per bucket: a reduce-scatter, an all-reduce across the 2 replicas, an all-gather; then
+    # the step check and the clipping norm
+    assert per_step["collectives"] == {
+        "reduce_scatter": buckets,
+        "all_reduce": buckets + 2,
+        "all_gather": buckets,
+    }
+
+
+@pytest.mark.parametrize(
+    "flags, mode",
+    [
+        ([], Mode()),
+        (
+            ["--reshard-after-forward", "--param-dtype", "bfloat16", "--overlap-grad-reduce"],
+            Mode(reshard_after_forward=True, param_dtype="bfloat16", overlap_grad_reduce=True),
+        ),
+        (
+            ["--grad-reduce-dtype", "bfloat16", "--overlap-param-gather"],
+            Mode(grad_reduce_dtype="bfloat16", overlap_param_gather=True),
+        ),
+    ],
+)
+def test_json_costs_are_the_plans_in_the_mode_the_flags_name(
+    capsys: pytest.CaptureFixture[str], flags: list[str], mode: Mode
+) -> None:
+    argv = ["--preset", "qwen3-30b-a3b", "--dp", "32", "--shard-group-size", "8"]
+    code, out, _ = run([*argv, *flags, "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    specs = preset("qwen3-30b-a3b")
+    bucket_size = default_bucket_size(sum(s.numel for s in specs), 32)
+    plan = plan_buffers(specs, 32, bucket_size=bucket_size, shard_group_size=8)
+    costs = plan_costs(plan, specs, mode)
+    worst = costs.worst_rank
+    assert doc["mode"]["reshard_after_forward"] == mode.reshard_after_forward
+    assert (doc["mode"]["param_dtype"], doc["mode"]["grad_reduce_dtype"]) == (
+        mode.param_dtype,
+        mode.grad_reduce_dtype,
+    )
+    assert doc["per_rank"]["shard_rank"] == worst
+    assert doc["per_rank"]["persistent_bytes"] == costs.persistent[worst]
+    assert doc["per_rank"]["persistent_total_min"] == min(p["total"] for p in costs.persistent)
+    assert doc["per_rank"]["peak_transient_bytes"] == costs.peak_transient
+    assert doc["per_step"]["collectives"] == costs.counts()
+    assert doc["per_step"]["bytes_sent"] == costs.bytes_sent
+    if mode.reshard_after_forward:  # each rank keeps 1/8 of the bf16 params
+        numel = sum(b["numel"] for b in doc["buffers"])
+        assert doc["per_rank"]["persistent_bytes"]["params"] == numel // 8 * 2
+        assert doc["per_rank"]["peak_transient_bytes"] >= doc["per_rank"]["transient_bucket_bytes"]
+
+
+def test_table_tells_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--preset", "gpt2-small", "--dp", "8", "--reshard-after-forward"]
+    code, out, _ = run([*argv, "--param-dtype", "bfloat16"], capsys)
+    assert code == 0
+    specs = preset("gpt2-small")
+    plan = plan_buffers(specs, 8, bucket_size=default_bucket_size(sum(s.numel for s in specs), 8))
+    costs = plan_costs(plan, specs, Mode(reshard_after_forward=True, param_dtype="bfloat16"))
+    mine = costs.persistent[costs.worst_rank]
+    assert "mode: fully sharded, params bfloat16, grads reduced in float32" in out
+    assert f"params {plan_tool.size(mine['params'])}, grads {plan_tool.size(mine['grads'])}" in out
+    assert f"peak transient {plan_tool.size(costs.peak_transient)}" in out
+    counts = costs.counts()
+    assert f"per step: {sum(counts.values())} collectives (" in out
+    assert f"{counts['all_gather']} all_gather" in out
+    assert f"{plan_tool.size(costs.bytes_sent)} sent per rank" in out
+
+
+def test_fabric_adds_a_projection(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--preset", "llama3-8b", "--dp", "16", "--shard-group-size", "8"]
+    flags = ["--fabric", "nvlink4-ndr400", "--gpu", "h200"]
+    code, out, _ = run([*argv, *flags, "--json"], capsys)
+    assert code == 0
+    specs = preset("llama3-8b")
+    plan = plan_buffers(specs, 16, bucket_size=default_bucket_size(sum(s.numel for s in specs), 16),
+                        shard_group_size=8)  # fmt: skip
+    expected = project(plan_costs(plan, specs, Mode()), "nvlink4-ndr400", "h200")
+    assert json.loads(out)["projection"] == expected.as_dict()
+    code, out, _ = run([*argv, *flags], capsys)
+    assert code == 0 and expected.describe() in out
+
+
+def test_sizes_read_in_binary_units() -> None:
+    assert [plan_tool.size(n) for n in (0, 1023, 1536, 3 * 2**30, 5 * 2**40)] == [
+        "0 B",
+        "1023 B",
+        "1.50 KiB",
+        "3.00 GiB",
+        "5.00 TiB",
+    ]
 
 
 def test_json_matches_plan_buffers_for_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,9 +304,31 @@ def test_shard_group_that_does_not_divide_dp(capsys: pytest.CaptureFixture[str])
     assert code == 2 and "choose one of [1, 2, 3, 6]" in err
 
 
+def test_auto_shard_groups_say_which_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--preset", "llama3-70b", "--dp", "256", "--shard-group-size", "auto", "--json"]
+    code, out, _ = run(argv, capsys)
+    doc = json.loads(out)
+    choice = doc["shard_group_choice"]
+    assert code == 0 and doc["shard_group_size"] == choice["k"] == 4 and choice["meets_targets"]
+    assert (
+        choice["largest_bucket"] <= choice["bucket_limit"] and "k x the widest" in choice["reason"]
+    )
+    specs = preset("llama3-70b")
+    want = plan_buffers(
+        specs,
+        256,
+        bucket_size=default_bucket_size(sum(s.numel for s in specs), 4),
+        shard_group_size=4,
+    )
+    assert doc["buffers"][0]["buckets"][0]["end"] == want.buffers[0].buckets[0].end
+    code, out, _ = run(argv[:-1], capsys)
+    assert code == 0 and out.startswith("shard groups (auto): k=4 of dp 256")
+
+
 @pytest.mark.parametrize(
     "argv",
     [
+        ["--preset", "gpt2-small", "--dp", "4", "--shard-group-size", "most"],
         ["--dp", "4"],  # no source
         ["--preset", "gpt2-small", "--shapes", "x.json", "--dp", "4"],
         ["--preset", "gpt2-small"],  # no --dp
@@ -196,6 +336,10 @@ def test_shard_group_that_does_not_divide_dp(capsys: pytest.CaptureFixture[str])
         ["--preset", "gpt3", "--dp", "4"],
         ["--preset", "gpt2-small", "--dp", "4", "--strategy", "random"],
         ["--preset", "gpt2-small", "--dp", "4", "--bucket-size", "-1"],
+        ["--preset", "gpt2-small", "--dp", "4", "--param-dtype", "int8"],
+        ["--preset", "gpt2-small", "--dp", "4", "--grad-reduce-dtype", "bf16x"],
+        ["--preset", "gpt2-small", "--dp", "4", "--fabric", "carrier-pigeon"],
+        ["--preset", "gpt2-small", "--dp", "4", "--fabric", "pcie4-eth100", "--gpu", "tpu"],
     ],
 )
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

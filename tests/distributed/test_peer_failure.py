@@ -162,3 +162,17 @@ def test_a_stalled_rank_times_out_the_others_on_every_subgroup() -> None:
     assert "CollectiveError" in text and "a peer rank likely died or stalled" in text, text
     # gloo says "Timed out waiting ...ms" or "Application timeout caused pair closure"
     assert "of bucket" in text and re.search(r"time[sd]? ?out", text, re.IGNORECASE), text
+
+
+def _abort_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        os.abort()  # what NCCL's watchdog does to a rank whose collective timed out
+    dist.barrier()
+
+
+def test_an_aborted_rank_is_named_with_the_nccl_watchdog_hint() -> None:
+    with pytest.raises(WorkerFailed) as failed:
+        launch(_abort_on_rank_1, 2, start_method="fork", timeout=60, collective_timeout_s=10)
+    assert failed.value.rank == 1
+    text = str(failed.value)
+    assert "was killed by SIGABRT" in text and "Watchdog caught collective operation" in text

@@ -48,7 +48,9 @@ def test_config_and_keywords_together_or_unknown_keywords_are_refused() -> None:
     [
         (dict(bucket_size=0), "bucket_size", "int >= 1"),
         (dict(bucket_size=True), "bucket_size", "int >= 1"),
-        (dict(shard_group_size=-2), "shard_group_size", "int >= 1"),
+        (dict(shard_group_size=-2), "shard_group_size", "int >= 1 or 'auto'"),
+        (dict(shard_group_size="max"), "shard_group_size", "int >= 1 or 'auto'"),
+        (dict(shard_group_size="auto", scheme="ping_pong"), "shard_group_size", "scheme='whole'"),
         (dict(strategy="zigzag"), "strategy", "strategy must be one of"),
         (dict(scheme="aligned"), "scheme", "scheme must be one of"),
         (dict(param_sync="scatter"), "param_sync", "param_sync must be one of"),

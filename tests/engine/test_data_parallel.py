@@ -56,7 +56,7 @@ def test_one_rank_issues_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("a collective was issued at dp_size 1")
 
-    for name in ("reduce_scatter_avg", "all_gather", "all_reduce", "all_reduce_avg", "broadcast"):
+    for name in ("reduce_scatter_sum", "all_gather", "all_reduce", "all_reduce_sum", "broadcast"):
         monkeypatch.setattr(collectives, name, forbidden)
     for ddp_dist in (dist.all_gather_object, dist.broadcast):
         monkeypatch.setattr(dist, ddp_dist.__name__, forbidden)

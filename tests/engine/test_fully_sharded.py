@@ -6,6 +6,8 @@ compared bitwise; both are compared with the single-process reference.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -199,14 +201,14 @@ def _groups_used(ddp_kw: dict) -> dict:
 
     def recording(name: str, fn):
         def wrapper(*args, **kwargs):
-            calls.append((name, args[-1]))
+            calls.append((name, inspect.signature(fn).bind(*args, **kwargs).arguments["group"]))
             return fn(*args, **kwargs)
 
         return wrapper
 
     originals = {
         name: getattr(collectives, name)
-        for name in ("all_gather", "broadcast", "reduce_scatter_avg", "all_reduce_avg")
+        for name in ("all_gather", "broadcast", "reduce_scatter_sum", "all_reduce_sum")
     }
     for name, fn in originals.items():
         setattr(collectives, name, recording(name, fn))
@@ -224,7 +226,7 @@ def _groups_used(ddp_kw: dict) -> dict:
         collectives.broadcast_from_first = first
     ddp = out.pop("ddp")
     gathers = [g for name, g in calls if name in ("all_gather", "broadcast")]
-    reductions = [g for name, g in calls if name in ("reduce_scatter_avg", "all_reduce_avg")]
+    reductions = [g for name, g in calls if name in ("reduce_scatter_sum", "all_reduce_sum")]
     out["gathers_on_gather_group"] = all(g is ddp.gather_group for g in gathers)
     out["reductions_on_gather_group"] = any(g is ddp.gather_group for g in reductions)
     out["separate"] = ddp.gather_group is not ddp.shard_group

@@ -186,10 +186,13 @@ def _train(
     )
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     losses = []
+    step = 0
     try:
         for step in range(4):
             if step == leave_out:
                 continue
+            if change == "last-step" and step == 3 and rank == 1:
+                opt.steps += 1
             if change == "steps" and step == 1 and rank == 1:
                 opt.steps += 1  # as if this rank had loaded another step's state
             if change == "model" and step == 2 and rank == 0:
@@ -210,11 +213,11 @@ def _train(
                 opt.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad()
+        state = {k: dict(v) for k, v in opt.state_dict()["state"].items()}
     except (FloatingPointError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e} [raised in loop step {step}]"
     with ddp.full_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = {k: dict(v) for k, v in opt.state_dict()["state"].items()}
     return dict(
         params=params, opt_state=state, losses=losses, skipped=opt.skipped_steps, steps=opt.steps
     )
@@ -249,13 +252,31 @@ def test_nonfinite_none_does_not_look() -> None:
     assert all(isinstance(o, dict) and o["skipped"] == 0 for o in out)
 
 
-def test_ranks_at_different_steps_all_raise() -> None:
-    messages = run(_train, 2, change="steps")
+@pytest.mark.parametrize("nonfinite", ["error", None])
+def test_ranks_at_different_steps_all_raise(nonfinite: str | None) -> None:
+    messages = run(_train, 2, change="steps", nonfinite=nonfinite)
+    late = nonfinite is None  # judged at the next step ([Note: host syncs in a step])
     for m in messages:
         assert "ranks disagree on the step" in m and "range from 1 to 2" in m, m
+        assert m.endswith(f"[raised in loop step {2 if late else 1}]"), m
 
 
-def test_a_model_changed_on_one_rank_raises_on_every_rank() -> None:
-    messages = run(_train, 2, change="model")
+@pytest.mark.parametrize("nonfinite", ["error", None])
+@pytest.mark.parametrize("overlap", [False, "pipelined"])
+def test_a_model_changed_on_one_rank_raises_on_every_rank(
+    nonfinite: str | None, overlap: bool | str
+) -> None:
+    # Rank 0 freezes a param at step 2, so it misses that gradient (with nonfinite=None it
+    # reads the check at once for the others' flags) and rank 1 does not.
+    messages = run(_train, 2, change="model", nonfinite=nonfinite, overlap=overlap)
     assert "'ln.weight' has requires_grad=False" in messages[0]
     assert "another rank's model changed" in messages[1]
+    for m in messages:
+        assert m.endswith(f"[raised in loop step {3 if nonfinite is None else 2}]"), m
+
+
+def test_a_mismatch_in_the_last_step_raises_when_state_is_read() -> None:
+    messages = run(_train, 2, change="last-step", nonfinite=None)
+    for m in messages:
+        assert "ranks disagree on the step" in m and "range from 3 to 4" in m, m
+        assert m.endswith("[raised in loop step 3]"), m

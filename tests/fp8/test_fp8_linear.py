@@ -1,4 +1,5 @@
-"""FP8 compute: `wholeshard.fp8.convert` and `Fp8Linear` (emulated FP8 GEMMs)."""
+"""FP8 compute: `wholeshard.fp8.convert` and `Fp8Linear` (the emulated GEMMs here; the real
+`torch._scaled_mm` path and the choice between them in test_fp8_gemm.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def test_convert_turns_muon_linears_in_place(recipe: str) -> None:
     assert dict(model.named_parameters()) == params, "the same Parameter objects"
     assert all(modules[n] is m for n, m in model.named_modules()), "the same module objects"
     assert all(m.recipe == recipe and m.fp8_weight is None for _, m in fp8.fp8_modules(model))
+    assert all(m.gemm == "auto" and m.last_gemm is None for _, m in fp8.fp8_modules(model))
 
 
 def test_mxfp8_leaves_weights_off_the_block_grid_in_bf16() -> None:
@@ -38,18 +40,22 @@ def test_mxfp8_leaves_weights_off_the_block_grid_in_bf16() -> None:
     assert all(type(m) is Fp8Linear for m in model)
 
 
-def test_unknown_recipe() -> None:
+def test_unknown_recipe_or_gemm() -> None:
     with pytest.raises(ValueError, match="unknown FP8 recipe 'fp4'"):
         convert(make_model(), "fp4")
+    with pytest.raises(ValueError, match="unknown FP8 gemm 'cublas'"):
+        convert(make_model(), "tensorwise", gemm="cublas")
 
 
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
-def test_gemms_use_the_quantized_weight_and_a_high_precision_weight_grad(recipe: str) -> None:
+def test_emulated_gemms_use_the_quantized_weight_and_a_high_precision_weight_grad(
+    recipe: str,
+) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 96).to(torch.bfloat16)
     ref = nn.Linear(64, 96).to(torch.bfloat16)
     ref.load_state_dict(lin.state_dict())
-    convert(lin, recipe, use_muon=lambda name, p: p.ndim == 2)
+    convert(lin, recipe, use_muon=lambda name, p: p.ndim == 2, gemm="emulated")
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     dy = torch.randn(3, 5, 96, dtype=torch.bfloat16)
@@ -65,6 +71,7 @@ def test_gemms_use_the_quantized_weight_and_a_high_precision_weight_grad(recipe:
     assert torch.equal(lin.weight.grad, dw)
     assert torch.equal(lin.bias.grad, dy.reshape(-1, 96).sum(0))
     assert not torch.equal(w_row, ref.weight.detach()), "the forward used FP8 values"
+    assert lin.last_gemm == "emulated"
 
 
 def test_a_set_fp8_weight_is_used_instead_of_quantizing() -> None:

@@ -9,6 +9,8 @@ needs two or more GPUs is listed in docs/gpu.md).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -172,27 +174,54 @@ def test_a_param_without_gradient_is_not_stepped_on_cuda() -> None:
         assert torch.equal(before, after)
 
 
-def _syncs_in_a_step(nonfinite: str | None) -> int:
-    """Host-device syncs `opt.step()` takes, counted by torch's sync debug mode."""
+def _syncs_in_steps(nonfinite: str | None, ddp_kw: dict) -> int:
+    """Host-device syncs of two steady steps (forward, backward, `opt.step()`), counted by
+    torch's sync debug mode; the batches are on the GPU before."""
     import warnings
 
-    ddp = wholeshard.DataParallel(make_model().cuda(), param_dtype=torch.bfloat16, **OVERLAP)
+    ddp = wholeshard.DataParallel(make_model().cuda(), param_dtype=torch.bfloat16, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     train_steps(ddp, opt, range(2))  # warm: optimizer state exists
-    lm_loss(ddp, *local_batch(2, 0, 1)).backward()
+    batches = [[t.cuda() for t in local_batch(step, 0, 1)] for step in (2, 3)]
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            opt.step()
+            for x, y in batches:
+                lm_loss(ddp, x, y).backward()
+                opt.step()
+                opt.zero_grad()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("nonfinite", ["error", None])
-def test_a_step_syncs_the_host_once(nonfinite: str | None) -> None:
-    # The step check's result is read on the host: the one sync of a step (docs/gpu.md).
-    [syncs] = run_cuda(_syncs_in_a_step, 1, nonfinite, backend="nccl")
-    assert syncs == 1
+@pytest.mark.parametrize("mode", ["overlap", "pipelined", "fully-sharded"])
+@pytest.mark.parametrize(("nonfinite", "syncs"), [("error", 2), (None, 0)])
+def test_steps_sync_the_host_once_or_never(nonfinite: str | None, syncs: int, mode: str) -> None:
+    # With nonfinite set, the step check is read at once: one sync a step; with None, its
+    # result is staged and read a step later: none ([Note: host syncs in a step]).
+    [got] = run_cuda(_syncs_in_steps, 1, nonfinite, MODES[mode], backend="nccl")
+    assert got == syncs
+
+
+def _stream_wait_is_counted() -> tuple[float, float]:
+    from wholeshard.engine._waits import WaitTimer
+
+    timer = WaitTimer(torch.device("cuda"))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy for ~0.1 s on any GPU
+    done = torch.cuda.Event()
+    done.record(side)
+    host = time.perf_counter()
+    with timer.blocked():  # what NCCL's wait() does: the current stream waits, the host not
+        torch.cuda.current_stream().wait_event(done)
+    host = time.perf_counter() - host
+    return timer.seconds, host
+
+
+def test_comm_wait_counts_the_streams_idle_time_on_cuda() -> None:
+    [(seconds, host)] = run_cuda(_stream_wait_is_counted, 1)
+    assert seconds > 10 * host

@@ -62,6 +62,7 @@ def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
         (["--optimizer", "sgd"], "--optimizer"),
         (["--param-dtype", "float16"], "--param-dtype"),
         (["--bucket-size", "0"], "--bucket-size"),
+        (["--shard-group-size", "most"], "--shard-group-size"),
         (["--warmup", "50", "--steps", "10"], "--warmup"),
         (["--min-lr-ratio", "2"], "--min-lr-ratio"),
         (["--batch-size", "5", "--nproc", "2"], "--batch-size"),

@@ -17,6 +17,7 @@ import functools
 import inspect
 import sys
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from ..engine.config import literal_choices
@@ -62,9 +63,11 @@ def field_kind(cls: type, field: dataclasses.Field) -> tuple[type, tuple[Any, ..
         except NameError:  # names only a type checker imports: not a flag
             return None
     choices = literal_choices(hint)
+    kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    if choices is not None and int in kinds:  # `int | Literal["auto"]`
+        return _int_or(choices), None
     if choices is not None:
         return type(choices[0]), choices
-    kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
     return (kinds[0], None) if kinds in ([bool], [int], [float], [str]) else None
 
 
@@ -103,3 +106,20 @@ def add_flags(
         group.add_argument(flag_name(f), **kwargs)
         added.append((f.name, dest + f.name))
     return added
+
+
+def _int_or(words: tuple[Any, ...]) -> Callable[[str], Any]:
+    """An argparse type: an int, or one of `words`."""
+
+    def parse(text: str) -> Any:
+        if text in words:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer or one of {', '.join(map(str, words))}, got {text!r}"
+            ) from None
+
+    parse.__name__ = "int or " + "/".join(map(str, words))
+    return parse

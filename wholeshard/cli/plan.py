@@ -1,12 +1,18 @@
 """`wholeshard plan`: plan the buffers of a model given by shapes alone, and show the plan.
 
     wholeshard plan (--shapes FILE.json | --preset NAME) --dp N [--bucket-size N]
-                      [--strategy S] [--shard-group-size K] [--json] [--png FILE]
+                      [--strategy S] [--shard-group-size K] [--reshard-after-forward]
+                      [--param-dtype D] [--grad-reduce-dtype D] [--overlap-grad-reduce]
+                      [--overlap-param-gather] [--fabric F [--gpu G]] [--json] [--png FILE]
 
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
 ...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
-to `routing.muon_by_name`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
-or malformed shapes file, a model no torch process could hold, a model no plan can serve).
+to `routing.muon_by_name`). Besides the plan it reports what the plan costs each rank in the
+mode the flags name (`wholeshard.planning.costs`): persistent bytes by kind, the peak of
+transient full buckets, and one step's collectives and bytes sent; with `--fabric`, a
+projection of the step's communication and optimizer time (`planning.projection`). Exit codes:
+0 planned, 2 bad input (argparse errors, an unreadable or malformed shapes file, a model no
+torch process could hold, a model no plan can serve).
 """
 
 from __future__ import annotations
@@ -18,27 +24,53 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..planning import (
-    DEFAULT_STRATEGY,
-    STRATEGIES,
-    Buffer,
-    ParamSpec,
-    Plan,
-    default_bucket_size,
-    plan_buffers,
-)
+from ..planning import DEFAULT_STRATEGY, STRATEGIES, ParamSpec, Plan
+from ..planning.auto import ShardGroupChoice, plan_for
+from ..planning.costs import Costs, Mode, fully_sharded, plan_costs
 from ..planning.presets import PRESETS
+from ..planning.projection import FABRICS, GPUS, project
 from ..planning.shapes import load_shapes
 from ..planning.specs import matrices
 from . import positive_int
 
 MAX_DP = 1 << 20
 """Largest `--dp`: beyond any cluster, and the plan keeps per-rank tables."""
+DTYPES = ("float32", "bfloat16", "float16")
+"""The choices of `--param-dtype` and `--grad-reduce-dtype`."""
+MODE_FIELDS = ("reshard_after_forward", "param_dtype", "grad_reduce_dtype", "overlap_grad_reduce",
+               "overlap_param_gather", "param_sync", "clip_grad_norm")  # fmt: skip
+"""The `Mode` fields the JSON's `mode` echoes (with the plan's `shard_group_size`)."""
 
 
-def plan_json(plan: Plan, specs: Sequence[ParamSpec], seconds: float) -> dict[str, Any]:
-    """The `--json` document: plan summary, buffers with their buckets, and the params in the
-    order of `specs` (the specs `plan` was planned from)."""
+def costs_json(costs: Costs) -> dict[str, Any]:
+    """`mode`, `per_rank` and `per_step` of the `--json` document ([Note: plan costs]):
+    persistent bytes by kind of the shard-group rank holding the most, the peak of transient
+    full buckets, and one step's collectives by op and bytes sent per rank."""
+    mode, worst = costs.mode, costs.worst_rank
+    return {
+        "mode": {name: getattr(mode, name) for name in MODE_FIELDS}
+        | {"shard_group_size": costs.plan.shard_group_size},
+        "per_rank": {
+            "shard_rank": worst,
+            "persistent_bytes": costs.persistent[worst],
+            "persistent_total_min": min(p["total"] for p in costs.persistent),
+            "peak_transient_bytes": costs.peak_transient,
+            "transient_bucket_bytes": costs.transient_bucket,
+        },
+        "per_step": {
+            "collectives": costs.counts(),
+            "bytes_sent": costs.bytes_sent,
+            "bytes_sent_by_op": costs.bytes_by_op(),
+        },
+    }
+
+
+def plan_json(
+    plan: Plan, specs: Sequence[ParamSpec], seconds: float, costs: Costs | None = None
+) -> dict[str, Any]:
+    """The `--json` document: plan summary, buffers with their buckets, the params in the
+    order of `specs` (the specs `plan` was planned from), and with `costs` (of this plan) their
+    `mode`, `per_rank` and `per_step` (`costs_json`)."""
     where = {p.name: (i, p) for i, b in enumerate(plan.buffers) for p in b.placements}
     params = []
     for spec in specs:
@@ -77,22 +109,63 @@ def plan_json(plan: Plan, specs: Sequence[ParamSpec], seconds: float) -> dict[st
             for b in plan.buffers
         ],
         "params": params,
+        **(costs_json(costs) if costs is not None else {}),
     }
 
 
-def plan_table(plan: Plan, seconds: float, source: str) -> str:
-    """A readable summary and one line per bucket of every buffer."""
+def choice_json(choice: ShardGroupChoice) -> dict[str, Any]:
+    """`shard_group_choice` of the `--json` document (`--shard-group-size auto`)."""
+    fields = ("k", "meets_targets", "reason", "bucket_size", "largest_bucket", "bucket_limit",
+              "padding_fraction", "padding_limit", "ns_imbalance", "tried")  # fmt: skip
+    return {f: list(v) if isinstance(v := getattr(choice, f), tuple) else v for f in fields}
+
+
+def size(n: int) -> str:
+    """`n` bytes in binary units (`1.50 GiB`)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n:.2f} TiB"
+
+
+def costs_lines(costs: Costs) -> list[str]:
+    """The table's lines on memory and traffic ([Note: plan costs])."""
+    mode, k, worst = costs.mode, costs.plan.shard_group_size, costs.worst_rank
+    mine = costs.persistent[worst]
+    sharded = "fully sharded" if fully_sharded(costs.plan, mode) else "ZeRO-1/2"
+    flags = (("grad reduce", mode.overlap_grad_reduce), ("param gather", mode.overlap_param_gather))
+    overlap = [what for what, on in flags if on]
+    counts = ", ".join(f"{n} {op}" for op, n in costs.counts().items()) or "none"
+    return [
+        f"mode: {sharded}, params {mode.param_dtype}, grads reduced in "
+        f"{mode.grad_reduce_dtype}, overlapped: {' and '.join(overlap) or 'nothing'}",
+        f"per rank (shard rank {worst} of {k}, the most): params {size(mine['params'])}, grads "
+        f"{size(mine['grads'])}, masters {size(mine['masters'])}, optimizer state "
+        f"{size(mine['optimizer_state'])}, master grads {size(mine['master_grads'])}; total "
+        f"{size(mine['total'])} (least {size(min(p['total'] for p in costs.persistent))}); "
+        f"peak transient {size(costs.peak_transient)} (largest bucket "
+        f"{size(costs.transient_bucket)})",
+        f"per step: {len(costs.collectives)} collectives ({counts}), {size(costs.bytes_sent)} "
+        "sent per rank (ring model)",
+    ]
+
+
+def plan_table(plan: Plan, seconds: float, source: str, costs: Costs | None = None) -> str:
+    """A readable summary (with `costs`, memory and traffic too) and one line per bucket of
+    every buffer."""
     k, dp = plan.shard_group_size, plan.dp_size
     n_params = sum(len(b.placements) for b in plan.buffers)
     used = sum(b.used for b in plan.buffers)
-    costs = plan.rank_costs()
+    ns = plan.rank_costs()
     lines = [
         f"{source}: {n_params:,} params, {used:,} elements; dp {dp} = {dp // k} shard group(s) "
         f"of {k} ranks; strategy {plan.strategy}; buckets of >= {plan.bucket_size:,} elements; "
         f"planned in {seconds:.3f} s",
         f"padding {plan.padding_fraction:.3%} ({plan.numel - used:,} of {plan.numel:,} "
-        f"elements); Newton-Schulz cost per rank min/mean/max {min(costs):.3g} / "
-        f"{sum(costs) / k:.3g} / {max(costs):.3g}, imbalance {plan.ns_cost_imbalance:.3f}",
+        f"elements); Newton-Schulz cost per rank min/mean/max {min(ns):.3g} / "
+        f"{sum(ns) / k:.3g} / {max(ns):.3g}, imbalance {plan.ns_cost_imbalance:.3f}",
+        *(costs_lines(costs) if costs is not None else []),
     ]
     header = (
         f"  {'bucket':>6} {'start':>17} {'end':>17} {'shard_numel':>15} {'params':>7} "
@@ -120,70 +193,6 @@ def plan_table(plan: Plan, seconds: float, source: str) -> str:
                 f"{1 - bucket_used / b.numel:>8.2%}  {widest.name} ({shape})"
             )
     return "\n".join(lines)
-
-
-def draw_png(plan: Plan, path: str) -> None:
-    """Draw each buffer as a bar of its shards coloured by owning rank, padding in grey."""
-    from matplotlib import colormaps
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import ListedColormap, Normalize
-    from matplotlib.figure import Figure  # drawn with Agg by savefig, without pyplot
-    from matplotlib.patches import Patch
-
-    k = plan.shard_group_size
-    if k <= 20:  # one distinct colour per rank
-        cmap: Any = ListedColormap(colormaps["tab10" if k <= 10 else "tab20"].colors[:k])
-    else:
-        cmap = colormaps["turbo"]
-    colours = ScalarMappable(norm=Normalize(vmin=-0.5, vmax=k - 0.5), cmap=cmap)
-    fig = Figure(figsize=(12, 0.6 + 1.3 * len(plan.buffers)), layout="constrained")
-    axes = fig.subplots(max(1, len(plan.buffers)), 1, squeeze=False)[:, 0]
-    for ax, (index, buffer) in zip(axes, enumerate(plan.buffers), strict=False):
-        shards, owners = [], []
-        for b in buffer.buckets:
-            for r in range(k):
-                shards.append((b.start + r * b.shard_numel, b.shard_numel))
-                owners.append(r)
-        ax.broken_barh(shards, (0, 1), facecolors=colours.to_rgba(owners), linewidth=0)
-        ax.broken_barh(_gaps(buffer), (0, 1), facecolors="0.85", hatch="////", linewidth=0)
-        ax.vlines([b.start for b in buffer.buckets[1:]], 0, 1, colors="black", linewidth=0.6)
-        ax.set_xlim(0, max(buffer.numel, 1))
-        ax.set_ylim(0, 1)
-        ax.set_yticks([])
-        ax.set_xlabel("buffer element")
-        ax.set_title(
-            f"buffer {index}: {buffer.kind} ({buffer.sharding}), {buffer.numel:,} elements, "
-            f"{len(buffer.buckets)} bucket(s), padding {1 - buffer.used / buffer.numel:.2%}",
-            fontsize=9,
-            loc="left",
-        )
-    bar = fig.colorbar(colours, ax=list(axes), label="owner (rank in shard group)", pad=0.01)
-    if k <= 20:
-        bar.set_ticks(range(k))
-    fig.legend(
-        handles=[Patch(facecolor="0.85", hatch="////", label="padding")],
-        loc="outside lower right",
-        fontsize=8,
-    )
-    fig.suptitle(
-        f"dp {plan.dp_size}, shard groups of {k}, {plan.strategy}: padding "
-        f"{plan.padding_fraction:.3%}, Newton-Schulz imbalance {plan.ns_cost_imbalance:.3f}",
-        fontsize=10,
-    )
-    fig.savefig(path, dpi=100)
-
-
-def _gaps(buffer: Buffer) -> list[tuple[int, int]]:
-    """(start, length) of every buffer range no param covers."""
-    gaps = []
-    cursor = 0
-    for start, end in sorted((p.start, p.end) for p in buffer.placements):
-        if start > cursor:
-            gaps.append((cursor, start - cursor))
-        cursor = max(cursor, end)
-    if buffer.numel > cursor:
-        gaps.append((cursor, buffer.numel - cursor))
-    return gaps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,16 +224,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shard-group-size",
-        type=positive_int(),
+        type=_group_size,
         default=None,
         metavar="K",
         help="shard params within groups of K ranks, replicated across the dp/K groups; "
-        "K divides N (default N)",
+        "K divides N (default N); 'auto': the largest K whose plan bounds buckets, padding and "
+        "Newton-Schulz imbalance (says why)",
     )
+    parser.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        help="fully sharded: between steps each rank keeps only its shards (the costs' mode)",
+    )
+    for flag, what in (("--param-dtype", "the params in the buffers"),
+                       ("--grad-reduce-dtype", "gradients accumulated and reduced")):  # fmt: skip
+        parser.add_argument(
+            flag, choices=DTYPES, default="float32", help=f"dtype of {what} (default float32)"
+        )
+    for flag, what in (("--overlap-grad-reduce", "reduce buckets during backward"),
+                       ("--overlap-param-gather", "gather buckets ahead of forward")):  # fmt: skip
+        parser.add_argument(flag, action="store_true", help=f"{what} (the fully sharded peak)")
+    parser.add_argument(
+        "--fabric",
+        choices=sorted(FABRICS),
+        help="project the step's communication and optimizer time on this fabric (GPUs per node, "
+        "intra- and inter-node links: docs/planning.md)",
+    )
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="with --fabric")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument(
         "--png", metavar="FILE", help="draw each buffer's shards, coloured by owner, to FILE"
     )
+
+
+def _group_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return positive_int()(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 1 or 'auto', got {text!r}"
+        ) from None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -234,7 +275,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="plan the buffers of a model given by shapes, and show the plan",
         description="Plan whole-tensor (Muon) and element-wise (AdamW) buffers for a model "
         "given by a shapes file or a preset, without building it, and report padding, "
-        "Newton-Schulz cost balance and every param's placement.",
+        "Newton-Schulz cost balance, every param's placement, and what the plan costs each "
+        "rank in the mode the flags name: memory by kind and one step's collectives.",
     )
     add_arguments(parser)
     parser.set_defaults(run=main)
@@ -248,27 +290,44 @@ def main(args: argparse.Namespace) -> int:
             specs, source = load_shapes(args.shapes), args.shapes
         else:
             specs, source = PRESETS[args.preset](), args.preset
-        bucket_size = args.bucket_size
-        if bucket_size is None:
-            bucket_size = default_bucket_size(sum(s.numel for s in specs), args.dp)
         start = time.perf_counter()
-        plan = plan_buffers(
+        plan, choice = plan_for(
             specs,
             args.dp,
-            bucket_size=bucket_size,
+            bucket_size=args.bucket_size,
             strategy=args.strategy,
             shard_group_size=args.shard_group_size,
         )
         seconds = time.perf_counter() - start
+        mode = Mode(
+            reshard_after_forward=args.reshard_after_forward,
+            param_dtype=args.param_dtype,
+            grad_reduce_dtype=args.grad_reduce_dtype,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+        )
+        costs = plan_costs(plan, specs, mode)
+        projected = None if args.fabric is None else project(costs, args.fabric, args.gpu)
     except ValueError as e:  # ShapesError, or inputs no plan can serve
         print(f"wholeshard plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        sys.stdout.write(json.dumps(plan_json(plan, specs, seconds), allow_nan=False) + "\n")
+        doc = plan_json(plan, specs, seconds, costs)
+        if choice is not None:
+            doc["shard_group_choice"] = choice_json(choice)
+        if projected is not None:
+            doc["projection"] = projected.as_dict()
+        sys.stdout.write(json.dumps(doc, allow_nan=False) + "\n")
     else:
-        print(plan_table(plan, seconds, source))
+        if choice is not None:
+            print(f"shard groups (auto): {choice.reason}\n")
+        print(plan_table(plan, seconds, source, costs))
+        if projected is not None:
+            print(projected.describe())
     if args.png is not None:
         try:
+            from .plan_picture import draw_png
+
             draw_png(plan, args.png)
         except ImportError:
             print(

@@ -18,47 +18,66 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter_avg(
-    shard: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None
-) -> Work | _CopyOnWait | None:
-    """Average `full` over the group; this rank's chunk of the result lands in `shard`, which is
-    either a view of that chunk of `full` (in place) or a separate tensor of its size. The rest of
-    `full` is left unspecified."""
+def reduce_scatter_sum(
+    shard: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None, divide_by: int = 1
+) -> Work | _Finish | None:
+    """Sum `full` over the group, then divide by `divide_by` (once, after the sum: [Note:
+    averaging]); this rank's chunk of the result lands in `shard`, which is either a view of
+    that chunk of `full` (in place) or a separate tensor of its size. The rest of `full` is left
+    unspecified."""
     if dist.get_backend(group) == "gloo":
         # gloo implements reduce-scatter as a synchronous clone, an all-reduce and a copy; an
         # in-place all-reduce computes the same sums in about half the time (measured 85 -> 48
-        # ms for 32 MB) and leaves the averaged chunk where a shard view points.
-        work = dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group, async_op=True)
+        # ms for 32 MB) and leaves the summed chunk where a shard view points.
+        work = dist.all_reduce(full, group=group, async_op=True)
         chunk = full.chunk(dist.get_world_size(group))[dist.get_rank(group)]
-        if chunk.data_ptr() == shard.data_ptr():
-            return work
-        return _CopyOnWait(work, shard, chunk)
-    return _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group, async_op=True)
+        in_place = chunk.data_ptr() == shard.data_ptr()
+        return _Finish(work, shard, None if in_place else chunk, divide_by)
+    work = _reduce_scatter(shard, full, group=group, async_op=True)
+    return _Finish(work, shard, None, divide_by) if divide_by != 1 else work
 
 
-class _CopyOnWait:
-    """A work handle whose `wait()` also copies the collective's output to where it belongs."""
+def all_reduce_sum(
+    tensor: torch.Tensor, group: ProcessGroup | None, divide_by: int = 1
+) -> Work | _Finish | None:
+    """Sum `tensor` over the group in place, then divide by `divide_by` ([Note: averaging])."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return _Finish(work, tensor, None, divide_by) if divide_by != 1 else work
 
-    def __init__(self, work: Work, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.work, self.dst, self.src = work, dst, src
+
+class _Finish:
+    """A work handle whose `wait()` also puts the collective's output where it belongs (copies
+    `src` to `dst`) and divides it by `divide_by`.
+
+    [Note: averaging]
+    Gradients are averaged as a SUM followed by one division of the sum (computed in fp32 for
+    bf16 and rounded once), not with `ReduceOp.AVG`: NCCL's AVG multiplies every input by 1/N
+    in the element type first, so a bf16 average at N = 3 is biased by bf16(1/3) * 3 - 1 =
+    +0.2%, once per stage in hybrid mode. gloo's AVG is a sum and a division, so on gloo the
+    two agree bit for bit; hybrid mode divides once, by the shard group size times the
+    replicas, after both sums. The division runs after the wait, on the stream that waits.
+    """
+
+    def __init__(
+        self, work: Work, dst: torch.Tensor, src: torch.Tensor | None, divide_by: int
+    ) -> None:
+        self.work, self.dst, self.src, self.divide_by = work, dst, src, divide_by
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
     def wait(self) -> bool:
         self.work.wait()
-        self.dst.copy_(self.src)
+        if self.src is not None:
+            self.dst.copy_(self.src)
+        if self.divide_by != 1:
+            self.dst.div_(self.divide_by)
         return True
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None) -> Work | None:
     """Concatenate every rank's `shard` into `full` (`shard` may alias its own chunk of `full`)."""
     return _all_gather(full, shard, group=group, async_op=True)
-
-
-def all_reduce_avg(tensor: torch.Tensor, group: ProcessGroup | None) -> Work | None:
-    """Average `tensor` over the group in place."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
 
 def broadcast(tensor: torch.Tensor, group_rank: int, group: ProcessGroup | None) -> Work | None:
@@ -76,7 +95,7 @@ def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup | None) -> No
     wait(broadcast(tensor, 0, group))
 
 
-def wait(handle: Work | _CopyOnWait | None) -> None:
+def wait(handle: Work | _Finish | None) -> None:
     if handle is not None:
         handle.wait()
 

@@ -98,13 +98,37 @@ def _worker(
             dist.destroy_process_group()
 
 
+def exit_reason(code: int | None) -> str:
+    """How a worker process ended, in words, from its exit code (negative: killed by a signal).
+
+    [Note: dead peers on NCCL]
+    On NCCL a collective whose peer died does not fail in `wait()`: the process group's watchdog
+    thread notices it at the group's timeout, logs "Watchdog caught collective operation
+    timeout" with the collective's sequence number, and aborts the process (SIGABRT; torch's
+    default `TORCH_NCCL_ASYNC_ERROR_HANDLING=3`). The launcher (and torchrun, as "exitcode: -6")
+    then reports that rank; the root cause is the first rank that died otherwise.
+    """
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = {
+        "SIGABRT": ": on NCCL, the watchdog aborts a rank whose collective timed out, most likely "
+        "because a peer died (its log says 'Watchdog caught collective operation timeout')",
+        "SIGKILL": ": killed from outside (the out-of-memory killer sends SIGKILL)",
+    }.get(name, "")
+    return f"was killed by {name}{why}"
+
+
 def _root_cause(procs: list[mp.process.BaseProcess], rank: int, text: str) -> WorkerFailed:
     """The failure to report when `rank` raised: a worker that already died without a result
     (killed, crashed) if there is one, since a peer's failed collective follows from it."""
     for r, p in enumerate(procs):
         if r != rank and p.exitcode not in (None, 0):
             return WorkerFailed(
-                r, f"exited with code {p.exitcode} without a result\n(then rank {rank}: {text})"
+                r, f"{exit_reason(p.exitcode)}, without a result\n(then rank {rank}: {text})"
             )
     return WorkerFailed(rank, text)
 
@@ -206,9 +230,7 @@ def launch(
                     rank, ok, value = results.get(timeout=1.0)
                 except queue.Empty:
                     code = procs[dead[0]].exitcode
-                    raise WorkerFailed(
-                        dead[0], f"exited with code {code} without a result"
-                    ) from None
+                    raise WorkerFailed(dead[0], f"{exit_reason(code)}, without a result") from None
             if not ok:
                 raise _root_cause(procs, rank, value)
             values[rank] = pickle.loads(value)

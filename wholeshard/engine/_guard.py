@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -61,8 +61,9 @@ def check_torch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                 )
 
 
-def placement_problem(module: nn.Module) -> str | None:
-    """Why `module` cannot be wrapped as it is, or None."""
+def placement_problem(module: nn.Module, placeholders: Collection[nn.Parameter] = ()) -> str | None:
+    """Why `module` cannot be wrapped as it is, or None. `placeholders`: params standing in for
+    meta ones until their buffers exist (`_meta`), exempt from the contiguity rule."""
     for name, p in module.named_parameters():
         if p in _WRAPPED:
             return (
@@ -74,7 +75,8 @@ def placement_problem(module: nn.Module) -> str | None:
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if t.is_meta:
             return (
-                f"{name!r} is on the meta device (not materialised): call "
+                f"{name!r} is on the meta device (not materialised): pass "
+                f"DataParallelConfig(param_init=fn) to build from the meta device, or call "
                 f"model.to_empty(device=...) and initialise or load the weights before wrapping"
             )
     devices: dict[torch.device, str] = {}
@@ -84,7 +86,7 @@ def placement_problem(module: nn.Module) -> str | None:
         where = ", ".join(f"{name!r} on {device}" for device, name in devices.items())
         return f"params are on several devices ({where}): move the whole model to one device first"
     for name, p in module.named_parameters():
-        if not p.is_contiguous():
+        if not p.is_contiguous() and p not in placeholders:
             return (
                 f"param {name!r} is not contiguous (shape {tuple(p.shape)}, stride {p.stride()}): "
                 f"each param becomes a contiguous view of its bucket, so make it contiguous "

@@ -7,6 +7,8 @@
 3. `build_storage`: one `BucketStorage` per storage unit of the plan, in reduce order, each
    given rank 0's values (and, fully sharded, reduced to this rank's shards) before the next
    is built, so at most one full unit exists beside the model;
+   (from the meta device, `param_init`: each unit filled with this rank's owned params,
+   [Note: meta-device construction] in `_meta`);
 4. `broadcast_the_rest`: frozen params and buffers from rank 0;
 5. `forward_order`: the order the next forward needs the units in.
 """
@@ -14,7 +16,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -23,10 +25,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..planning import ParamSpec, Placement, Plan, default_bucket_size, plan_buffers
+from ..planning import ParamSpec, Placement, Plan
+from ..planning.auto import plan_for
 from ..planning.routing import Route
+from ._fp8_storage import fp8_storage_factory
 from ._guard import device_problem, placement_problem
 from ._storage import BucketStorage
+from ._unaligned_storage import UnalignedStorage
 from .config import DataParallelConfig
 
 StorageFactory = Callable[..., BucketStorage]
@@ -34,11 +39,15 @@ StorageFactory = Callable[..., BucketStorage]
 
 
 def check_model(
-    module: nn.Module, routes: list[Route], group: ProcessGroup | None, dp: int
+    module: nn.Module,
+    routes: list[Route],
+    group: ProcessGroup | None,
+    dp: int,
+    placeholders: Collection[nn.Parameter] = frozenset(),
 ) -> None:
     """Raise on every rank if any rank's module cannot be wrapped or ranks built different
     models, naming the rank and the first difference."""
-    problem = placement_problem(module)
+    problem = placement_problem(module, placeholders)
     if dp == 1:
         if problem is not None:
             raise ValueError(f"cannot wrap the model: {problem}")
@@ -109,6 +118,17 @@ def build_storage(
     return storages
 
 
+def storage_factory(module: nn.Module, fp8_param_gather: bool) -> StorageFactory:
+    """What builds each storage unit: by buffer kind, and FP8 storage where it gathers FP8."""
+    fp8 = fp8_storage_factory(module) if fp8_param_gather else BucketStorage
+
+    def make(index: int, kind: str, *args: Any, **kwargs: Any) -> BucketStorage:
+        cls = UnalignedStorage if kind == "unaligned" else fp8
+        return cls(index, kind, *args, **kwargs)
+
+    return make
+
+
 def check_device(device: torch.device, group: ProcessGroup | None) -> None:
     """Raise (on this rank, before any collective) if NCCL cannot run on `device`
     (`_guard.device_problem`)."""
@@ -155,19 +175,18 @@ def forward_order(storages: Sequence[BucketStorage], routes: list[Route]) -> lis
 
 
 def plan_routes(routes: list[Route], cfg: DataParallelConfig, dp_size: int) -> Plan:
-    """The plan of the routed params, with the config's bucket size or the default."""
+    """The plan of the routed params (`planning.auto.plan_for`: the config's bucket size or
+    the default for the shard group, its shard group size or the automatic choice)."""
     specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
-    bucket_size = cfg.bucket_size
-    if bucket_size is None:
-        bucket_size = default_bucket_size(sum(s.numel for s in specs), dp_size)
-    return plan_buffers(
+    plan, _ = plan_for(
         specs,
         dp_size,
-        bucket_size=bucket_size,
+        bucket_size=cfg.bucket_size,
         strategy=cfg.strategy,
         shard_group_size=cfg.shard_group_size,
         scheme=cfg.scheme,
     )
+    return plan
 
 
 def common_dtype(routes: list[Route]) -> torch.dtype:

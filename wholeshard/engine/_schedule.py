@@ -42,7 +42,6 @@ as usual.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -51,6 +50,7 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from ._storage import BucketState, BucketStorage
+from ._waits import WaitTimer
 
 REDUCES_IN_FLIGHT = 1
 """Fully sharded: dispatching a reduction first finishes the one this many places earlier, so
@@ -69,7 +69,7 @@ class Scheduler:
     forward_order: list[BucketStorage]
     users: list[int]  # per bucket: hooked modules holding its params
     forward_left: list[int]  # per bucket: of those, modules yet to finish this forward
-    comm_wait_s: float  # seconds blocked waiting on collectives since construction
+    wait_timer: WaitTimer  # time held up by waits on collectives since construction
     sync_grads: bool  # False inside no_sync
 
     def __init__(
@@ -93,7 +93,7 @@ class Scheduler:
         self.reshard = reshard
         self.users = [0] * len(self.buckets)
         self.forward_left = [0] * len(self.buckets)
-        self.comm_wait_s = 0.0
+        self.wait_timer = WaitTimer(self.buckets[0].param.device)
         self.sync_grads = True
         self._next_reduce = 0  # buckets whose reduction was dispatched this step
         self._grads_reduced = False
@@ -352,14 +352,9 @@ class Scheduler:
             self._finish_gather(b)
         b.release_params()
 
-    @contextlib.contextmanager
-    def _blocked(self) -> Iterator[None]:
-        """Count the time spent inside as blocked on collectives."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.comm_wait_s += time.perf_counter() - start
+    def _blocked(self) -> contextlib.AbstractContextManager[None]:
+        """Count the time spent inside as held up by collectives."""
+        return self.wait_timer.blocked()
 
 
 def _in_backward() -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup, Work
 
@@ -304,17 +305,22 @@ class BucketStorage:
             self.grad.zero_()
 
     def _reduce(self) -> InFlight:
-        """Reduce-scatter every bucket (average over the group), then average across replicas."""
+        """Reduce-scatter every bucket, then sum across replicas; the average divides once, at
+        the end ([Note: averaging] in `distributed/collectives.py`)."""
         group, replicas = self.groups.group, self.groups.replica_group
         mine = [self._own_shard(self.grad, self.grad_shard, i) for i in range(len(self.buckets))]
+        stage1 = self.groups.size if replicas is None else 1
         handles = [
-            collectives.reduce_scatter_avg(out, self._bucket_range(self.grad, b), group)
+            collectives.reduce_scatter_sum(out, self._bucket_range(self.grad, b), group, stage1)
             for out, b in zip(mine, self.buckets, strict=True)
         ]
         if replicas is None:
             return InFlight(handles)
+        total = self.groups.size * dist.get_world_size(replicas)
         # The second stage reads the reduce-scatter's output, so it starts once that is done.
-        return InFlight(handles, lambda: [collectives.all_reduce_avg(m, replicas) for m in mine])
+        return InFlight(
+            handles, lambda: [collectives.all_reduce_sum(m, replicas, total) for m in mine]
+        )
 
     # -- params -----------------------------------------------------------------------------
 

@@ -31,7 +31,9 @@ class UnalignedStorage(BucketStorage):
         return self._elements(self.param, lo, hi), self._elements(self.grad, lo, hi)
 
     def _reduce(self) -> InFlight:
-        return InFlight([collectives.all_reduce_avg(self.grad, self.groups.group)])
+        return InFlight(
+            [collectives.all_reduce_sum(self.grad, self.groups.group, self.groups.size)]
+        )
 
     def _gather(self) -> InFlight:
         group, rank, size = self.groups.gather_group, self.groups.rank, self.groups.size

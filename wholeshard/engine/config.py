@@ -22,7 +22,11 @@ from ..planning.routing import UseMuon
 from ..planning.specs import is_int
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
+
+    ParamInit = Callable[[str, torch.Tensor], None]
 
 
 class ConfigError(ValueError):
@@ -64,9 +68,11 @@ class DataParallelConfig:
     strategy: Strategy = "balanced"
     """How Muon matrices are dealt to ranks: `balanced` (Newton-Schulz cost even across ranks,
     padding low) or `size_match` (rows of same-size matrices, Megatron's rule)."""
-    shard_group_size: int | None = None
+    shard_group_size: int | Literal["auto"] | None = None
     """Shard params within groups of this many consecutive ranks and replicate them across the
-    dp / k groups (hybrid sharding); must divide the data-parallel size. None: one group."""
+    dp / k groups (hybrid sharding); must divide the data-parallel size. None: one group.
+    `auto`: the largest k whose plan keeps buckets bounded, padding under 1% and Newton-Schulz
+    balanced (`wholeshard.planning.auto`; `wholeshard plan --shard-group-size auto` shows why)."""
     use_muon: UseMuon | None = None
     """`use_muon(name, param) -> bool` replaces the default routing rule's Muon/AdamW decision
     (`wholeshard.planning.routing`)."""
@@ -103,6 +109,12 @@ class DataParallelConfig:
     param_sync: ParamSync = "allgather"
     """How updated params reach every rank: one `allgather` per bucket, or one `broadcast` per
     owner (the legacy baseline's)."""
+    param_init: ParamInit | None = None
+    """`fn(name, tensor)` filling one param in place: build from a model on the meta device.
+    Each rank materialises only what it holds and calls `fn` for the params it owns (and every
+    frozen one), under torch's RNG seeded from the name, so values do not depend on the world
+    size or mode; buffers are left for the model's own init after wrapping ([Note: meta-device
+    construction] in `engine/_meta.py`)."""
     timeout: timedelta | None = None
     """Collective timeout of the process groups `DataParallel` creates (shard, replica,
     all-gather). None: the timeout of the group it is given."""
@@ -120,10 +132,22 @@ class DataParallelConfig:
                     f"{name} must be a floating-point torch.dtype (e.g. torch.bfloat16), "
                     f"got {value!r}",
                 )
-        for name, low in (("bucket_size", 1), ("shard_group_size", 1)):
-            value = getattr(self, name)
-            if value is not None and not (is_int(value) and value >= low):
-                raise ConfigError(name, f"{name} must be None or an int >= {low}, got {value!r}")
+        if self.bucket_size is not None and not (
+            is_int(self.bucket_size) and self.bucket_size >= 1
+        ):
+            raise ConfigError(
+                "bucket_size", f"bucket_size must be None or an int >= 1, got {self.bucket_size!r}"
+            )
+        k = self.shard_group_size
+        if k is not None and k != "auto" and not (is_int(k) and k >= 1):
+            raise ConfigError(
+                "shard_group_size",
+                f"shard_group_size must be None, an int >= 1 or 'auto', got {k!r}",
+            )
+        if k == "auto" and self.scheme != "whole":
+            raise ConfigError(
+                "shard_group_size", "shard_group_size='auto' needs the default scheme='whole'"
+            )
         for name in ("overlap_grad_reduce", "overlap_param_gather", "reshard_after_forward",
                      "pipelined_step", "fp8_param_gather"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
@@ -148,6 +172,11 @@ class DataParallelConfig:
         if self.use_muon is not None and not callable(self.use_muon):
             raise ConfigError(
                 "use_muon", f"use_muon must be None or a function, got {self.use_muon!r}"
+            )
+        if self.param_init is not None and not callable(self.param_init):
+            raise ConfigError(
+                "param_init",
+                f"param_init must be None or a function fn(name, tensor), got {self.param_init!r}",
             )
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise ConfigError(

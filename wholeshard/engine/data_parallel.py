@@ -12,9 +12,10 @@ Step protocol (the optimizer drives it; `_schedule.Scheduler` decides when colle
 With `pipelined_step` the optimizer does 2-4 bucket by bucket instead (`reduced_buckets()`):
 each bucket is updated as soon as its reduction lands and gathered at once.
 
-The engine's modules: `config` (the options), `_init` (the construction steps), `_storage`
-(a bucket's storage, states and collectives; `_fp8_storage` and `_unaligned_storage` are its
-kinds), `_schedule` (when collectives run), `_hooks` (module hooks), `_guard` (misuse checks).
+The engine's modules: `config` (the options), `_init` (the construction steps; `_meta`: from
+the meta device), `_storage` (a bucket's storage, states and collectives; `_fp8_storage` and
+`_unaligned_storage` are its kinds), `_schedule` (when collectives run; `_waits`: how long waits
+hold the step up), `_hooks` (module hooks), `_guard` (misuse checks).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..distributed.groups import make_groups, resolve_group
 from ..planning import Buffer, Placement, Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
-from ._fp8_storage import fp8_storage_factory, has_fp8_weights
+from ._fp8_storage import has_fp8_weights
 from ._guard import ParamSignature, claim, unclaim
 from ._init import (
     broadcast_the_rest,
@@ -44,10 +45,11 @@ from ._init import (
     common_dtype,
     forward_order,
     plan_routes,
+    storage_factory,
 )
+from ._meta import fill_frozen, fill_owned, materialise, target_device
 from ._schedule import Scheduler
 from ._storage import BucketStorage, CommGroups
-from ._unaligned_storage import UnalignedStorage
 from .config import DataParallelConfig
 
 
@@ -125,13 +127,18 @@ class DataParallel(nn.Module):
             )
         self.module = module
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
+        placeholders: set[nn.Parameter] = set()
+        if cfg.param_init is not None:  # [Note: meta-device construction]
+            placeholders = materialise(module, target_device(module, self.process_group))
+            fill_frozen(module, cfg.param_init)
         self.routes = route_params(module, cfg.use_muon)
-        check_model(module, self.routes, self.process_group, self.dp_size)
+        check_model(module, self.routes, self.process_group, self.dp_size, placeholders)
         param_dtype = cfg.param_dtype or common_dtype(self.routes)
         self.frozen = cast_frozen(module, param_dtype)
         self.plan = plan_routes(self.routes, cfg, self.dp_size)
         self.shard_group_size = self.plan.shard_group_size
         self.shard_rank = self.plan.shard_rank(self.rank)
+        self._fill = cfg.param_init and fill_owned(self.plan, self.shard_rank, cfg.param_init)
         gathers = self.dp_size > 1 and self.shard_group_size > 1
         self.reshard_after_forward = cfg.reshard_after_forward and gathers
         self.fp8_param_gather = cfg.fp8_param_gather and gathers
@@ -156,7 +163,7 @@ class DataParallel(nn.Module):
         storages = build_storage(
             self.plan,
             self.routes,
-            self._storage_factory(),
+            storage_factory(self.module, self.fp8_param_gather),
             self._settle,
             groups=groups,
             reshard=self.reshard_after_forward,
@@ -178,24 +185,17 @@ class DataParallel(nn.Module):
         self._optimizer: weakref.ref[StateHolder] | None = None
         self._signature = ParamSignature(module)
         claim((r.name, r.param) for r in self.routes)
-        if self.fp8_param_gather:  # the first FP8 weights, before any forward
-            self.scheduler.params_updated()
+        if self.fp8_param_gather or (self._fill and not self.reshard_after_forward):
+            self.scheduler.params_updated()  # the owners' values (the first FP8 weights)
             self.scheduler.finish_param_sync()
 
-    def _storage_factory(self):
-        """What builds each storage unit: by buffer kind, and FP8 storage where it gathers FP8."""
-        fp8 = fp8_storage_factory(self.module) if self.fp8_param_gather else BucketStorage
-
-        def make(index: int, kind: str, *args: Any, **kwargs: Any) -> BucketStorage:
-            cls = UnalignedStorage if kind == "unaligned" else fp8
-            return cls(index, kind, *args, **kwargs)
-
-        return make
-
     def _settle(self, storage: BucketStorage) -> None:
-        """Give a new storage unit rank 0's values and, fully sharded, keep only this rank's
-        shards (units are settled one at a time: one full unit exists beside the model)."""
-        if self.dp_size > 1:
+        """Give a new storage unit rank 0's values (or, from `param_init`, its owned ones) and,
+        fully sharded, keep only this rank's shards (units are settled one at a time: one full
+        unit exists beside the model)."""
+        if self._fill:
+            self._fill(storage)
+        elif self.dp_size > 1:
             collectives.broadcast_from_first(storage.param, self.process_group)
         if storage.reshard:
             storage.keep_shards()
@@ -234,8 +234,8 @@ class DataParallel(nn.Module):
 
     @property
     def comm_wait_s(self) -> float:
-        """Seconds blocked waiting on collectives since construction."""
-        return self.scheduler.comm_wait_s
+        """Seconds held up by collectives since construction (CUDA: read from events)."""
+        return self.scheduler.wait_timer.seconds
 
     # -- ownership ------------------------------------------------------------------------
 

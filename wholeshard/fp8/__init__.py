@@ -1,7 +1,9 @@
-"""FP8 in wholeshard: the number formats (`formats`) and FP8 compute for the Muon-routed linear
-layers (`linear`: `convert`, `Fp8Linear`)."""
+"""FP8 in wholeshard: the number formats (`formats`), the FP8 linear's GEMMs and which of them
+runs (`gemm`: the real `torch._scaled_mm` or the emulation), and FP8 compute for the
+Muon-routed linear layers (`linear`: `convert`, `Fp8Linear`)."""
 
 from .formats import MXFP8, Fp8Tensorwise, dequantize, quantize_mxfp8, quantize_tensorwise
+from .gemm import Backend, gemm_backend, select_gemm
 from .linear import (
     RECIPES,
     Fp8Linear,
@@ -15,6 +17,7 @@ from .linear import (
 __all__ = [
     "MXFP8",
     "RECIPES",
+    "Backend",
     "Fp8Linear",
     "Fp8Tensorwise",
     "Fp8Weight",
@@ -22,7 +25,9 @@ __all__ = [
     "dequantize",
     "fp8_linear",
     "fp8_modules",
+    "gemm_backend",
     "quantize_mxfp8",
     "quantize_tensorwise",
     "quantize_weight",
+    "select_gemm",
 ]

@@ -1,14 +1,15 @@
 """FP8 number formats: MXFP8 (per-32-block e8m0 scales) and tensorwise e4m3, in plain torch.
 
-In wholeshard the source of every quantization is `bf16(master)`: the fp32 master weight cast
-to bf16 first (quantizing from fp32 instead changes about 3% of the fp8 bytes). The GEMM that
-consumes these tensors is emulated on CPU elsewhere; this module only encodes and decodes.
+In wholeshard the source of every weight quantization is `bf16(master)`: the fp32 master weight
+cast to bf16 first (quantizing from fp32 instead changes about 3% of the fp8 bytes). The GEMMs
+that consume these tensors are in `gemm`; this module only encodes and decodes.
 
 Formats (OCP Microscaling spec v1.0):
 - elements are float8_e4m3fn (max 448, no inf, NaN = 0x7F/0xFF); a value is `data * scale`.
 - MXFP8: one float8_e8m0fnu scale per 32 consecutive elements along one axis. An e8m0 byte b
   is the value 2**(b - 127); b = 255 is NaN.
-- tensorwise: one float32 scale, amax / 448, for the whole tensor.
+- tensorwise: one float32 scale, amax / 448, for the whole tensor. Gradients for a real FP8
+  GEMM may use float8_e5m2 instead (max 57344): then the scale is amax / 57344.
 
 Scale rules for MXFP8 (amax = max |x| over the block, computed in float32):
 - "rceil" (TransformerEngine, cuBLAS, Megatron): scale = 2**ceil(log2(amax / 448)), computed
@@ -35,6 +36,7 @@ import torch
 BLOCK = 32
 E4M3_MAX = 448.0
 _E4M3_NAN = 0x7F
+_TENSORWISE_MAX = {torch.float8_e4m3fn: E4M3_MAX, torch.float8_e5m2: 57344.0}
 _SCALE_RULES = ("rceil", "floor")
 
 
@@ -47,7 +49,8 @@ class MXFP8(NamedTuple):
 
 
 class Fp8Tensorwise(NamedTuple):
-    """`data`: e4m3, the input's shape. `scale`: 0-d float32, amax / 448 (1.0 if amax is 0)."""
+    """`data`: e4m3 (e5m2 where asked), the input's shape. `scale`: 0-d float32, amax / 448
+    (e5m2: amax / 57344; 1.0 if amax is 0)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -92,16 +95,22 @@ def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, scale_rule: str = "rceil"
     return MXFP8(data.movedim(-1, axis).contiguous(), scale.movedim(-1, axis).contiguous())
 
 
-def quantize_tensorwise(x: torch.Tensor) -> Fp8Tensorwise:
-    """e4m3 of `x / scale` (taken as float32, saturating) with scale = amax / 448.
-    amax 0 -> scale 1.0. amax inf or NaN -> scale NaN and all data NaN. A scale that would
-    underflow float32 (amax < ~2**-141) is clamped to 2**-149."""
-    xf = x.float()
-    amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-    # Decided on the device (no host sync); the scale stays where `x` is.
-    scale = torch.where(amax == 0, 1.0, (amax / E4M3_MAX).clamp_min(2.0**-149))
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Fp8Tensorwise:
+    """`dtype` (e4m3 or e5m2) of `x / scale` (taken as float32, saturating) with scale = amax /
+    max(dtype). amax 0 -> scale 1.0. amax inf or NaN -> scale NaN and all data NaN. A scale
+    that would underflow float32 (amax < ~2**-141) is clamped to 2**-149. Decided on the device
+    (no host sync): the scale stays where `x` is."""
+    if dtype not in _TENSORWISE_MAX:
+        raise ValueError(f"tensorwise FP8 is e4m3 or e5m2, got {dtype}")
+    if x.numel():
+        lo, hi = torch.aminmax(x)  # exact in x's dtype; no |x| temporary
+        amax = torch.maximum(hi, -lo).float()
+    else:
+        amax = x.new_zeros((), dtype=torch.float32)
+    scale = torch.where(amax == 0, 1.0, (amax / _TENSORWISE_MAX[dtype]).clamp_min(2.0**-149))
     scale = torch.where(torch.isfinite(amax), scale, float("nan"))  # x / NaN: all data NaN
-    return Fp8Tensorwise((xf / scale).to(torch.float8_e4m3fn), scale)
+    xf = x.to(torch.float32, copy=True)  # one float32 temporary, divided in place
+    return Fp8Tensorwise(xf.div_(scale).to(dtype), scale)
 
 
 def _mx_axis(data: torch.Tensor, scale: torch.Tensor) -> int | None:
@@ -121,13 +130,20 @@ def _mx_axis(data: torch.Tensor, scale: torch.Tensor) -> int | None:
 
 
 def dequantize(q: MXFP8 | Fp8Tensorwise, dtype: torch.dtype) -> torch.Tensor:
-    """`data.float() * scale` (MXFP8: each scale broadcast over its 32-block), cast to `dtype`."""
+    """`data * scale` (MXFP8: each scale broadcast over its 32-block) in `dtype`, bitwise as if
+    computed in float32 and cast: tensorwise multiplies in float32 (its scale is any float32),
+    MXFP8 straight in bf16 or float32 (a product of an e4m3 value and a power of two is exact
+    in float32, so rounding it once to `dtype` is the same), other dtypes through float32. The
+    only temporaries are the float32 product (tensorwise) or none but the result (MXFP8)."""
     if isinstance(q, Fp8Tensorwise):
-        return (q.data.float() * q.scale.float()).to(dtype)
+        return q.data.float().mul_(q.scale.float()).to(dtype)
     if not isinstance(q, MXFP8):
         raise TypeError(f"expected MXFP8 or Fp8Tensorwise, got {type(q).__name__}")
     axis = _mx_axis(q.data, q.scale)
     if axis is None:
         return q.data.to(dtype)
-    s = q.scale.float().repeat_interleave(BLOCK, dim=axis)
-    return (q.data.float() * s).to(dtype)
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    out = q.data.to(work, memory_format=torch.contiguous_format)  # exact; a fresh tensor
+    blocks = out.unflatten(axis, (q.data.shape[axis] // BLOCK, BLOCK))  # a view of `out`
+    blocks.mul_(q.scale.float().to(work).unsqueeze(axis + 1))
+    return out.to(dtype)

@@ -7,8 +7,17 @@ some rank. So every rank takes the same decision: raise (a changed model, ranks 
 steps, a non-finite gradient under `nonfinite="error"`), skip the update (`nonfinite="skip"`),
 or step exactly the params that got a gradient. One `MAX` all-reduce of float64 values (four,
 then one flag per param) carries it all (a minimum travels as a negated maximum); it is built
-in pinned memory and copied without blocking, and its result is read on the host: one device
-sync per step.
+in pinned memory and copied without blocking.
+
+[Note: host syncs in a step]
+Reading the check's result on the host waits for the device: the one sync of a step. With
+`nonfinite` set it is read at once, since a non-finite gradient decides whether the step
+happens. With `nonfinite=None` nothing in it can stop this step: the result is staged to host
+memory behind the all-reduce and judged (a changed model, ranks at different steps) at the
+start of the next step, or when the optimizer's state is read, on every rank at the same point,
+so such a mistake raises one step later. The step goes on with the params some rank got a
+gradient for: all of them when this rank got every one (zero syncs), else the result is read
+now for the others' flags (one sync, the judging still waits).
 """
 
 from __future__ import annotations
@@ -52,7 +61,46 @@ def first_nonfinite(grads: Sequence[torch.Tensor]) -> int | None:
     return int(bad[0]) if len(bad) else None
 
 
-def agree(
+class PendingCheck:
+    """A step check whose all-reduce is issued; `verdict()` reads it.
+
+    `stage()` copies the result to host memory behind the all-reduce (pinned, without
+    blocking, and an event marks its arrival on CUDA), so a `verdict()` read later (a step
+    later: the copy landed long before, unless the GPU is a whole step behind the host) does
+    not wait for the device; read without staging, `verdict()` waits for the device (one sync).
+    """
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+        self.host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._verdict: Verdict | None = None
+
+    def stage(self) -> PendingCheck:
+        cuda = self.values.device.type == "cuda"
+        self.host = torch.empty_like(self.values, device="cpu", pin_memory=cuda)
+        self.host.copy_(self.values, non_blocking=cuda)
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return self
+
+    def verdict(self) -> Verdict:
+        if self._verdict is None:
+            if self._event is not None:
+                self._event.synchronize()
+            values = self.values if self.host is None else self.host
+            neg_first, high, neg_low, changed_any, *received_any = values.tolist()
+            self._verdict = Verdict(
+                first_nonfinite=None if -neg_first >= _NONE else int(-neg_first),
+                steps=(int(-neg_low), int(high)),
+                changed=bool(changed_any),
+                received=tuple(r > 0 for r in received_any),
+            )
+        return self._verdict
+
+
+def issue(
     step: int,
     *,
     indices: torch.Tensor,
@@ -62,11 +110,11 @@ def agree(
     group: ProcessGroup | None,
     world: int,
     device: torch.device,
-) -> Verdict:
-    """Combine every rank's view. `norms[i]` is any norm of the gradient of param `indices[i]`
-    (`indices`: float64 on `device`; a norm is non-finite exactly when that gradient is); None:
-    not checked on this rank. `received[j]`: this rank got a gradient for param `j` (every
-    rank passes one flag per param)."""
+) -> PendingCheck:
+    """Issue the check's all-reduce, combining every rank's view. `norms[i]` is any norm of
+    the gradient of param `indices[i]` (`indices`: float64 on `device`; a norm is non-finite
+    exactly when that gradient is); None: not checked on this rank. `received[j]`: this rank
+    got a gradient for param `j` (every rank passes one flag per param)."""
     head = [-_NONE, step, -step, float(changed)]
     # Built in pinned host memory and copied without blocking: no wait for backward to finish.
     host = torch.tensor(
@@ -77,10 +125,4 @@ def agree(
         t[0] = -torch.where(torch.isfinite(norms), _NONE, indices).min()
     if world > 1:
         collectives.all_reduce(t, group, op=dist.ReduceOp.MAX)
-    neg_first, high, neg_low, changed_any, *received_any = t.tolist()
-    return Verdict(
-        first_nonfinite=None if -neg_first >= _NONE else int(-neg_first),
-        steps=(int(-neg_low), int(high)),
-        changed=bool(changed_any),
-        received=tuple(r > 0 for r in received_any),
-    )
+    return PendingCheck(t)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import ChainMap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +23,14 @@ from torch.autograd.profiler import record_function
 
 from ..distributed import collectives
 from ..engine.data_parallel import DataParallel
-from ._step_check import NONFINITE_POLICIES, NonfinitePolicy, agree, peak_norms
+from ._step_check import (
+    NONFINITE_POLICIES,
+    NonfinitePolicy,
+    PendingCheck,
+    Verdict,
+    issue,
+    peak_norms,
+)
 from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of
 
 
@@ -63,7 +69,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     the same step, else it takes one max-norm pass over the owned grads. It reads every reduced
     grad, so a pipelined step then overlaps only the gathers with the updates (as after
     clipping); with `nonfinite=None` the check reads no gradient and a pipelined step's updates
-    overlap the reductions still in flight.
+    overlap the reductions still in flight. With `nonfinite=None` a step does not wait for the
+    device: when every param got a gradient on this rank, the check is read at the next step
+    (or when state is read), so a changed model or a step mismatch raises one step later
+    ([Note: host syncs in a step]).
     """
 
     def __init__(
@@ -84,6 +93,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.steps = 0  # step() calls taken (skipped ones included)
         self.skipped_steps = 0
         self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
+        self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
         self._owned: list[OwnedPiece] = []
         self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
         for owned in ddp.owned():
@@ -104,7 +114,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})
         # Share the inner optimizers' group dicts so schedulers and users edit the real thing.
         self.param_groups = [self._inner[MUON].param_groups[0], self._inner[ADAMW].param_groups[0]]
-        self.state = ChainMap(self._inner[MUON].state, self._inner[ADAMW].state)
+        self.state = _States(self._inner[MUON].state, self._inner[ADAMW].state)  # type: ignore[assignment]
         ddp.attach_optimizer(self)
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
@@ -145,41 +155,62 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not pieces:
             return
         with record_function("wholeshard.optimizer_step"):
-            for o in pieces:
-                if o.master.grad is not o.grad:
-                    o.master.grad.copy_(o.oriented(o.grad))
+            cast = [o for o in pieces if o.master.grad is not o.grad]
+            if cast:
+                torch._foreach_copy_(
+                    [o.master.grad for o in cast], [o.oriented(o.grad) for o in cast]
+                )
             for kind, opt in self._inner.items():
                 masters = [o.master for o in pieces if o.kind == kind]
                 if masters:
                     with _holding(opt.param_groups[0], masters):
                         opt.step()
-            for o in pieces:
-                if o.separate_master:
-                    o.param.copy_(o.oriented(o.master))
+            separate = [o for o in pieces if o.separate_master]
+            if separate:
+                torch._foreach_copy_(
+                    [o.param for o in separate], [o.oriented(o.master) for o in separate]
+                )
 
     def _check_step(self) -> frozenset[str] | None:
         """Take the step check (`wholeshard.optim._step_check`) with every rank: raise on a
         changed model, ranks at different steps, or (policy "error") a non-finite gradient.
         Return the names of the params to step (those that got a gradient on some rank), or
-        None when every rank skips this step (policy "skip")."""
+        None when every rank skips this step (policy "skip"). With `nonfinite=None` it is judged
+        at the next step ([Note: host syncs in a step])."""
+        self._settle_check()
         norms, self._piece_norms = self._piece_norms, None
         if self.nonfinite is None:
             norms = None
         elif norms is None and self._owned:  # not clipped this step: one pass
             norms = peak_norms([o.grad for o in self._owned])
         change = self.ddp.model_changes()
-        ddp = self.ddp
-        verdict = agree(
+        received = self.ddp.received_grads()
+        pending = issue(
             self.steps,
             indices=self._indices,
             norms=norms,
             changed=change is not None,
-            received=ddp.received_grads(),
+            received=received,
             group=self._check_group(self.nonfinite is not None),
-            world=ddp.dp_size,
-            device=ddp.device,
+            world=self.ddp.dp_size,
+            device=self.ddp.device,
         )
         step, self.steps = self.steps, self.steps + 1
+        if self.nonfinite is not None:
+            return self._judge(step, change, pending.verdict())
+        # Judged at the next step on every rank alike; read now only for what others received.
+        self._unread = (step, change, pending.stage())
+        got = pending.verdict().received if not all(received) else received
+        return frozenset(r.name for r, g in zip(self.ddp.routes, got, strict=True) if g)
+
+    def _settle_check(self) -> None:
+        """Read a step check left unread and raise what it found (on every rank alike)."""
+        if self._unread is not None:
+            (step, change, pending), self._unread = self._unread, None
+            self._judge(step, change, pending.verdict())
+
+    def _judge(self, step: int, change: str | None, verdict: Verdict) -> frozenset[str] | None:
+        ddp = self.ddp
         if verdict.changed:
             raise RuntimeError(change or "another rank's model changed after it was wrapped")
         low, high = verdict.steps
@@ -224,9 +255,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.ddp.finish_grad_sync()
         norm_type = float(norm_type)
         device = self.ddp.device
-        norms = [
-            torch.linalg.vector_norm(o.grad, norm_type, dtype=torch.float32) for o in self._owned
-        ]
+        grads = [o.grad for o in self._owned]
+        norms = list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
         self._piece_norms = torch.stack(norms) if norms else None
         if math.isinf(norm_type):
             local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
@@ -241,8 +271,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             collectives.all_reduce(local, self.ddp.shard_group, op=op)
         total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for o in self._owned:
-            o.grad.mul_(scale.to(o.grad.dtype))
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
         return total
 
     # -- state ----------------------------------------------------------------------------
@@ -264,11 +294,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return {"masters": masters, "optimizer_state": state}
 
     def piece_state(self, piece: OwnedPiece) -> dict[str, Any]:
-        """The torch optimizer's live state dict for `piece` (empty before the first step)."""
+        """The torch optimizer's live state dict for `piece` (empty before the first step). A
+        step check left unread is read first: state is never handed out past a failed check."""
+        self._settle_check()
         return self._inner[piece.kind].state[piece.master]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, keyed by param name; loads at the same world size and plan only."""
+        self._settle_check()
         state: dict[str, dict[str, Any]] = {}
         for o in self._owned:
             entry = dict(self._inner[o.kind].state.get(o.master, {}))
@@ -284,6 +317,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load `state_dict()` of an optimizer at the same world size and plan (any other:
         wholeshard checkpoints); every rank loads its own and all gather the params."""
+        self._unread = None  # the state it judged is replaced
         owned = {o.key: o for o in self._owned}
         saved = state_dict["state"]
         if set(saved) != set(owned):
@@ -301,6 +335,27 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             pieces.append(LoadedPiece(o, entry.get("master"), state))
         groups = [{k: v for k, v in g.items() if k != "kind"} for g in state_dict["param_groups"]]
         install_state(self.ddp, self, pieces, groups)
+
+
+class _States(Mapping):
+    """The inner optimizers' per-param state, read-only, as one mapping. (A `ChainMap` would
+    not do: looking up an AdamW master in Muon's `defaultdict` state creates an empty entry.)"""
+
+    def __init__(self, *states: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        self._states = states
+
+    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
+        for states in self._states:
+            if key in states:
+                return states[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for states in self._states:
+            yield from states
+
+    def __len__(self) -> int:
+        return sum(len(states) for states in self._states)
 
 
 @contextlib.contextmanager

@@ -5,8 +5,10 @@
 and it imports torch only when it does); `plan_buffers(specs, dp_size, ...)` takes `ParamSpec`s
 (from routes, a shapes file or a preset) and returns a `Plan`, from shapes alone. Modules:
 `routing`, `specs` (the records), `buffer` (one buffer, its owner rule and invariant checks),
-`plan` (the entry point and the one validator), `presets` and `shapes` (specs without a model);
-the planners are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_stacked`,
+`plan` (the entry point and the one validator), `presets` and `shapes` (specs without a model),
+`costs` (what a plan costs each rank in a mode: memory, collectives, bytes; with `_lifetimes`
+for the fully sharded peak) and `projection` (a step-time estimate from those); the planners
+are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_stacked`,
 `_elementwise`, `_unaligned`.
 
 [Note: wholeshard vocabulary]

@@ -135,3 +135,10 @@ def val_batches(
     starts = torch.linspace(0, len(text) - seq_len - 1, n).long().view(n_batches, batch_size)
     mine = rank_slice(batch_size, rank, world)
     return [_windows(text, row[mine], seq_len) for row in starts]
+
+
+def on_device(device: torch.device, *batch: torch.Tensor) -> list[torch.Tensor]:
+    """`batch` on `device`; to a GPU from pinned memory without blocking the host."""
+    if device.type != "cuda":
+        return [t.to(device) for t in batch]
+    return [t.pin_memory().to(device, non_blocking=True) for t in batch]

@@ -22,6 +22,21 @@ class DistEnv:
     owns_group: bool
 
 
+class GlobalMean:
+    """The mean of a scalar over the ranks: its all-reduce starts now (on a copy), `value()`
+    reads it (the host waits for the device there: call it once more work is queued)."""
+
+    def __init__(self, t: torch.Tensor, env: DistEnv) -> None:
+        self.t, self.world = t.detach().clone(), env.world
+        self.work = dist.all_reduce(self.t, async_op=True) if env.world > 1 else None
+
+    def value(self) -> float:
+        if self.work is not None:
+            self.work.wait()
+            self.t /= self.world
+        return self.t.item()
+
+
 def torchrun_env() -> bool:
     """True when the environment describes a launched world (torchrun or `wholeshard.distributed
     .launch`)."""

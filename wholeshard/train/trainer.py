@@ -35,6 +35,7 @@ from .baseline import build_ddp_adamw, step_or_skip
 from .config import TrainConfig
 from .env import (
     DistEnv,
+    GlobalMean,
     resolve_param_dtype,
     set_threads,
     setup_distributed,
@@ -171,14 +172,15 @@ class Trainer:
             env.rank,
             env.world,
         )
-        loss = self.loss(x.to(env.device), y.to(env.device))
-        loss_value = _global_mean(loss, env)
+        loss = self.loss(*data.on_device(env.device, x, y))
+        mean = GlobalMean(loss, env)  # reduced beside backward, read once backward is queued
+        loss.backward()
+        loss_value = mean.value()
         if not math.isfinite(loss_value):
             raise FloatingPointError(
                 f"non-finite loss ({loss_value}) at step {step}: stopped before the update; "
                 f"nothing was saved at this step"
             )
-        loss.backward()
         max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else math.inf
         grad_norm = self.clip(max_norm)
         lr = self.opt.param_groups[0]["lr"]
@@ -205,7 +207,7 @@ class Trainer:
         self.module.eval()
         total = torch.zeros(2, dtype=torch.float64, device=env.device)
         for x, y in self.val:
-            x, y = x.to(env.device), y.to(env.device)
+            x, y = data.on_device(env.device, x, y)
             total[0] += self.loss(x, y, reduction="sum").double()
             total[1] += y.numel()
         if env.world > 1:
@@ -386,11 +388,3 @@ class Trainer:
             title = f"{cfg.model.name} GPT, {cfg.optim.name}, {env.world} rank(s)"
             plot_losses(log.records, os.path.join(self.out, report.PLOT), title)
         return summary
-
-
-def _global_mean(t: torch.Tensor, env: DistEnv) -> float:
-    if env.world > 1:
-        t = t.detach().clone()
-        dist.all_reduce(t)
-        t /= env.world
-    return t.item()

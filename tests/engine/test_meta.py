@@ -1,0 +1,110 @@
+"""Building from the meta device (`DataParallelConfig(param_init=fn)`, [Note: meta-device
+construction]): the params do not depend on the world size or the mode, and training from them
+is bitwise training from the same values built the ordinary way."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from support import ADAMW_KW, MUON_KW, OVERLAP, full_params, make_model, run, train_steps
+from torch import nn
+
+import wholeshard
+from wholeshard.distributed.launch import WorkerFailed
+from wholeshard.fp8 import convert
+
+STEPS = 2
+
+
+def init(name: str, t: torch.Tensor) -> None:
+    """Draws from torch's global generator, as `nn.init` does."""
+    if t.dim() > 1:
+        t.normal_(0.0, 0.05)
+    else:
+        t.uniform_(-0.5, 0.5)
+
+
+def _model(meta: bool, fp8: bool = False) -> nn.Module:
+    if meta:
+        with torch.device("meta"):
+            model = make_model(tied=True)
+    else:
+        model = make_model(tied=True)
+    if fp8:
+        model = convert(model, "tensorwise")
+    model.register_buffer("table", torch.arange(4.0, device="meta" if meta else "cpu"))
+    model.ln.weight.requires_grad_(False)  # frozen: filled on every rank
+    return model
+
+
+def expected() -> dict[str, torch.Tensor]:
+    """One process, no DataParallel: `init` on every param under the documented seed."""
+    model = _model(meta=False)
+    for name, p in model.named_parameters():
+        with torch.random.fork_rng():
+            torch.manual_seed(zlib.crc32(name.encode()))
+            init(name, p.data)
+    return full_params(model)
+
+
+def _train(meta: bool, ddp_kw: dict) -> dict:
+    fp8 = ddp_kw.get("fp8_param_gather", False)
+    if meta:
+        ddp = wholeshard.DataParallel(_model(meta=True, fp8=fp8), param_init=init, **ddp_kw)
+    else:
+        model = _model(meta=False, fp8=fp8)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(expected()[name])
+        ddp = wholeshard.DataParallel(model, **ddp_kw)
+    module = ddp.module
+    with ddp.full_params():
+        built = full_params(module)
+    tied = module.head.weight is module.emb.weight
+    on_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    train_steps(ddp, opt, range(STEPS))
+    with ddp.full_params():
+        trained = full_params(module)
+    return {"built": built, "trained": trained, "tied": tied, "on_meta": on_meta}
+
+
+MODES = {
+    "sync": {},
+    "overlap": OVERLAP,
+    "fully-sharded": dict(reshard_after_forward=True, **OVERLAP),
+    "pipelined": dict(pipelined_step=True, **OVERLAP),
+    "shard-groups": dict(shard_group_size=1),
+    "ping-pong": dict(scheme="ping_pong", param_sync="broadcast"),
+    "fp8-gather": dict(fp8_param_gather=True, **OVERLAP),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_meta_construction_matches_one_process_and_trains_alike(nproc: int, mode: str) -> None:
+    want = expected()
+    ddp_kw = dict(bucket_size=3000, **MODES[mode])
+    from_meta = run(_train, nproc, True, ddp_kw)
+    ordinary = run(_train, nproc, False, ddp_kw)
+    for a, b in zip(from_meta, ordinary, strict=True):
+        assert a["tied"] and not a["on_meta"], a["on_meta"]
+        assert a["built"].keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(a["built"][name], value), name
+        for name, value in b["trained"].items():
+            assert torch.equal(a["trained"][name], value), name
+
+
+def test_meta_model_without_param_init_is_refused_with_the_fix() -> None:
+    with torch.device("meta"):
+        model = make_model()
+    with pytest.raises(WorkerFailed, match="is on the meta device .*param_init=fn"):
+        run(lambda: wholeshard.DataParallel(model), 1)
+
+
+def test_param_init_must_be_a_function() -> None:
+    with pytest.raises(ValueError, match="param_init must be None or a function"):
+        wholeshard.DataParallelConfig(param_init="normal")

@@ -1,0 +1,277 @@
+"""`wholeshard.planning.auto`: the automatic shard-group size, from shapes alone.
+
+Issue 20's targets over the presets at dp 8-1024 (checked against `plan_buffers` itself, and
+every larger candidate shown to miss them), small runs left at k = dp, the planning time, and a
+property test on random specs: the choice divides dp, its figures are its plan's, its plan is
+`plan_buffers`'s, and no larger candidate meets the targets.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support import make_model, spec_lists
+
+from wholeshard.planning import ParamSpec, Plan, default_bucket_size, plan_buffers
+from wholeshard.planning.auto import (
+    MAX_IMBALANCE,
+    MIN_BUCKET_LIMIT,
+    ShardGroupChoice,
+    auto_shard_group_size,
+    bucket_limit_at,
+    bucket_target,
+    ladder,
+    largest_layer,
+    optimizer_state,
+)
+from wholeshard.planning.costs import owned
+from wholeshard.planning.presets import preset
+from wholeshard.planning.projection import rank_ns_flops
+from wholeshard.planning.routing import route_params
+from wholeshard.planning.specs import cost_imbalance, round_up
+
+PRESETS = ("llama3-8b", "llama3-70b", "qwen3-30b-a3b", "moe-256x")
+DPS = (8, 64, 256, 1024)
+
+
+@functools.cache
+def specs_of(name: str) -> tuple[ParamSpec, ...]:
+    return tuple(preset(name))
+
+
+@functools.cache
+def choice_of(name: str, dp: int) -> tuple[ShardGroupChoice, float]:
+    """The choice and the CPU seconds it took (CPU, not wall: other processes share the box)."""
+    start = time.process_time()
+    choice = auto_shard_group_size(specs_of(name), dp)
+    return choice, time.process_time() - start
+
+
+def largest_bucket(plan: Plan) -> int:
+    return max((b.numel for buffer in plan.buffers for b in buffer.buckets), default=0)
+
+
+def limit_of(plan: Plan, target: int) -> int:
+    """The bucket limit of `plan`: `target`, or its element-wise bucket of a wider param."""
+    return bucket_limit_at(target, next((b for b in plan.buffers if b.kind == "adamw"), None))
+
+
+def meets(plan: Plan, target: int, padding_limit: float) -> bool:
+    """Issue 20's targets, computed here from the plan alone."""
+    return (
+        largest_bucket(plan) <= limit_of(plan, target)
+        and plan.padding_fraction <= padding_limit
+        and cost_imbalance(rank_ns_flops(plan)) <= MAX_IMBALANCE
+    )
+
+
+def assert_figures_are_the_plans(choice: ShardGroupChoice, specs: tuple[ParamSpec, ...]) -> None:
+    """The choice's plan is `plan_buffers`'s at its k and bucket size, and every figure is it."""
+    plan = plan_buffers(
+        specs, choice.dp_size, bucket_size=choice.bucket_size, shard_group_size=choice.k
+    )
+    assert choice.plan == plan
+    assert choice.dp_size % choice.k == 0 and choice.replicas == choice.dp_size // choice.k
+    assert choice.buckets == sum(len(b.buckets) for b in plan.buffers)
+    assert choice.largest_bucket == largest_bucket(plan)
+    assert choice.padding_fraction == plan.padding_fraction
+    assert choice.ns_imbalance == cost_imbalance(rank_ns_flops(plan))
+    assert choice.ns_flops == max(rank_ns_flops(plan))
+    assert choice.optimizer_state == max(o.muon + 2 * o.adamw for o in owned(plan))
+    assert choice.bucket_limit == limit_of(plan, choice.bucket_target)
+    assert choice.meets_targets == meets(plan, choice.bucket_target, choice.padding_limit)
+
+
+# ---------------------------------------------------------------- presets: issue 20's targets
+
+
+@pytest.mark.parametrize("dp", DPS)
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_meet_the_targets(name: str, dp: int) -> None:
+    specs = specs_of(name)
+    choice, _ = choice_of(name, dp)
+    assert choice.meets_targets, choice.reason
+    assert choice.padding_fraction <= 0.01 and choice.ns_imbalance <= 1.10
+    assert choice.bucket_size == default_bucket_size(sum(s.numel for s in specs), choice.k)
+    target = max(MIN_BUCKET_LIMIT, 2 * largest_layer(specs))
+    assert choice.bucket_target == target
+    if name == "llama3-8b":
+        # The documented compromise: the head and the embedding (128256 x 4096 = 525M
+        # elements each, AdamW-routed) exceed 2 x a layer (2 x 218M), and the element-wise
+        # planner keeps a param inside one bucket, so every k has a bucket of >= 525M. The
+        # limit is raised to that bucket, and the chosen plan's largest bucket is it: the
+        # whole-tensor buckets (k x the 58.7M MLP matrices) stay within it.
+        head = [b for b in choice.plan.buffers if b.kind == "adamw"][0]
+        wide = {p.bucket for p in head.placements if p.numel > target}
+        assert choice.bucket_limit == max(head.buckets[i].numel for i in wide) > target
+        assert choice.largest_bucket == choice.bucket_limit
+    else:
+        assert choice.bucket_limit == target
+    assert_figures_are_the_plans(choice, specs)
+
+
+@pytest.mark.parametrize("dp", DPS)
+@pytest.mark.parametrize("name", PRESETS)
+def test_no_larger_candidate_meets_the_targets(name: str, dp: int) -> None:
+    """Every ladder candidate above the choice misses a target, by `plan_buffers` itself. For
+    moe-256x, whose plans take a second each, only k = 64 at dp 64 is planned again here; above
+    it, a whole-tensor bucket of k x its widest matrix over the limit rules k out by arithmetic,
+    and the rest the choice planned and passed over."""
+    specs = specs_of(name)
+    choice, _ = choice_of(name, dp)
+    numel = sum(s.numel for s in specs)
+    widest = max(round_up(s.numel, 64) for s in specs if s.muon and len(s.shape) == 2)
+    for k in ladder(dp):
+        if k <= choice.k:
+            break
+        if name == "moe-256x" and (dp, k) != (64, 64):
+            assert k * widest > choice.bucket_limit or k in choice.tried[:-1], k
+            continue
+        size = default_bucket_size(numel, k)
+        plan = plan_buffers(specs, dp, bucket_size=size, shard_group_size=k)
+        assert not meets(plan, choice.bucket_target, choice.padding_limit), (name, dp, k)
+
+
+def test_planning_is_fast_at_dp_1024() -> None:
+    """Issue 20: under 2 s at dp 1024 (measured: 1.7 s CPU for moe-256x on a 2-core EPYC, the
+    rest under 0.2 s). Asserted with slack for slower machines; the structural part is exact:
+    the bounds leave at most 3 candidates to plan."""
+    for name in PRESETS:
+        choice, seconds = choice_of(name, 1024)
+        assert len(choice.tried) <= 3, (name, choice.tried)
+        assert seconds < 4.0, (name, seconds)
+
+
+# ---------------------------------------------------------------- small runs
+
+
+def tiny_specs(**kw: object) -> tuple[ParamSpec, ...]:
+    """The specs `DataParallel` plans for the tests' small transformer."""
+    return tuple(ParamSpec(r.name, r.shape, r.muon, r.tied) for r in route_params(make_model(**kw)))
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [specs_of("gpt2-small"), tiny_specs(), tiny_specs(tied=True), tiny_specs(layers=4)],
+    ids=["gpt2-small", "tiny", "tiny-tied", "tiny-4-layers"],
+)
+def test_small_runs_keep_k_equal_dp_where_it_meets_the_targets(specs: tuple) -> None:
+    numel = sum(s.numel for s in specs)
+    kept = []
+    for dp in range(2, 9):
+        choice = auto_shard_group_size(specs, dp)
+        full = plan_buffers(specs, dp, bucket_size=default_bucket_size(numel, dp))
+        if meets(full, choice.bucket_target, choice.padding_limit):
+            assert choice.k == dp and choice.plan == full, (dp, choice.reason)
+            kept.append(dp)
+        else:
+            assert choice.k < dp
+    assert 2 in kept  # not vacuous: a pair of ranks keeps every model unchanged
+    if specs == specs_of("gpt2-small"):
+        assert {2, 4, 8} <= set(kept)
+
+
+def test_layers_and_ladder() -> None:
+    specs = specs_of("llama3-8b")
+    d, kv, ffn = 4096, 1024, 14336
+    assert largest_layer(specs) == 2 * d * d + 2 * kv * d + 3 * ffn * d + 2 * d
+    assert bucket_target(specs) == 2 * largest_layer(specs)
+    moe = specs_of("moe-256x")
+    layer = [s for s in moe if s.name.startswith("model.layers.60.")]
+    assert largest_layer(moe) == sum(s.numel for s in layer)  # experts included
+    assert largest_layer([ParamSpec("w", (10, 10), True)]) == 100  # no layers: largest param
+    assert bucket_target([ParamSpec("w", (10, 10), True)]) == MIN_BUCKET_LIMIT
+    assert ladder(1024) == [2**i for i in range(10, -1, -1)]
+    assert ladder(12) == [12, 6, 4, 2, 1]
+    assert ladder(7) == [7, 1]
+    assert ladder(1) == [1]
+    for dp in range(1, 300):
+        steps = ladder(dp)
+        assert all(dp % k == 0 for k in steps) and steps == sorted(set(steps), reverse=True)
+        assert steps[0] == dp and steps[-1] == 1
+        assert len(steps) <= math.floor(math.log2(dp)) + 2
+        assert all(k in steps for k in (2**i for i in range(11)) if dp % k == 0)
+
+
+def test_bad_input_is_refused() -> None:
+    specs = [ParamSpec("w", (8, 8), True)]
+    for kw, message in [
+        ({"dp_size": 0}, "dp_size"),
+        ({"dp_size": 2, "bucket_size": 0}, "bucket_size"),
+        ({"dp_size": 2, "bucket_limit": 0}, "bucket_limit"),
+        ({"dp_size": 2, "strategy": "nope"}, "strategy"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            auto_shard_group_size(specs, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="duplicate"):
+        auto_shard_group_size(specs * 2, 2)
+
+
+def test_no_params_and_one_rank() -> None:
+    choice = auto_shard_group_size([], 8)
+    assert choice.k == 8 and choice.meets_targets and choice.plan.buffers == ()
+    choice = auto_shard_group_size([ParamSpec("w", (8, 8), True)], 1)
+    assert choice.k == 1 and choice.meets_targets and choice.tried == (1,)
+
+
+# ---------------------------------------------------------------- property-based
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    specs=spec_lists(max_params=40, tied_one_in=16),
+    dp=st.integers(1, 48),
+    bucket_size=st.one_of(st.none(), st.integers(1, 200_000)),
+    bucket_limit=st.one_of(st.none(), st.integers(1, 2_000_000)),
+    strategy=st.sampled_from(["balanced", "size_match"]),
+)
+def test_choice_is_a_divisor_with_its_plans_figures(
+    specs: list[ParamSpec],
+    dp: int,
+    bucket_size: int | None,
+    bucket_limit: int | None,
+    strategy: str,
+) -> None:
+    specs_t = tuple(specs)
+    choice = auto_shard_group_size(
+        specs_t,
+        dp,
+        bucket_size=bucket_size,
+        strategy=strategy,
+        bucket_limit=bucket_limit,  # type: ignore[arg-type]
+    )
+    assert dp % choice.k == 0 and choice.k in ladder(dp)
+    numel = sum(s.numel for s in specs)
+
+    def plan_at(k: int) -> Plan:
+        size = default_bucket_size(numel, k) if bucket_size is None else bucket_size
+        return plan_buffers(specs_t, dp, bucket_size=size, strategy=strategy, shard_group_size=k)  # type: ignore[arg-type]
+
+    plan = plan_at(choice.k)
+    assert choice.plan == plan and choice.bucket_size == plan.bucket_size
+    assert choice.largest_bucket == largest_bucket(plan)
+    assert choice.padding_fraction == plan.padding_fraction
+    assert choice.buckets == sum(len(b.buckets) for b in plan.buffers)
+    assert choice.ns_imbalance == cost_imbalance(rank_ns_flops(plan))
+    assert choice.optimizer_state == optimizer_state(plan)
+    assert choice.bucket_target == (bucket_target(specs) if bucket_limit is None else bucket_limit)
+    assert choice.bucket_limit == limit_of(plan, choice.bucket_target) >= choice.bucket_target
+    assert choice.meets_targets == meets(plan, choice.bucket_target, choice.padding_limit)
+    # The largest k: every larger candidate misses (the bounds that skip some are sound).
+    larger = [k for k in ladder(dp) if k > choice.k]
+    plans = {k: plan_at(k) for k in [*larger, *choice.tried]}
+    for k in larger:
+        assert not meets(plans[k], choice.bucket_target, choice.padding_limit), k
+    if not choice.meets_targets:  # the compromise: the least overshoot of the planned ones
+
+        def overshoot(p: Plan) -> float:
+            memory = (1 - choice.padding_limit) / (1 - p.padding_fraction)
+            imbalance = cost_imbalance(rank_ns_flops(p)) / MAX_IMBALANCE
+            return max(largest_bucket(p) / limit_of(p, choice.bucket_target), memory, imbalance)
+
+        assert all(overshoot(plan) <= overshoot(plans[k]) for k in choice.tried)

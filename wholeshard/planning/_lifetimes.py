@@ -1,0 +1,282 @@
+"""Fully sharded lifetimes from names alone: which storage units stay gathered from forward to
+backward, and the most bytes of full units alive at once in a step.
+
+[Note: the module model]
+A plan has no modules, so they are read from param names, as `named_parameters()` lists them:
+a param belongs to the module its name names (`blocks.0.fc.weight` to `blocks.0.fc`, a name
+without a dot to the root), modules run forward once each in the registration order of their
+first param, a module's span holding its descendants', and backward in reverse: a module's
+output gradient arrives (its pre-backward hook) where its forward ended, its params' gradients
+land, last-registered first, where its forward began. Every non-root module's outputs can be
+hooked. A model whose modules run in another order (Llama's norms run before the projections
+registered ahead of them), call a module twice, recompute activations, or hold params in a
+container (`ParameterList`) lives through other lifetimes; a tied param's second module (a tied
+head) is not in the plan at all.
+
+On that model `peak_bytes` replays the engine's scheduler (`wholeshard/engine/_schedule.py`:
+[Note: fully sharded lifetimes], the dispatch queue of [Note: collective order], one reduction
+in flight) over the units' full param and grad buffers, counting bytes after each allocation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+from .specs import ParamSpec
+
+
+class UnitLike(Protocol):
+    """A storage unit as `costs.Unit` describes one."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def numel(self) -> int: ...
+    @property
+    def names(self) -> tuple[str, ...]: ...
+
+
+class Overlap(Protocol):
+    """The options of a `costs.Mode` that change lifetimes."""
+
+    @property
+    def overlap_grad_reduce(self) -> bool: ...
+    @property
+    def overlap_param_gather(self) -> bool: ...
+
+
+def module_of(name: str) -> str:
+    """The module holding param `name` ([Note: the module model]): "" for the root."""
+    return name.rpartition(".")[0]
+
+
+def kept_units(units: Sequence[UnitLike]) -> set[int]:
+    """Units kept gathered from forward to backward: the first in reduce order, and those
+    holding root params (the root's output gradient cannot announce its backward)."""
+    return {0} | {u.index for u in units if any(module_of(n) == "" for n in u.names)}
+
+
+def _events(specs: Sequence[ParamSpec]) -> list[tuple[str, str]]:
+    """("pre" | "post", module) of every forward, root first and last, nested by names."""
+    order = list(dict.fromkeys(module_of(s.name) for s in specs))
+    events, stack = [], []
+    if "" in order:
+        order.remove("")
+        events.append(("pre", ""))
+    for m in order:
+        while stack and not m.startswith(stack[-1] + "."):
+            events.append(("post", stack.pop()))
+        events.append(("pre", m))
+        stack.append(m)
+    events += [("post", m) for m in reversed(stack)]
+    if events and events[0] == ("pre", ""):
+        events.append(("post", ""))
+    return events
+
+
+class _Replay:
+    """The engine's fully sharded scheduler over units, tracking allocations only."""
+
+    def __init__(self, units: Sequence[UnitLike], specs: Sequence[ParamSpec], mode: Overlap,
+                 param_bytes: int, grad_bytes: int) -> None:  # fmt: skip
+        n = len(units)
+        self.full = [(u.numel * param_bytes, u.numel * grad_bytes) for u in units]
+        self.unit_of = {name: u.index for u in units for name in u.names}
+        self.size = [len(u.names) for u in units]
+        registered = {s.name: i for i, s in enumerate(specs)}
+        first = [min(registered[name] for name in u.names) for u in units]
+        self.forward_order = sorted(range(n), key=first.__getitem__)
+        self.params_of: dict[str, list[str]] = {}
+        for s in specs:
+            self.params_of.setdefault(module_of(s.name), []).append(s.name)
+        self.buckets_of = {
+            m: sorted({self.unit_of[name] for name in names}) for m, names in self.params_of.items()
+        }
+        self.users = [0] * n
+        for units_used in self.buckets_of.values():
+            for i in units_used:
+                self.users[i] += 1
+        self.overlap_grad = mode.overlap_grad_reduce
+        self.overlap_param = mode.overlap_param_gather
+        self.state = ["released"] * n  # "released", "gathering" or "fresh"
+        self.param_alive = [False] * n
+        self.grad_alive = [False] * n
+        self.reducing = [False] * n
+        self.landed = [0] * n
+        self.forward_left = [0] * n
+        self.kept: set[int] = set()
+        self.queue: deque[int] = deque()
+        self.queued: set[int] = set()
+        self.gathering = 0
+        self.next_reduce = 0
+        self.in_backward = False
+        self.alive = self.peak = 0
+
+    def _alloc(self, i: int, grad: bool) -> None:
+        """Materialise unit i's full params (or grads) and count the bytes now alive."""
+        (self.grad_alive if grad else self.param_alive)[i] = True
+        self.alive += self.full[i][grad]
+        self.peak = max(self.peak, self.alive)
+
+    def _free(self, i: int, grad: bool) -> None:
+        alive = self.grad_alive if grad else self.param_alive
+        if alive[i]:
+            alive[i] = False
+            self.alive -= self.full[i][grad]
+
+    # -- gathers ------------------------------------------------------------------------------
+
+    def start_gather(self, i: int) -> None:
+        if not self.param_alive[i]:
+            self._alloc(i, grad=False)
+        self.state[i] = "gathering"
+        self.gathering += 1
+
+    def finish_gather(self, i: int) -> None:
+        self.state[i] = "fresh"
+        self.gathering -= 1
+        self.forward_left[i] = self.users[i]
+
+    def release(self, i: int) -> None:
+        if self.state[i] == "gathering":
+            self.finish_gather(i)
+        self._free(i, grad=False)
+        self.state[i] = "released"
+
+    def set_queue(self, order: Sequence[int]) -> None:
+        self.queue = deque(i for i in order if self.state[i] not in ("fresh", "gathering"))
+        self.queued = set(self.queue)
+
+    def dispatch_next(self) -> None:
+        if self.queue:
+            i = self.queue.popleft()
+            self.queued.discard(i)
+            self.start_gather(i)
+
+    def finish_param_sync(self) -> None:
+        while self.queue:
+            self.dispatch_next()
+        for i, state in enumerate(self.state):
+            if state == "gathering":
+                self.finish_gather(i)
+
+    def ensure(self, units: Sequence[int]) -> None:
+        for i in units:
+            if self.state[i] == "fresh":
+                continue
+            if self.state[i] != "gathering":
+                if i in self.queued:
+                    while self.state[i] != "gathering":
+                        self.dispatch_next()
+                else:
+                    self.start_gather(i)
+            self.finish_gather(i)
+        if self.overlap_param and not self.gathering:
+            self.dispatch_next()
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def root_pre_forward(self) -> None:
+        self.finish_param_sync()
+        self.forward_left = list(self.users)
+        self.set_queue(self.forward_order)
+        if self.overlap_param:
+            self.dispatch_next()
+
+    def pre_forward(self, module: str) -> None:
+        units = self.buckets_of[module]
+        if self.queue or any(self.state[i] != "fresh" for i in units):
+            self.ensure(units)
+
+    def post_forward(self, module: str) -> None:
+        for i in self.buckets_of[module]:
+            self.forward_left[i] -= 1
+            if module == "":  # the root's outputs announce no backward
+                self.kept.add(i)
+            keep = i == 0 or i in self.kept
+            if self.forward_left[i] <= 0 and not keep and self.param_alive[i]:
+                self.release(i)
+
+    def root_post_forward(self) -> None:
+        self.finish_param_sync()
+        for i in range(len(self.full)):
+            if self.param_alive[i] and not (i == 0 or i in self.kept):
+                self.release(i)
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def enter_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self.finish_param_sync()
+            self.set_queue(range(len(self.full)))
+
+    def pre_backward(self, module: str) -> None:
+        self.enter_backward()
+        self.ensure(self.buckets_of[module])
+
+    def grad_arrived(self, name: str) -> None:
+        i = self.unit_of[name]
+        self.enter_backward()
+        if not self.grad_alive[i]:
+            self._alloc(i, grad=True)
+        self.landed[i] += 1
+        if self.landed[i] < self.size[i]:
+            return
+        self.release(i)
+        if self.overlap_grad:
+            while self.next_reduce < len(self.full) and self._complete(self.next_reduce):
+                self.start_reduce()
+
+    def _complete(self, i: int) -> bool:
+        return self.landed[i] == self.size[i]
+
+    def start_reduce(self) -> None:
+        n = self.next_reduce
+        if n >= 1 and self.reducing[n - 1]:  # one reduction in flight (REDUCES_IN_FLIGHT)
+            self.reducing[n - 1] = False
+            self._free(n - 1, grad=True)
+        if not self.grad_alive[n]:
+            self._alloc(n, grad=True)
+        self.reducing[n] = True
+        self.next_reduce += 1
+
+    def backward_done(self) -> None:
+        self.in_backward = False
+        self.finish_param_sync()
+        self.kept.clear()
+        for i in range(len(self.full)):
+            if self.param_alive[i]:
+                self.release(i)
+
+
+def peak_bytes(
+    units: Sequence[UnitLike],
+    specs: Sequence[ParamSpec],
+    param_bytes: int,
+    grad_bytes: int,
+    mode: Overlap,
+) -> int:
+    """The most bytes of full units (params and grads, `param_bytes` and `grad_bytes` per
+    element) alive at once through one fully sharded training step, on [Note: the module
+    model]; `mode` gives `overlap_grad_reduce` and `overlap_param_gather`. The step's
+    reductions after backward only free."""
+    replay = _Replay(units, specs, mode, param_bytes, grad_bytes)
+    events = _events(specs)
+    replay.root_pre_forward()
+    for kind, module in events:
+        if module in replay.buckets_of:
+            (replay.pre_forward if kind == "pre" else replay.post_forward)(module)
+    replay.root_post_forward()
+    for kind, module in reversed(events):
+        if module not in replay.buckets_of:
+            continue
+        if kind == "post" and module != "":
+            replay.pre_backward(module)
+        elif kind == "pre":
+            for name in reversed(replay.params_of[module]):
+                replay.grad_arrived(name)
+    replay.backward_done()
+    return replay.peak

@@ -1,0 +1,315 @@
+"""What a plan costs each rank in a training mode: bytes held, bytes alive at once, collectives
+and bytes sent per step. From the plan, its specs and a `Mode` alone: no model, no torch.
+
+[Note: plan costs]
+The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and issue (the engine's
+`_storage`, `_schedule` and `optim`), for one shard-group rank r:
+
+- `params`, `grads` (what `DataParallel.memory()` calls them): every storage unit's full
+  buffers (ZeRO-1/2), or only rank r's shard of each bucket when fully sharded; in the param
+  and grad-reduce dtypes. Fully sharded means `reshard_after_forward` with more than one rank
+  per shard group (the engine ignores it otherwise).
+- `masters`: an fp32 copy of every element r owns when the param dtype is not float32, else of
+  the owned Muon weights stored transposed (`Mode.transposed`); `master_grads` (not in
+  `memory()`): an fp32 grad for each such master, and for every owned piece when the
+  grad-reduce dtype is not float32.
+- `optimizer_state`, after the first step: torch's Muon keeps an fp32 momentum per owned
+  element, AdamW two fp32 moments per owned element and a 4-byte `step` per owned piece (one
+  piece per owned range of a param; amsgrad, fused and capturable AdamW are not modelled).
+
+Per step (steady state: one forward, backward, `clip_grad_norm_` and `step()`, dp > 1): per
+planned bucket a reduce-scatter of the bucket in the shard group and, with replicas, an
+all-reduce of the shard across them (grad dtype); per bucket an all-gather (or k broadcasts,
+`param_sync="broadcast"`) in the param dtype when k > 1, twice when fully sharded (forward and
+backward) except for the units kept gathered from forward to backward: the first in reduce
+order and those holding params of the root module (names without a dot); one float64 step
+check of 4 + (number of params) values over dp ranks; one fp32 norm over the shard group when
+clipping and k > 1. `ring_bytes` charges each what a bandwidth-optimal ring sends per rank (the
+table of `wholeshard.bench.traffic`, which counts real runs; here over the op's own group).
+
+Not modelled: frozen params and module buffers (not in a plan), FP8 param gather, the ping-pong
+scheme, activation checkpointing (re-gathers in backward), evaluation forwards, the gloo or
+NCCL library's own scratch, and the runtime's (activations, workspace).
+`tests/engine/test_plan_agrees.py` checks the figures against `memory()`, the optimizer's
+master grads, a recorded collective log and the measured peak of real runs at 2-4 ranks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import _lifetimes
+from .plan import Plan
+from .specs import Bucket, ParamSpec, matrices, matrix_shape
+
+ELEMENT_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+"""Bytes per element of the dtypes a mode may name."""
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "half": "float16", "fp64": "float64", "double": "float64"}  # fmt: skip
+OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast")
+ParamSync = Literal["allgather", "broadcast"]
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name in `ELEMENT_BYTES` of `dtype`: a name (`"bfloat16"`, `"bf16"`) or a torch dtype
+    (read from its name, so torch is never imported). ValueError for anything else."""
+    name = str(dtype).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in ELEMENT_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(ELEMENT_BYTES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Mode:
+    """The `DataParallelConfig` options that change what a plan costs (the shard group size is
+    the plan's own). Dtypes are stored as names (`dtype_name`); `param_dtype` is the buffers'
+    dtype (DataParallel's None means the model's own: give it here). `clip_grad_norm`: the
+    step calls `clip_grad_norm_` (the train job always does). `transposed`: names of Muon
+    weights stored (in, out), which keep fp32 masters even in float32."""
+
+    reshard_after_forward: bool = False
+    param_dtype: str = "float32"
+    grad_reduce_dtype: str = "float32"
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    param_sync: ParamSync = "allgather"
+    clip_grad_norm: bool = True
+    transposed: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "grad_reduce_dtype"):
+            object.__setattr__(self, name, dtype_name(getattr(self, name)))
+        if self.param_sync not in ("allgather", "broadcast"):
+            raise ValueError(f"param_sync must be 'allgather' or 'broadcast': {self.param_sync!r}")
+        object.__setattr__(self, "transposed", frozenset(self.transposed))
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One storage unit ([Note: storage units] in the engine's `_storage`): consecutive buckets
+    of one buffer, `names` its params in registration order, `index` its place in reduce order."""
+
+    index: int
+    kind: str
+    buckets: tuple[Bucket, ...]
+    names: tuple[str, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1].end - self.buckets[0].start
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(b.shard_numel for b in self.buckets)
+
+
+def storage_units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
+    """The plan's storage units in reduce order (the unit holding the latest-registered param
+    first), as `DataParallel` builds them from `plan` and its `specs` (registration order)."""
+    registered = {s.name: i for i, s in enumerate(specs)}
+    found = []
+    for buffer in plan.buffers:
+        if buffer.kind == "unaligned":
+            raise ValueError("the ping-pong scheme's costs are not modelled")
+        runs = buffer.storage_units()
+        run_of = {b: n for n, run in enumerate(runs) for b in run}
+        members: list[list[str]] = [[] for _ in runs]
+        for p in buffer.placements:
+            members[run_of[p.bucket]].append(p.name)
+        for run, names in zip(runs, members, strict=True):
+            found.append((buffer.kind, buffer.buckets[run.start : run.stop], tuple(names)))
+    found.sort(key=lambda unit: -max(registered[n] for n in unit[2]))
+    return [Unit(i, kind, buckets, names) for i, (kind, buckets, names) in enumerate(found)]
+
+
+@dataclass
+class Owned:
+    """What one shard-group rank owns: elements and pieces (optimizer steps) of each kind."""
+
+    muon: int = 0
+    adamw: int = 0
+    adamw_pieces: int = 0
+    transposed: int = 0  # Muon elements of weights stored (in, out)
+
+
+def owned(plan: Plan, transposed: frozenset[str] = frozenset()) -> list[Owned]:
+    """Per shard-group rank, what it owns (as `Buffer.owned` deals it), in one pass."""
+    out = [Owned() for _ in range(plan.shard_group_size)]
+    for buffer in plan.buffers:
+        for p in buffer.placements:
+            if buffer.kind == "muon":
+                out[p.owner].muon += p.numel
+                out[p.owner].transposed += p.numel if p.name in transposed else 0
+            elif buffer.kind == "stacked":
+                unit = matrix_shape(p.shape)[0] * matrix_shape(p.shape)[1]
+                for m in matrices(p, buffer.buckets):
+                    out[m.owner].muon += unit
+            elif buffer.kind == "adamw":
+                b = buffer.buckets[p.bucket]
+                for r in range(b.owner(p.start), b.owner(p.end - 1) + 1):
+                    lo, hi = b.shard(r)
+                    out[r].adamw += min(hi, p.end) - max(lo, p.start)
+                    out[r].adamw_pieces += 1
+            else:
+                raise ValueError("the ping-pong scheme's costs are not modelled")
+    return out
+
+
+def fully_sharded(plan: Plan, mode: Mode) -> bool:
+    """Whether `DataParallel` reshards: asked, and params need gathering (dp > 1, k > 1)."""
+    return mode.reshard_after_forward and plan.dp_size > 1 and plan.shard_group_size > 1
+
+
+def persistent_bytes(plan: Plan, mode: Mode, rank: int) -> dict[str, int]:
+    """Bytes shard-group rank `rank` holds between steps, by kind, and their `total`
+    ([Note: plan costs]); `params`, `grads`, `masters` and `optimizer_state` are what
+    `DataParallel.memory()` reports there after a step."""
+    return _persistent(plan, mode, owned(plan, mode.transposed)[rank])
+
+
+def _persistent(plan: Plan, mode: Mode, mine: Owned) -> dict[str, int]:
+    pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
+    kept = sum(
+        b.shard_numel if fully_sharded(plan, mode) else b.numel
+        for buffer in plan.buffers
+        for b in buffer.buckets
+    )
+    elements = mine.muon + mine.adamw
+    masters = elements if mode.param_dtype != "float32" else mine.transposed
+    master_grads = elements if mode.grad_reduce_dtype != "float32" else mine.transposed
+    out = {
+        "params": kept * pb,
+        "grads": kept * gb,
+        "masters": 4 * masters,
+        "optimizer_state": 4 * mine.muon + 8 * mine.adamw + 4 * mine.adamw_pieces,
+        "master_grads": 4 * master_grads,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issues: `op` (one of `OPS`) over a group of `ranks`, moving
+    `numel` elements of `dtype` (the full input of a reduce-scatter, the full output of an
+    all-gather, the tensor of an all-reduce or broadcast); `what` it is for; `group`: "shard"
+    (k consecutive ranks), "replica" (dp / k ranks, k apart) or "dp" (every rank)."""
+
+    op: str
+    ranks: int
+    numel: int
+    dtype: str
+    what: str
+    group: str
+
+    @property
+    def bytes_sent(self) -> int:
+        return ring_bytes(self.op, self.numel * ELEMENT_BYTES[self.dtype], self.ranks)
+
+
+def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
+    """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
+    bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather and broadcast
+    (n-1)/n S. The same arithmetic as `wholeshard.bench.traffic`."""
+    ring = (ranks - 1) / ranks
+    if op == "all_reduce":
+        return round(2 * ring * nbytes)
+    if op in ("reduce_scatter", "all_gather", "broadcast"):
+        return round(ring * nbytes)
+    raise ValueError(f"unknown collective {op!r}; one of {OPS}")
+
+
+def step_collectives(plan: Plan, specs: Sequence[ParamSpec], mode: Mode) -> list[Collective]:
+    """Every collective one rank issues in one training step, as a multiset (within a step the
+    order depends on the schedule); empty at dp 1 ([Note: plan costs])."""
+    dp, k = plan.dp_size, plan.shard_group_size
+    if dp == 1:
+        return []
+    units = storage_units(plan, specs)
+    grad, param = mode.grad_reduce_dtype, mode.param_dtype
+    out = []
+    for u in units:
+        for b in u.buckets:
+            out.append(Collective("reduce_scatter", k, b.numel, grad, "grads", "shard"))
+            if dp > k:
+                out.append(
+                    Collective("all_reduce", dp // k, b.shard_numel, grad, "grads", "replica")
+                )
+    if k > 1:
+        gathers = [1] * len(units)
+        if fully_sharded(plan, mode):
+            kept = _lifetimes.kept_units(units)
+            gathers = [1 if u.index in kept else 2 for u in units]
+        for u, times in zip(units, gathers, strict=True):
+            for b in u.buckets:
+                if mode.param_sync == "allgather":
+                    sync = [Collective("all_gather", k, b.numel, param, "params", "shard")]
+                else:
+                    sync = [Collective("broadcast", k, b.shard_numel, param, "params", "shard")]
+                    sync *= k
+                out += sync * times
+    out.append(Collective("all_reduce", dp, 4 + len(specs), "float64", "step check", "dp"))
+    if mode.clip_grad_norm and k > 1:
+        out.append(Collective("all_reduce", k, 1, "float32", "grad norm", "shard"))
+    return out
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What `plan` costs in `mode` ([Note: plan costs]). `persistent[r]`: `persistent_bytes`
+    of shard-group rank r; `transient_bucket`: the largest unit's full params and grads (what
+    `memory()` reports as `transient_bucket`), `peak_transient`: the most bytes of full units
+    alive at once in a step (0 unless fully sharded); `collectives`: one step's."""
+
+    plan: Plan
+    mode: Mode
+    persistent: tuple[dict[str, int], ...]
+    transient_bucket: int
+    peak_transient: int
+    collectives: tuple[Collective, ...]
+
+    @property
+    def worst_rank(self) -> int:
+        """The shard-group rank holding the most persistent bytes (the lowest of ties)."""
+        totals = [p["total"] for p in self.persistent]
+        return totals.index(max(totals))
+
+    def counts(self) -> dict[str, int]:
+        """Collectives per step by op."""
+        return dict(Counter(c.op for c in self.collectives))
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes one rank sends per step (every rank sends the same under the ring model)."""
+        return sum(c.bytes_sent for c in self.collectives)
+
+    def bytes_by_op(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for c in self.collectives:
+            out[c.op] += c.bytes_sent
+        return dict(out)
+
+
+def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None) -> Costs:
+    """The costs of `plan` (planned from `specs`, registration order) in `mode` (default:
+    `Mode()`, ZeRO-1/2 in float32)."""
+    mode = mode or Mode()
+    units = storage_units(plan, specs)
+    per_rank = tuple(_persistent(plan, mode, mine) for mine in owned(plan, mode.transposed))
+    pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
+    transient = peak = 0
+    if fully_sharded(plan, mode):
+        transient = max(u.numel for u in units) * (pb + gb)
+        peak = _lifetimes.peak_bytes(units, specs, pb, gb, mode)
+    return Costs(plan, mode, per_rank, transient, peak, tuple(step_collectives(plan, specs, mode)))
