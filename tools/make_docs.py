@@ -34,6 +34,7 @@ BLOCK = re.compile(r"(<!-- make_docs: (\S+) -->\n)(.*?)(<!-- /make_docs -->)", r
 REQUIRED = {
     "data-parallel-config": "docs/data_parallel.md",
     "train-flags": "docs/train.md",
+    "train-jobfile": "docs/train.md",
     "bench": "docs/benchmarks.md",
     "plans-recommended": "docs/planning.md",
 }
@@ -160,7 +161,8 @@ def train_flags() -> list[str]:
 
     head, align = ["flag", "field", "default", "meaning"], "llll"
     out += ["### job", ""]
-    out += table(head, align, extras({"--nproc"}) + rows_of(TrainConfig, ""))
+    job = extras({"--nproc", "--config", "--print-config"})
+    out += table(head, align, job + rows_of(TrainConfig, ""))
     for name in SECTIONS:
         cls = sections[name].default_factory
         doc = " ".join((cls.__doc__ or "").split())
@@ -181,6 +183,15 @@ def train_flags() -> list[str]:
         out += ["", f"### {name}", "", doc, ""]
         out += table(head, align, rows)
     return out
+
+
+def train_jobfile() -> list[str]:
+    """The job file of the default config, every key with its field's docstring
+    (`wholeshard.train.jobfile.dumps`)."""
+    from wholeshard.train.config import TrainConfig
+    from wholeshard.train.jobfile import dumps
+
+    return ["```toml", *dumps(TrainConfig(), docs=field_docs).splitlines(), "```"]
 
 
 # -- results: wholeshard bench ----------------------------------------------------------------
@@ -553,6 +564,7 @@ def rss() -> list[str]:
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     "data-parallel-config": data_parallel_config,
     "train-flags": train_flags,
+    "train-jobfile": train_jobfile,
     "train-transcript": train_transcript,
     "train-compare": train_compare,
     "train-fp8": lambda: train_compare("fp8"),

@@ -11,9 +11,10 @@ start from the same params and take the same steps, so the last column is the ma
 difference of the final params from torch's. On the first case it also counts the `aten::` ops
 of one more step with `torch.profiler`: all of them; the top-level ones (called by the
 optimizer, not inside another aten op); and of those, the ones that run a kernel (no view,
-allocation or no-op `to`): about the kernel launches of the step on CUDA. On CPU a bf16 `bmm`
-loops over its matrices in `addmm_` calls and a foreach op over its tensors, so "all" counts
-those. Runs in under a minute on one thread of a 2-core machine.
+allocation or no-op `to`), as `wholeshard bench --count-launches` counts them
+(`wholeshard.bench.launches`): about the kernel launches of the step on CUDA. On CPU a bf16
+`bmm` loops over its matrices in `addmm_` calls and a foreach op over its tensors, so "all"
+counts those. Runs in under a minute on one thread of a 2-core machine.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from wholeshard.bench.launches import is_top_level, runs_kernel  # noqa: E402
 from wholeshard.optim.batched_muon import BatchedMuon  # noqa: E402
 
 CASES = [(512, (64, 64)), (256, (64, 64)), (64, (256, 64)), (8, (64, 64)), (1, (64, 64))]
-NO_KERNEL = {"aten::empty", "aten::mT", "aten::numpy_T", "aten::t", "aten::unbind"}
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "torch Muon": lambda ps: torch.optim.Muon(ps, lr=0.02),
     "BatchedMuon": lambda ps: BatchedMuon(ps, lr=0.02),
@@ -75,11 +76,8 @@ def measure(
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             opt.step()
         aten = [e for e in prof.events() if e.name.startswith("aten::")]
-        top = [e for e in aten if not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))]
-        runs = [
-            e for e in top if e.name not in NO_KERNEL and (e.name != "aten::to" or e.cpu_children)
-        ]
-        counts[name] = (len(aten), len(top), len(runs))
+        top = [e for e in aten if is_top_level(e)]
+        counts[name] = (len(aten), len(top), sum(map(runs_kernel, top)))
     ref = params["torch Muon"]
     return {
         name: (
@@ -117,6 +115,8 @@ def main() -> None:
     print("\ntarget: a rank's step on 256 of 512 x 64x64 at 2 ranks <= 0.6 x torch Muon on 256:")
     for name in ("BatchedMuon", "BatchedMuon fp32"):
         print(f"  {name:<18}{seconds[name, 256] / seconds['torch Muon', 256]:>8.2f}")
+    print("(the optimizers alone; the whole distributed step, communication included, is the")
+    print(" `opt vs torch Muon` column of `wholeshard bench --workload many-matrices`)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from wholeshard import DataParallelConfig
-from wholeshard.bench import builders
+from wholeshard.bench import builders, launches
 from wholeshard.bench.builders import build, every_param, unavailable
 from wholeshard.bench.configs import CONFIGS, with_overrides
 from wholeshard.bench.memory import (
@@ -162,6 +162,10 @@ def _rank(persistent: int | None, delta: int, gather: int = 2, floor=(0.2, 0.3))
         optimizer_state_bytes=4,
         persistent_bytes=persistent,
         final_loss=0.5,
+        torch_muon_owned_s=0.4,
+        ns_flops_per_step=100,
+        max_memory_allocated_bytes=None,
+        **dict.fromkeys(launches.FIELDS),
     )
 
 

@@ -4,7 +4,8 @@ can run here (`unavailable`).
 The builder runs on every rank of a fresh process group: it wraps the workload's freshly built
 model and makes the optimizers, and hooks whatever blocking it hides from Python into the
 rank's `WaitClock`. Every configuration uses the same hyperparameters (`configs.MUON_KW`,
-`configs.ADAMW_KW`).
+`configs.ADAMW_KW`); a wholeshard configuration steps its Muon matrices with the class its
+`matrix_optimizer` names (`MATRIX_CLASSES`), and its floor share with the same class.
 """
 
 from __future__ import annotations
@@ -20,12 +21,22 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine.data_parallel import DataParallel
-from ..optim import LayerwiseOptimizer
+from ..optim import BatchedMuon, LayerwiseOptimizer
 from ..planning.routing import Route, route_params
 from .configs import ADAMW_KW, MUON_KW, BenchConfig
 from .floor import OwnedOptimizers, copy_with_grad
 from .waits import WaitClock
 from .workloads import Workload
+
+MATRIX_CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "torch": (torch.optim.Muon, {}),
+    "batched": (BatchedMuon, {}),
+    "batched_fp32": (BatchedMuon, {"matmul_dtype": torch.float32}),
+}
+"""`configs.MATRIX_OPTIMIZERS` by name: (class, keywords beyond `MUON_KW`)."""
+
+TORCH_MUON_PEERS = frozenset({"ddp_torch_muon", "fsdp2_torch_muon"})
+"""The peers that hand every Muon-routed param, whole, to `torch.optim.Muon`."""
 
 
 @dataclass
@@ -66,11 +77,13 @@ def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.O
     return torch_pair(*split_params(model, workload))
 
 
-def torch_pair(muon: list, other: list) -> list[torch.optim.Optimizer]:
-    """`torch.optim.Muon` on `muon` and `torch.optim.AdamW` on `other`, each if not empty."""
+def torch_pair(muon: list, other: list, matrix: str = "torch") -> list[torch.optim.Optimizer]:
+    """The `matrix` optimizer (`MATRIX_CLASSES`; torch's Muon by default) on `muon` and
+    `torch.optim.AdamW` on `other`, each if not empty."""
     opts: list[torch.optim.Optimizer] = []
     if muon:
-        opts.append(torch.optim.Muon(muon, adjust_lr_fn="original", **MUON_KW))
+        cls, extra = MATRIX_CLASSES[matrix]
+        opts.append(cls(muon, adjust_lr_fn="original", **MUON_KW, **extra))
     if other:
         opts.append(torch.optim.AdamW(other, **ADAMW_KW))
     return opts
@@ -181,8 +194,9 @@ def _build_fsdp2_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
 
 
 def _build_wholeshard(config: BenchConfig, workload: Workload, clock: WaitClock) -> Setup:
-    """`DataParallel(model, config.parallel)` + `LayerwiseOptimizer`; with `config.fp8`, the
-    model's Muon-routed linears are converted to that FP8 recipe first."""
+    """`DataParallel(model, config.parallel)` + `LayerwiseOptimizer` stepping the matrices with
+    `config.matrix_optimizer`; with `config.fp8`, the model's Muon-routed linears are converted
+    to that FP8 recipe first."""
     parallel = dataclasses.replace(config.parallel, use_muon=workload.use_muon)
 
     def make_model() -> nn.Module:
@@ -194,25 +208,27 @@ def _build_wholeshard(config: BenchConfig, workload: Workload, clock: WaitClock)
         return model
 
     ddp = DataParallel(make_model(), parallel)
+    cls, extra = MATRIX_CLASSES[config.matrix_optimizer]
     opt = LayerwiseOptimizer(
         ddp,
-        muon=dict(MUON_KW, adjust_lr_fn="original"),
+        muon=dict(MUON_KW, adjust_lr_fn="original", **extra),
         adamw=ADAMW_KW,
         nonfinite=None,  # the peers check nothing: compare like with like
+        matrix_optimizer=cls,
     )
     return Setup(
         ddp,
         [opt],
         memory=ddp.memory,
         bare_model=make_model,
-        owned_optimizers=_planned_share(opt),
+        owned_optimizers=_planned_share(opt, config.matrix_optimizer),
     )
 
 
-def _planned_share(opt: Any) -> OwnedOptimizers:
+def _planned_share(opt: Any, matrix: str) -> OwnedOptimizers:
     """A `LayerwiseOptimizer`'s share, its owned pieces under the plan, stepped as it steps
     them (`OwnedPiece.master` in the optimizer's orientation; a piece of a param is its range of the
-    flattened gradient)."""
+    flattened gradient; the matrices under the `matrix` optimizer)."""
 
     def build(routes: list[Route]) -> list[torch.optim.Optimizer]:
         grads = {r.name: r.param.grad.reshape(-1) for r in routes}
@@ -221,7 +237,7 @@ def _planned_share(opt: Any) -> OwnedOptimizers:
             flat = grads[piece.name][piece.offset : piece.offset + piece.param.numel()]
             grad = piece.oriented(flat.view(piece.param.shape))
             (muon if piece.kind == "muon" else other).append(copy_with_grad(piece.master, grad))
-        return torch_pair(muon, other)
+        return torch_pair(muon, other, matrix)
 
     return build
 
@@ -240,6 +256,14 @@ def build(config: BenchConfig, workload: Workload, clock: WaitClock) -> Setup:
     return _BUILDERS[config.name](workload, clock)
 
 
-def unavailable(config: BenchConfig) -> str | None:
-    """Why `config` cannot run here, or None (checked before any worker starts)."""
+def unavailable(config: BenchConfig, workload: Workload | None = None) -> str | None:
+    """Why `config` cannot run here, or on `workload` when given, or None (checked before any
+    worker starts)."""
+    if workload is not None and workload.stacked and config.name in TORCH_MUON_PEERS:
+        return (
+            f"torch.optim.Muon steps 2-D params only, and {workload.name} has 3-D expert stacks "
+            f"(wholeshard steps each matrix of a stack as a param of its own)"
+        )
+    if workload is not None and workload.stacked and config.fp8 is not None:
+        return f"FP8 converts nn.Linear layers, and {workload.name} has stacked params instead"
     return _kj_unavailable() if config.name == "ddp_kj_muon" else None

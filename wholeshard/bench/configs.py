@@ -1,10 +1,11 @@
 """The registry of benchmarked configurations and workloads, one line each; no torch here.
 
 A configuration is a name, a description and, for a wholeshard one, its `DataParallelConfig`
-(`parallel`) and FP8 recipe (`fp8`); the others are the distributed Muon setups users would pick
-instead, built by name (`builders`). A run can override `DataParallelConfig` fields on every
-wholeshard configuration at once (`with_overrides`); wholeshard buckets are the library's
-default size.
+(`parallel`), FP8 recipe (`fp8`) and the optimizer class stepping its Muon matrices
+(`matrix_optimizer`, a key of `MATRIX_OPTIMIZERS`); the others are the distributed Muon setups
+users would pick instead, built by name (`builders`). A run can override `DataParallelConfig`
+fields on every wholeshard configuration at once (`with_overrides`); wholeshard buckets are the
+library's default size.
 
 Every configuration uses the same hyperparameters (`MUON_KW`, `ADAMW_KW`), chosen so that
 `torch.optim.Muon` and `muon.MuonWithAuxAdam` compute the same update: Nesterov momentum 0.95,
@@ -28,8 +29,18 @@ REFERENCE = "ddp_torch_muon"
 WORKLOADS = {
     "gpt": "the train job's byte GPT on a random Markov chain's bytes",
     "mlp": "square linear layers regressing a random teacher (Newton-Schulz dominates)",
+    "many-matrices": "512 bias-free 64x64 linear layers side by side (launch-bound Muon)",
+    "experts": "a dense-gated MoE layer: 64-expert stacks (E, out, in) and a router",
 }
 """The work every configuration runs (`workloads.get_workload`)."""
+
+MATRIX_OPTIMIZERS = {
+    "torch": "torch.optim.Muon (one matrix at a time)",
+    "batched": "wholeshard.optim.BatchedMuon, bf16 Newton-Schulz products (torch's kernels)",
+    "batched_fp32": "wholeshard.optim.BatchedMuon with matmul_dtype=torch.float32",
+}
+"""What steps a wholeshard configuration's owned Muon matrices (`LayerwiseOptimizer`'s
+`matrix_optimizer`), by name (`builders.MATRIX_CLASSES` holds the classes)."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +53,20 @@ class BenchConfig:
     """`DataParallel`'s config for a wholeshard configuration; None for the peers."""
     fp8: str | None = None
     """Convert the model's Muon-routed linears to this FP8 recipe first (wholeshard only)."""
+    matrix_optimizer: str = "torch"
+    """Which `MATRIX_OPTIMIZERS` entry steps the owned Muon matrices (wholeshard only)."""
 
 
-def wholeshard(name: str, description: str, fp8: str | None = None, **options: Any) -> BenchConfig:
-    return BenchConfig(name, description, DataParallelConfig(**options), fp8)
+def wholeshard(
+    name: str,
+    description: str,
+    fp8: str | None = None,
+    matrix_optimizer: str = "torch",
+    **options: Any,
+) -> BenchConfig:
+    if matrix_optimizer not in MATRIX_OPTIMIZERS:
+        raise ValueError(f"unknown matrix optimizer {matrix_optimizer!r}")
+    return BenchConfig(name, description, DataParallelConfig(**options), fp8, matrix_optimizer)
 
 
 def with_overrides(name: str, overrides: Mapping[str, Any]) -> BenchConfig:
@@ -121,5 +142,19 @@ CONFIGS: dict[str, BenchConfig] = {
             overlap_param_gather=True,
         ),
         wholeshard("ws_ping_pong", "wholeshard, the ping-pong baseline", scheme="ping_pong"),
+        wholeshard(
+            "ws_batched_muon",
+            "ws_overlap with BatchedMuon: same-shape matrices orthogonalized as one batch",
+            matrix_optimizer="batched",
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+        ),
+        wholeshard(
+            "ws_batched_muon_fp32",
+            "ws_batched_muon summing the bf16 Newton-Schulz products in fp32 GEMMs",
+            matrix_optimizer="batched_fp32",
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+        ),
     )
 }

@@ -2,24 +2,24 @@
 footer) and JSON output.
 
 Aggregation: each rank reports medians over its timed steps; a row takes the largest value over
-ranks (the slowest rank sets the pace; memory is what the fullest rank needs), except
-`persistent_bytes_all_ranks`, the sum over ranks; `floor_s` is the sum of its two parts, each
-the largest over ranks (`floor.py`). A size some rank cannot report is None. With
-several rounds, a row's times are medians over rounds, its sizes the largest. Final losses are
-global means, equal on every rank.
+ranks (the slowest rank sets the pace; memory is what the fullest rank needs, counts what the
+busiest rank runs), except `persistent_bytes_all_ranks`, the sum over ranks; `floor_s` is the
+sum of its two parts, each the largest over ranks (`floor.py`). A size some rank cannot report
+is None. With several rounds, a row's times are medians over rounds, its sizes and counts the
+largest. Final losses are global means, equal on every rank. Ratios and rates (`fill_ratios`)
+are computed from a row's final figures.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from typing import Any
 
 from .configs import REFERENCE
+from .machine import machine  # noqa: F401  (its home before machine.py; tools import it here)
 
 LOSS_RTOL = 1e-2
 """Final losses agree when within this relative distance of the reference's (module note)."""
@@ -49,6 +49,33 @@ class Row:
     `DataParallel.memory()`; None for other configurations."""
     persistent_bytes_all_ranks: int | None = None
     ratio_vs_ddp_torch_muon: float | None = None
+    optimizer_share: float | None = None
+    """`optimizer_s / step_s`: the optimizer step's share of a step."""
+    torch_muon_owned_s: float | None = None
+    """The yardstick: `torch.optim.Muon` stepping the busiest rank's owned Muon matrices alone,
+    each a param of its own, no collectives, in the same worker (`floor.py`)."""
+    ratio_optimizer_vs_torch_muon: float | None = None
+    """`optimizer_s / torch_muon_owned_s`: the configuration's whole optimizer step (its
+    communication included) against torch's Muon on the same matrices alone."""
+    ns_flops_per_step: int | None = None
+    """Newton–Schulz product flops of the busiest rank's owned matrices per step (`flops.py`)."""
+    ns_tflops: float | None = None
+    """`ns_flops_per_step / optimizer_s` in TFLOP/s: the rate over the whole optimizer step, so
+    a lower bound on the Newton–Schulz kernels' own."""
+    ns_peak_fraction: float | None = None
+    """`ns_tflops` over the GPU's dense bf16 peak (`flops.bf16_peak_tflops`); None on CPU and
+    on a GPU the table does not know."""
+    max_memory_allocated_bytes: int | None = None
+    """`torch.cuda.max_memory_allocated` after the timed steps, fullest rank; None on CPU."""
+    launches_per_step: int | None = None
+    """Kernel-running top-level aten ops of one step (`launches.py`); None without
+    `--count-launches`."""
+    optimizer_launches_per_step: int | None = None
+    """The part of `launches_per_step` inside the optimizer step."""
+    cuda_launches_per_step: int | None = None
+    """CUDA kernel launch calls of one step (CUDA with `--count-launches` only)."""
+    optimizer_cuda_launches_per_step: int | None = None
+    """The part of `cuda_launches_per_step` inside the optimizer step."""
     floor_forward_backward_s: float | None = None
     """Forward + backward of one rank's micro-batch on the bare model, no communication."""
     floor_optimizer_s: float | None = None
@@ -71,6 +98,7 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
     return Row(
         workload=workload,
         config=config,
+        **{key: worst(key) for key in _LARGEST_OVER_RANKS},
         step_s=worst("step_s"),
         optimizer_s=worst("optimizer_s"),
         comm_wait_s=worst("comm_wait_s"),
@@ -104,6 +132,8 @@ def merge_rounds(rounds: list[Row]) -> Row:
     return Row(
         workload=done[0].workload,
         config=done[0].config,
+        **{key: largest(key) for key in _LARGEST_OVER_RANKS if key not in _TIMES},
+        torch_muon_owned_s=_median_of([r.torch_muon_owned_s for r in done]),
         step_s=median("step_s"),
         optimizer_s=median("optimizer_s"),
         comm_wait_s=median("comm_wait_s"),
@@ -121,21 +151,49 @@ def merge_rounds(rounds: list[Row]) -> Row:
     )
 
 
+_LARGEST_OVER_RANKS = (
+    "torch_muon_owned_s",
+    "ns_flops_per_step",
+    "max_memory_allocated_bytes",
+    "launches_per_step",
+    "optimizer_launches_per_step",
+    "cuda_launches_per_step",
+    "optimizer_cuda_launches_per_step",
+)
+"""The figures added with the yardstick, CUDA and launch counts: a row takes the largest over
+ranks (None if some rank has none), and over rounds the largest too, times excepted."""
+_TIMES = frozenset({"torch_muon_owned_s"})
+
+
 def _largest(values: list[Any]) -> Any:
     """The largest of `values`, or None if any is None (a figure some process could not give)."""
     return None if None in values else max(values)
 
 
-def fill_ratios(rows: list[Row]) -> None:
-    """Set `ratio_vs_ddp_torch_muon` on every row whose workload has a reference time, and
-    `ratio_vs_floor` on every row with a floor."""
+def _median_of(values: list[Any]) -> Any:
+    """The median of `values`, or None if any is None."""
+    return None if None in values else statistics.median(values)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def fill_ratios(rows: list[Row], peak_tflops: float | None = None) -> None:
+    """Set `ratio_vs_ddp_torch_muon` on every row whose workload has a reference time,
+    `ratio_vs_floor` on every row with a floor, the optimizer's share and its ratio to the
+    yardstick, and the Newton–Schulz rate (against `peak_tflops`, the GPU's bf16 peak, if known)."""
     reference = {r.workload: r.step_s for r in rows if r.config == REFERENCE and r.error is None}
     for r in rows:
-        ref = reference.get(r.workload)
-        if r.error is None and ref:
-            r.ratio_vs_ddp_torch_muon = r.step_s / ref
-        if r.error is None and r.floor_s:
-            r.ratio_vs_floor = r.step_s / r.floor_s
+        if r.error is not None:
+            continue
+        r.ratio_vs_ddp_torch_muon = _ratio(r.step_s, reference.get(r.workload))
+        r.ratio_vs_floor = _ratio(r.step_s, r.floor_s)
+        r.optimizer_share = _ratio(r.optimizer_s, r.step_s)
+        r.ratio_optimizer_vs_torch_muon = _ratio(r.optimizer_s, r.torch_muon_owned_s)
+        if r.ns_flops_per_step and r.optimizer_s:
+            r.ns_tflops = r.ns_flops_per_step / r.optimizer_s / 1e12
+            r.ns_peak_fraction = _ratio(r.ns_tflops, peak_tflops)
 
 
 def disagreements(rows: list[Row], rtol: float = LOSS_RTOL) -> list[str]:
@@ -156,44 +214,6 @@ def disagreements(rows: list[Row], rtol: float = LOSS_RTOL) -> list[str]:
                     f"{ref_name}'s {ref_loss:.6g} by more than {rtol:.0%}"
                 )
     return messages
-
-
-def machine(nproc: int, forked: bool = False) -> dict[str, Any]:
-    """What the numbers were measured on (`forked`: workers run one thread, see `launch`)."""
-    import torch  # here, not at the top: the report's formatting serves tools without torch
-
-    cores = os.cpu_count() or 1
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = cores
-    try:
-        muon_version: str | None = metadata.version("muon-optimizer")
-    except metadata.PackageNotFoundError:
-        muon_version = None
-    return {
-        "cpu": _cpu_name(),
-        "cores": cores,
-        "usable_cores": usable,
-        "threads_per_rank": 1 if forked else max(1, cores // nproc),
-        "torch": torch.__version__,
-        "muon_optimizer": muon_version,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "backend": "gloo",
-        "load_average_start": list(os.getloadavg()),
-    }
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def to_json(
@@ -231,29 +251,70 @@ def fmt_ratio(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}x"
 
 
-def markdown(rows: list[Row], flagged: list[str]) -> str:
-    """The results table (README-ready), one line per row, errors and disagreements noted."""
+def fmt_count(x: int | None) -> str:
+    """A count in a table cell."""
+    return "" if x is None else f"{x:,}"
+
+
+def fmt_share(x: float | None) -> str:
+    """A fraction in a table cell, as a percentage."""
+    return "" if x is None else f"{x:.0%}"
+
+
+_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
+    ("step s", lambda r: fmt_s(r.step_s)),
+    ("optimizer s", lambda r: fmt_s(r.optimizer_s)),
+    ("opt share", lambda r: fmt_share(r.optimizer_share)),
+    ("comm wait s", lambda r: fmt_s(r.comm_wait_s)),
+    ("sent/rank MB", lambda r: fmt_mb(r.bytes_sent_per_rank)),
+    ("gather MB/rank", lambda r: fmt_mb(r.gather_bytes_per_rank)),
+    ("peak RSS MB", lambda r: fmt_mb(r.peak_rss_bytes)),
+    ("peak RSS delta MB", lambda r: fmt_mb(r.peak_rss_delta_bytes)),
+    ("opt state MB", lambda r: fmt_mb(r.optimizer_state_bytes)),
+    ("persistent MB/rank", lambda r: fmt_mb(r.persistent_bytes)),
+    ("vs ddp_torch_muon", lambda r: fmt_ratio(r.ratio_vs_ddp_torch_muon)),
+    ("floor s", lambda r: fmt_s(r.floor_s)),
+    ("vs floor", lambda r: fmt_ratio(r.ratio_vs_floor)),
+    ("torch Muon s", lambda r: fmt_s(r.torch_muon_owned_s)),
+    ("opt vs torch Muon", lambda r: fmt_ratio(r.ratio_optimizer_vs_torch_muon)),
+]
+_CUDA_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
+    ("max alloc MB", lambda r: fmt_mb(r.max_memory_allocated_bytes)),
+    ("NS TFLOP/s", lambda r: "" if r.ns_tflops is None else f"{r.ns_tflops:.2f}"),
+    ("of bf16 peak", lambda r: "" if r.ns_peak_fraction is None else f"{r.ns_peak_fraction:.1%}"),
+]
+_LAUNCH_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
+    ("launches/step", lambda r: fmt_count(r.launches_per_step)),
+    ("opt launches", lambda r: fmt_count(r.optimizer_launches_per_step)),
+]
+_CUDA_LAUNCH_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
+    ("CUDA launches/step", lambda r: fmt_count(r.cuda_launches_per_step)),
+    ("opt CUDA launches", lambda r: fmt_count(r.optimizer_cuda_launches_per_step)),
+]
+
+
+def markdown(rows: list[Row], flagged: list[str], device: str = "cpu") -> str:
+    """The results table (README-ready), one line per row, errors and disagreements noted; on
+    `device="cuda"` with the GPU columns, and with launch counts when some row has them."""
     bad = {m.split(":", 1)[0] for m in flagged}
+    columns = list(_COLUMNS)
+    if device == "cuda":
+        columns += _CUDA_COLUMNS
+    if any(r.launches_per_step is not None for r in rows):
+        columns += _LAUNCH_COLUMNS
+    if any(r.cuda_launches_per_step is not None for r in rows):
+        columns += _CUDA_LAUNCH_COLUMNS
+    columns.append(("final loss", lambda r: "" if r.final_loss is None else f"{r.final_loss:.5f}"))
+    head = ["workload", "config", *(name for name, _ in columns), "note"]
     lines = [
-        "| workload | config | step s | optimizer s | comm wait s | sent/rank MB "
-        "| gather MB/rank | peak RSS MB | peak RSS delta MB | opt state MB | persistent MB/rank "
-        "| vs ddp_torch_muon | floor s | vs floor | final loss | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| " + " | ".join(head) + " |",
+        "|---|---|" + "---:|" * len(columns) + "---|",
     ]
     for r in rows:
-        ratio = fmt_ratio(r.ratio_vs_ddp_torch_muon)
-        loss = "" if r.final_loss is None else f"{r.final_loss:.5f}"
         note = r.error or ("LOSS DISAGREES" if f"{r.workload}/{r.config}" in bad else "")
         note = note.replace("|", "\\|").replace("\n", " ")
-        lines.append(
-            f"| {r.workload} | {r.config} | {fmt_s(r.step_s)} | {fmt_s(r.optimizer_s)} "
-            f"| {fmt_s(r.comm_wait_s)} | {fmt_mb(r.bytes_sent_per_rank)} "
-            f"| {fmt_mb(r.gather_bytes_per_rank)} | {fmt_mb(r.peak_rss_bytes)} "
-            f"| {fmt_mb(r.peak_rss_delta_bytes)} | {fmt_mb(r.optimizer_state_bytes)} "
-            f"| {fmt_mb(r.persistent_bytes)} | {ratio} | {fmt_s(r.floor_s)} "
-            f"| {fmt_ratio(r.ratio_vs_floor)} "
-            f"| {loss} | {note} |"
-        )
+        cells = [r.workload, r.config, *(cell(r) for _, cell in columns), note]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -267,9 +328,13 @@ def footer(
 ) -> str:
     """The line under the table: machine, step counts, load, and any overrides in effect."""
     m = machine_info
+    where = f"{m['cpu']} ({m['cores']} cores)"
+    if m.get("device") == "cuda":
+        peak = m.get("gpu_bf16_peak_tflops")
+        where += f", on {m['gpu']} (bf16 peak {'unknown' if peak is None else f'{peak:g} TFLOP/s'})"
     line = (
-        f"{nproc} gloo ranks x {m['threads_per_rank']} thread(s) on {m['cpu']} "
-        f"({m['cores']} cores), torch {m['torch']}; medians of {steps} steps after {warmup} "
+        f"{nproc} {m.get('backend', 'gloo')} ranks x {m['threads_per_rank']} thread(s) on "
+        f"{where}, torch {m['torch']}; medians of {steps} steps after {warmup} "
         f"warm-up, {repeat} round(s); load average {m['load_average_start'][0]:.2f} -> "
         f"{m['load_average_end'][0]:.2f}"
     )

@@ -3,7 +3,12 @@
 Step sequence on every rank: `warmup` untimed steps (lazy optimizer state, DDP's bucket rebuild),
 one untimed step under the `TrafficCounter`, then `steps` timed steps. A step is forward +
 backward + optimizer step + zero_grad; batches are made before the loop. Then, once the
-memory figures are read, the floor (`floor.py`) on the same batches.
+memory figures are read, with `count_launches` one more untimed step on the last batch under
+`torch.profiler` (`launches.py`), and the floor (`floor.py`) on the same batches.
+
+On `device="cuda"` the model and batches live on the rank's current GPU (`launch` sets it), times
+come from CUDA events (`timing.Timer`: each step is waited for before the next starts), and the
+rank also reports `torch.cuda.max_memory_allocated` after the timed steps.
 
 Memory: the RSS delta is the peak resident set at the end minus the resident set just before
 the configuration builds the model (batches are made and lazy imports done before that), so it
@@ -14,7 +19,6 @@ Persistent bytes are what the setup reports holding between steps, read after th
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -24,7 +28,9 @@ import torch.distributed as dist
 from . import floor
 from .builders import build, every_param
 from .configs import with_overrides
+from .launches import FIELDS, StepProfile
 from .memory import optimizer_state_bytes, peak_rss_bytes, persistent_bytes, rss_bytes
+from .timing import Timer, max_memory_allocated
 from .traffic import TrafficCounter
 from .waits import WaitClock
 from .workloads import get_workload
@@ -48,12 +54,19 @@ def run_rank(
     warmup: int,
     quick: bool,
     overrides: dict[str, Any] | None = None,
+    device: str = "cpu",
+    count_launches: bool = False,
 ) -> dict:
     """Benchmark one configuration (its wholeshard keywords replaced by `overrides`) on this
-    rank; returns this rank's figures (medians in s, sizes in bytes, None where unknown)."""
+    rank's `device`; returns this rank's figures (medians in s, sizes in bytes, None where
+    unknown)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    workload = get_workload(workload_name, quick)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())  # launch set it
+    workload = get_workload(workload_name, quick).on(dev)
     config = with_overrides(config_name, overrides or {})
+    timer = Timer(dev)
     clock = WaitClock()
     batches = [workload.local_batch(s, rank, world) for s in range(warmup + 1 + steps)]
     preload()
@@ -68,28 +81,40 @@ def run_rank(
     with clock.watch():
         for s, (x, y) in enumerate(batches):
             blocked_before = clock.seconds
-            t0 = time.perf_counter()
+            t0 = timer.stamp()
             with counter if s == warmup else nullcontext():
                 loss = workload.loss(setup.model(x), y)
                 loss.backward()
                 setup.after_backward()
-                t1 = time.perf_counter()
+                t1 = timer.stamp()
                 setup.step()
-                t2 = time.perf_counter()
+                t2 = timer.stamp()
                 setup.zero_grad()
-            t3 = time.perf_counter()
-            if s > warmup:
-                step_s.append(t3 - t0)
-                optimizer_s.append(t2 - t1)
-                wait_s.append(clock.seconds - blocked_before)
+            t3 = timer.stamp()
+            step_s.append(timer.seconds(t0, t3))  # on a GPU, waits for the step
+            optimizer_s.append(timer.seconds(t1, t2))
+            wait_s.append(clock.seconds - blocked_before)
+    del step_s[: warmup + 1], optimizer_s[: warmup + 1], wait_s[: warmup + 1]
     persistent = None if setup.memory is None else persistent_bytes(setup.memory())
     peak = peak_rss_bytes()
+    max_allocated = max_memory_allocated(dev)
+    launches = dict.fromkeys(FIELDS)
+    if count_launches:
+        x, y = batches[-1]
+        with StepProfile(dev) as profiled:
+            workload.loss(setup.model(x), y).backward()
+            setup.after_backward()
+            with profiled.optimizer():
+                setup.step()
+            setup.zero_grad()
+        launches = profiled.counts
     floor_figures = floor.measure(
         (setup.bare_model or workload.make_model)(),
         workload,
         setup.owned_optimizers or every_param,
         batches,
         warmup,
+        timer,
     )
     final = loss.detach().float().reshape(1)
     dist.all_reduce(final, op=dist.ReduceOp.AVG)
@@ -104,6 +129,8 @@ def run_rank(
         "peak_rss_delta_bytes": None if rss_before_build is None else peak - rss_before_build,
         "persistent_bytes": persistent,
         "optimizer_state_bytes": optimizer_state_bytes(setup.optimizers),
+        "max_memory_allocated_bytes": max_allocated,
         "final_loss": final.item(),
+        **launches,
         **floor_figures,
     }

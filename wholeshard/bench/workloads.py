@@ -2,14 +2,19 @@
 
 `gpt` is the training job's model (`wholeshard.models.gpt.GPT`) on bytes from a random Markov
 chain; `mlp` is a stack of square linear layers regressing a fixed random teacher, where
-Newton–Schulz dominates the step. Both learn visibly within a benchmark's few steps, so the
-final-loss agreement check would catch a configuration that does not train. Each workload is seeded:
+Newton–Schulz dominates the step; `many-matrices` is 512 small linear layers side by side, each
+regressing the teacher on its own slice of the input (a rank owns hundreds of 64x64 matrices:
+torch's Muon is launch-bound); `experts` is a dense-gated MoE layer whose 64 experts are stored
+as stacks (E, out, in), as transformers 5 stores fused experts. They learn visibly within a
+benchmark's few steps, so the final-loss agreement check would catch a configuration that does
+not train. Each workload is seeded:
 every configuration starts from the same weights and sees the same global batches, and rank r
 of n takes the r-th contiguous 1/n of each global batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +46,23 @@ class Workload:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """(model output, targets) -> scalar loss, a mean over this rank's examples."""
     per_rank_batch: int
+    stacked: bool = False
+    """Whether a Muon-routed param has more than 2 dims (an expert stack), which
+    `torch.optim.Muon` cannot step as one param."""
+
+    def on(self, device: torch.device) -> Workload:
+        """This workload with its model and batches on `device` (made as on CPU, then moved)."""
+        if device.type == "cpu":
+            return self
+        make_model, make_batch = self.make_model, self.make_batch
+
+        def moved_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = make_batch(step, world)
+            return x.to(device), y.to(device)
+
+        return dataclasses.replace(
+            self, make_model=lambda: make_model().to(device), make_batch=moved_batch
+        )
 
     def local_batch(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's contiguous slice of the global batch of `step`."""
@@ -51,7 +73,7 @@ class Workload:
 
 def get_workload(name: str, quick: bool = False) -> Workload:
     """The workload called `name` (one of WORKLOADS); `quick` shrinks it to seconds."""
-    builders = {"gpt": _gpt, "mlp": _mlp}
+    builders = {"gpt": _gpt, "mlp": _mlp, "many-matrices": _many_matrices, "experts": _experts}
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {tuple(WORKLOADS)}")
     return builders[name](quick)
@@ -150,4 +172,87 @@ def _mlp(quick: bool) -> Workload:
         make_batch=make_batch,
         loss=F.mse_loss,
         per_rank_batch=batch,
+    )
+
+
+def _teacher_batch(
+    dim: int, rows: int, shape: tuple[int, ...], step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs of `shape` (last dim `dim`, first `rows`) and the fixed teacher's targets."""
+    teacher = torch.randn(dim, dim, generator=_gen(SEED)) / dim**0.5
+    x = torch.randn(rows, *shape, dim, generator=_gen(SEED * 1_000_003 + step))
+    return x, torch.tanh(x @ teacher)
+
+
+# -- many-matrices ----------------------------------------------------------------------------
+
+
+class SideBySide(nn.Module):
+    """`count` bias-free `dim x dim` linear layers side by side: layer i maps slice i of the
+    input (batch, count, dim). Every matrix is its own param and every one is in the loss."""
+
+    def __init__(self, dim: int, count: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each layer is called as a module: wholeshard's forward hooks see every one.
+        return torch.stack([layer(x[:, i]) for i, layer in enumerate(self.layers)], dim=1)
+
+
+def _many_matrices(quick: bool) -> Workload:
+    dim, count, batch = (32, 16, 4) if quick else (64, 512, 8)  # FP8 (MXFP8) needs 32 | dim
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(SEED)
+        return SideBySide(dim, count)
+
+    return Workload(
+        name="many-matrices",
+        make_model=make_model,
+        use_muon=lambda name, p: p.ndim == 2,
+        shard_units=lambda model: list(model.layers),
+        make_batch=lambda step, world: _teacher_batch(dim, batch * world, (count,), step),
+        loss=F.mse_loss,
+        per_rank_batch=batch,
+    )
+
+
+# -- experts ----------------------------------------------------------------------------------
+
+
+class DenseMoE(nn.Module):
+    """A residual MoE layer every token sends to every expert, weighted by a sigmoid gate of a
+    router (E, dim), so every expert gets a gradient each step. The experts are two stacks,
+    `up` (E, hidden, dim) and `down` (E, dim, hidden), (out, in) per matrix."""
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(experts, dim) / dim**0.5)
+        self.up = nn.Parameter(torch.randn(experts, hidden, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = torch.sigmoid(x @ self.router.T) / self.router.size(0)  # (batch, E)
+        h = F.relu(torch.einsum("bd,ehd->beh", x, self.up))
+        y = torch.einsum("beh,edh->bed", h, self.down)
+        return x + torch.einsum("bed,be->bd", y, gates)
+
+
+def _experts(quick: bool) -> Workload:
+    dim, hidden, experts, batch = (16, 16, 8, 4) if quick else (64, 64, 64, 16)
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(SEED)
+        return DenseMoE(dim, hidden, experts)
+
+    return Workload(
+        name="experts",
+        make_model=make_model,
+        use_muon=lambda name, p: p.ndim >= 2,  # the stacks and the router
+        shard_units=lambda model: [],  # one unit: the layer
+        make_batch=lambda step, world: _teacher_batch(dim, batch * world, (), step),
+        loss=F.mse_loss,
+        per_rank_batch=batch,
+        stacked=True,
     )

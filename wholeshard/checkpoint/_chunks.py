@@ -61,6 +61,12 @@ def whole(t: torch.Tensor) -> list[Part]:
     return [((0,) * t.ndim, t)]
 
 
+def matrix_row(piece: OwnedPiece, t: torch.Tensor) -> list[Part]:
+    """`t`, one matrix's state not shaped like it, as row `piece.matrix` of an entry stacking
+    every matrix's (shape `(piece.matrices, *t.shape)`)."""
+    return [((piece.matrix, *(0,) * t.ndim), t.unsqueeze(0))]
+
+
 def flat_range_boxes(
     shape: tuple[int, ...], start: int, stop: int
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

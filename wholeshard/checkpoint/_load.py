@@ -16,7 +16,7 @@ from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
 from . import _chunks as chunks
 from ._arrival import all_arrive
-from ._chunks import Chunks, add, piece_parts, whole
+from ._chunks import Chunks, add, matrix_row, piece_parts, whole
 from ._consensus import RankConsensus
 from ._model_table import check_model, names, other_tensors, state_keys, trainable_changes
 from .directory import (
@@ -164,6 +164,10 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
                 value = piece.param.new_empty(piece.param.shape, dtype=saved.properties.dtype)
                 add(entries, key, shape, piece_parts(piece, value))
                 state[k] = piece.oriented(value)
+            elif piece.matrix is not None and tuple(saved.size[:1]) == (piece.matrices,):
+                value = torch.empty(tuple(saved.size[1:]), dtype=saved.properties.dtype)
+                add(entries, key, saved.size, matrix_row(piece, value))
+                state[k] = value  # a stack's matrix: its own row (per-row moments, say)
             else:  # one value per param (AdamW's step): every piece reads the whole of it
                 if key not in entries:
                     full = torch.empty(saved.size, dtype=saved.properties.dtype)

@@ -6,6 +6,12 @@ figures are the worker's own); `--quick` forks them instead, to start in millise
 goes to stderr; stdout carries the markdown table. The `DataParallelConfig` flags
 (`--reshard-after-forward`, `--[no-]separate-all-gather-group`, `--bucket-size`, ...) set that
 field on every wholeshard (ws_*) configuration of the run; the line under the table names them.
+
+`--device cuda` runs every rank on a GPU (rank r on GPU r mod the GPU count), spawned even with
+`--quick`: NCCL when every rank has a GPU of its own (world size 1 on one GPU), else gloo with
+ranks sharing GPUs. Step times then come from CUDA events, and rows add
+`torch.cuda.max_memory_allocated` and the Newton–Schulz TFLOP/s against the GPU's bf16 peak.
+`--count-launches` profiles one more step per configuration and adds its kernel launches.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ..engine.config import DataParallelConfig
 from . import MAX_NPROC, positive_int
 from .flags import add_flags
 
+DEVICES = ("cpu", "cuda")
 DEFAULT_STEPS = 10
 WARMUP = 2
 QUICK_STEPS = 2
@@ -36,7 +43,20 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--nproc",
         type=positive_int(MAX_NPROC),
         default=2,
-        help=f"local gloo ranks, at most {MAX_NPROC} (2)",
+        help=f"local ranks, at most {MAX_NPROC} (2)",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the ranks compute: cpu (gloo), or cuda (NCCL at one rank per GPU, else gloo; "
+        "CUDA-event times, GPU memory, Newton-Schulz TFLOP/s) (cpu)",
+    )
+    p.add_argument(
+        "--count-launches",
+        action="store_true",
+        help="profile one more step per configuration and report its kernel launches, the "
+        "optimizer step's among them (torch.profiler)",
     )
     p.add_argument(
         "--steps",
@@ -69,7 +89,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="tiny sizes, 2 steps, forked workers: a smoke test, not a benchmark",
+        help="tiny sizes, 2 steps, forked workers (spawned on cuda): a smoke test, not a benchmark",
     )
 
 
@@ -128,16 +148,20 @@ def _run_one(
     warmup: int,
     quick: bool,
     overrides: dict[str, Any] | None = None,
+    device: str = "cpu",
+    backend: str = "gloo",
+    count_launches: bool = False,
 ) -> tuple[report.Row, list[str]]:
     """One configuration (wholeshard keywords replaced by `overrides`) on fresh workers: its
     row, and any collectives the traffic model could not charge. A configuration that cannot
     run or fails gets a row carrying the reason."""
     from ..bench.builders import unavailable
     from ..bench.worker import run_rank
+    from ..bench.workloads import get_workload
     from ..distributed.launch import WorkerFailed, launch
 
     try:
-        reason = unavailable(with_overrides(config, overrides or {}))
+        reason = unavailable(with_overrides(config, overrides or {}), get_workload(workload, quick))
     except ValueError as e:  # overrides no DataParallelConfig accepts
         reason = str(e)
     if reason is not None:
@@ -147,16 +171,30 @@ def _run_one(
         ranks = launch(
             run_rank,
             nproc,
-            (workload, config, steps, warmup, quick, overrides),
-            start_method="fork" if quick else "spawn",
+            (workload, config, steps, warmup, quick, overrides, device, count_launches),
+            start_method="fork" if quick and device == "cpu" else "spawn",
             timeout=timeout,
             collective_timeout_s=timeout,
+            backend=backend,
+            device=device,
         )
     except WorkerFailed as e:
         return report.Row(workload, config, error=f"rank {e.rank}: {_error_line(e.traceback)}"), []
     except TimeoutError:
         return report.Row(workload, config, error=f"timed out after {timeout} s"), []
     return report.from_ranks(workload, config, ranks), ranks[0]["unmodelled"]
+
+
+def _backend(device: str, nproc: int) -> str | None:
+    """The process group's backend for `nproc` ranks on `device`; None when that is CUDA and
+    this machine has none."""
+    if device == "cpu":
+        return "gloo"
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return "nccl" if nproc <= torch.cuda.device_count() else "gloo"
 
 
 def _make_parent(path: str) -> None:
@@ -178,10 +216,19 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    backend = _backend(args.device, args.nproc)
+    if backend is None:
+        print(
+            "error: --device cuda: CUDA is not available here (no GPU, or a CPU-only torch); "
+            "run on a GPU machine or use --device cpu",
+            file=sys.stderr,
+        )
+        return 2
     from ..bench.worker import preload
 
-    machine = report.machine(args.nproc, forked=args.quick)
-    if args.quick:
+    forked = args.quick and args.device == "cpu"
+    machine = report.machine(args.nproc, forked=forked, device=args.device, backend=backend)
+    if forked:
         preload()  # forked workers inherit it
 
     runs = [(w, c) for w in workloads for c in configs]
@@ -189,10 +236,19 @@ def main(args: argparse.Namespace) -> int:
     for round_ in range(args.repeat):
         for workload, config in runs:
             where = f"{workload} / {config}" + (f" (round {round_ + 1})" if args.repeat > 1 else "")
-            print(f"[bench] {where} on {args.nproc} ranks ...", file=sys.stderr)
+            print(f"[bench] {where} on {args.nproc} {backend} ranks ...", file=sys.stderr)
             start = time.monotonic()
             row, unmodelled = _run_one(
-                workload, config, args.nproc, steps, warmup, args.quick, imposed
+                workload,
+                config,
+                args.nproc,
+                steps,
+                warmup,
+                args.quick,
+                imposed,
+                args.device,
+                backend,
+                args.count_launches,
             )
             took = time.monotonic() - start
             result = row.error or f"{row.step_s:.3f} s/step"
@@ -203,9 +259,9 @@ def main(args: argparse.Namespace) -> int:
     rows = [report.merge_rounds(rounds[run]) for run in runs]
     machine["load_average_end"] = list(os.getloadavg())
 
-    report.fill_ratios(rows)
+    report.fill_ratios(rows, machine.get("gpu_bf16_peak_tflops"))
     flagged = report.disagreements(rows)
-    print(report.markdown(rows, flagged))
+    print(report.markdown(rows, flagged, args.device))
     print("\n" + report.footer(machine, args.nproc, steps, warmup, args.repeat, imposed))
     for message in flagged:
         print(f"WARNING: {message}")
@@ -224,6 +280,6 @@ def main(args: argparse.Namespace) -> int:
         from ..bench.plot import write_png
 
         _make_parent(args.png)
-        title = f"wholeshard bench: {args.nproc} gloo ranks, torch {machine['torch']}"
+        title = f"wholeshard bench: {args.nproc} {backend} ranks, torch {machine['torch']}"
         write_png(rows, args.png, title)
     return 0

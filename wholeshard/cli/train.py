@@ -2,10 +2,13 @@
 
 Every `TrainConfig` field is a flag, made from the field (`flags.add_flags`): the sections'
 fields, and the `parallel` section's from `DataParallelConfig` itself; only the launch and
-output options that are not part of the job (`--nproc`, `--overwrite`, `--json`) and the
-shorthand `--overlap` are written here. Without torchrun it spawns `--nproc` CPU workers (gloo
-over 127.0.0.1) with `wholeshard.distributed.launch`; under torchrun every launched process runs
-`train()` itself. Both paths end in the same `wholeshard.train.trainer.train(config)`.
+output options that are not part of the job (`--nproc`, `--overwrite`, `--json`), the job file
+(`--config`, `--print-config`: `wholeshard.train.jobfile`) and the shorthand `--overlap` are
+written here. Precedence: the fields' defaults, then the job file, then the flags given (a
+flag's default is marked `_Default`, so that a flag left out does not override the file).
+Without torchrun it spawns `--nproc` CPU workers (gloo over 127.0.0.1) with
+`wholeshard.distributed.launch`; under torchrun every launched process runs `train()` itself.
+Both paths end in the same `wholeshard.train.trainer.train(config)`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.config import ConfigError, DataParallelConfig
+from ..train import jobfile
 from ..train.config import PARALLEL_SET_BY_THE_JOB, SECTIONS, TrainConfig
 from . import MAX_NPROC, positive_int
 from .flags import add_flags, flag_name
@@ -43,11 +47,27 @@ _METAVARS = {
 }
 
 
+class _Default:
+    """The default of a config flag, marked: a flag not given takes the job file's value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __str__(self) -> str:  # (`--help`'s "default: ...")
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show defaults, except None and switches (their help says what happens)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or isinstance(action.default, bool):
+        default = action.default.value if isinstance(action.default, _Default) else action.default
+        if default is None or isinstance(default, bool):
             return action.help
         return super()._get_help_string(action)
 
@@ -77,7 +97,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"worker processes, at most {MAX_NPROC} (ignored under torchrun, which sets the "
         f"world)",
     )
-    add_flags(groups[""], TrainConfig, skip=frozenset(SECTIONS), metavars=_METAVARS)
+    groups[""].add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML job file whose tables are the sections below ([data], [parallel], ...) and "
+        "keys their fields (docs/train.md#job-files); flags given override it",
+    )
+    groups[""].add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (defaults, --config, flags) as a job file and exit",
+    )
+    dests = add_flags(groups[""], TrainConfig, skip=frozenset(SECTIONS), metavars=_METAVARS)
     for name in SECTIONS:
         if name == "parallel":
             groups[name].add_argument(
@@ -86,11 +117,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                 action=_Overlap,
                 help="--overlap-grad-reduce and --overlap-param-gather",
             )
-            add_flags(
+            dests += add_flags(
                 groups[name], DataParallelConfig, dest="parallel.", skip=PARALLEL_SET_BY_THE_JOB
             )
             continue
-        add_flags(groups[name], SECTIONS[name], dest=name + ".", metavars=_METAVARS)
+        dests += add_flags(groups[name], SECTIONS[name], dest=name + ".", metavars=_METAVARS)
+    p.set_defaults(**{dest: _Default(p.get_default(dest)) for _, dest in dests})
     output = groups["output"]
     output.add_argument(
         "--overwrite",
@@ -108,35 +140,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig the parsed flags describe; an invalid value exits 2 naming its flag."""
-    values = vars(args)
-
-    def fields_of(cls: type, prefix: str) -> dict[str, Any]:
-        return {
-            f.name: values[prefix + f.name]
-            for f in dataclasses.fields(cls)
-            if prefix + f.name in values
-        }
-
+    """The TrainConfig the parsed flags and the `--config` job file describe (the flags given
+    win); an invalid value exits 2 naming its flag, or the file and its key. Sets
+    `args.from_file`, the key paths whose values came from the file."""
+    path = getattr(args, "config", None)
+    from_file = {}
+    if path is not None:
+        try:
+            from_file = jobfile.load(path)
+        except jobfile.JobFileError as e:
+            args.parser.error(f"argument --config: {e}")
+    values = {
+        k: from_file.get(k, v.value) if isinstance(v, _Default) else v
+        for k, v in vars(args).items()
+    }
+    given = {k for k, v in vars(args).items() if not isinstance(v, _Default)}
+    args.from_file = set(from_file) - given
     try:
-        sections = {}
-        for name in SECTIONS:
-            try:
-                sections[name] = SECTIONS[name](**fields_of(SECTIONS[name], name + "."))
-            except ConfigError as e:
-                raise ConfigError(f"{name}.{e.field}", str(e)) from None
-        top = {k: v for k, v in fields_of(TrainConfig, "").items() if k not in SECTIONS}
-        return TrainConfig(**top, **sections)
+        return jobfile.make_config({**from_file, **values})
     except ConfigError as e:
-        args.parser.error(f"argument {_flag_of(e.field)}: {e}")
+        args.parser.error(f"{_source(args, e.field)}: {e}")
 
 
-def _flag_of(path: str) -> str:
-    """The flag of a `section.field` or top-level field path."""
+def _source(args: argparse.Namespace, path: str) -> str:
+    """Where the value of field `path` (`section.field`) came from, as an error names it:
+    `argument --config: job.toml: data.batch_size`, or `argument --batch-size`."""
+    if path in getattr(args, "from_file", ()):
+        return f"argument --config: {args.config}: {path}"
     section, _, name = path.rpartition(".")
     cls = SECTIONS[section] if section else TrainConfig
     field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return flag_name(field)
+    return f"argument {flag_name(field)}"
 
 
 def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
@@ -146,24 +180,24 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
     parser: argparse.ArgumentParser = args.parser
     if cfg.data.batch_size % world:
         parser.error(
-            f"argument --batch-size: {cfg.data.batch_size} sequences do not split evenly across "
-            f"{world} processes; use a multiple of {world}"
+            f"{_source(args, 'data.batch_size')}: {cfg.data.batch_size} sequences do not split "
+            f"evenly across {world} processes; use a multiple of {world}"
         )
-    path = cfg.data.path
+    path, where = cfg.data.path, _source(args, "data.path")
     if path is not None:
         from ..train import data
 
         if not os.path.exists(path):
-            parser.error(f"argument --data: no such file or directory: {path}")
+            parser.error(f"{where}: no such file or directory: {path}")
         try:
             corpus = data.load_corpus(path)
         except (OSError, ValueError) as e:
-            parser.error(f"argument --data: {e}")
+            parser.error(f"{where}: {e}")
         for part in ("train", "val"):
             n = len(getattr(corpus, part))
             if n <= cfg.data.seq_len:
                 parser.error(
-                    f"argument --data: {path} gives {n} bytes of {part} text (5% of the "
+                    f"{where}: {path} gives {n} bytes of {part} text (5% of the "
                     f"text is validation); need more than --seq-len={cfg.data.seq_len}"
                 )
     _check_start(parser, cfg, args.overwrite)
@@ -231,6 +265,12 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
 
     worker = worker or train
     cfg = config_from_args(args)
+    if getattr(args, "print_config", False):
+        try:
+            print(jobfile.dumps(cfg), end="")
+        except ConfigError as e:
+            args.parser.error(f"argument --print-config: {e}")
+        return 0
     under_torchrun = torchrun_env()
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     if cfg.output.out is None and cfg.checkpoint.resume is None:

@@ -26,6 +26,7 @@ works on 2-D tensors, so every Muon piece is one matrix in (out, in) orientation
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -70,6 +71,11 @@ class OwnedPiece:
     def oriented(self, t: torch.Tensor) -> torch.Tensor:
         """`t` moved between the storage and the optimizer's orientation (its own inverse)."""
         return t.T if self.transposed else t
+
+    @property
+    def matrices(self) -> int:
+        """Matrices of the param this piece is one of: its stack's count, else 1."""
+        return math.prod(self.full_shape[:-2]) if self.matrix is not None else 1
 
 
 class Checkpointable(Protocol):

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,7 +57,7 @@ from .plan import (
     validate_specs,
 )
 from .projection import ns_flops, rank_ns_flops
-from .specs import ParamSpec, cost_imbalance, is_int, matrix_shape, round_up
+from .specs import ParamSpec, cost_imbalance, is_int, layer_of, matrix_shape, round_up
 
 MIN_BUCKET_LIMIT = 100_000_000
 """The bucket limit is never below this many elements: smaller buckets cost latency."""
@@ -66,7 +65,6 @@ LAYERS_PER_BUCKET = 2
 """The bucket limit is at least this many of the largest layer."""
 MAX_PADDING = 0.01
 MAX_IMBALANCE = 1.10
-_LAYER = re.compile(r"^(.*?\.\d+)\.")  # a name's prefix up to its first numbered module
 
 
 @dataclass(frozen=True)
@@ -106,9 +104,9 @@ def largest_layer(specs: Sequence[ParamSpec]) -> int:
     numbered module at all, the largest param. 0 for no specs."""
     groups: dict[str, int] = {}
     for s in specs:
-        match = _LAYER.match(s.name)
-        if match:
-            groups[match.group(1)] = groups.get(match.group(1), 0) + s.numel
+        layer = layer_of(s.name)
+        if layer is not None:
+            groups[layer] = groups.get(layer, 0) + s.numel
     return max(groups.values()) if groups else max((s.numel for s in specs), default=0)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,17 @@ class ParamSpec:
     @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")  # a name's prefix up to its first numbered module
+
+
+def layer_of(name: str) -> str | None:
+    """The layer a param belongs to: its name's prefix up to the first numbered module
+    (`model.layers.7.mlp.experts.3.up.weight` -> `model.layers.7`); None outside numbered
+    modules (embeddings, final norm, head)."""
+    match = _LAYER.match(name)
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Sections live with what they configure (torchtitan's rule): the model, the data,
 `parallel` (a `DataParallelConfig`: the library's own options, not a copy of them),
 checkpoints, reliability and output. Every field is a `wholeshard train` flag
 (`wholeshard.cli.flags`): `--batch-size` for `data.batch_size`, or the name a field declares in
-`metadata["flag"]` (`--model` for `model.name`). Bounds are declared beside each field
+`metadata["flag"]` (`--model` for `model.name`), and a key of a TOML job file
+(`wholeshard.train.jobfile`: `batch_size` under `[data]`). Bounds are declared beside each field
 (`metadata["min"]`, `["max"]`), choices by `Literal` types, and checked at construction: an
 invalid value raises `ConfigError` naming the field (call `validate()` after changing one).
 Importing this module does not import torch.
@@ -276,8 +277,8 @@ def _check_fields(obj: Any, prefix: str) -> None:
             continue
         value, where = getattr(obj, f.name), prefix + f.name
         name = f.metadata.get("flag", f.name).replace("-", "_")  # as the user spells it
-        if value is None and f.default is None:
-            continue
+        if value is None and type(None) in typing.get_args(hints[f.name]):
+            continue  # (None where the annotation admits it: `keep_last=None` keeps all)
         choices = literal_choices(hints[f.name])
         if choices is not None and value not in choices:
             raise ConfigError(where, f"{name} must be one of {choices}, got {value!r}")

@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..distributed import collectives
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -32,7 +34,8 @@ class GlobalMean:
 
     def value(self) -> float:
         if self.work is not None:
-            self.work.wait()
+            with collectives.naming("the all-reduce of the loss"):
+                self.work.wait()
             self.t /= self.world
         return self.t.item()
 
