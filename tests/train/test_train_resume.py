@@ -10,6 +10,8 @@ from train_faults import Fault, run_train
 
 from wholeshard import cli
 
+SOAK = pytest.mark.slow  # `make soak`: the suite stays under 12 minutes on 2 cores
+
 
 def train(text_file: Path, out: Path, *extra: str, fault: Fault | None = None) -> dict:
     argv = [
@@ -36,7 +38,7 @@ def straight(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     "fault",
-    [Fault(1, 5, "raise"), Fault(1, 6, "kill", "mid_save")],
+    [Fault(1, 5, "raise"), pytest.param(Fault(1, 6, "kill", "mid_save"), marks=SOAK)],
     ids=["raise-after-step-5", "kill-mid-save-6"],
 )
 def test_crash_then_resume_latest_continues_the_same_run(
@@ -99,6 +101,7 @@ def test_trace_shows_the_sync_phases(text_file: Path, tmp_path: Path) -> None:
         assert phase in names, phase
 
 
+@SOAK  # the legacy baselines train in every `wholeshard bench` test too
 @pytest.mark.parametrize("mode", [["--scheme", "ping_pong"], ["--param-sync", "broadcast"]])
 def test_legacy_modes_train(text_file: Path, tmp_path: Path, mode: list[str]) -> None:
     base = train(text_file, tmp_path / "base")["summary"]
@@ -108,7 +111,10 @@ def test_legacy_modes_train(text_file: Path, tmp_path: Path, mode: list[str]) ->
 
 @pytest.mark.parametrize(
     "mode",
-    [["--reshard-after-forward"], ["--overlap", "--reshard-after-forward"]],
+    [
+        pytest.param(["--reshard-after-forward"], marks=SOAK),
+        ["--overlap", "--reshard-after-forward"],
+    ],
     ids=["sync", "overlap"],
 )
 def test_fully_sharded_train_is_bitwise_like_zero(
@@ -139,7 +145,7 @@ def test_fully_sharded_flags_are_checked(
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "tensorwise"])
+@pytest.mark.parametrize("recipe", [pytest.param("mxfp8", marks=SOAK), "tensorwise"])
 def test_fp8_compute_trains_close_to_bf16(text_file: Path, tmp_path: Path, recipe: str) -> None:
     base = train(text_file, tmp_path / "base")["summary"]
     run = train(text_file, tmp_path / "fp8", "--fp8", recipe)

@@ -175,7 +175,7 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / report.METRICS).read_text().splitlines()]
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+@pytest.mark.parametrize("optimizer", [pytest.param("muon", marks=pytest.mark.slow), "adamw"])
 def test_single_process_run_is_reproducible(tmp_path: Path, text_file: Path, optimizer) -> None:
     a = train(_tiny(text_file, tmp_path / "a", optimizer=optimizer, lr=1e-2))
     b = train(_tiny(text_file, tmp_path / "b", optimizer=optimizer, lr=1e-2))
