@@ -217,6 +217,7 @@ def wholeshard_run(
     keep_ddp: bool = False,
     lr_lambda: Callable[[int], float] | None = None,
     device: str = "cpu",
+    matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
 ) -> dict[str, Any]:
     """The same training on this rank's slice of every batch; returns what the tests compare.
 
@@ -226,7 +227,8 @@ def wholeshard_run(
     still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
     "ddp" (for inspection inside the worker: it does not pickle); `lr_lambda` drives a
     `LambdaLR` scheduler stepped after every optimizer step; `device`: where the model runs
-    (outputs come back on the CPU).
+    (outputs come back on the CPU); `matrix_optimizer` steps the Muon-routed matrices with
+    `muon_kw`.
     """
     rank, world = rank_world()
     model = make() if make is not None else make_model(**(model_kw or {}))
@@ -236,7 +238,12 @@ def wholeshard_run(
     ddp = wholeshard.DataParallel(
         model, param_dtype=param_dtype, use_muon=use_muon, **(ddp_kw or {})
     )
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=muon_kw or MUON_KW, adamw=adamw_kw or ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(
+        ddp,
+        muon=muon_kw or MUON_KW,
+        adamw=adamw_kw or ADAMW_KW,
+        matrix_optimizer=matrix_optimizer,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
     losses, norms, evals = [], [], []
     for step in range(steps):

@@ -386,7 +386,7 @@ def train_compare(set_name: str = "optimizers") -> list[str]:
         body.append(
             [
                 f"`{r['command']}`",
-                summary["optimizer"],
+                summary.get("matrix_optimizer") or summary["optimizer"],
                 f"{summary['lr']:g}",
                 summary["param_dtype"],
                 " / ".join(
@@ -568,6 +568,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "train-transcript": train_transcript,
     "train-compare": train_compare,
     "train-fp8": lambda: train_compare("fp8"),
+    "train-rules": lambda: train_compare("rules"),
     "train-modes": train_modes,
     "bench": bench,
     "bench-memory": bench_memory,

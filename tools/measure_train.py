@@ -1,6 +1,6 @@
 """Measure `wholeshard train` runs; store what they printed and logged in docs/results/train.json.
 
-    python tools/measure_train.py [--set optimizers|fp8|modes ...] [--runs-dir runs/measure_train]
+    python tools/measure_train.py [--set optimizers|fp8|rules|modes ...] [--runs-dir DIR]
 
 Each set is a list of runs of the same job (same model, data, seed and 2 processes) with different
 flags. Every run is `python -m wholeshard train FLAGS --out DIR --overwrite --no-progress`; its
@@ -10,6 +10,9 @@ the other sets in the file stay. `python tools/make_docs.py` renders the tables 
 
 - `optimizers`: the default job (Muon), and `--optimizer adamw` (torch DDP + AdamW).
 - `fp8`: the default job with `--fp8 mxfp8` and with `--fp8 tensorwise`.
+- `rules`: the default job with each matrix rule (`--matrix-optimizer`), the Newton-Schulz rules
+  with `--ns-algorithm gram` (on a CPU without bf16 GEMMs torch's standard iteration takes most
+  of the step), each at its default learning rate and one other.
 - `modes`: 100 steps in each DataParallel mode (sync, overlap, pipelined step, fully sharded,
   the ping-pong baseline).
 
@@ -42,6 +45,16 @@ SETS: dict[str, list[tuple[str, list[str]]]] = {
     "fp8": [
         ("fp8_mxfp8", ["--fp8", "mxfp8"]),
         ("fp8_tensorwise", ["--fp8", "tensorwise"]),
+    ],
+    "rules": [
+        ("rule_muon_gram", ["--ns-algorithm", "gram"]),
+        ("rule_normuon_gram", ["--matrix-optimizer", "normuon", "--ns-algorithm", "gram"]),
+        (
+            "rule_normuon_gram_lr3e-2",
+            ["--matrix-optimizer", "normuon", "--ns-algorithm", "gram", "--lr", "0.03"],
+        ),
+        ("rule_soap", ["--matrix-optimizer", "soap"]),
+        ("rule_soap_lr1e-2", ["--matrix-optimizer", "soap", "--lr", "0.01"]),
     ],
     "modes": [
         ("sync", MODES_FLAGS),

@@ -19,6 +19,7 @@ import pytest
 
 from wholeshard.bench.builders import unavailable
 from wholeshard.bench.configs import CONFIGS, REFERENCE
+from wholeshard.bench.rules import KJ_RULE
 from wholeshard.bench.workloads import WORKLOADS, get_workload
 
 ROW_TYPES = {
@@ -52,6 +53,8 @@ ROW_TYPES = {
     "ratio_vs_floor": float,
     "final_loss": float,
     "error": type(None),
+    "rule": str,
+    "ratio_vs_kj_rule": float,
 }
 PERSISTENT = ("persistent_bytes", "persistent_bytes_all_ranks")
 """Only wholeshard rows report these, and only with a `DataParallel` that has `memory()`."""
@@ -106,9 +109,11 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
         ran += 1
         reports_memory = config.parallel is not None
         has_reference = unavailable(CONFIGS[REFERENCE], get_workload(row["workload"], True)) is None
+        has_kj_rule = unavailable(CONFIGS[KJ_RULE], get_workload(row["workload"], True)) is None
         for key, kind in ROW_TYPES.items():
             kind = type(None) if key in PERSISTENT and not reports_memory else kind
             kind = type(None) if key == "ratio_vs_ddp_torch_muon" and not has_reference else kind
+            kind = type(None) if key == "ratio_vs_kj_rule" and not has_kj_rule else kind
             assert type(row[key]) is kind, f"{where}: {key}={row[key]!r} is not {kind.__name__}"
         assert row["step_s"] > 0 and row["peak_rss_bytes"] > 0 and row["bytes_sent_per_rank"] > 0
         assert 0 <= row["peak_rss_delta_bytes"] <= row["peak_rss_bytes"], where

@@ -13,7 +13,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from wholeshard.bench import launches, machine
 from wholeshard.bench.builders import MATRIX_CLASSES, build, unavailable
-from wholeshard.bench.configs import CONFIGS, MATRIX_OPTIMIZERS, wholeshard, with_overrides
+from wholeshard.bench.configs import (
+    CONFIGS,
+    MATRIX_OPTIMIZERS,
+    Rule,
+    wholeshard,
+    with_overrides,
+)
 from wholeshard.bench.floor import muon_matrices, torch_muon
 from wholeshard.bench.flops import bf16_peak_tflops, ns_flops, total_ns_flops
 from wholeshard.bench.report import Row, fill_ratios, footer, from_ranks, markdown, merge_rounds
@@ -438,4 +444,4 @@ def test_runs_pass_device_backend_and_counting_to_the_workers(monkeypatch, tmp_p
     monkeypatch.setattr(cli, "_run_one", fake_run_one)
     argv = ["--quick", "--workload", "experts", "--config", "ws_sync", "--count-launches"]
     assert cli.main(_args(*argv, "--json", str(tmp_path / "b.json"))) == 0
-    assert seen == [("experts", "ws_sync", ("cpu", "gloo", True))]
+    assert seen == [("experts", "ws_sync", ("cpu", "gloo", True, Rule()))]

@@ -71,7 +71,8 @@ def test_survivors_exit_when_a_rank_is_killed_mid_step(
     text = tmp_path / "text.py"
     text.write_bytes((ROOT / "wholeshard" / "train" / "trainer.py").read_bytes() * 2)
     argv = [
-        "train", "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "50",
+        "train", "--model", "micro", "--data", str(text), "--out", str(tmp_path / "out"),
+        "--steps", "50",
         "--batch-size", "6", "--seq-len", "16", "--eval-every", "50", "--eval-batches", "1",
         "--no-progress", "--param-dtype", "float32", "--collective-timeout", str(TIMEOUT_S),
         *mode,

@@ -30,10 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 MANY = [
     "--seed", "7", "--threads", "3", "--model", "small", "--pos", "learned", "--no-tie",
-    "--param-dtype", "bfloat16", "--fp8", "tensorwise",
+    "--param-dtype", "bfloat16", "--fp8", "tensorwise", "--gradient-checkpointing",
+    "--data-field", "body", "--val-fraction", "0.1", "--cache-dir", "tokens",
     "--data", 'dir with "quotes"\\back\tslash/ü', "--batch-size", "48", "--seq-len", "96",
     "--steps", "90", "--lr", "3.5e-4", "--weight-decay", "0.1", "--warmup", "9",
     "--schedule", "wsd", "--min-lr-ratio", "0.1", "--clip-grad", "0.5", "--on-nonfinite", "skip",
+    "--matrix-optimizer", "normuon", "--ns-coefficients", "polar_express", "--qk-clip", "50",
+    "--ns-algorithm", "gram",
     "--bucket-size", "123456", "--strategy", "size_match", "--shard-group-size", "2",
     "--no-cast-forward-inputs", "--overlap", "--reshard-after-forward",
     "--no-separate-all-gather-group", "--pipelined-step", "--param-sync", "broadcast",
@@ -43,9 +46,14 @@ MANY = [
     "--no-progress", "--trace", "t.json",
 ]  # fmt: skip
 """Flags that set every job-file key to a value other than its default, except those below."""
-NOT_IN_MANY = {"optim.name", "parallel.scheme"}
-"""(`adamw` takes no DataParallel option; `ping_pong` cannot be fully sharded.)"""
-OTHERS = [["--optimizer", "adamw", "--bucket-size", "1000"], ["--scheme", "ping_pong"]]
+NOT_IN_MANY = {"data.tokenizer", "optim.name", "parallel.scheme"}
+"""(A tokenizer needs a transformers model; `adamw` takes no DataParallel option; `ping_pong`
+cannot be fully sharded.)"""
+OTHERS = [
+    ["--model", "hf-config:llama.json", "--tokenizer", "tok"],
+    ["--optimizer", "adamw", "--bucket-size", "1000"],
+    ["--scheme", "ping_pong"],
+]
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +113,7 @@ def test_every_key_of_many_is_not_its_default() -> None:
 @pytest.mark.parametrize(
     "argv",
     [[], MANY, ["--shard-group-size", "auto", "--lr", "1e-16"], *OTHERS],
-    ids=["default", "many", "auto", "adamw", "ping_pong"],
+    ids=["default", "many", "auto", "tokenizer", "adamw", "ping_pong"],
 )
 def test_print_config_round_trips(capsys, tmp_path: Path, argv: list[str]) -> None:
     cfg = _config(*argv)
@@ -163,7 +171,7 @@ BAD = [
     ("[data]\nbatch_size = true\n", "data.batch_size", "got a boolean"),
     ("[output]\nprogress = 1\n", "output.progress", "expected true | false"),
     ("[optim]\nlr = \"fast\"\n", "optim.lr", "expected float"),
-    ("[model]\nname = \"huge\"\n", "model.name", '"tiny" | "small"'),
+    ("[model]\nname = \"huge\"\n", "model.name", "hf-config:FILE.json"),
     ("[parallel]\nshard_group_size = \"most\"\n", "parallel.shard_group_size", '"auto"'),
     ("[parallel]\nparam_dtype = \"bfloat16\"\n", "parallel.param_dtype", "model.param_dtype"),
     ("[parallel]\ntimeout = 30\n", "parallel.timeout", "reliability.collective_timeout"),

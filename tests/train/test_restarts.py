@@ -184,7 +184,8 @@ def soak(
     return killer
 
 
-SMALL = ["--seq-len", "32", "--batch-size", "4", "--eval-every", "10", "--eval-batches", "1"]
+SMALL = ["--model", "micro", "--seq-len", "32", "--batch-size", "4", "--eval-every", "10"]
+SMALL += ["--eval-batches", "1"]
 
 
 def test_a_killed_worker_is_restarted_from_the_latest_checkpoint(

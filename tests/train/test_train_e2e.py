@@ -29,7 +29,8 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason=
 
 def _args(text_file: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(text_file), "--out", str(out), "--steps", "4", "--batch-size",
+        "train", "--model", "micro", "--data", str(text_file), "--out", str(out), "--steps", "4",
+        "--batch-size",
         "4", "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1", "--lr", "1e-2",
         "--json", *extra,
     ]  # fmt: skip

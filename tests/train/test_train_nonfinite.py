@@ -13,7 +13,8 @@ from train_faults import Poison, run_train
 
 def train(text_file: Path, out: Path, poison: Poison, *extra: str) -> int:
     argv = [
-        "train", "--data", str(text_file), "--out", str(out), "--steps", "5", "--batch-size",
+        "train", "--model", "micro", "--data", str(text_file), "--out", str(out), "--steps", "5",
+        "--batch-size",
         "4", "--seq-len", "16", "--eval-every", "5", "--eval-batches", "1", "--no-progress",
         "--log-every", "100", *extra,
     ]  # fmt: skip

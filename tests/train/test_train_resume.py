@@ -15,7 +15,8 @@ SOAK = pytest.mark.slow  # `make soak`: the suite stays under 12 minutes on 2 co
 
 def train(text_file: Path, out: Path, *extra: str, fault: Fault | None = None) -> dict:
     argv = [
-        "train", "--data", str(text_file), "--out", str(out), "--steps", "6", "--batch-size",
+        "train", "--model", "micro", "--data", str(text_file), "--out", str(out), "--steps", "6",
+        "--batch-size",
         "4", "--seq-len", "16", "--eval-every", "3", "--eval-batches", "1", "--no-progress",
         "--param-dtype", "float32", *extra,
     ]  # fmt: skip

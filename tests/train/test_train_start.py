@@ -20,6 +20,7 @@ from wholeshard.train.schedule import lr_factor
 from wholeshard.train.trainer import train
 
 SMALL = [
+    "--model", "micro",
     "--batch-size", "4", "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1",
     "--no-progress", "--param-dtype", "float32", "--threads", "1", "--nproc", "1",
 ]  # fmt: skip

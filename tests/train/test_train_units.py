@@ -97,7 +97,8 @@ def test_model_sizes_and_tying() -> None:
     assert tiny.head.weight is tiny.embed.weight
     untied = GPT(model_config("tiny", 128, tie=False))
     assert untied.head.weight is not untied.embed.weight
-    assert set(SIZES) == {"tiny", "small"}
+    assert set(SIZES) == {"micro", "tiny", "small"}
+    assert 0.08e6 < num_params(GPT(model_config("micro", 128))) < 0.2e6
     small = SIZES["small"]
     assert 12 * small.n_layer * small.d_model**2 > 10e6
 
@@ -166,7 +167,7 @@ def test_out_dir_with_a_run_is_refused(tmp_path: Path) -> None:
 def _tiny(text_file: Path, out: Path, **kw) -> TrainConfig:
     base = dict(
         steps=4, batch_size=4, seq_len=16, data=str(text_file), out=str(out), eval_every=2,
-        eval_batches=1, progress=False, threads=1,
+        eval_batches=1, progress=False, threads=1, model="micro",
     )  # fmt: skip
     return train_config(**(base | kw))
 

@@ -25,13 +25,14 @@ from ..optim import BatchedMuon, LayerwiseOptimizer
 from ..planning.routing import Route, route_params
 from .configs import ADAMW_KW, MUON_KW, BenchConfig
 from .floor import OwnedOptimizers, copy_with_grad
+from .rules import DEFAULT_RULE, KJ_RULE, MATRIX_KWARGS, RoundRobin, Rule, by_size, rule_optimizer
+from .rules import rule_unavailable as _rule_unavailable
 from .waits import WaitClock
 from .workloads import Workload
 
 MATRIX_CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "torch": (torch.optim.Muon, {}),
-    "batched": (BatchedMuon, {}),
-    "batched_fp32": (BatchedMuon, {"matmul_dtype": torch.float32}),
+    **{name: (BatchedMuon, kwargs) for name, kwargs in MATRIX_KWARGS.items()},
 }
 """`configs.MATRIX_OPTIMIZERS` by name: (class, keywords beyond `MUON_KW`)."""
 
@@ -77,13 +78,15 @@ def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.O
     return torch_pair(*split_params(model, workload))
 
 
-def torch_pair(muon: list, other: list, matrix: str = "torch") -> list[torch.optim.Optimizer]:
-    """The `matrix` optimizer (`MATRIX_CLASSES`; torch's Muon by default) on `muon` and
-    `torch.optim.AdamW` on `other`, each if not empty."""
+def torch_pair(
+    muon: list, other: list, matrix: str = "torch", rule: Rule = DEFAULT_RULE
+) -> list[torch.optim.Optimizer]:
+    """The `matrix` optimizer (`MATRIX_CLASSES`; torch's Muon by default) under `rule`
+    (`rules.rule_optimizer`) on `muon` and `torch.optim.AdamW` on `other`, each if not empty."""
     opts: list[torch.optim.Optimizer] = []
     if muon:
-        cls, extra = MATRIX_CLASSES[matrix]
-        opts.append(cls(muon, adjust_lr_fn="original", **MUON_KW, **extra))
+        cls, kwargs = rule_optimizer(rule, matrix)
+        opts.append(cls(muon, **kwargs))
     if other:
         opts.append(torch.optim.AdamW(other, **ADAMW_KW))
     return opts
@@ -177,6 +180,30 @@ def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
     return [SingleDeviceMuonWithAuxAdam(groups)] if groups else []
 
 
+def _build_ddp_kj_rule(workload: Workload, clock: WaitClock, rule: Rule) -> Setup:
+    """`rules.RoundRobin` of `rule` over DDP's replicated params (`rules` module note)."""
+    model = workload.make_model()
+    ddp, settle = _ddp(model, clock)
+    muon, other = split_params(model, workload)
+    ordered = by_size(muon)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = RoundRobin(torch_pair(ordered[rank::world], other, rule=rule), ordered)
+    return Setup(ddp, [opt], settle, owned_optimizers=_kj_rule_share(rule))  # type: ignore[list-item]
+
+
+def _kj_rule_share(rule: Rule) -> OwnedOptimizers:
+    """`ddp_kj_rule`'s share: this rank's round-robin matrices under `rule`, AdamW on the rest."""
+
+    def build(routes: list[Route]) -> list[torch.optim.Optimizer]:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        copies = {r.param: copy_with_grad(r.param, r.param.grad) for r in routes}
+        matrices = by_size(r.param for r in routes if r.muon)[rank::world]
+        other = [copies[r.param] for r in routes if not r.muon]
+        return torch_pair([copies[p] for p in matrices], other, rule=rule)
+
+    return build
+
+
 # -- torch FSDP2 ---------------------------------------------------------------------------
 
 
@@ -193,10 +220,12 @@ def _build_fsdp2_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
 # -- wholeshard ----------------------------------------------------------------------------
 
 
-def _build_wholeshard(config: BenchConfig, workload: Workload, clock: WaitClock) -> Setup:
+def _build_wholeshard(
+    config: BenchConfig, workload: Workload, clock: WaitClock, rule: Rule = DEFAULT_RULE
+) -> Setup:
     """`DataParallel(model, config.parallel)` + `LayerwiseOptimizer` stepping the matrices with
-    `config.matrix_optimizer`; with `config.fp8`, the model's Muon-routed linears are converted
-    to that FP8 recipe first."""
+    `config.matrix_optimizer` under `rule`; with `config.fp8`, the model's Muon-routed linears
+    are converted to that FP8 recipe first."""
     parallel = dataclasses.replace(config.parallel, use_muon=workload.use_muon)
 
     def make_model() -> nn.Module:
@@ -208,10 +237,10 @@ def _build_wholeshard(config: BenchConfig, workload: Workload, clock: WaitClock)
         return model
 
     ddp = DataParallel(make_model(), parallel)
-    cls, extra = MATRIX_CLASSES[config.matrix_optimizer]
+    cls, kwargs = rule_optimizer(rule, config.matrix_optimizer)
     opt = LayerwiseOptimizer(
         ddp,
-        muon=dict(MUON_KW, adjust_lr_fn="original", **extra),
+        muon=kwargs,
         adamw=ADAMW_KW,
         nonfinite=None,  # the peers check nothing: compare like with like
         matrix_optimizer=cls,
@@ -221,11 +250,11 @@ def _build_wholeshard(config: BenchConfig, workload: Workload, clock: WaitClock)
         [opt],
         memory=ddp.memory,
         bare_model=make_model,
-        owned_optimizers=_planned_share(opt, config.matrix_optimizer),
+        owned_optimizers=_planned_share(opt, config.matrix_optimizer, rule),
     )
 
 
-def _planned_share(opt: Any, matrix: str) -> OwnedOptimizers:
+def _planned_share(opt: Any, matrix: str, rule: Rule) -> OwnedOptimizers:
     """A `LayerwiseOptimizer`'s share, its owned pieces under the plan, stepped as it steps
     them (`OwnedPiece.master` in the optimizer's orientation; a piece of a param is its range of the
     flattened gradient; the matrices under the `matrix` optimizer)."""
@@ -237,7 +266,7 @@ def _planned_share(opt: Any, matrix: str) -> OwnedOptimizers:
             flat = grads[piece.name][piece.offset : piece.offset + piece.param.numel()]
             grad = piece.oriented(flat.view(piece.param.shape))
             (muon if piece.kind == "muon" else other).append(copy_with_grad(piece.master, grad))
-        return torch_pair(muon, other, matrix)
+        return torch_pair(muon, other, matrix, rule)
 
     return build
 
@@ -249,21 +278,33 @@ _BUILDERS: dict[str, Callable[[Workload, WaitClock], Setup]] = {
 }
 
 
-def build(config: BenchConfig, workload: Workload, clock: WaitClock) -> Setup:
-    """Build `config` on this rank."""
+def build(
+    config: BenchConfig, workload: Workload, clock: WaitClock, rule: Rule = DEFAULT_RULE
+) -> Setup:
+    """Build `config` on this rank, its matrices under `rule` if it is rule-sensitive."""
     if config.parallel is not None:
-        return _build_wholeshard(config, workload, clock)
+        return _build_wholeshard(config, workload, clock, rule)
+    if config.name == KJ_RULE:
+        return _build_ddp_kj_rule(workload, clock, rule)
     return _BUILDERS[config.name](workload, clock)
 
 
-def unavailable(config: BenchConfig, workload: Workload | None = None) -> str | None:
-    """Why `config` cannot run here, or on `workload` when given, or None (checked before any
-    worker starts)."""
+def unavailable(
+    config: BenchConfig, workload: Workload | None = None, rule: Rule = DEFAULT_RULE
+) -> str | None:
+    """Why `config` cannot run here, or on `workload` when given, or under `rule`, or None
+    (checked before any worker starts)."""
+    if config.parallel is not None or config.name == KJ_RULE:
+        reason = _rule_unavailable(rule, config.matrix_optimizer)
+        if reason is not None:
+            return reason
     if workload is not None and workload.stacked and config.name in TORCH_MUON_PEERS:
         return (
             f"torch.optim.Muon steps 2-D params only, and {workload.name} has 3-D expert stacks "
             f"(wholeshard steps each matrix of a stack as a param of its own)"
         )
+    if workload is not None and workload.stacked and config.name == KJ_RULE:
+        return f"{KJ_RULE} steps each matrix param whole; {workload.name} has 3-D stacks"
     if workload is not None and workload.stacked and config.fp8 is not None:
         return f"FP8 converts nn.Linear layers, and {workload.name} has stacked params instead"
     return _kj_unavailable() if config.name == "ddp_kj_muon" else None

@@ -43,6 +43,48 @@ MATRIX_OPTIMIZERS = {
 `matrix_optimizer`), by name (`builders.MATRIX_CLASSES` holds the classes)."""
 
 
+MATRIX_RULES = ("muon", "normuon", "soap")
+"""`wholeshard.optim.rules.MATRIX_RULES`: the optimizers a matrix rule names (a test checks)."""
+NS_ALGORITHMS = ("standard", "gram")
+"""`wholeshard.optim.gram_ns.NS_ALGORITHMS` (a test checks)."""
+NS_COEFFICIENTS = ("quintic", "polar_express")
+"""`wholeshard.optim.normuon.SCHEDULES` (a test checks)."""
+KJ_RULE = "ddp_kj_rule"
+"""The KJ-style peer of every rule (`rules` module note)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A matrix rule: its optimizer (`MATRIX_RULES`) and Newton–Schulz choices (module note of
+    `rules`); the default builds every configuration as before rules existed."""
+
+    optimizer: str = "muon"
+    ns_algorithm: str = "standard"
+    ns_coefficients: str = "quintic"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in MATRIX_RULES:
+            raise ValueError(f"matrix optimizer must be one of {MATRIX_RULES}")
+        if self.ns_algorithm not in NS_ALGORITHMS or self.ns_coefficients not in NS_COEFFICIENTS:
+            raise ValueError(
+                f"ns_algorithm in {NS_ALGORITHMS}, ns_coefficients in {NS_COEFFICIENTS}"
+            )
+
+    @property
+    def label(self) -> str:
+        """ "" for the default rule, else its non-default parts joined by "+" ("gram")."""
+        default = Rule()
+        parts = [v for k, v in vars(self).items() if v != getattr(default, k)]
+        return "+".join(parts)
+
+    @property
+    def is_default(self) -> bool:
+        return self == Rule()
+
+
+DEFAULT_RULE = Rule()
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """A benchmarked configuration: a wholeshard one (`parallel` set) or a peer."""
@@ -55,6 +97,11 @@ class BenchConfig:
     """Convert the model's Muon-routed linears to this FP8 recipe first (wholeshard only)."""
     matrix_optimizer: str = "torch"
     """Which `MATRIX_OPTIMIZERS` entry steps the owned Muon matrices (wholeshard only)."""
+
+
+def rule_sensitive(config: BenchConfig) -> bool:
+    """Whether `config` is built differently per rule: the wholeshard ones and `KJ_RULE`."""
+    return config.parallel is not None or config.name == KJ_RULE
 
 
 def wholeshard(
@@ -90,6 +137,11 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig(
             "ddp_kj_muon",
             "torch DDP + muon.MuonWithAuxAdam (round-robin owners, all-reduce + all-gather)",
+        ),
+        BenchConfig(
+            "ddp_kj_rule",
+            "torch DDP + the run's matrix rule KJ-style: round-robin owners, params broadcast "
+            "(with the default rule: ddp_kj_muon's scheme on torch.optim.Muon)",
         ),
         BenchConfig(
             "fsdp2_torch_muon",

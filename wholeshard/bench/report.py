@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .configs import REFERENCE
+from .configs import KJ_RULE, REFERENCE
 from .machine import machine  # noqa: F401  (its home before machine.py; tools import it here)
 
 LOSS_RTOL = 1e-2
@@ -85,10 +85,21 @@ class Row:
     ratio_vs_floor: float | None = None
     final_loss: float | None = None
     error: str | None = None
+    rule: str = ""
+    """The matrix rule's label (`rules.Rule.label`): "" for the default rule and for the
+    rule-independent peers."""
+    ratio_vs_kj_rule: float | None = None
+    """`step_s` over that of `ddp_kj_rule` under the same rule: the rule distributed by
+    wholeshard against the same rule run KJ-style (round-robin over replicated params)."""
+
+    @property
+    def name(self) -> str:
+        """The configuration as tables and messages name it: `config[rule]` under a rule."""
+        return f"{self.config}[{self.rule}]" if self.rule else self.config
 
 
-def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
-    """Combine the per-rank figures of one run into a row."""
+def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]], rule: str = "") -> Row:
+    """Combine the per-rank figures of one run (under the rule labelled `rule`) into a row."""
 
     def worst(key: str) -> Any:
         return _largest([r[key] for r in ranks])
@@ -113,6 +124,7 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]]) -> Row:
         floor_optimizer_s=optimizer,
         floor_s=forward_backward + optimizer,
         final_loss=ranks[0]["final_loss"],
+        rule=rule,
     )
 
 
@@ -148,6 +160,7 @@ def merge_rounds(rounds: list[Row]) -> Row:
         floor_optimizer_s=median("floor_optimizer_s"),
         floor_s=median("floor_s"),
         final_loss=done[0].final_loss,
+        rule=done[0].rule,
     )
 
 
@@ -184,10 +197,12 @@ def fill_ratios(rows: list[Row], peak_tflops: float | None = None) -> None:
     `ratio_vs_floor` on every row with a floor, the optimizer's share and its ratio to the
     yardstick, and the Newton–Schulz rate (against `peak_tflops`, the GPU's bf16 peak, if known)."""
     reference = {r.workload: r.step_s for r in rows if r.config == REFERENCE and r.error is None}
+    kj = {(r.workload, r.rule): r.step_s for r in rows if r.config == KJ_RULE and not r.error}
     for r in rows:
         if r.error is not None:
             continue
         r.ratio_vs_ddp_torch_muon = _ratio(r.step_s, reference.get(r.workload))
+        r.ratio_vs_kj_rule = _ratio(r.step_s, kj.get((r.workload, r.rule)))
         r.ratio_vs_floor = _ratio(r.step_s, r.floor_s)
         r.optimizer_share = _ratio(r.optimizer_s, r.step_s)
         r.ratio_optimizer_vs_torch_muon = _ratio(r.optimizer_s, r.torch_muon_owned_s)
@@ -198,19 +213,20 @@ def fill_ratios(rows: list[Row], peak_tflops: float | None = None) -> None:
 
 def disagreements(rows: list[Row], rtol: float = LOSS_RTOL) -> list[str]:
     """A message for every row whose final loss is not within `rtol` of its workload's
-    reference (`ddp_torch_muon`, or the median successful row if that failed)."""
+    reference under its rule (`ddp_torch_muon`, or the median successful row of the rule if
+    that failed or the rule is not the default)."""
     messages = []
-    for workload in dict.fromkeys(r.workload for r in rows):
-        done = [r for r in rows if r.workload == workload and r.error is None]
+    for workload, rule in dict.fromkeys((r.workload, r.rule) for r in rows):
+        done = [r for r in rows if (r.workload, r.rule) == (workload, rule) and r.error is None]
         if len(done) < 2:
             continue
-        ref = next((r for r in done if r.config == REFERENCE), None)
+        ref = next((r for r in done if r.config == REFERENCE and not rule), None)
         ref_loss = ref.final_loss if ref else sorted(r.final_loss for r in done)[len(done) // 2]
         ref_name = REFERENCE if ref else "the median"
         for r in done:
             if abs(r.final_loss - ref_loss) > rtol * abs(ref_loss):
                 messages.append(
-                    f"{workload}/{r.config}: final loss {r.final_loss:.6g} differs from "
+                    f"{workload}/{r.name}: final loss {r.final_loss:.6g} differs from "
                     f"{ref_name}'s {ref_loss:.6g} by more than {rtol:.0%}"
                 )
     return messages
@@ -304,6 +320,8 @@ def markdown(rows: list[Row], flagged: list[str], device: str = "cpu") -> str:
         columns += _LAUNCH_COLUMNS
     if any(r.cuda_launches_per_step is not None for r in rows):
         columns += _CUDA_LAUNCH_COLUMNS
+    if any(r.ratio_vs_kj_rule is not None for r in rows):
+        columns.append(("vs ddp_kj_rule", lambda r: fmt_ratio(r.ratio_vs_kj_rule)))
     columns.append(("final loss", lambda r: "" if r.final_loss is None else f"{r.final_loss:.5f}"))
     head = ["workload", "config", *(name for name, _ in columns), "note"]
     lines = [
@@ -311,9 +329,9 @@ def markdown(rows: list[Row], flagged: list[str], device: str = "cpu") -> str:
         "|---|---|" + "---:|" * len(columns) + "---|",
     ]
     for r in rows:
-        note = r.error or ("LOSS DISAGREES" if f"{r.workload}/{r.config}" in bad else "")
+        note = r.error or ("LOSS DISAGREES" if f"{r.workload}/{r.name}" in bad else "")
         note = note.replace("|", "\\|").replace("\n", " ")
-        cells = [r.workload, r.config, *(cell(r) for _, cell in columns), note]
+        cells = [r.workload, r.name, *(cell(r) for _, cell in columns), note]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

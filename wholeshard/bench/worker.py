@@ -30,6 +30,7 @@ from .builders import build, every_param
 from .configs import with_overrides
 from .launches import FIELDS, StepProfile
 from .memory import optimizer_state_bytes, peak_rss_bytes, persistent_bytes, rss_bytes
+from .rules import Rule
 from .timing import Timer, max_memory_allocated
 from .traffic import TrafficCounter
 from .waits import WaitClock
@@ -56,10 +57,11 @@ def run_rank(
     overrides: dict[str, Any] | None = None,
     device: str = "cpu",
     count_launches: bool = False,
+    rule: dict[str, str] | None = None,
 ) -> dict:
-    """Benchmark one configuration (its wholeshard keywords replaced by `overrides`) on this
-    rank's `device`; returns this rank's figures (medians in s, sizes in bytes, None where
-    unknown)."""
+    """Benchmark one configuration (its wholeshard keywords replaced by `overrides`, its
+    matrices under `rules.Rule(**rule)`) on this rank's `device`; returns this rank's figures
+    (medians in s, sizes in bytes, None where unknown)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -71,7 +73,7 @@ def run_rank(
     batches = [workload.local_batch(s, rank, world) for s in range(warmup + 1 + steps)]
     preload()
     rss_before_build = rss_bytes()
-    setup = build(config, workload, clock)
+    setup = build(config, workload, clock, Rule(**(rule or {})))
     counter = TrafficCounter()
     step_s: list[float] = []
     optimizer_s: list[float] = []

@@ -73,6 +73,15 @@ def write_safetensors(
         raise
 
 
+def refuse_existing(out: str | os.PathLike, overwrite: bool, api: str) -> None:
+    """Raise FileExistsError if `out` exists (a file, a directory or a link) and not `overwrite`;
+    `api` names the Python function whose `overwrite=True` replaces it."""
+    if not overwrite and os.path.lexists(out):
+        raise FileExistsError(
+            f"{out} already exists; pass --overwrite ({api}(..., overwrite=True)) to replace it"
+        )
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike,
     out: str | os.PathLike,
@@ -89,11 +98,7 @@ def export_checkpoint(
     (`directory.verify`) raises CheckpointError before anything in it is unpickled or anything
     is written.
     """
-    if not overwrite and os.path.lexists(out):
-        raise FileExistsError(
-            f"{out} already exists; pass --overwrite (export_checkpoint(..., overwrite=True)) "
-            f"to replace it"
-        )
+    refuse_existing(out, overwrite, "export_checkpoint")
     tensors, manifest = load_consolidated(checkpoint, dtype=dtype)
     metadata = {"format": "pt", "wholeshard_step": str(manifest["step"])}
     write_safetensors(tensors, out, metadata)

@@ -12,18 +12,34 @@ field on every wholeshard (ws_*) configuration of the run; the line under the ta
 ranks sharing GPUs. Step times then come from CUDA events, and rows add
 `torch.cuda.max_memory_allocated` and the Newton–Schulz TFLOP/s against the GPU's bf16 peak.
 `--count-launches` profiles one more step per configuration and adds its kernel launches.
+
+`--matrix-optimizer`, `--ns-algorithm` and `--ns-coefficients` (each taking one or more values)
+bench every combination as a matrix rule (`bench.rules`): each wholeshard configuration and
+`ddp_kj_rule` (the rule run KJ-style, round-robin over DDP's replicated params) runs once per
+rule, its rows labelled `config[rule]` unless the rule is the default (torch's Muon, standard
+quintic), with `vs ddp_kj_rule` and the optimizer's share; the other peers run once.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
 from typing import Any
 
 from ..bench import report
-from ..bench.configs import CONFIGS, WORKLOADS, with_overrides
+from ..bench.configs import (
+    CONFIGS,
+    MATRIX_RULES,
+    NS_ALGORITHMS,
+    NS_COEFFICIENTS,
+    WORKLOADS,
+    Rule,
+    rule_sensitive,
+    with_overrides,
+)
 from ..engine.config import DataParallelConfig
 from . import MAX_NPROC, positive_int
 from .flags import add_flags
@@ -79,6 +95,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         choices=tuple(CONFIGS),
         help="run only this configuration (repeatable; default: all)",
     )
+    rules = p.add_argument_group(
+        "matrix rules (every combination of the values given; default: muon standard quintic)",
+        "each runs every wholeshard configuration and ddp_kj_rule once",
+    )
+    for flag, choices, what in (
+        ("--matrix-optimizer", MATRIX_RULES, "the optimizer stepping the matrices"),
+        ("--ns-algorithm", NS_ALGORITHMS, "Newton-Schulz iteration (gram: fewer flops)"),
+        ("--ns-coefficients", NS_COEFFICIENTS, "Newton-Schulz coefficient schedule"),
+    ):
+        rules.add_argument(
+            flag, nargs="+", choices=choices, default=[choices[0]], help=f"{what} ({choices[0]})"
+        )
     overrides = p.add_argument_group(
         "overrides of every wholeshard (ws_*) configuration",
         "DataParallelConfig fields; a flag not given leaves each configuration's own setting",
@@ -151,27 +179,31 @@ def _run_one(
     device: str = "cpu",
     backend: str = "gloo",
     count_launches: bool = False,
+    rule: Rule | None = None,
 ) -> tuple[report.Row, list[str]]:
-    """One configuration (wholeshard keywords replaced by `overrides`) on fresh workers: its
-    row, and any collectives the traffic model could not charge. A configuration that cannot
-    run or fails gets a row carrying the reason."""
+    """One configuration (wholeshard keywords replaced by `overrides`, matrices under `rule`) on
+    fresh workers: its row, and any collectives the traffic model could not charge. A
+    configuration that cannot run or fails gets a row carrying the reason."""
     from ..bench.builders import unavailable
     from ..bench.worker import run_rank
     from ..bench.workloads import get_workload
     from ..distributed.launch import WorkerFailed, launch
 
+    rule = rule or Rule()
+    label = rule.label
     try:
-        reason = unavailable(with_overrides(config, overrides or {}), get_workload(workload, quick))
+        overridden = with_overrides(config, overrides or {})
+        reason = unavailable(overridden, get_workload(workload, quick), rule)
     except ValueError as e:  # overrides no DataParallelConfig accepts
         reason = str(e)
     if reason is not None:
-        return report.Row(workload, config, error=reason), []
+        return report.Row(workload, config, error=reason, rule=label), []
     timeout = 120 + 30 * (warmup + 1 + steps)
     try:
         ranks = launch(
             run_rank,
             nproc,
-            (workload, config, steps, warmup, quick, overrides, device, count_launches),
+            (workload, config, steps, warmup, quick, overrides, device, count_launches, vars(rule)),
             start_method="fork" if quick and device == "cpu" else "spawn",
             timeout=timeout,
             collective_timeout_s=timeout,
@@ -179,10 +211,11 @@ def _run_one(
             device=device,
         )
     except WorkerFailed as e:
-        return report.Row(workload, config, error=f"rank {e.rank}: {_error_line(e.traceback)}"), []
+        error = f"rank {e.rank}: {_error_line(e.traceback)}"
+        return report.Row(workload, config, error=error, rule=label), []
     except TimeoutError:
-        return report.Row(workload, config, error=f"timed out after {timeout} s"), []
-    return report.from_ranks(workload, config, ranks), ranks[0]["unmodelled"]
+        return report.Row(workload, config, error=f"timed out after {timeout} s", rule=label), []
+    return report.from_ranks(workload, config, ranks, label), ranks[0]["unmodelled"]
 
 
 def _backend(device: str, nproc: int) -> str | None:
@@ -195,6 +228,15 @@ def _backend(device: str, nproc: int) -> str | None:
     if not torch.cuda.is_available():
         return None
     return "nccl" if nproc <= torch.cuda.device_count() else "gloo"
+
+
+def _rules(args: argparse.Namespace, config: str) -> list[Rule]:
+    """The rules `config` runs under: every combination of the rule flags' values for a
+    rule-sensitive configuration, the default rule alone for the others."""
+    if not rule_sensitive(CONFIGS[config]):
+        return [Rule()]
+    values = (args.matrix_optimizer, args.ns_algorithm, args.ns_coefficients)
+    return list(dict.fromkeys(Rule(*combo) for combo in itertools.product(*values)))
 
 
 def _make_parent(path: str) -> None:
@@ -231,11 +273,12 @@ def main(args: argparse.Namespace) -> int:
     if forked:
         preload()  # forked workers inherit it
 
-    runs = [(w, c) for w in workloads for c in configs]
-    rounds: dict[tuple[str, str], list[report.Row]] = {run: [] for run in runs}
+    runs = [(w, c, r) for w in workloads for c in configs for r in _rules(args, c)]
+    rounds: dict[tuple[str, str, Rule], list[report.Row]] = {run: [] for run in runs}
     for round_ in range(args.repeat):
-        for workload, config in runs:
-            where = f"{workload} / {config}" + (f" (round {round_ + 1})" if args.repeat > 1 else "")
+        for workload, config, rule in runs:
+            name = f"{config}[{rule.label}]" if rule.label else config
+            where = f"{workload} / {name}" + (f" (round {round_ + 1})" if args.repeat > 1 else "")
             print(f"[bench] {where} on {args.nproc} {backend} ranks ...", file=sys.stderr)
             start = time.monotonic()
             row, unmodelled = _run_one(
@@ -249,13 +292,14 @@ def main(args: argparse.Namespace) -> int:
                 args.device,
                 backend,
                 args.count_launches,
+                rule,
             )
             took = time.monotonic() - start
             result = row.error or f"{row.step_s:.3f} s/step"
             print(f"[bench]   {result} ({took:.0f} s)", file=sys.stderr)
             if unmodelled:
                 print(f"[bench]   bytes leave out unmodelled {unmodelled}", file=sys.stderr)
-            rounds[workload, config].append(row)
+            rounds[workload, config, rule].append(row)
     rows = [report.merge_rounds(rounds[run]) for run in runs]
     machine["load_average_end"] = list(os.getloadavg())
 

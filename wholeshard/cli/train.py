@@ -39,7 +39,10 @@ _TITLES = {
     "output": "output",
 }
 _METAVARS = {
+    "name": "tiny|small|micro|hf:DIR|hf-config:FILE",
     "path": "PATH",
+    "tokenizer": "DIR",
+    "cache_dir": "DIR",
     "trace": "FILE",
     "resume": "PATH|latest|auto",
     "out": "DIR",
@@ -183,23 +186,10 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
             f"{_source(args, 'data.batch_size')}: {cfg.data.batch_size} sequences do not split "
             f"evenly across {world} processes; use a multiple of {world}"
         )
+    _check_model(parser, cfg, _source(args, "model.name"))
     path, where = cfg.data.path, _source(args, "data.path")
     if path is not None:
-        from ..train import data
-
-        if not os.path.exists(path):
-            parser.error(f"{where}: no such file or directory: {path}")
-        try:
-            corpus = data.load_corpus(path)
-        except (OSError, ValueError) as e:
-            parser.error(f"{where}: {e}")
-        for part in ("train", "val"):
-            n = len(getattr(corpus, part))
-            if n <= cfg.data.seq_len:
-                parser.error(
-                    f"{where}: {path} gives {n} bytes of {part} text (5% of the "
-                    f"text is validation); need more than --seq-len={cfg.data.seq_len}"
-                )
+        _check_data(parser, cfg, where)
     _check_start(parser, cfg, args.overwrite)
     try:
         report.check_out_dir(cfg.output.out, args.overwrite or cfg.checkpoint.resume is not None)
@@ -212,6 +202,53 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
             f"wholeshard train: missing {', '.join(lost)}; "
             "install the train extra: pip install 'wholeshard[train]'\n",
         )
+
+
+def _check_data(parser: argparse.ArgumentParser, cfg: TrainConfig, where: str) -> None:
+    """`--data` exists; record files have the text field; bytes are more than `--seq-len` in
+    both splits. (Token counts are checked by the job, after tokenizing.)"""
+    from ..train import data, tokens
+    from ..train.model import tokenizer_dir
+
+    path = cfg.data.path
+    if not os.path.exists(path):
+        parser.error(f"{where}: no such file or directory: {path}")
+    try:
+        files, reader, _ = tokens.find_inputs(path)
+        if reader is not None or tokenizer_dir(cfg) is not None:
+            tokens.check_inputs(files, reader, cfg.data.text_field)
+            return
+        corpus = data.load_corpus(path, val_fraction=cfg.data.val_fraction)
+    except (OSError, ValueError) as e:
+        parser.error(f"{where}: {e}")
+    except ImportError as e:  # the hf extra, for record files
+        parser.exit(1, f"wholeshard train: {e}\n")
+    for part in ("train", "val"):
+        n = len(getattr(corpus, part))
+        if n <= cfg.data.seq_len:
+            parser.error(
+                f"{where}: {path} gives {n} bytes of {part} text ({cfg.data.val_fraction:g} of "
+                f"the text is validation); need more than --seq-len={cfg.data.seq_len}"
+            )
+
+
+def _check_model(parser: argparse.ArgumentParser, cfg: TrainConfig, where: str) -> None:
+    """A transformers model's directory or config file exists, and the `hf` extra is here."""
+    from ..train import extras
+    from ..train.config import HF_CONFIG, HF_DIR
+
+    name = cfg.model.name
+    if not cfg.is_hf:
+        return
+    if name.startswith(HF_DIR) and not os.path.isdir(name.removeprefix(HF_DIR)):
+        parser.error(f"{where}: {name.removeprefix(HF_DIR)} is not a directory")
+    if name.startswith(HF_CONFIG) and not os.path.isfile(name.removeprefix(HF_CONFIG)):
+        parser.error(f"{where}: no such file: {name.removeprefix(HF_CONFIG)}")
+    try:
+        for package in extras.HF_EXTRA:
+            extras.require(package, extra="hf")
+    except extras.MissingExtra as e:
+        parser.exit(1, f"{e}\n")
 
 
 def _check_start(parser: argparse.ArgumentParser, cfg: TrainConfig, overwrite: bool) -> None:

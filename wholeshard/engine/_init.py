@@ -185,6 +185,7 @@ def plan_routes(routes: list[Route], cfg: DataParallelConfig, dp_size: int) -> P
         strategy=cfg.strategy,
         shard_group_size=cfg.shard_group_size,
         scheme=cfg.scheme,
+        matrix_cost=cfg.matrix_cost,
     )
     return plan
 

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from ..planning.specs import MatrixCost
+
     ParamInit = Callable[[str, torch.Tensor], None]
 
 
@@ -66,8 +68,13 @@ class DataParallelConfig:
     (about 1/8 of the params, from 65,536 up to max(40M, 1M x dp)). More, smaller buckets
     overlap more; each costs one collective per step."""
     strategy: Strategy = "balanced"
-    """How Muon matrices are dealt to ranks: `balanced` (Newton-Schulz cost even across ranks,
-    padding low) or `size_match` (rows of same-size matrices, Megatron's rule)."""
+    """How Muon matrices are dealt to ranks: `balanced` (the matrix rule's cost, `matrix_cost`,
+    even across ranks, padding low) or `size_match` (rows of same-size matrices, Megatron's
+    rule)."""
+    matrix_cost: MatrixCost | None = None
+    """`cost(rows, cols) -> int`, the per-step work of the matrix rule on one matrix, which
+    `balanced` evens out across ranks (and `shard_group_size="auto"` measures): the rule's own
+    `matrix_cost`, e.g. `wholeshard.optim.SOAP.matrix_cost`. None: Newton-Schulz cost (Muon's)."""
     shard_group_size: int | Literal["auto"] | None = None
     """Shard params within groups of this many consecutive ranks and replicate them across the
     dp / k groups (hybrid sharding); must divide the data-parallel size. None: one group.
@@ -172,6 +179,12 @@ class DataParallelConfig:
         if self.use_muon is not None and not callable(self.use_muon):
             raise ConfigError(
                 "use_muon", f"use_muon must be None or a function, got {self.use_muon!r}"
+            )
+        if self.matrix_cost is not None and not callable(self.matrix_cost):
+            raise ConfigError(
+                "matrix_cost",
+                f"matrix_cost must be None or a function cost(rows, cols) -> int (a rule's "
+                f"matrix_cost, e.g. SOAP.matrix_cost), got {self.matrix_cost!r}",
             )
         if self.param_init is not None and not callable(self.param_init):
             raise ConfigError(

@@ -8,8 +8,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 VOCAB = 256  # bytes
+_SCORES_AT_ONCE = 2**24  # attention scores a max-logit recording holds at a time (64 MiB fp32)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class GPTConfig:
 
 
 SIZES = {
+    "micro": GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=128),  # smoke tests, CI
     "tiny": GPTConfig(n_layer=4, n_head=4, d_model=192, seq_len=128),
     "small": GPTConfig(n_layer=6, n_head=8, d_model=512, seq_len=256),
 }
@@ -64,12 +67,19 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with separate query/key/value/output matrices."""
+    """Causal multi-head self-attention with separate query/key/value/output matrices.
+
+    It takes part in QK-clip ([Note: qk-clip] in `wholeshard.optim.qk_clip`): with
+    `record_max_logits` set, each training forward folds its largest pre-softmax logit per head
+    into the fp32 buffer `max_logits` (a running max; -inf when nothing was recorded)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         d = cfg.d_model
         self.n_head = cfg.n_head
+        self.record_max_logits = False
+        """Record `max_logits` in training forwards (off: the forward pays nothing)."""
+        self.register_buffer("max_logits", torch.full((cfg.n_head,), -math.inf), persistent=False)
         self.q = nn.Linear(d, d, bias=False)
         self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d, bias=False)
@@ -85,8 +95,34 @@ class Attention(nn.Module):
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
+        if self.record_max_logits and self.training:
+            self._record(q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+    def qk_clip_targets(self) -> list[tuple[nn.Parameter, nn.Parameter, int, int, torch.Tensor]]:
+        """(query weight, key weight, heads, head_dim, max_logits): QK-clip's protocol."""
+        return [
+            (
+                self.q.weight,
+                self.k.weight,
+                self.n_head,
+                self.q.out_features // self.n_head,
+                self.max_logits,
+            )
+        ]
+
+    @torch.no_grad()
+    def _record(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold the largest causal logit q.k / sqrt(head_dim) (the scale SDPA uses) of each head
+        into `max_logits`, in fp32, a bounded number of scores at a time."""
+        b, h, t, e = q.shape
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        rows = max(1, _SCORES_AT_ONCE // (h * t * t))
+        for i in range(0, b, rows):
+            scores = q[i : i + rows].float() @ k[i : i + rows].float().transpose(-2, -1)
+            peak = scores.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3)) * e**-0.5
+            torch.maximum(self.max_logits, peak, out=self.max_logits)
 
 
 class MLP(nn.Module):
@@ -131,6 +167,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
         if cfg.tie:
             self.head.weight = self.embed.weight
+        self.checkpoint_blocks = False
+        """Recompute each block's activations in backward (non-reentrant checkpointing)."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -148,7 +186,10 @@ class GPT(nn.Module):
         if self.pos is not None:
             x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.norm(x))
 
 

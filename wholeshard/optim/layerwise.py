@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+from torch.utils.hooks import RemovableHandle
 
 from ..distributed import collectives
 from ..engine.data_parallel import DataParallel
+from ._rule_cost import check_cost
 from ._step_check import (
     NONFINITE_POLICIES,
     NonfinitePolicy,
@@ -46,7 +49,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             `torch.optim.Muon`, or `wholeshard.optim.BatchedMuon` (the same maths and state,
             same-shape matrices orthogonalized together). Checkpoints reshard state shaped like
             the param, so an optimizer whose update of a param reads only that param, its grad
-            and such state runs distributed unchanged.
+            and such state runs distributed unchanged. One whose `matrix_cost` is not the one
+            `ddp` was planned with (`DataParallelConfig.matrix_cost`) gets a warning.
         adamw: keyword arguments of `torch.optim.AdamW`.
         nonfinite: what an inf or nan in the averaged gradients does: "error" raises
             `FloatingPointError` on every rank naming the param and the step; "skip" leaves
@@ -89,6 +93,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
         self.ddp = ddp
+        check_cost(ddp.config.matrix_cost, matrix_optimizer)
         self.nonfinite = nonfinite
         self.steps = 0  # step() calls taken (skipped ones included)
         self.skipped_steps = 0
@@ -96,6 +101,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
         self._owned: list[OwnedPiece] = []
         self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
+        self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
         for owned in ddp.owned():
             pieces = pieces_of(owned)
             self._owned += pieces
@@ -165,11 +171,21 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if masters:
                     with _holding(opt.param_groups[0], masters):
                         opt.step()
+            for hook in self._update_hooks.values():
+                hook(pieces)
             separate = [o for o in pieces if o.separate_master]
             if separate:
                 torch._foreach_copy_(
                     [o.param for o in separate], [o.oriented(o.master) for o in separate]
                 )
+
+    def register_update_hook(self, hook: Callable[[list[OwnedPiece]], None]) -> RemovableHandle:
+        """Call `hook(pieces)` after each update of owned `pieces` (all of a step's, or, pipelined,
+        one bucket's), before their masters are written to the params and gathered: what it
+        writes to the masters is what every rank gets (QK-clip, `wholeshard.optim.QKClip`)."""
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
 
     def _check_step(self) -> frozenset[str] | None:
         """Take the step check (`wholeshard.optim._step_check`) with every rank: raise on a

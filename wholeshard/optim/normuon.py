@@ -53,6 +53,9 @@ from torch import Tensor
 from torch.optim._muon import _adjust_lr
 from torch.optim.optimizer import ParamsT, _to_scalar
 
+from ..planning.specs import newton_schulz_cost
+from .gram_ns import NsAlgorithm, check_ns_algorithm, gram_newton_schulz
+
 Coefficients = tuple[float, float, float]
 Schedule = str | Coefficients | Sequence[Coefficients]
 
@@ -108,9 +111,15 @@ def _repeat_last(triples: Sequence[Coefficients], steps: int) -> list[Coefficien
     return list(triples[:steps]) + [triples[-1]] * max(0, steps - len(triples))
 
 
-def orthogonalize(g: Tensor, ns_coefficients: Schedule = "quintic", steps: int = 5) -> Tensor:
+def orthogonalize(
+    g: Tensor,
+    ns_coefficients: Schedule = "quintic",
+    steps: int = 5,
+    ns_algorithm: NsAlgorithm = "standard",
+) -> Tensor:
     """The bf16 Newton-Schulz approximation of the polar factor of `g` (..., m, n), per matrix;
-    see the module docstring. Returns bf16, shaped like `g`."""
+    see the module docstring ("gram": the same iterations by `gram_ns.gram_newton_schulz`).
+    Returns bf16, shaped like `g`."""
     if g.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(g.shape)}")
     schedule, safety = ns_schedule(ns_coefficients, steps)
@@ -119,10 +128,13 @@ def orthogonalize(g: Tensor, ns_coefficients: Schedule = "quintic", steps: int =
     if tall:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) * safety + 1e-7)  # * 1.0 is exact in bf16
-    for a, b, c in schedule:
-        gram = x @ x.mT
-        poly = b * gram + c * gram @ gram
-        x = a * x + poly @ x
+    if check_ns_algorithm(ns_algorithm) == "gram":
+        x = gram_newton_schulz(x, schedule)
+    else:
+        for a, b, c in schedule:
+            gram = x @ x.mT
+            poly = b * gram + c * gram @ gram
+            x = a * x + poly @ x
     return x.mT if tall else x
 
 
@@ -137,6 +149,7 @@ def normuon_update(
     ns_coefficients: Schedule = "quintic",
     ns_steps: int = 5,
     eps: float = 1e-10,
+    ns_algorithm: NsAlgorithm = "standard",
 ) -> Tensor:
     """One NorMuon update direction (bf16, shaped like `grad`), advancing both buffers in
     place; `grad` is not written. 4-D grads (conv filters) are orthogonalized as
@@ -144,10 +157,12 @@ def normuon_update(
     momentum_buffer.lerp_(grad, 1 - momentum)
     update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
     if update.ndim == 4:
-        update = orthogonalize(update.reshape(update.size(0), -1), ns_coefficients, ns_steps)
+        update = orthogonalize(
+            update.reshape(update.size(0), -1), ns_coefficients, ns_steps, ns_algorithm
+        )
         update = update.reshape(grad.shape)
     else:
-        update = orthogonalize(update, ns_coefficients, ns_steps)
+        update = orthogonalize(update, ns_coefficients, ns_steps, ns_algorithm)
     norm = update.norm(dim=(-2, -1), keepdim=True)
     row_mean_sq = torch.mean(update * update, dim=-1, keepdim=True)
     second_momentum.lerp_(row_mean_sq.to(second_momentum.dtype), 1 - beta2)
@@ -169,7 +184,11 @@ class NorMuon(torch.optim.Optimizer):
         ns_coefficients: "quintic" (the reference's), "polar_express", or (a, b, c) triples.
         ns_steps: Newton-Schulz iterations (5).
         eps: added to sqrt(second moment) and to the normalised update's norm (1e-10).
+        ns_algorithm: "standard" (the reference's iteration) or "gram" (`gram_ns`: the same
+            iterations in fewer flops, not bit for bit); an attribute, not a group setting.
     """
+
+    matrix_cost = staticmethod(newton_schulz_cost)  # the planner's default cost
 
     def __init__(
         self,
@@ -183,7 +202,9 @@ class NorMuon(torch.optim.Optimizer):
         ns_coefficients: Schedule = "quintic",
         ns_steps: int = 5,
         eps: float = 1e-10,
+        ns_algorithm: NsAlgorithm = "standard",
     ) -> None:
+        self.ns_algorithm = check_ns_algorithm(ns_algorithm)
         if not 0.0 <= float(lr):
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0.0 <= momentum < 1.0 or not 0.0 <= beta2 < 1.0:
@@ -239,6 +260,7 @@ class NorMuon(torch.optim.Optimizer):
                     ns_coefficients=group["ns_coefficients"],
                     ns_steps=group["ns_steps"],
                     eps=group["eps"],
+                    ns_algorithm=self.ns_algorithm,
                 )
                 if group["weight_decay"] and had_grad:
                     p.mul_(1 - lr * group["weight_decay"])
@@ -256,7 +278,11 @@ class Muon(torch.optim.Muon):
     The iteration is torch's `_zeropower_via_newtonschulz` (bf16, `addmm`s, the input divided by
     its Frobenius norm clamped at `eps`) with the schedule's coefficients per step; for Polar
     Express the norm is first multiplied by 1.01, as in Algorithm 1 of the paper.
+    `ns_algorithm="gram"` runs the same iterations in fewer flops (`gram_ns`; not bit for bit),
+    kept as an attribute so that state dicts stay torch's.
     """
+
+    matrix_cost = staticmethod(newton_schulz_cost)  # the planner's default cost
 
     def __init__(
         self,
@@ -269,8 +295,11 @@ class Muon(torch.optim.Muon):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        *,
+        ns_algorithm: NsAlgorithm = "standard",
     ) -> None:
         ns_schedule(ns_coefficients, ns_steps)  # validates
+        self.ns_algorithm = check_ns_algorithm(ns_algorithm)
         super().__init__(
             params,
             lr=lr,
@@ -299,22 +328,32 @@ class Muon(torch.optim.Muon):
             for p, grad, buf in zip(params, grads, bufs, strict=True):
                 buf.lerp_(grad, 1 - group["momentum"])
                 update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                update = _torch_form_ns(update, schedule, safety, group["eps"])
+                update = _torch_form_ns(update, schedule, safety, group["eps"], self.ns_algorithm)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
 
-def _torch_form_ns(grad: Tensor, schedule: list[Coefficients], safety: float, eps: float) -> Tensor:
-    """torch's `_zeropower_via_newtonschulz` with coefficients per iteration (2-D `grad`)."""
+def _torch_form_ns(
+    grad: Tensor,
+    schedule: list[Coefficients],
+    safety: float,
+    eps: float,
+    ns_algorithm: NsAlgorithm = "standard",
+) -> Tensor:
+    """torch's `_zeropower_via_newtonschulz` with coefficients per iteration (2-D `grad`); with
+    "gram", its iterations by `gram_newton_schulz`."""
     x = grad.bfloat16()
     tall = grad.size(0) > grad.size(1)
     if tall:
         x = x.T
     norm = x.norm()
     x.div_((norm if safety == 1.0 else norm * safety).clamp(min=eps))
-    for a, b, c in schedule:
-        gram = x @ x.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, gram_update, x, beta=a)
+    if ns_algorithm == "gram":
+        x = gram_newton_schulz(x, schedule)
+    else:
+        for a, b, c in schedule:
+            gram = x @ x.T
+            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, gram_update, x, beta=a)
     return x.T if tall else x

@@ -1,8 +1,9 @@
 """The balanced planner: Newton-Schulz cost balanced across ranks, padding kept low.
 
 [Note: balanced]
-The balanced strategy balances Newton-Schulz cost (`ns_cost`) across ranks
-while keeping padding low. Working in backprop order, each bucket is planned in four steps:
+The balanced strategy balances the matrix rule's cost (`spec_cost` under a `MatrixCost`; by
+default Newton-Schulz's, `ns_cost`) across ranks while keeping padding low. Working in
+backprop order, each bucket is planned in four steps:
 1. take the next free params, in order, until they hold `>= bucket_size` elements and at least
    `dp` times the widest of them (no smaller bucket avoids padding); if what is left before the
    next tied param could not make such a bucket, take it all;
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from ._packing import FirstFit, Packing, pack
 from ._rows import Row
-from .specs import ParamSpec, round_up, spec_cost
+from .specs import MatrixCost, ParamSpec, round_up, spec_cost
 
 Assignment = list[tuple[int, int]]
 """(rank, backprop position) of every param of a bucket."""
@@ -48,14 +49,19 @@ MAX_MERGE = 4  # a badly padded last bucket of a run may merge with up to 3 befo
 
 
 def plan_balanced(
-    specs: tuple[ParamSpec, ...], dp_size: int, bucket_size: int | None, align: int
+    specs: tuple[ParamSpec, ...],
+    dp_size: int,
+    bucket_size: int | None,
+    align: int,
+    matrix_cost: MatrixCost | None = None,
 ) -> list[list[Row]]:
-    """Buckets of one row each (width = shard_numel), see [Note: balanced]."""
+    """Buckets of one row each (width = shard_numel), see [Note: balanced]; the cost balanced is
+    `matrix_cost`'s (None: Newton-Schulz's)."""
     n = len(specs)
     order = [specs[n - 1 - p] for p in range(n)]
     plan = _Balancer(
         widths=[round_up(s.numel, align) for s in order],
-        costs=[spec_cost(s) for s in order],
+        costs=[spec_cost(s, matrix_cost) for s in order],
         tied=[s.tied for s in order],
         dp_size=dp_size,
         align=align,

@@ -56,8 +56,8 @@ from .plan import (
     plan_buffers,
     validate_specs,
 )
-from .projection import ns_flops, rank_ns_flops
-from .specs import ParamSpec, cost_imbalance, is_int, layer_of, matrix_shape, round_up
+from .projection import matrix_flops, rank_ns_flops
+from .specs import MatrixCost, ParamSpec, cost_imbalance, is_int, layer_of, matrix_shape, round_up
 
 MIN_BUCKET_LIMIT = 100_000_000
 """The bucket limit is never below this many elements: smaller buckets cost latency."""
@@ -83,8 +83,8 @@ class ShardGroupChoice:
     bucket_target: int  # max(100M, 2 x largest layer), before the element-wise floor
     padding_fraction: float
     padding_limit: float  # 1% beyond the alignment padding of the specs
-    ns_imbalance: float
-    ns_flops: int  # Newton-Schulz flops per step of the busiest rank
+    ns_imbalance: float  # of the plan's `matrix_cost` when it has one
+    ns_flops: int  # Newton-Schulz flops (or `matrix_cost`) per step of the busiest rank
     optimizer_state: int  # fp32 values the busiest rank keeps (Muon: 1, AdamW: 2 per element)
     meets_targets: bool
     reason: str
@@ -144,7 +144,10 @@ def optimizer_state(plan: Plan) -> int:
 class _Shapes:
     """What the bounds need, read once from validated specs."""
 
-    def __init__(self, specs: tuple[ParamSpec, ...], align: int) -> None:
+    def __init__(
+        self, specs: tuple[ParamSpec, ...], align: int, matrix_cost: MatrixCost | None
+    ) -> None:
+        self.matrix_cost = matrix_cost
         self.by_kind: dict[BufferKind, list[ParamSpec]] = {}
         for s in specs:
             self.by_kind.setdefault(buffer_kind(s), []).append(s)
@@ -163,7 +166,10 @@ class _Shapes:
             default=0,
         )
         muon = [s for s in specs if s.muon and len(s.shape) >= 2]
-        cache = {shape: ns_flops(shape) for shape in {matrix_shape(s.shape) for s in muon}}
+        cache = {
+            shape: matrix_flops(shape, matrix_cost)
+            for shape in {matrix_shape(s.shape) for s in muon}
+        }
         flops = [cache[matrix_shape(s.shape)] for s in muon]
         self.total_flops = sum(
             f * math.prod(s.shape[:-2]) for f, s in zip(flops, muon, strict=True)
@@ -211,12 +217,12 @@ def _plan(
     given its element-wise buffer."""
     by_kind = shapes.by_kind
     planners = {
-        "muon": lambda s: plan_whole(s, k, bucket_size, align, strategy),
+        "muon": lambda s: plan_whole(s, k, bucket_size, align, strategy, shapes.matrix_cost),
         "stacked": lambda s: plan_stacked(s, k, bucket_size, align),
         "adamw": lambda s: elementwise,
     }
     buffers = tuple(planners[kind](tuple(by_kind[kind])) for kind in KINDS if kind in by_kind)
-    return Plan(dp, k, strategy, align, bucket_size, buffers)  # type: ignore[arg-type]
+    return Plan(dp, k, strategy, align, bucket_size, buffers, shapes.matrix_cost)  # type: ignore[arg-type]
 
 
 class _Figures:
@@ -235,7 +241,8 @@ class _Figures:
     @property
     def flops(self) -> list[int]:
         if self._flops is None:
-            self._flops = rank_ns_flops(self.plan)
+            plan = self.plan
+            self._flops = rank_ns_flops(plan) if plan.matrix_cost is None else plan.rank_costs()
         return self._flops
 
     @property
@@ -276,17 +283,19 @@ def auto_shard_group_size(
     strategy: Strategy = DEFAULT_STRATEGY,
     align: int = 64,
     bucket_limit: int | None = None,
+    matrix_cost: MatrixCost | None = None,
 ) -> ShardGroupChoice:
     """The shard-group size for `specs` (registration order) on `dp_size` ranks, by [Note:
     automatic shard groups]. `bucket_size` None: `default_bucket_size(numel, k)` for each
     candidate k (not one bucket per buffer, as in `plan_buffers`); `bucket_limit` None:
-    `bucket_target(specs)`. Raises ValueError, as `plan_buffers` does, on bad input."""
+    `bucket_target(specs)`; `matrix_cost` given: it, not Newton-Schulz flops, is balanced and
+    measured. Raises ValueError, as `plan_buffers` does, on bad input."""
     specs = tuple(specs)
     _group_size(dp_size, None, bucket_size, align, strategy, "whole")
     if bucket_limit is not None and (not is_int(bucket_limit) or bucket_limit < 1):
         raise ValueError(f"bucket_limit must be None or an int >= 1, got {bucket_limit!r}")
     validate_specs(specs)
-    shapes = _Shapes(specs, align)
+    shapes = _Shapes(specs, align, matrix_cost)
     target = bucket_target(specs) if bucket_limit is None else bucket_limit
     planned: list[_Figures] = []
     passed_over: list[tuple[int, str]] = []  # (k, why), largest k first
@@ -353,17 +362,21 @@ def plan_for(
     strategy: Strategy = DEFAULT_STRATEGY,
     shard_group_size: int | str | None = None,
     scheme: Scheme = "whole",
+    matrix_cost: MatrixCost | None = None,
 ) -> tuple[Plan, ShardGroupChoice | None]:
     """The plan `DataParallel` makes (and `wholeshard plan` shows) for these settings, with the
     choice behind it when `shard_group_size="auto"`. `bucket_size` None:
-    `default_bucket_size(numel, k)`, k the shard group size (dp when None)."""
+    `default_bucket_size(numel, k)`, k the shard group size (dp when None); `matrix_cost`: the
+    cost balanced (None: Newton-Schulz's)."""
     if shard_group_size == "auto":
         if scheme != "whole":
             raise ValueError(
                 f"shard_group_size='auto' plans whole-tensor buffers: it needs scheme='whole', "
                 f"got {scheme!r}"
             )
-        choice = auto_shard_group_size(specs, dp_size, bucket_size=bucket_size, strategy=strategy)
+        choice = auto_shard_group_size(
+            specs, dp_size, bucket_size=bucket_size, strategy=strategy, matrix_cost=matrix_cost
+        )
         return choice.plan, choice
     if isinstance(shard_group_size, str):
         raise ValueError(
@@ -379,5 +392,6 @@ def plan_for(
         strategy=strategy,
         shard_group_size=shard_group_size,
         scheme=scheme,
+        matrix_cost=matrix_cost,
     )
     return plan, None

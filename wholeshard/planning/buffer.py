@@ -26,7 +26,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .specs import Bucket, ParamSpec, Placement, matrices, matrix_shape, ns_cost, round_up
+from .specs import (
+    Bucket,
+    MatrixCost,
+    ParamSpec,
+    Placement,
+    matrices,
+    matrix_shape,
+    round_up,
+    shape_cost,
+)
 
 BufferKind = Literal["muon", "stacked", "adamw", "unaligned"]
 KINDS: tuple[BufferKind, ...] = ("muon", "stacked", "adamw", "unaligned")
@@ -123,18 +132,18 @@ class Buffer:
             if length:
                 yield p, offset, length
 
-    def rank_costs(self) -> list[int]:
-        """Newton-Schulz cost (`ns_cost`) of the matrices each shard-group rank owns (Muon
-        params only: zeros for an element-wise buffer)."""
+    def rank_costs(self, matrix_cost: MatrixCost | None = None) -> list[int]:
+        """`matrix_cost` (None: Newton-Schulz cost, `ns_cost`) of the matrices each shard-group
+        rank owns (Muon params only: zeros for an element-wise buffer)."""
         costs = [0] * self.shard_group_size
         if self.kind == "stacked":
             for p in self.placements:
-                cost = ns_cost(matrix_shape(p.shape))
+                cost = shape_cost(matrix_shape(p.shape), matrix_cost)
                 for m in matrices(p, self.buckets):
                     costs[m.owner] += cost
         elif self.kind == "muon":
             for p in self.placements:
-                costs[p.owner] += ns_cost(p.shape)
+                costs[p.owner] += shape_cost(p.shape, matrix_cost)
         return costs
 
     def check(self, specs: Sequence[ParamSpec] | None = None) -> None:

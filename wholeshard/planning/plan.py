@@ -20,7 +20,7 @@ all-reduced across groups. `Plan.shard_rank(rank)` maps a global rank to its ran
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ._elementwise import plan_elementwise
@@ -28,7 +28,7 @@ from ._stacked import plan_stacked
 from ._unaligned import plan_unaligned
 from ._whole import plan_whole
 from .buffer import KINDS, Buffer, BufferKind
-from .specs import ParamSpec, cost_imbalance, is_int
+from .specs import MatrixCost, ParamSpec, cost_imbalance, is_int
 
 Strategy = Literal["size_match", "balanced"]
 STRATEGIES: tuple[Strategy, ...] = ("size_match", "balanced")
@@ -41,7 +41,7 @@ SCHEMES: tuple[Scheme, ...] = ("whole", "ping_pong")
 class Plan:
     """Every param's buffer, bucket, range and owner, for `dp_size` ranks in shard groups of
     `shard_group_size`. `buffers` holds at most one buffer per kind, in `KINDS` order, none
-    empty."""
+    empty. `matrix_cost` is the cost the plan balanced (None: Newton-Schulz cost)."""
 
     dp_size: int
     shard_group_size: int
@@ -49,6 +49,7 @@ class Plan:
     align: int
     bucket_size: int | None
     buffers: tuple[Buffer, ...]
+    matrix_cost: MatrixCost | None = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -61,16 +62,18 @@ class Plan:
         return 0.0 if total == 0 else 1.0 - sum(b.used for b in self.buffers) / total
 
     def rank_costs(self) -> list[int]:
-        """Newton-Schulz cost (`ns_cost`) of the Muon matrices each shard-group rank owns."""
+        """The cost the plan balanced (`matrix_cost`; None: Newton-Schulz cost, `ns_cost`) of
+        the Muon matrices each shard-group rank owns."""
         costs = [0] * self.shard_group_size
         for buffer in self.buffers:
-            for rank, cost in enumerate(buffer.rank_costs()):
+            for rank, cost in enumerate(buffer.rank_costs(self.matrix_cost)):
                 costs[rank] += cost
         return costs
 
     @property
     def ns_cost_imbalance(self) -> float:
-        """Max over shard-group ranks of owned Newton-Schulz cost / mean (1.0: no Muon work)."""
+        """Max over shard-group ranks of owned cost (`rank_costs`: Newton-Schulz cost unless the
+        plan balanced another `matrix_cost`) / mean (1.0: no Muon work)."""
         return cost_imbalance(self.rank_costs())
 
     def shard_rank(self, rank: int) -> int:
@@ -137,12 +140,14 @@ def plan_buffers(
     strategy: Strategy = DEFAULT_STRATEGY,
     shard_group_size: int | None = None,
     scheme: Scheme = "whole",
+    matrix_cost: MatrixCost | None = None,
 ) -> Plan:
     """Plan the buffers for `params` (registration order) on `dp_size` ranks.
 
     Muon params go to whole-tensor buffers planned by `strategy` over `k = shard_group_size or
-    dp_size` ranks, the others to an element-wise buffer (module docstring). Buckets close near
-    `bucket_size` elements (None: one bucket per buffer, or per run between tied params).
+    dp_size` ranks ("balanced" balances `matrix_cost`, None: Newton-Schulz cost), the others
+    to an element-wise buffer (module docstring). Buckets close near `bucket_size` elements
+    (None: one bucket per buffer, or per run between tied params).
     `scheme="ping_pong"` plans the legacy baseline instead: one unaligned buffer (`align` 1,
     size matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
     result passes `Plan.check(params)`.
@@ -160,12 +165,12 @@ def plan_buffers(
     for s in specs:
         by_kind.setdefault(buffer_kind(s), []).append(s)
     planners = {
-        "muon": lambda s: plan_whole(s, k, bucket_size, align, strategy),
+        "muon": lambda s: plan_whole(s, k, bucket_size, align, strategy, matrix_cost),
         "stacked": lambda s: plan_stacked(s, k, bucket_size, align),
         "adamw": lambda s: plan_elementwise(s, k, bucket_size, align),
     }
     buffers = tuple(planners[kind](tuple(by_kind[kind])) for kind in KINDS if kind in by_kind)
-    plan = Plan(dp_size, k, strategy, align, bucket_size, buffers)
+    plan = Plan(dp_size, k, strategy, align, bucket_size, buffers, matrix_cost)
     plan.check(specs)
     return plan
 

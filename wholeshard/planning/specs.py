@@ -11,8 +11,13 @@ import functools
 import math
 import operator
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+MatrixCost = Callable[[int, int], int]
+"""`cost(rows, cols)`: what the owner of one (rows, cols) matrix pays per step under an
+optimizer rule (its `matrix_cost`, `DataParallelConfig.matrix_cost`); the planner balances it.
+None wherever one is taken: `newton_schulz_cost`."""
 
 
 @dataclass(frozen=True)
@@ -121,14 +126,26 @@ def ns_cost(shape: Sequence[int]) -> int:
     return max(m, n) * min(m, n) ** 2
 
 
-def spec_cost(spec: ParamSpec) -> int:
-    """The Newton-Schulz cost the owner of `spec` pays: `ns_cost` for a Muon param, else 0
-    (an element-wise AdamW update is negligible next to Newton-Schulz)."""
-    return ns_cost(spec.shape) if spec.muon else 0
+def newton_schulz_cost(rows: int, cols: int) -> int:
+    """`ns_cost` of a (rows, cols) matrix: the default `MatrixCost` (Muon's rules' own)."""
+    return ns_cost((rows, cols))
+
+
+def shape_cost(shape: Sequence[int], matrix_cost: MatrixCost | None = None) -> int:
+    """`matrix_cost(m, n)` of an (m, n) shape (None: `ns_cost`); 0 for non-2-D shapes."""
+    if len(shape) != 2:
+        return 0
+    return ns_cost(shape) if matrix_cost is None else int(matrix_cost(*shape))
+
+
+def spec_cost(spec: ParamSpec, matrix_cost: MatrixCost | None = None) -> int:
+    """The cost the owner of `spec` pays: `shape_cost` for a Muon param, else 0 (an
+    element-wise AdamW update is negligible next to a matrix rule's)."""
+    return shape_cost(spec.shape, matrix_cost) if spec.muon else 0
 
 
 def cost_imbalance(costs: Sequence[int]) -> float:
-    """Max / mean of per-rank Newton-Schulz costs (1.0 when there is no Muon work)."""
+    """Max / mean of per-rank matrix costs (1.0 when there is no Muon work)."""
     total = sum(costs)
     return 1.0 if total == 0 else max(costs) * len(costs) / total
 

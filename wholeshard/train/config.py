@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 from ..engine.config import ConfigError, DataParallelConfig, literal_choices
 
-DEFAULT_LR = {"muon": 1e-2, "adamw": 2e-3}
-"""Peak learning rate per optimizer when `optim.lr` is not given (tuned on the tiny model)."""
+DEFAULT_LR = {"muon": 1e-2, "normuon": 1e-2, "soap": 3e-3, "adamw": 2e-3}
+"""Peak learning rate per matrix rule (the muon path) or for the adamw path, when `optim.lr` is
+not given (tuned on the tiny model)."""
 
 
 def _at_least(low: float, *, flag: str | None = None, high: float | None = None) -> dict:
@@ -36,16 +37,28 @@ def _at_least(low: float, *, flag: str | None = None, high: float | None = None)
     return meta
 
 
+GPT_SIZES = ("micro", "tiny", "small")
+"""The byte-level GPT's sizes (`wholeshard.models.gpt.SIZES`), by `model.name`."""
+HF_DIR, HF_CONFIG = "hf:", "hf-config:"
+"""`model.name` prefixes of a transformers model directory and of a transformers config file."""
+
+
 @dataclass
 class ModelConfig:
-    """The byte-level GPT (`wholeshard.models.gpt`)."""
+    """The model: the byte-level GPT (`wholeshard.models.gpt`) or a transformers causal LM."""
 
-    name: Literal["tiny", "small"] = field(default="tiny", metadata={"flag": "model"})
-    """Model size: `tiny` (~2M params) or `small` (~20M params)."""
+    name: str = field(default="tiny", metadata={"flag": "model"})
+    """`tiny` (~2M params), `small` (~20M) or `micro` (~0.1M, for smoke tests): the byte-level
+    GPT; `hf:DIR`: a local transformers model directory (its config, its weights if present,
+    its tokenizer if present; nothing is downloaded); `hf-config:FILE.json`: any transformers
+    causal-LM config, random init."""
     pos: Literal["rope", "learned"] | None = None
-    """Position encoding, `rope` or `learned`; None takes the model size's."""
+    """The byte GPT's position encoding, `rope` or `learned`; None takes the model size's."""
     tie: bool | None = None
-    """Tie the output head to the byte embedding; None takes the model size's."""
+    """Tie the byte GPT's output head to its embedding; None takes the model size's."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them
+    (less memory, about one more forward of compute)."""
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of forward/backward (the optimizers keep fp32 masters); `auto` takes
     bfloat16 where the hardware has fast bf16 matmuls, else float32."""
@@ -59,11 +72,23 @@ class DataConfig:
     """The text and how it is cut into batches."""
 
     path: str | None = field(default=None, metadata={"flag": "data"})
-    """A text file or directory to train on; None uses the Python standard library's sources."""
+    """What to train on: a text file or a directory of them, or `.jsonl`, `.json` or `.parquet`
+    files (or a directory of them) read with Hugging Face `datasets`; None uses the Python
+    standard library's sources."""
+    text_field: str = field(default="text", metadata={"flag": "data-field"})
+    """The text field of each record of `.jsonl`, `.json` and `.parquet` data."""
+    tokenizer: str | None = None
+    """A local tokenizer directory (transformers `AutoTokenizer`); None takes the model's own
+    (`hf:DIR` with tokenizer files), else the text is read as bytes (needs a vocab >= 256)."""
+    val_fraction: float = field(default=0.05, metadata=_at_least(0.001, high=0.5))
+    """Fraction of the text (in equal blocks spread over it) held out for validation."""
+    cache_dir: str | None = None
+    """Where tokenized data is cached (memory-mapped token ids keyed by the data files, their
+    sizes and mtimes, and the tokenizer); None: `token-cache` beside the output directory."""
     batch_size: int = field(default=32, metadata=_at_least(1))
     """Global batch in sequences per step; each rank takes a contiguous 1/world slice of it."""
     seq_len: int = field(default=128, metadata=_at_least(1, high=65536))
-    """Bytes per training sequence (the model's context length)."""
+    """Tokens (bytes, for byte-level data) per training sequence: the context length."""
 
 
 @dataclass
@@ -72,11 +97,26 @@ class OptimConfig:
 
     name: Literal["muon", "adamw"] = field(default="muon", metadata={"flag": "optimizer"})
     """`muon`: wholeshard DataParallel + LayerwiseOptimizer; `adamw`: torch DDP + AdamW."""
+    matrix_optimizer: Literal["muon", "normuon", "soap"] = "muon"
+    """The rule stepping the hidden matrices (muon path): `muon` (torch's Muon), `normuon`
+    (Muon with per-row second moments), `soap` (Shampoo-preconditioned Adam); AdamW steps the
+    rest."""
+    ns_coefficients: Literal["quintic", "polar_express"] = "quintic"
+    """Newton-Schulz coefficients of `muon` and `normuon`: the fixed quintic or the Polar
+    Express schedule."""
+    ns_algorithm: Literal["standard", "gram"] = "standard"
+    """How `muon` and `normuon` run Newton-Schulz: `standard`, or `gram` (the same iterations in
+    fewer flops, on symmetric Gram products: `wholeshard.optim.gram_ns`; not bitwise the
+    standard's)."""
+    qk_clip: float | None = field(default=None, metadata=_at_least(0, flag="qk-clip"))
+    """MuonClip: after each step, scale the query and key rows of every attention head whose
+    largest pre-softmax logit exceeded this (needs a model that reports them: the byte GPT);
+    None: off."""
     steps: int = field(default=300, metadata=_at_least(1))
     """Optimizer steps to run."""
     lr: float | None = None
-    """Peak learning rate for every param group; None takes `DEFAULT_LR[optimizer]`, tuned on
-    the tiny model."""
+    """Peak learning rate for every param group; None takes `DEFAULT_LR` of the matrix rule
+    (muon path) or of adamw, tuned on the tiny model."""
     weight_decay: float = field(default=0.0, metadata=_at_least(0))
     """Decoupled weight decay for every param group."""
     warmup: int | None = field(default=None, metadata=_at_least(0))
@@ -140,10 +180,10 @@ class OutputConfig:
 
 
 PARALLEL_SET_BY_THE_JOB = frozenset(
-    {"use_muon", "param_dtype", "grad_reduce_dtype", "fp8_param_gather", "timeout"}
+    {"use_muon", "param_dtype", "grad_reduce_dtype", "fp8_param_gather", "timeout", "matrix_cost"}
 )
 """`DataParallelConfig` fields the job sets itself (from `model.param_dtype`, `model.fp8`,
-`reliability.collective_timeout`), so they are not flags."""
+`reliability.collective_timeout`, `optim.matrix_optimizer`), so they are not flags."""
 
 
 @dataclass
@@ -173,7 +213,10 @@ class TrainConfig:
             section = getattr(self, name)
             if name != "parallel":  # DataParallelConfig checks itself (frozen: it cannot change)
                 _check_fields(section, name + ".")
+        self._check_model()
         optim = self.optim
+        if optim.qk_clip is not None and not optim.qk_clip > 0:
+            raise ConfigError("optim.qk_clip", f"qk_clip must be > 0, got {optim.qk_clip}")
         if optim.lr is not None and not optim.lr > 0:
             raise ConfigError("optim.lr", f"lr must be > 0, got {optim.lr}")
         if not self.reliability.collective_timeout > 0:
@@ -194,12 +237,55 @@ class TrainConfig:
             )
         if optim.name != "muon":
             self._check_adamw()
+        for name, default in (("ns_coefficients", "quintic"), ("ns_algorithm", "standard")):
+            if getattr(optim, name) != default and optim.matrix_optimizer == "soap":
+                raise ConfigError(
+                    f"optim.{name}",
+                    f"{name} needs a Newton-Schulz rule (--matrix-optimizer muon or normuon); "
+                    f"soap does not orthogonalize",
+                )
         if self.checkpoint.resume in ("latest", "auto") and self.output.out is None:
             raise ConfigError(
                 "checkpoint.resume",
                 f"resume {self.checkpoint.resume} needs out, the directory of the run to "
                 f"continue (e.g. --out runs/a)",
             )
+
+    def _check_model(self) -> None:
+        """`model.name` is a GPT size, `hf:DIR` or `hf-config:FILE`; GPT options need the GPT."""
+        name = self.model.name
+        if name in GPT_SIZES:
+            if self.data.tokenizer is not None:
+                raise ConfigError(
+                    "data.tokenizer",
+                    f"tokenizer needs a transformers model (--model hf:DIR or "
+                    f"hf-config:FILE): the byte GPT ({name}) reads bytes",
+                )
+            return
+        if not name.startswith((HF_DIR, HF_CONFIG)) or name in (HF_DIR, HF_CONFIG):
+            raise ConfigError(
+                "model.name",
+                f"model must be one of {GPT_SIZES}, hf:DIR (a local transformers model "
+                f"directory) or hf-config:FILE.json (a transformers config), got {name!r}",
+            )
+        if self.optim.qk_clip is not None:
+            raise ConfigError(
+                "optim.qk_clip",
+                "qk_clip needs a model that reports its attention logits (the byte GPT: "
+                "wholeshard.optim.qk_clip's interface); transformers models do not",
+            )
+        for option in ("pos", "tie"):
+            if getattr(self.model, option) is not None:
+                raise ConfigError(
+                    f"model.{option}",
+                    f"{option} is an option of the byte GPT ({'/'.join(GPT_SIZES)}); a "
+                    f"transformers model takes it from its config",
+                )
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether `model.name` names a transformers model."""
+        return self.model.name not in GPT_SIZES
 
     def _check_adamw(self) -> None:
         """The AdamW path is torch DDP: wholeshard's modes and checkpoints need muon."""
@@ -211,6 +297,12 @@ class TrainConfig:
                         f"parallel.{f.name}",
                         f"{f.name} needs --optimizer muon (it is a wholeshard DataParallel mode)",
                     )
+        optim, default_optim = self.optim, OptimConfig()
+        for name in ("matrix_optimizer", "ns_coefficients", "ns_algorithm", "qk_clip"):
+            if getattr(optim, name) != getattr(default_optim, name):
+                raise ConfigError(
+                    f"optim.{name}", f"{name} needs --optimizer muon (a wholeshard matrix rule)"
+                )
         for name, used in (("every", self.checkpoint.every), ("resume", self.checkpoint.resume)):
             if used:
                 raise ConfigError(
@@ -222,7 +314,10 @@ class TrainConfig:
     @property
     def peak_lr(self) -> float:
         """The learning rate after warm-up."""
-        return self.optim.lr if self.optim.lr is not None else DEFAULT_LR[self.optim.name]
+        optim = self.optim
+        if optim.lr is not None:
+            return optim.lr
+        return DEFAULT_LR[optim.matrix_optimizer if optim.name == "muon" else optim.name]
 
     @property
     def checkpoint_dir(self) -> str:

@@ -1,4 +1,7 @@
-"""Byte-level text data: the embedded stdlib corpus, a deterministic split, and batch sampling.
+"""Text data as a 1-D stream: the stdlib corpus, a deterministic split, and batch sampling.
+
+Bytes are read here; tokenized and record (`.jsonl`, `.json`, `.parquet`) data are built and
+cached by `wholeshard.train.tokens`, which returns the same `Corpus`.
 
 [Note: batches]
 Step `s`'s global batch is `batch_size` windows whose start offsets come from a generator seeded
@@ -12,24 +15,33 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
 
 # Directories of the stdlib tree that are not the library's own sources.
 _STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-_SPLIT_BLOCKS = 100  # the text is cut into this many equal blocks ...
-_VAL_EVERY = 20  # ... and every 20th block (5%) is validation text
+_SPLIT_BLOCKS = 100  # the text is cut into at least this many equal blocks ...
+VAL_FRACTION = 0.05  # ... and this fraction of them, spread evenly, is validation text
+_MAX_DENOMINATOR = 1000  # val_fraction is rounded to a fraction p/q with q <= this
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """Train and validation bytes as 1-D uint8 tensors, plus where they came from."""
+    """Train and validation text as 1-D integer tensors, plus where they came from.
+
+    `unit` is "bytes" (uint8 tensors) or "tokens" (uint16 or uint32 tensors, views of the
+    memory-mapped `cache` file). Index first, then convert (`_windows` does): unsigned 16- and
+    32-bit tensors support few torch ops.
+    """
 
     train: torch.Tensor
     val: torch.Tensor
     source: str
     files: int
+    unit: str = "bytes"
+    cache: Path | None = None
 
 
 def stdlib_root() -> Path:
@@ -71,18 +83,44 @@ def read_text_bytes(files: list[Path]) -> tuple[bytes, int]:
     return b"".join(parts), len(parts)
 
 
-def split(data: bytes) -> tuple[bytes, bytes]:
-    """Cut `data` into `_SPLIT_BLOCKS` equal blocks; every `_VAL_EVERY`-th is validation."""
-    block = -(-len(data) // _SPLIT_BLOCKS)
+def split_fraction(val_fraction: float = VAL_FRACTION) -> tuple[int, int]:
+    """`val_fraction` as `(p, q)`, the nearest fraction with `q <= 1000` (0.05 -> (1, 20))."""
+    f = Fraction(val_fraction).limit_denominator(_MAX_DENOMINATOR)
+    if not 0 < f < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    return f.numerator, f.denominator
+
+
+def split_blocks(n: int, val_fraction: float = VAL_FRACTION) -> list[tuple[int, int, bool]]:
+    """`(start, stop, is_val)` of the equal blocks a stream of `n` items is cut into.
+
+    With `val_fraction = p/q` there are `q * ceil(100 / q)` blocks (a multiple of q, at least
+    100), each `ceil(n / blocks)` long (the last ones shorter or empty), and block `i` is
+    validation when `floor((i + 1) p / q) > floor(i p / q)`: exactly `p` of every `q`, spread
+    evenly. The default 1/20 gives 100 blocks with every 20th validation. Integers only.
+    """
+    p, q = split_fraction(val_fraction)
+    blocks = q * -(-_SPLIT_BLOCKS // q)
+    size = -(-n // blocks)
+    return [
+        (min(i * size, n), min((i + 1) * size, n), (i + 1) * p // q > i * p // q)
+        for i in range(blocks)
+    ]
+
+
+def split(data: bytes, val_fraction: float = VAL_FRACTION) -> tuple[bytes, bytes]:
+    """`data` cut by `split_blocks`: (the train blocks joined, the validation blocks joined)."""
     train, val = [], []
-    for i in range(_SPLIT_BLOCKS):
-        chunk = data[i * block : (i + 1) * block]
-        (val if i % _VAL_EVERY == _VAL_EVERY - 1 else train).append(chunk)
+    for start, stop, is_val in split_blocks(len(data), val_fraction):
+        (val if is_val else train).append(data[start:stop])
     return b"".join(train), b"".join(val)
 
 
-def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
-    """Read `path` (a file or directory), or the stdlib sources when None, and split it."""
+def load_corpus(
+    path: str | os.PathLike | None = None, *, val_fraction: float = VAL_FRACTION
+) -> Corpus:
+    """Read `path` (a file or directory), or the stdlib sources when None, as bytes, and split
+    it (`split`). Every file is read as text, whatever its suffix."""
     if path is None:
         files, source = stdlib_files(), f"python stdlib ({stdlib_root()})"
     else:
@@ -90,7 +128,7 @@ def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
     data, used = read_text_bytes(files)
     if not data:
         raise ValueError(f"no text found in {source}")
-    train, val = split(data)
+    train, val = split(data, val_fraction)
 
     def as_tensor(b: bytes) -> torch.Tensor:
         if not b:
@@ -102,8 +140,12 @@ def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
 
 def _windows(text: torch.Tensor, starts: torch.Tensor, seq_len: int):
     idx = starts[:, None] + torch.arange(seq_len + 1)
-    seqs = text[idx].long()
+    seqs = text[idx].long()  # gather first: uint16/uint32 support indexing, not arithmetic
     return seqs[:, :-1], seqs[:, 1:]
+
+
+def _unit(text: torch.Tensor) -> str:
+    return "bytes" if text.dtype == torch.uint8 else "tokens"
 
 
 def rank_slice(n: int, rank: int, world: int) -> slice:
@@ -119,7 +161,9 @@ def train_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (inputs, targets) of step's global batch, each `[batch / world, seq_len]`."""
     if len(text) <= seq_len:
-        raise ValueError(f"train text has {len(text)} bytes, need more than seq_len={seq_len}")
+        raise ValueError(
+            f"train text has {len(text)} {_unit(text)}, need more than seq_len={seq_len}"
+        )
     g = torch.Generator().manual_seed((seed << 32) + step)
     starts = torch.randint(0, len(text) - seq_len, (batch_size,), generator=g)
     return _windows(text, starts[rank_slice(batch_size, rank, world)], seq_len)
@@ -130,7 +174,9 @@ def val_batches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's slices of `n_batches` fixed validation batches of evenly spaced windows."""
     if len(text) <= seq_len:
-        raise ValueError(f"val text has {len(text)} bytes, need more than seq_len={seq_len}")
+        raise ValueError(
+            f"val text has {len(text)} {_unit(text)}, need more than seq_len={seq_len}"
+        )
     n = n_batches * batch_size
     starts = torch.linspace(0, len(text) - seq_len - 1, n).long().view(n_batches, batch_size)
     mine = rank_slice(batch_size, rank, world)

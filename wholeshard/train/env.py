@@ -40,6 +40,15 @@ class GlobalMean:
         return self.t.item()
 
 
+def all_ok(ok: bool, env: DistEnv) -> bool:
+    """Whether `ok` holds on every rank (an all-reduce of the flags; every rank must call it)."""
+    if env.world == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=env.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def torchrun_env() -> bool:
     """True when the environment describes a launched world (torchrun or `wholeshard.distributed
     .launch`)."""

@@ -20,6 +20,30 @@ RUN_FILES = (METRICS, SUMMARY, PLOT)
 TRACE_STEPS = 3  # steps recorded by --trace, after one warm-up step
 
 
+def summary(cfg: Any, progress: dict[str, Any], *, wall_s: float, **run: Any) -> dict[str, Any]:
+    """The run summary (summary.json) of a `TrainConfig` run: its progress (`first_val`,
+    `last_val`, `last_loss`, `skipped_steps`), its settings, and `run`'s figures."""
+    tokens = cfg.optim.steps * cfg.data.batch_size * cfg.data.seq_len
+    return {
+        "steps": cfg.optim.steps,
+        "final_loss": progress["last_loss"],
+        "final_val_loss": progress["last_val"],
+        "skipped_steps": progress["skipped_steps"],
+        "first_val_loss": progress["first_val"],
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "optimizer": cfg.optim.name,
+        "matrix_optimizer": cfg.optim.matrix_optimizer if cfg.optim.name == "muon" else None,
+        "model": cfg.model.name,
+        "seed": cfg.seed,
+        "lr": cfg.peak_lr,
+        "batch_size": cfg.data.batch_size,
+        "seq_len": cfg.data.seq_len,
+        "tokens_per_s": tokens / wall_s,
+        **run,
+    }
+
+
 def default_out_dir() -> str:
     """`runs/<local timestamp>` under the current directory."""
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))

@@ -15,7 +15,6 @@ once the step's update, and its checkpoint if any, is done. Hooks watch the run 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -28,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.gpt import GPT, VOCAB, model_config, num_params
 from ..planning.routing import routing_summary
 from . import data, report
 from .baseline import build_ddp_adamw, step_or_skip
@@ -36,11 +34,13 @@ from .config import TrainConfig
 from .env import (
     DistEnv,
     GlobalMean,
+    all_ok,
     resolve_param_dtype,
     set_threads,
     setup_distributed,
     torchrun_restart_warning,
 )
+from .model import JobModel, build_model
 from .plot import plot_losses
 from .resume import AUTO, check_start, find_checkpoint
 from .schedule import adopt_schedule, make_scheduler
@@ -74,7 +74,8 @@ class Trainer:
     `torch.autocast`, so both keep fp32 optimizer maths.
     """
 
-    model: GPT
+    job: JobModel  # the model as built, its vocab, tokenizer and forward
+    model: nn.Module  # job.module, on the device
     module: nn.Module  # what the loop calls: the wrapper, or the model itself
     opt: torch.optim.Optimizer
     clip: Callable[[float], torch.Tensor]  # clips the averaged gradients; returns their norm
@@ -90,62 +91,54 @@ class Trainer:
             raise ValueError(
                 f"batch_size={cfg.data.batch_size} is not divisible by world={env.world}"
             )
-        self.corpus = data.load_corpus(cfg.data.path)
-        self.val = data.val_batches(
-            self.corpus.val,
-            cfg.output.eval_batches,
-            cfg.data.batch_size,
-            cfg.data.seq_len,
-            env.rank,
-            env.world,
-        )
-        self._build()
-        self.scheduler = make_scheduler(self.opt, **cfg.lr_schedule)
         self.out = cfg.output.out or report.default_out_dir()
+        self._build()
+        self.corpus = self._load_data()
+        d, evals = cfg.data, cfg.output.eval_batches
+        self.val = data.val_batches(
+            self.corpus.val, evals, d.batch_size, d.seq_len, env.rank, env.world
+        )
+        self.scheduler = make_scheduler(self.opt, **cfg.lr_schedule)
+
+    def _load_data(self) -> data.Corpus:
+        """The text as bytes or token ids; local rank 0 tokenizes (once: a cache) while the
+        others wait, and every rank raises if it failed."""
+        from .tokens import load_data
+
+        cfg, env = self.cfg, self.env
+        beside = os.path.dirname(os.path.abspath(self.out))
+        return load_data(
+            cfg.data,
+            tokenizer=self.job.tokenizer,
+            vocab_size=self.job.vocab_size,
+            cache_dir=cfg.data.cache_dir or os.path.join(beside, "token-cache"),
+            builder=env.rank % env.local_world == 0,
+            agree=lambda ok: all_ok(ok, env),
+            progress=env.rank == 0 and cfg.output.progress,
+        )
 
     def _build(self) -> None:
         """The model, wrapped for data parallelism, and its optimizer, as `cfg.optim` says."""
         cfg, env = self.cfg, self.env
-        torch.manual_seed(cfg.seed)  # identical init on every rank
-        gpt = model_config(cfg.model.name, cfg.data.seq_len, cfg.model.pos, cfg.model.tie)
-        self.model = GPT(gpt).to(env.device)
-        self.params = num_params(self.model)
+        self.job = build_model(cfg)
+        self.model = self.job.module.to(env.device)
+        self.params = sum(p.numel() for p in self.model.parameters())  # a tied one once
         if cfg.model.fp8 is not None:
             from ..fp8 import convert
 
             convert(self.model, cfg.model.fp8)
         self.param_dtype = resolve_param_dtype(cfg.model.param_dtype, env.device)
         self.autocast = None
-        lr, wd = cfg.peak_lr, cfg.optim.weight_decay
         if cfg.optim.name == "muon":
-            self._build_wholeshard(lr, wd)
+            from .muon_path import build_wholeshard
+
+            self.module, self.opt, self.clip = build_wholeshard(self.model, cfg, self.param_dtype)
             return
         self.module, self.opt, self.clip = build_ddp_adamw(
-            self.model, env, lr, wd, cfg.parallel.bucket_size
+            self.model, env, cfg.peak_lr, cfg.optim.weight_decay, cfg.parallel.bucket_size
         )
         if self.param_dtype != torch.float32:
             self.autocast = self.param_dtype
-
-    def _build_wholeshard(self, lr: float, weight_decay: float) -> None:
-        from ..engine.data_parallel import DataParallel
-        from ..optim import LayerwiseOptimizer
-        from .baseline import ADAMW_BETAS
-
-        parallel = dataclasses.replace(
-            self.cfg.parallel,
-            param_dtype=self.param_dtype,
-            fp8_param_gather=self.cfg.model.fp8 is not None,
-        )
-        self.module = DataParallel(self.model, parallel)
-        self.opt = LayerwiseOptimizer(
-            self.module,
-            muon=dict(
-                lr=lr, adjust_lr_fn="match_rms_adamw", weight_decay=weight_decay, momentum=0.95
-            ),
-            adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay),
-            nonfinite=self.cfg.optim.on_nonfinite,
-        )
-        self.clip = self.opt.clip_grad_norm_
 
     def comm_wait_s(self) -> float:
         """Seconds this rank has waited on collectives so far; nan where not measured."""
@@ -154,10 +147,13 @@ class Trainer:
     # -- one step -----------------------------------------------------------------------------
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """Cross-entropy of the next byte, in nats."""
+        """Cross-entropy of the next token (byte), in nats; with `mean`, plus the model's
+        auxiliary loss (an MoE router's) when it has one."""
         with torch.autocast(x.device.type, self.autocast, enabled=self.autocast is not None):
-            logits = self.module(x)
-        return F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1), reduction=reduction)
+            logits, aux = self.job.forward(self.module, x)
+        vocab = logits.shape[-1]
+        ce = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1), reduction=reduction)
+        return ce if aux is None or reduction != "mean" else ce + aux.float()
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Forward, backward, clip, update and schedule for `step`; returns its figures. Raises
@@ -229,6 +225,8 @@ class Trainer:
             "rng": torch.get_rng_state(),
             **progress,
         }
+        if self.job.export is not None:  # for `wholeshard export --format hf`
+            extra["hf"] = self.job.export
         ckpt = self.cfg.checkpoint
         save_checkpoint(
             self.cfg.checkpoint_dir, self.module, self.opt, extra=extra, keep_last=ckpt.keep_last
@@ -301,10 +299,11 @@ class Trainer:
     def _announce(self, log: report.RunLog) -> None:
         cfg, env, corpus = self.cfg, self.env, self.corpus
         log.note(
-            f"wholeshard train: {cfg.model.name} GPT ({self.params / 1e6:.2f}M params), "
+            f"wholeshard train: {self.job.label} ({self.params / 1e6:.2f}M params), "
             f"{cfg.optim.name}, {env.world} rank(s) on {env.device.type} "
             f"({str(self.param_dtype).removeprefix('torch.')}); data: {corpus.source} "
-            f"({corpus.files} files, {len(corpus.train) + len(corpus.val)} bytes); out: {self.out}"
+            f"({corpus.files} files, {len(corpus.train) + len(corpus.val):,} {corpus.unit}); "
+            f"out: {self.out}"
         )
         if cfg.optim.name == "muon":
             log.note(routing_summary(self.module.routes))
@@ -360,31 +359,18 @@ class Trainer:
     def _finish(self, log: report.RunLog, progress: dict[str, Any]) -> dict:
         """The summary (written to summary.json) and the loss plot."""
         cfg, env = self.cfg, self.env
-        wall_s = time.perf_counter() - self.start_time
-        tokens = cfg.optim.steps * cfg.data.batch_size * cfg.data.seq_len
-        summary = {
-            "steps": cfg.optim.steps,
-            "final_loss": progress["last_loss"],
-            "final_val_loss": progress["last_val"],
-            "skipped_steps": progress["skipped_steps"],
-            "first_val_loss": progress["first_val"],
-            "tokens": tokens,
-            "wall_s": wall_s,
-            "world_size": env.world,
-            "optimizer": cfg.optim.name,
-            "model": cfg.model.name,
-            "params": self.params,
-            "param_dtype": str(self.param_dtype).removeprefix("torch."),
-            "seed": cfg.seed,
-            "lr": cfg.peak_lr,
-            "batch_size": cfg.data.batch_size,
-            "seq_len": cfg.data.seq_len,
-            "tokens_per_s": tokens / wall_s,
-            "data": self.corpus.source,
-            "out": str(self.out),
-        }
+        summary = report.summary(
+            cfg,
+            progress,
+            wall_s=time.perf_counter() - self.start_time,
+            world_size=env.world,
+            params=self.params,
+            param_dtype=str(self.param_dtype).removeprefix("torch."),
+            data=self.corpus.source,
+            out=str(self.out),
+        )
         log.write_json(report.SUMMARY, summary)
         if log.enabled:
-            title = f"{cfg.model.name} GPT, {cfg.optim.name}, {env.world} rank(s)"
+            title = f"{self.job.label}, {cfg.optim.name}, {env.world} rank(s)"
             plot_losses(log.records, os.path.join(self.out, report.PLOT), title)
         return summary

@@ -1,0 +1,162 @@
+"""`wholeshard train --model hf:DIR` end to end: tiny Llama, GPT-2 and Qwen3-MoE saved in a
+temporary directory with a tokenizer trained offline, a JSONL corpus, 2 ranks with checkpoints,
+a crash and a bitwise resume, `wholeshard export --format hf`, and the exported model loaded with
+`from_pretrained` giving the run's own validation loss."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import hf_support
+import pytest
+import torch
+import torch.nn.functional as F
+from support import train_config
+from train_faults import Fault, run_train
+
+from wholeshard import cli
+from wholeshard.train import data
+from wholeshard.train.config import DataConfig
+from wholeshard.train.model import build_model
+from wholeshard.train.tokens import load_data
+
+transformers = hf_support.transformers
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hf_support.jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", docs=80)
+
+
+def train(model: str, corpus: Path, out: Path, *extra: str, fault: Fault | None = None) -> dict:
+    argv = [
+        "train", "--model", model, "--data", str(corpus), "--out", str(out), "--nproc", "2",
+        "--steps", "6", "--batch-size", "4", "--seq-len", str(SEQ), "--eval-every", "3",
+        "--eval-batches", "2", "--no-progress", "--param-dtype", "float32",
+        "--checkpoint-every", "3", "--cache-dir", str(out.parent / "token-cache"), *extra,
+    ]  # fmt: skip
+    code = cli.main(argv) if fault is None else run_train(argv, fault)
+    summary = json.loads((out / "summary.json").read_text()) if code == 0 else None
+    return {"code": code, "summary": summary}
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def val_loss_of(model: torch.nn.Module, tokenizer, corpus: Path, cache: Path) -> float:
+    """The job's validation loss (its windows, its batches) of `model` in one process."""
+    cfg = DataConfig(path=str(corpus), batch_size=4, seq_len=SEQ)
+    text = load_data(cfg, tokenizer=tokenizer, vocab_size=model.config.vocab_size, cache_dir=cache)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in data.val_batches(text.val, 2, 4, SEQ, 0, 1):
+            logits = model(input_ids=x).logits.float()
+            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
+            count += y.numel()
+    return float(total / count)
+
+
+MODES = {  # each model in another of the job's modes
+    "llama": ["--overlap"],
+    "gpt2": ["--reshard-after-forward", "--overlap"],
+    "qwen3_moe": ["--pipelined-step", "--bucket-size", "3000"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODES))
+def test_train_resume_export_load(kind: str, corpus: Path, tmp_path: Path) -> None:
+    model_dir = hf_support.model_dir(tmp_path, kind)
+    straight = train(f"hf:{model_dir}", corpus, tmp_path / "straight", *MODES[kind])
+    assert straight["code"] == 0
+    summary = straight["summary"]
+    assert summary["final_loss"] < summary["first_val_loss"]
+    if kind == "llama":  # a crash after step 5, then --resume latest: bitwise the same run
+        out = tmp_path / "crashed"
+        crashed = train(f"hf:{model_dir}", corpus, out, *MODES[kind], fault=Fault(1, 5, "raise"))
+        assert crashed["code"] == 1
+        resumed = train(f"hf:{model_dir}", corpus, out, *MODES[kind], "--resume", "latest")
+        assert resumed["code"] == 0
+        got, want = metrics(out), metrics(tmp_path / "straight")
+        assert [r["step"] for r in got] == [r["step"] for r in want]
+        assert [r["loss"] for r in got[1:]] == [r["loss"] for r in want[1:]]
+        assert resumed["summary"]["final_val_loss"] == summary["final_val_loss"]
+    exported = tmp_path / "exported"
+    ckpts = tmp_path / "straight" / "checkpoints"
+    assert cli.main(["export", str(ckpts), str(exported), "--format", "hf"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    model.eval()
+    # The run's last validation loss came from 2 ranks' sums (another order): equal to 1e-6.
+    got = val_loss_of(model, tokenizer, corpus, tmp_path / "token-cache")
+    assert math.isclose(got, summary["final_val_loss"], rel_tol=1e-6), (got, summary)
+
+
+def test_config_file_model_trains_on_bytes(text_file: Path, tmp_path: Path) -> None:
+    """`hf-config:FILE` (random init) without a tokenizer reads bytes (its vocab is 300)."""
+    config = hf_support.config_file(tmp_path, "llama")
+    out = tmp_path / "run"
+    argv = [
+        "train", "--model", f"hf-config:{config}", "--data", str(text_file), "--out", str(out),
+        "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+        "--no-progress", "--param-dtype", "float32", "--gradient-checkpointing",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    records = metrics(out)
+    assert records[0]["val_loss"] == pytest.approx(math.log(300), rel=0.05)  # ~uniform
+    assert math.isfinite(records[-1]["loss"])
+
+
+def test_gradient_checkpointing_changes_no_bit(text_file: Path, tmp_path: Path) -> None:
+    """Recomputing the byte GPT's blocks in backward gives the same losses, bitwise."""
+    runs = []
+    for flags in ([], ["--gradient-checkpointing"]):
+        out = tmp_path / f"run{len(runs)}"
+        argv = [
+            "train", "--model", "micro", "--data", str(text_file), "--out", str(out),
+            "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+            "--no-progress", "--param-dtype", "float32", *flags,
+        ]  # fmt: skip
+        assert cli.main(argv) == 0
+        runs.append([r.get("loss") for r in metrics(out)])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("hf:{tmp}/missing", "is not a directory"),
+        ("hf-config:{tmp}/missing.json", "no such file"),
+        ("gpt-5", "model must be one of"),
+    ],
+)
+def test_bad_models_are_named(tmp_path: Path, capsys, model: str, message: str) -> None:
+    argv = ["train", "--model", model.format(tmp=tmp_path), "--out", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--steps", "1", "--no-progress"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_router_loss_is_added_as_the_config_says(tmp_path: Path) -> None:
+    """Qwen3-MoE with `output_router_logits`: the job's forward returns the router's
+    load-balancing loss times `router_aux_loss_coef`, as transformers adds it to its own loss;
+    without the flag, none."""
+    for router in (True, False):
+        config = hf_support.config("qwen3_moe")
+        config.output_router_logits = router
+        path = tmp_path / f"moe-{router}.json"
+        config.to_json_file(path)
+        job = build_model(train_config(model=f"hf-config:{path}", seq_len=16))
+        x = torch.randint(0, 300, (2, 16))
+        logits, aux = job.forward(job.module, x)
+        out = job.module(input_ids=x, labels=x, output_router_logits=router)
+        if not router:
+            assert aux is None
+            continue
+        shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+        torch.testing.assert_close(shifted + aux, out.loss)
+        assert aux > 0

@@ -1,0 +1,81 @@
+"""`wholeshard train --matrix-optimizer RULE --ns-coefficients SCHEDULE`: each rule trains the
+byte GPT in one process, and the choice reaches the optimizer."""
+
+from __future__ import annotations
+
+import json
+import math
+import typing
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from support import train_config
+
+from wholeshard.optim.rules import MATRIX_RULES, matrix_kwargs, matrix_rule
+from wholeshard.train import report
+from wholeshard.train.config import ConfigError, OptimConfig, TrainConfig
+from wholeshard.train.trainer import train
+
+TEXT = (Path(__file__).resolve().parents[2] / "wholeshard" / "train" / "trainer.py").read_bytes()
+
+
+def _run(tmp_path: Path, name: str, **flags) -> tuple[dict, list[dict]]:
+    data = tmp_path / "text.txt"
+    data.write_bytes(TEXT * 2)
+    out = tmp_path / name
+    cfg = train_config(
+        steps=2, batch_size=4, seq_len=16, data=str(data), out=str(out), eval_every=2,
+        eval_batches=1, progress=False, threads=1, param_dtype="float32", model="micro", **flags,
+    )  # fmt: skip
+    summary = train(cfg)
+    records = [json.loads(line) for line in (out / report.METRICS).read_text().splitlines()]
+    return summary, records
+
+
+def test_each_rule_trains_the_byte_gpt(tmp_path: Path) -> None:
+    base, base_records = _run(tmp_path, "muon")
+    assert base["matrix_optimizer"] == "muon"
+    for flags in (
+        dict(matrix_optimizer="normuon", ns_coefficients="polar_express"),
+        dict(matrix_optimizer="muon", ns_coefficients="polar_express", ns_algorithm="gram"),
+        dict(matrix_optimizer="soap"),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summary, records = _run(tmp_path, "-".join(flags.values()), **flags)
+        assert not [w for w in caught if "matrix_cost" in str(w.message)]  # planned for it
+        assert summary["matrix_optimizer"] == flags["matrix_optimizer"]
+        assert math.isfinite(summary["final_loss"])
+        assert summary["final_val_loss"] < summary["first_val_loss"]
+        assert records[1]["loss"] == base_records[1]["loss"]  # the same first forward ...
+        assert records[-1]["loss"] != base_records[-1]["loss"]  # ... then the rule's updates
+
+
+def test_rules_resolve_to_their_classes() -> None:
+    assert matrix_rule("muon") is torch.optim.Muon
+    assert matrix_rule("muon", "polar_express").__module__ == "wholeshard.optim.normuon"
+    assert matrix_rule("normuon").__name__ == "NorMuon"
+    assert matrix_rule("soap").__name__ == "SOAP"
+    assert "ns_coefficients" not in matrix_kwargs("muon", 1e-2, 0.0)
+    assert matrix_kwargs("normuon", 1e-2, 0.1, "polar_express") == dict(
+        lr=1e-2, weight_decay=0.1, ns_coefficients="polar_express", ns_algorithm="standard"
+    )
+    assert matrix_rule("muon", "quintic", "gram").__name__ == "Muon"
+    assert matrix_kwargs("muon", 1e-2, 0.0, "quintic", "gram")["ns_algorithm"] == "gram"
+    with pytest.raises(ValueError, match="soap does not orthogonalize"):
+        matrix_rule("soap", "quintic", "gram")
+    hints = typing.get_type_hints(OptimConfig)
+    assert MATRIX_RULES == typing.get_args(hints["matrix_optimizer"])
+
+
+def test_bad_rule_combinations_are_named() -> None:
+    with pytest.raises(ConfigError, match="ns_coefficients needs a Newton-Schulz rule") as e:
+        TrainConfig(optim=OptimConfig(matrix_optimizer="soap", ns_coefficients="polar_express"))
+    assert e.value.field == "optim.ns_coefficients"
+    with pytest.raises(ConfigError, match="needs --optimizer muon") as e:
+        TrainConfig(optim=OptimConfig(name="adamw", matrix_optimizer="normuon"))
+    assert e.value.field == "optim.matrix_optimizer"
+    with pytest.raises(ValueError, match="must be one of"):
+        matrix_rule("lion")

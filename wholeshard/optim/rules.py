@@ -1,0 +1,73 @@
+"""The matrix rules by name: what `wholeshard train --matrix-optimizer` and `wholeshard bench`
+choose from, and the keyword arguments the train job gives each.
+
+Every rule steps each owned matrix from that matrix, its gradient and its own state alone, so
+`LayerwiseOptimizer(ddp, muon=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs it
+distributed with no communication of its own. `muon` with the fixed quintic is
+`torch.optim.Muon` itself; with another Newton-Schulz schedule or algorithm,
+`wholeshard.optim.Muon`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MATRIX_RULES = ("muon", "normuon", "soap")
+"""The rules' names, in the order `--help` lists them."""
+NS_RULES = ("muon", "normuon")
+"""The rules that orthogonalize with Newton-Schulz (and so take `ns_coefficients` and
+`ns_algorithm`: `wholeshard.optim.gram_ns`)."""
+
+
+def matrix_rule(
+    name: str, ns_coefficients: str = "quintic", ns_algorithm: str = "standard"
+) -> type[torch.optim.Optimizer]:
+    """The optimizer class of rule `name` (one of `MATRIX_RULES`) with these Newton-Schulz
+    choices; ValueError for a combination that does not exist."""
+    if name not in MATRIX_RULES:
+        raise ValueError(f"matrix rule must be one of {MATRIX_RULES}, got {name!r}")
+    if (ns_coefficients, ns_algorithm) != ("quintic", "standard") and name not in NS_RULES:
+        raise ValueError(
+            f"ns_coefficients={ns_coefficients!r}, ns_algorithm={ns_algorithm!r}: {name} does "
+            f"not orthogonalize (Newton-Schulz rules: {', '.join(NS_RULES)})"
+        )
+    if name == "muon":
+        if (ns_coefficients, ns_algorithm) == ("quintic", "standard"):
+            return torch.optim.Muon
+        from .normuon import Muon
+
+        return Muon
+    if name == "normuon":
+        from .normuon import NorMuon
+
+        return NorMuon
+    from .soap import SOAP
+
+    return SOAP
+
+
+def ns_kwargs(name: str, ns_coefficients: str, ns_algorithm: str) -> dict[str, Any]:
+    """The Newton-Schulz keyword arguments of rule `name`'s class (none for torch's Muon, whose
+    quintic is built in, and for rules that do not orthogonalize)."""
+    if matrix_rule(name, ns_coefficients, ns_algorithm) is torch.optim.Muon or name not in NS_RULES:
+        return {}
+    return dict(ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm)
+
+
+def matrix_kwargs(
+    name: str,
+    lr: float,
+    weight_decay: float,
+    ns_coefficients: str = "quintic",
+    ns_algorithm: str = "standard",
+) -> dict[str, Any]:
+    """The train job's keyword arguments for rule `name`: the learning rate and decoupled weight
+    decay for every rule; Muon's momentum 0.95 with its update scaled to AdamW's RMS
+    (`match_rms_adamw`, so one learning rate suits both optimizers); the rules' own defaults
+    otherwise; `ns_kwargs` for the Newton-Schulz rules."""
+    kwargs: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay)
+    if name == "muon":
+        kwargs.update(adjust_lr_fn="match_rms_adamw", momentum=0.95)
+    return kwargs | ns_kwargs(name, ns_coefficients, ns_algorithm)

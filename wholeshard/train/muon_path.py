@@ -1,0 +1,47 @@
+"""The muon path of the train job (`--optimizer muon`, the default): the model wrapped in
+wholeshard's `DataParallel` and stepped by `LayerwiseOptimizer`, the hidden matrices by the rule
+`optim.matrix_optimizer` names (`wholeshard.optim.rules`), the rest by AdamW; with
+`optim.qk_clip`, MuonClip after every update (`wholeshard.optim.QKClip`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..engine.data_parallel import DataParallel
+from ..optim import LayerwiseOptimizer, QKClip
+from ..optim.rules import matrix_kwargs, matrix_rule
+from .baseline import ADAMW_BETAS
+from .config import TrainConfig
+
+
+def build_wholeshard(
+    model: nn.Module, cfg: TrainConfig, param_dtype: torch.dtype
+) -> tuple[DataParallel, LayerwiseOptimizer, Callable[[float], torch.Tensor]]:
+    """(the module to call, the optimizer, the gradient clipper) of `model` as `cfg` says. The
+    planner balances the rule's own cost per matrix (`matrix_cost`; Newton-Schulz's if the rule
+    defines none)."""
+    optim = cfg.optim
+    ns = optim.ns_coefficients, optim.ns_algorithm
+    rule = matrix_rule(optim.matrix_optimizer, *ns)
+    parallel = dataclasses.replace(
+        cfg.parallel,
+        param_dtype=param_dtype,
+        fp8_param_gather=cfg.model.fp8 is not None,
+        matrix_cost=getattr(rule, "matrix_cost", None),
+    )
+    ddp = DataParallel(model, parallel)
+    lr, weight_decay = cfg.peak_lr, optim.weight_decay
+    opt = LayerwiseOptimizer(
+        ddp,
+        matrix_optimizer=rule,
+        muon=matrix_kwargs(optim.matrix_optimizer, lr, weight_decay, *ns),
+        adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay),
+        nonfinite=optim.on_nonfinite,
+    )
+    if optim.qk_clip is not None:
+        QKClip(ddp, optim.qk_clip).attach(opt)
+    return ddp, opt, opt.clip_grad_norm_
