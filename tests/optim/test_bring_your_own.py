@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rule_harness import distributed, load_and_continue, one_process, save_after
 from support import assert_bitwise_equal, assert_matches, fp8_model, run, wholeshard_run
-from test_normuon import MODES, distributed, full_params, one_process, setup, train
+from test_normuon import MODES
 
-from wholeshard.checkpoint import load_checkpoint, save_checkpoint
 from wholeshard.engine._fp8_storage import Fp8Storage
 from wholeshard.optim import SOAP, NorMuon
 
@@ -78,7 +78,7 @@ def test_one_process_is_the_equations() -> None:
 @pytest.mark.parametrize("nproc", [1, 2, 3])
 def test_n_ranks_equal_one_process(nproc: int) -> None:
     ref = one_process(4, FactoredRMS, KW)
-    outs = run(distributed, nproc, 4, None, FactoredRMS, KW)
+    outs = run(distributed, nproc, 4, FactoredRMS, KW)
     for out in outs:
         if nproc == 1:  # the same arithmetic: the same bits
             for name, want in ref["params"].items():
@@ -91,8 +91,8 @@ def test_n_ranks_equal_one_process(nproc: int) -> None:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_mode_is_bitwise_sync(mode: str) -> None:
-    sync = run(distributed, 2, 3, None, FactoredRMS, KW)
-    outs = run(distributed, 2, 3, MODES[mode], FactoredRMS, KW)
+    sync = run(distributed, 2, 3, FactoredRMS, KW)
+    outs = run(distributed, 2, 3, FactoredRMS, KW, MODES[mode])
     for a, b in zip(sync, outs, strict=True):
         assert_bitwise_equal(a, b)
 
@@ -100,25 +100,10 @@ def test_every_mode_is_bitwise_sync(mode: str) -> None:
 SAVE_AT, MORE = 2, 2
 
 
-def save_after(root: str) -> None:
-    model, ddp, opt = setup(rule=FactoredRMS, kw=KW)
-    train(ddp, opt, range(SAVE_AT))
-    save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT})
-
-
-def load_and_continue(root: str) -> dict:
-    model, ddp, opt = setup(seed=5, rule=FactoredRMS, kw=KW)
-    extra = load_checkpoint(root, ddp, opt)
-    losses = train(ddp, opt, range(extra["step"], extra["step"] + MORE))
-    with ddp.full_params():
-        params = full_params(model)
-    return {"params": params, "losses": losses}
-
-
 def test_checkpoint_at_2_ranks_loads_at_3_and_continues(tmp_path) -> None:
-    run(save_after, 2, str(tmp_path))
+    run(save_after, 2, str(tmp_path), SAVE_AT, FactoredRMS, KW)
     ref = one_process(SAVE_AT + MORE, FactoredRMS, KW)
-    for out in run(load_and_continue, 3, str(tmp_path)):
+    for out in run(load_and_continue, 3, str(tmp_path), MORE, FactoredRMS, KW):
         assert_matches(out, {"params": ref["params"], "losses": ref["losses"][SAVE_AT:]})
 
 

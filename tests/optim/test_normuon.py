@@ -32,22 +32,19 @@ from pathlib import Path
 import pytest
 import support
 import torch
-import torch.distributed as dist
+from rule_harness import (
+    distributed,
+    load_and_continue,
+    one_process,
+    save_after,
+    stacked_round_trip,
+)
 from support import (
-    ADAMW_KW,
     assert_bitwise_equal,
     assert_matches,
-    batch,
-    full_params,
-    lm_loss,
-    local_batch,
-    make_model,
-    rank_world,
     run,
 )
 
-import wholeshard
-from wholeshard.checkpoint import load_checkpoint, save_checkpoint
 from wholeshard.optim import Muon, NorMuon
 from wholeshard.optim.normuon import (
     POLAR_EXPRESS,
@@ -56,7 +53,6 @@ from wholeshard.optim.normuon import (
     ns_schedule,
     orthogonalize,
 )
-from wholeshard.planning.routing import route_params
 
 SHAPES = [(24, 24), (40, 12), (12, 40), (1, 32), (32, 1), (64, 128), (96, 32)]
 STEPS = 4
@@ -344,7 +340,7 @@ def test_polar_express_muon_through_layerwise_optimizer(nproc: int) -> None:
         adjust_lr_fn="match_rms_adamw",
     )
     ref = one_process(4, Muon, kw)
-    for out in run(distributed, nproc, 4, None, Muon, kw):
+    for out in run(distributed, nproc, 4, Muon, kw):
         if nproc == 1:
             for name, want in ref["params"].items():
                 assert torch.equal(out["params"][name], want), name
@@ -354,76 +350,7 @@ def test_polar_express_muon_through_layerwise_optimizer(nproc: int) -> None:
 # -- distributed: N ranks equal one process ------------------------------------------------------
 
 NORMUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, beta2=0.95)
-
-
-def one_process(steps: int, rule: type = NorMuon, kw: dict = NORMUON_KW) -> dict:
-    """The full batch in one process: `rule` (NorMuon) on the Muon-routed params (whole
-    matrices, fp32), torch AdamW on the rest."""
-    model = make_model()
-    routes = route_params(model)
-    muon = [r.param for r in routes if r.muon]
-    opts = [
-        rule(muon, **kw),
-        torch.optim.AdamW([r.param for r in routes if not r.muon], **ADAMW_KW),
-    ]
-    losses = []
-    for step in range(steps):
-        loss = lm_loss(model, *batch(step))
-        loss.backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
-    return {"params": full_params(model), "losses": losses}
-
-
-def setup(ddp_kw: dict | None = None, seed: int = 0, rule: type = NorMuon, kw=NORMUON_KW):
-    model = make_model(seed)
-    ddp = wholeshard.DataParallel(model, **(ddp_kw or {}))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
-    return model, ddp, opt
-
-
-def train(ddp, opt, steps) -> list[float]:
-    rank, world = rank_world()
-    losses = []
-    for step in steps:
-        loss = lm_loss(ddp, *local_batch(step, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss.detach()))
-    return losses
-
-
-def global_mean(x: torch.Tensor) -> float:
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.AVG)
-    return x.item()
-
-
-def gathered_state(opt) -> dict:
-    """This rank's owned params: fp32 value and optimizer state (pieces are whole here)."""
-    out = {}
-    for piece in opt.owned_pieces():
-        if piece.kind == "muon":
-            entry = {k: v.clone() for k, v in opt.piece_state(piece).items()}
-            out[piece.name] = entry | {"value": piece.master.detach().clone()}
-    return out
-
-
-def distributed(
-    steps: int, ddp_kw: dict | None = None, rule: type = NorMuon, kw: dict = NORMUON_KW
-) -> dict:
-    model, ddp, opt = setup(ddp_kw, rule=rule, kw=kw)
-    losses = train(ddp, opt, range(steps))
-    with ddp.full_params():
-        params = full_params(model)
-    state = {
-        name: {k: v.clone() for k, v in entry.items() if torch.is_tensor(v)}
-        for name, entry in opt.state_dict()["state"].items()
-    }
-    return {"params": params, "losses": losses, "opt_state": state}
+RULE = (NorMuon, NORMUON_KW)
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
@@ -432,8 +359,8 @@ def test_n_ranks_equal_one_process(nproc: int) -> None:
     sum order differs, which bf16 Newton-Schulz amplifies: measured max |param diff| 1.2e-3 (2
     ranks) and 1.4e-3 (3), RMS 3.5e-4, within `support.TOL` (3e-3; without the row
     normalisation the params would differ by 5.6e-3)."""
-    ref = one_process(5)
-    outs = run(distributed, nproc, 5)
+    ref = one_process(5, *RULE)
+    outs = run(distributed, nproc, 5, *RULE)
     for out in outs:
         if nproc == 1:
             for name, want in ref["params"].items():
@@ -457,8 +384,8 @@ MODES = {
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_mode_is_bitwise_sync(mode: str) -> None:
-    sync = run(distributed, 2, 4)
-    outs = run(distributed, 2, 4, MODES[mode])
+    sync = run(distributed, 2, 4, *RULE)
+    outs = run(distributed, 2, 4, *RULE, MODES[mode])
     for a, b in zip(sync, outs, strict=True):
         assert_bitwise_equal(a, b)
 
@@ -466,8 +393,8 @@ def test_every_mode_is_bitwise_sync(mode: str) -> None:
 def test_shard_groups_match_one_process() -> None:
     """shard_group_size=1: each rank owns every param (replicas), so every rank steps NorMuon on
     every matrix; the gradient is all-reduced instead of reduce-scattered (another sum order)."""
-    ref = one_process(4)
-    outs = run(distributed, 2, 4, dict(shard_group_size=1))
+    ref = one_process(4, *RULE)
+    outs = run(distributed, 2, 4, *RULE, dict(shard_group_size=1))
     for out in outs:
         assert_matches(out, ref)
     for k, v in outs[1]["params"].items():
@@ -479,29 +406,12 @@ def test_shard_groups_match_one_process() -> None:
 SAVE_AT, MORE = 3, 3
 
 
-def save_after(root: str) -> dict:
-    model, ddp, opt = setup()
-    train(ddp, opt, range(SAVE_AT))
-    save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT})
-    return gathered_state(opt)
-
-
-def load_and_continue(root: str) -> dict:
-    model, ddp, opt = setup(seed=5)
-    extra = load_checkpoint(root, ddp, opt)
-    loaded = gathered_state(opt)
-    losses = train(ddp, opt, range(extra["step"], extra["step"] + MORE))
-    with ddp.full_params():
-        params = full_params(model)
-    return {"loaded": loaded, "params": params, "losses": losses}
-
-
 @pytest.mark.parametrize("load_at", [2, 3])
 def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int) -> None:
     saved = {}
-    for part in run(save_after, 2, str(tmp_path)):
+    for part in run(save_after, 2, str(tmp_path), SAVE_AT, *RULE):
         saved.update(part)
-    outs = run(load_and_continue, load_at, str(tmp_path))
+    outs = run(load_and_continue, load_at, str(tmp_path), MORE, *RULE)
     loaded = {}
     for out in outs:
         loaded.update(out["loaded"])
@@ -514,32 +424,14 @@ def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int) -> No
         )
         for k, v in entry.items():
             assert torch.equal(loaded[name][k], v), (name, k)
-    ref = one_process(SAVE_AT + MORE)
+    ref = one_process(SAVE_AT + MORE, *RULE)
     for out in outs:
         assert_matches(out, {"params": ref["params"], "losses": ref["losses"][SAVE_AT:]})
     if load_at == 2:  # the same plan and world size: as if never interrupted, to the bit
-        straight = run(distributed, 2, SAVE_AT + MORE)
+        straight = run(distributed, 2, SAVE_AT + MORE, *RULE)
         for out, want in zip(outs, straight, strict=True):
             for k, v in want["params"].items():
                 assert torch.equal(out["params"][k], v), k
-
-
-def stacked_save(root: str) -> dict:
-    from test_stacks import make_moe  # tests/engine: fused experts, (E, out, in) Muon stacks
-
-    ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500)
-    opt = wholeshard.LayerwiseOptimizer(
-        ddp, muon=NORMUON_KW, adamw=ADAMW_KW, matrix_optimizer=NorMuon
-    )
-    train(ddp, opt, range(2))
-    before = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
-    save_checkpoint(root, ddp, opt, extra={"step": 2})
-    load_checkpoint(root, ddp, opt)
-    after = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
-    return {
-        k: torch.equal(v["second_momentum_buffer"], after[k]["second_momentum_buffer"])
-        for k, v in before.items()
-    }
 
 
 def test_stacked_matrices_keep_their_own_second_moment_through_a_checkpoint(tmp_path) -> None:
@@ -547,7 +439,7 @@ def test_stacked_matrices_keep_their_own_second_moment_through_a_checkpoint(tmp_
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
     same = {}
-    for part in run(stacked_save, 2, str(tmp_path)):
+    for part in run(stacked_round_trip, 2, str(tmp_path), *RULE):
         same.update(part)
     assert same["routers.0"] and same["experts.0.down_proj[0]"]  # whole matrices do travel
     assert all(same.values()), sorted(k for k, ok in same.items() if not ok)

@@ -22,22 +22,19 @@ from pathlib import Path
 import pytest
 import support
 import torch
+from rule_harness import (
+    distributed,
+    load_and_continue,
+    one_process,
+    save_after,
+    stacked_round_trip,
+)
 from support import (
-    ADAMW_KW,
     assert_bitwise_equal,
-    batch,
-    full_params,
-    lm_loss,
-    local_batch,
-    make_model,
-    rank_world,
     run,
 )
 
-import wholeshard
-from wholeshard.checkpoint import load_checkpoint, save_checkpoint
 from wholeshard.optim import SOAP
-from wholeshard.planning.routing import route_params
 
 # -- the reference's equations, restated -------------------------------------------------------
 
@@ -183,53 +180,7 @@ def test_matrix_cost_counts_rotations_and_refreshes() -> None:
 SOAP_KW = dict(lr=3e-3, weight_decay=0.01, precondition_frequency=2, max_precond_dim=32)
 """Refreshes every 2 steps; only the 32-long sides preconditioned, whose factors have full rank
 (the 96- and 128-long sides' G Gᵀ would have rank <= 32: see the module docstring)."""
-
-
-def one_process(steps: int, kw: dict = SOAP_KW) -> dict:
-    """The full batch in one process: SOAP on the Muon-routed matrices, AdamW on the rest."""
-    model = make_model()
-    routes = route_params(model)
-    opts = [
-        SOAP([r.param for r in routes if r.muon], **kw),
-        torch.optim.AdamW([r.param for r in routes if not r.muon], **ADAMW_KW),
-    ]
-    losses = []
-    for step in range(steps):
-        loss = lm_loss(model, *batch(step))
-        loss.backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
-    return {"params": full_params(model), "losses": losses}
-
-
-def setup(ddp_kw: dict | None = None, seed: int = 0, kw: dict = SOAP_KW):
-    model = make_model(seed)
-    ddp = wholeshard.DataParallel(model, matrix_cost=SOAP.matrix_cost, **(ddp_kw or {}))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=SOAP)
-    return model, ddp, opt
-
-
-def train(ddp, opt, steps) -> list[float]:
-    rank, world = rank_world()
-    losses = []
-    for step in steps:
-        loss = lm_loss(ddp, *local_batch(step, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(support._global_mean(loss.detach()))
-    return losses
-
-
-def distributed(steps: int, ddp_kw: dict | None = None, kw: dict = SOAP_KW) -> dict:
-    model, ddp, opt = setup(ddp_kw, kw=kw)
-    losses = train(ddp, opt, range(steps))
-    with ddp.full_params():
-        params = full_params(model)
-    state = {name: dict(entry) for name, entry in opt.state_dict()["state"].items()}
-    return {"params": params, "losses": losses, "opt_state": state}
+RULE = (SOAP, SOAP_KW)
 
 
 PARAM_TOL = SOAP_KW["lr"]  # the size of one step's elements: see the module docstring
@@ -244,16 +195,16 @@ def assert_close(out: dict, ref: dict, tol: float = PARAM_TOL) -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return one_process(5)
+    return one_process(5, *RULE)
 
 
 @pytest.fixture(scope="module")
 def sync2() -> list[dict]:
-    return run(distributed, 2, 5)
+    return run(distributed, 2, 5, *RULE)
 
 
 def test_one_rank_is_one_process_bit_for_bit(reference: dict) -> None:
-    (out,) = run(distributed, 1, 5)
+    (out,) = run(distributed, 1, 5, *RULE)
     for name, want in reference["params"].items():
         assert torch.equal(out["params"][name], want), name
     assert out["losses"] == reference["losses"]
@@ -266,7 +217,7 @@ def test_n_ranks_match_one_process(reference: dict, sync2: list[dict], nproc: in
     """Measured after 5 steps: max |param diff| 1.5e-3 (2 ranks) and 2.1e-3 (3), in proj and
     out, whose 32 x 32 factors have close small eigenvalues (1.5e-4 elsewhere); losses to
     3e-6."""
-    outs = sync2 if nproc == 2 else run(distributed, nproc, 5)
+    outs = sync2 if nproc == 2 else run(distributed, nproc, 5, *RULE)
     for out in outs:
         assert_close(out, reference)
     for out in outs[1:]:
@@ -280,8 +231,8 @@ def test_degenerate_factors_keep_the_loss() -> None:
     2 ranks and one process: measured max |param diff| 1.5e-2 (half of what the params moved in
     5 steps), losses within 2.1e-4."""
     kw = dict(SOAP_KW, max_precond_dim=10000)
-    ref = one_process(5, kw)
-    for out in run(distributed, 2, 5, None, kw):
+    ref = one_process(5, SOAP, kw)
+    for out in run(distributed, 2, 5, SOAP, kw):
         assert_close(out, ref, tol=6 * PARAM_TOL)
 
 
@@ -294,14 +245,14 @@ MODES = {
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_mode_is_bitwise_sync(mode: str, sync2: list[dict]) -> None:
-    for a, b in zip(sync2, run(distributed, 2, 5, MODES[mode]), strict=True):
+    for a, b in zip(sync2, run(distributed, 2, 5, *RULE, MODES[mode]), strict=True):
         assert_bitwise_equal(a, b)
 
 
 def test_shard_groups_match_one_process(reference: dict) -> None:
     """shard_group_size=1: every rank steps SOAP on every matrix on the all-reduced gradient
     (measured max |param diff| 1.5e-3)."""
-    outs = run(distributed, 2, 5, dict(shard_group_size=1))
+    outs = run(distributed, 2, 5, *RULE, dict(shard_group_size=1))
     for out in outs:
         assert_close(out, reference)
     for k, v in outs[1]["params"].items():
@@ -313,37 +264,10 @@ def test_shard_groups_match_one_process(reference: dict) -> None:
 SAVE_AT, MORE = 3, 3
 
 
-def gathered_state(opt) -> dict:
-    """This rank's SOAP matrices: fp32 value and every state tensor."""
-    return {
-        piece.name: {k: v.clone() for k, v in opt.piece_state(piece).items()}
-        | {"value": piece.master.detach().clone()}
-        for piece in opt.owned_pieces()
-        if piece.kind == "muon"
-    }
-
-
-def save_after(root: str) -> dict:
-    _, ddp, opt = setup()
-    train(ddp, opt, range(SAVE_AT))
-    save_checkpoint(root, ddp, opt, extra={"step": SAVE_AT})
-    return gathered_state(opt)
-
-
-def load_and_continue(root: str) -> dict:
-    model, ddp, opt = setup(seed=5)
-    extra = load_checkpoint(root, ddp, opt)
-    loaded = gathered_state(opt)
-    losses = train(ddp, opt, range(extra["step"], extra["step"] + MORE))
-    with ddp.full_params():
-        params = full_params(model)
-    return {"loaded": loaded, "params": params, "losses": losses}
-
-
 @pytest.fixture(scope="module")
 def straight() -> list[dict]:
     """The uninterrupted run, 2 ranks."""
-    return run(distributed, 2, SAVE_AT + MORE)
+    return run(distributed, 2, SAVE_AT + MORE, *RULE)
 
 
 @pytest.mark.parametrize("load_at", [2, 3])
@@ -352,9 +276,9 @@ def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int, strai
     uninterrupted run's to the bit; at 3 the gradient's sum order differs (measured max |param
     diff| from the uninterrupted run after 3 more steps: 4.9e-5)."""
     saved = {}
-    for part in run(save_after, 2, str(tmp_path)):
+    for part in run(save_after, 2, str(tmp_path), SAVE_AT, *RULE):
         saved.update(part)
-    outs = run(load_and_continue, load_at, str(tmp_path))
+    outs = run(load_and_continue, load_at, str(tmp_path), MORE, *RULE)
     loaded = {}
     for out in outs:
         loaded.update(out["loaded"])
@@ -374,26 +298,10 @@ def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int, strai
         assert_close(out, want)
 
 
-def stacked_save(root: str) -> dict:
-    from test_stacks import make_moe  # tests/engine: fused experts, (E, out, in) Muon stacks
-
-    ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, matrix_cost=SOAP.matrix_cost)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=SOAP_KW, adamw=ADAMW_KW, matrix_optimizer=SOAP)
-    train(ddp, opt, range(3))
-    before = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
-    save_checkpoint(root, ddp, opt, extra={"step": 3})
-    load_checkpoint(root, ddp, opt)
-    after = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
-    return {
-        k: v.keys() == after[k].keys() and all(torch.equal(t, after[k][n]) for n, t in v.items())
-        for k, v in before.items()
-    }
-
-
 def test_stacked_matrices_keep_their_own_factors_through_a_checkpoint(tmp_path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
     same = {}
-    for part in run(stacked_save, 2, str(tmp_path)):
+    for part in run(stacked_round_trip, 2, str(tmp_path), *RULE):
         same.update(part)
     assert same["routers.0"] and same["experts.0.down_proj[0]"]  # whole matrices do travel
     assert all(same.values()), sorted(k for k, ok in same.items() if not ok)

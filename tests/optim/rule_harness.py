@@ -1,0 +1,112 @@
+"""Running a matrix rule (`LayerwiseOptimizer(matrix_optimizer=rule)`) against one process:
+the shared harness of the rule tests (NorMuon, SOAP, bring-your-own).
+
+`one_process` is the reference: the full batch, `rule` on the Muon-routed params (whole
+matrices, fp32), torch's AdamW on the rest, the unsharded model. `distributed` is the same
+training through `DataParallel(**ddp_kw)` on this rank's slice of every batch; a rule with a
+`matrix_cost` is planned with it. `save_after` / `load_and_continue` cut a run by a checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from support import ADAMW_KW, _global_mean, batch, full_params, lm_loss, make_model, train_steps
+
+import wholeshard
+from wholeshard.checkpoint import load_checkpoint, save_checkpoint
+from wholeshard.planning.routing import route_params
+
+
+def one_process(steps: int, rule: type, kw: dict) -> dict:
+    """The reference run: params and losses."""
+    model = make_model()
+    routes = route_params(model)
+    opts = [
+        rule([r.param for r in routes if r.muon], **kw),
+        torch.optim.AdamW([r.param for r in routes if not r.muon], **ADAMW_KW),
+    ]
+    losses = []
+    for step in range(steps):
+        loss = lm_loss(model, *batch(step))
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return {"params": full_params(model), "losses": losses}
+
+
+def setup(rule: type, kw: dict, ddp_kw: dict | None = None, seed: int = 0):
+    """(model, ddp, opt) on this rank, planned with the rule's own `matrix_cost`."""
+    model = make_model(seed)
+    cost = getattr(rule, "matrix_cost", None)
+    ddp = wholeshard.DataParallel(model, **({"matrix_cost": cost} | (ddp_kw or {})))
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
+    return model, ddp, opt
+
+
+def train(ddp, opt, steps) -> list[float]:
+    """Train `steps` (batch indices) on this rank's slices; the global mean loss of each."""
+    return [_global_mean(loss) for loss in train_steps(ddp, opt, steps)]
+
+
+def distributed(steps: int, rule: type, kw: dict, ddp_kw: dict | None = None) -> dict:
+    """This rank's run: the full params, the losses and its optimizer state's tensors."""
+    model, ddp, opt = setup(rule, kw, ddp_kw)
+    losses = train(ddp, opt, range(steps))
+    with ddp.full_params():
+        params = full_params(model)
+    state = {
+        name: {k: v.clone() for k, v in entry.items() if torch.is_tensor(v)}
+        for name, entry in opt.state_dict()["state"].items()
+    }
+    return {"params": params, "losses": losses, "opt_state": state}
+
+
+def gathered_state(opt) -> dict:
+    """This rank's Muon-routed pieces (whole here): fp32 value and every state tensor."""
+    return {
+        piece.name: {k: v.clone() for k, v in opt.piece_state(piece).items()}
+        | {"value": piece.master.detach().clone()}
+        for piece in opt.owned_pieces()
+        if piece.kind == "muon"
+    }
+
+
+def save_after(root: str, steps: int, rule: type, kw: dict) -> dict:
+    """Train `steps`, save a checkpoint to `root`; this rank's state as saved."""
+    _, ddp, opt = setup(rule, kw)
+    train(ddp, opt, range(steps))
+    save_checkpoint(root, ddp, opt, extra={"step": steps})
+    return gathered_state(opt)
+
+
+def load_and_continue(root: str, more: int, rule: type, kw: dict) -> dict:
+    """Load `root` into another init (seed 5) and train `more` steps: the state as loaded, the
+    final params and the losses."""
+    model, ddp, opt = setup(rule, kw, seed=5)
+    extra = load_checkpoint(root, ddp, opt)
+    loaded = gathered_state(opt)
+    losses = train(ddp, opt, range(extra["step"], extra["step"] + more))
+    with ddp.full_params():
+        params = full_params(model)
+    return {"loaded": loaded, "params": params, "losses": losses}
+
+
+def stacked_round_trip(root: str, rule: type, kw: dict) -> dict[str, bool]:
+    """Fused experts ((E, out, in) Muon stacks) trained 2 steps, saved to `root` and loaded
+    back: for each owned matrix, whether every state tensor came back to the bit."""
+    from test_stacks import make_moe  # tests/engine (on sys.path: see the callers)
+
+    cost = getattr(rule, "matrix_cost", None)
+    ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, matrix_cost=cost)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
+    train(ddp, opt, range(2))
+    before = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
+    save_checkpoint(root, ddp, opt, extra={"step": 2})
+    load_checkpoint(root, ddp, opt)
+    after = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
+    return {
+        k: v.keys() == after[k].keys() and all(torch.equal(t, after[k][n]) for n, t in v.items())
+        for k, v in before.items()
+    }
