@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from ..engine.config import ConfigError, DataParallelConfig, literal_choices
 
-DEFAULT_LR = {"muon": 1e-2, "normuon": 1e-2, "soap": 3e-3, "adamw": 2e-3}
+DEFAULT_LR = {"muon": 1e-2, "normuon": 3e-2, "soap": 3e-3, "adamw": 2e-3}
 """Peak learning rate per matrix rule (the muon path) or for the adamw path, when `optim.lr` is
 not given (tuned on the tiny model)."""
 
