@@ -146,10 +146,12 @@ def test_gradient_checkpointing_changes_no_bit(text_file: Path, tmp_path: Path) 
         ("hf:{tmp}/missing", "is not a directory"),
         ("hf-config:{tmp}/missing.json", "no such file"),
         ("gpt-5", "model must be one of"),
+        ("hf-config:{tmp}/llama.json --tokenizer {tmp}/none", "is not a directory"),
     ],
 )
 def test_bad_models_are_named(tmp_path: Path, capsys, model: str, message: str) -> None:
-    argv = ["train", "--model", model.format(tmp=tmp_path), "--out", str(tmp_path / "run")]
+    hf_support.config_file(tmp_path, "llama")
+    argv = ["train", "--model", *model.format(tmp=tmp_path).split(), "--out", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as e:
         cli.main([*argv, "--steps", "1", "--no-progress"])
     assert e.value.code == 2

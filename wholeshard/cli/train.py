@@ -244,6 +244,9 @@ def _check_model(parser: argparse.ArgumentParser, cfg: TrainConfig, where: str) 
         parser.error(f"{where}: {name.removeprefix(HF_DIR)} is not a directory")
     if name.startswith(HF_CONFIG) and not os.path.isfile(name.removeprefix(HF_CONFIG)):
         parser.error(f"{where}: no such file: {name.removeprefix(HF_CONFIG)}")
+    tokenizer = cfg.data.tokenizer
+    if tokenizer is not None and not os.path.isdir(tokenizer):
+        parser.error(f"argument --tokenizer: {tokenizer} is not a directory")
     try:
         for package in extras.HF_EXTRA:
             extras.require(package, extra="hf")

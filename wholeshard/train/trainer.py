@@ -152,7 +152,7 @@ class Trainer:
         with torch.autocast(x.device.type, self.autocast, enabled=self.autocast is not None):
             logits, aux = self.job.forward(self.module, x)
         vocab = logits.shape[-1]
-        ce = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1), reduction=reduction)
+        ce = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1), reduction=reduction)
         return ce if aux is None or reduction != "mean" else ce + aux.float()
 
     def train_step(self, step: int) -> dict[str, Any]:
