@@ -10,7 +10,16 @@ training through `DataParallel(**ddp_kw)` on this rank's slice of every batch; a
 from __future__ import annotations
 
 import torch
-from support import ADAMW_KW, _global_mean, batch, full_params, lm_loss, make_model, train_steps
+from support import (
+    ADAMW_KW,
+    _global_mean,
+    batch,
+    full_params,
+    lm_loss,
+    make_model,
+    run,
+    train_steps,
+)
 
 import wholeshard
 from wholeshard.checkpoint import load_checkpoint, save_checkpoint
@@ -91,6 +100,21 @@ def load_and_continue(root: str, more: int, rule: type, kw: dict) -> dict:
     with ddp.full_params():
         params = full_params(model)
     return {"loaded": loaded, "params": params, "losses": losses}
+
+
+def saved_and_loaded(
+    root: str, load_at: int, save_at: int, more: int, rule: type, kw: dict
+) -> tuple[dict, dict, list[dict]]:
+    """Save after `save_at` steps at 2 ranks, load at `load_at` ranks and train `more`: (every
+    matrix's state as saved, as loaded, each loading rank's `load_and_continue` result)."""
+    saved: dict = {}
+    for part in run(save_after, 2, root, save_at, rule, kw):
+        saved.update(part)
+    outs = run(load_and_continue, load_at, root, more, rule, kw)
+    loaded: dict = {}
+    for out in outs:
+        loaded.update(out["loaded"])
+    return saved, loaded, outs
 
 
 def stacked_round_trip(root: str, rule: type, kw: dict) -> dict[str, bool]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rule_harness import distributed, load_and_continue, one_process, save_after
+from rule_harness import distributed, one_process, saved_and_loaded
 from support import assert_bitwise_equal, assert_matches, fp8_model, run, wholeshard_run
 from test_normuon import MODES
 
@@ -101,9 +101,14 @@ SAVE_AT, MORE = 2, 2
 
 
 def test_checkpoint_at_2_ranks_loads_at_3_and_continues(tmp_path) -> None:
-    run(save_after, 2, str(tmp_path), SAVE_AT, FactoredRMS, KW)
+    saved, loaded, outs = saved_and_loaded(str(tmp_path), 3, SAVE_AT, MORE, FactoredRMS, KW)
+    assert loaded.keys() == saved.keys() and saved
+    for name, entry in saved.items():  # the row and column vectors, whole with their matrix
+        assert entry.keys() == loaded[name].keys() == {"value", "row", "col"}
+        for k, v in entry.items():
+            assert torch.equal(loaded[name][k], v), (name, k)
     ref = one_process(SAVE_AT + MORE, FactoredRMS, KW)
-    for out in run(load_and_continue, 3, str(tmp_path), MORE, FactoredRMS, KW):
+    for out in outs:
         assert_matches(out, {"params": ref["params"], "losses": ref["losses"][SAVE_AT:]})
 
 

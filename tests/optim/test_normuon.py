@@ -34,9 +34,8 @@ import support
 import torch
 from rule_harness import (
     distributed,
-    load_and_continue,
     one_process,
-    save_after,
+    saved_and_loaded,
     stacked_round_trip,
 )
 from support import (
@@ -408,13 +407,7 @@ SAVE_AT, MORE = 3, 3
 
 @pytest.mark.parametrize("load_at", [2, 3])
 def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int) -> None:
-    saved = {}
-    for part in run(save_after, 2, str(tmp_path), SAVE_AT, *RULE):
-        saved.update(part)
-    outs = run(load_and_continue, load_at, str(tmp_path), MORE, *RULE)
-    loaded = {}
-    for out in outs:
-        loaded.update(out["loaded"])
+    saved, loaded, outs = saved_and_loaded(str(tmp_path), load_at, SAVE_AT, MORE, *RULE)
     assert loaded.keys() == saved.keys() and saved
     for name, entry in saved.items():
         assert (

@@ -24,9 +24,8 @@ import support
 import torch
 from rule_harness import (
     distributed,
-    load_and_continue,
     one_process,
-    save_after,
+    saved_and_loaded,
     stacked_round_trip,
 )
 from support import (
@@ -275,13 +274,7 @@ def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int, strai
     """Every state tensor loads to the bit at 2 and 3 ranks. At 2 the steps after it are the
     uninterrupted run's to the bit; at 3 the gradient's sum order differs (measured max |param
     diff| from the uninterrupted run after 3 more steps: 4.9e-5)."""
-    saved = {}
-    for part in run(save_after, 2, str(tmp_path), SAVE_AT, *RULE):
-        saved.update(part)
-    outs = run(load_and_continue, load_at, str(tmp_path), MORE, *RULE)
-    loaded = {}
-    for out in outs:
-        loaded.update(out["loaded"])
+    saved, loaded, outs = saved_and_loaded(str(tmp_path), load_at, SAVE_AT, MORE, *RULE)
     assert loaded.keys() == saved.keys() and saved
     keys = {k for entry in saved.values() for k in entry}
     assert keys == {"value", "step", "exp_avg", "exp_avg_sq", "GG0", "GG1", "Q0", "Q1"}

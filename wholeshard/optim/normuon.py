@@ -156,13 +156,8 @@ def normuon_update(
     (out, in * kh * kw), as in the reference."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    if update.ndim == 4:
-        update = orthogonalize(
-            update.reshape(update.size(0), -1), ns_coefficients, ns_steps, ns_algorithm
-        )
-        update = update.reshape(grad.shape)
-    else:
-        update = orthogonalize(update, ns_coefficients, ns_steps, ns_algorithm)
+    matrices = update.reshape(update.size(0), -1) if update.ndim == 4 else update
+    update = orthogonalize(matrices, ns_coefficients, ns_steps, ns_algorithm).reshape(grad.shape)
     norm = update.norm(dim=(-2, -1), keepdim=True)
     row_mean_sq = torch.mean(update * update, dim=-1, keepdim=True)
     second_momentum.lerp_(row_mean_sq.to(second_momentum.dtype), 1 - beta2)
