@@ -90,7 +90,10 @@ def test_checkpoints_need_the_muon_path(text_file: Path, tmp_path: Path, capsys)
 
 def test_trace_shows_the_sync_phases(text_file: Path, tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
-    assert train(text_file, tmp_path / "run", "--overlap", "--trace", str(trace))["code"] == 0
+    # The tiny GPT, not micro: with micro's short steps a rank that does not trace segfaulted
+    # in 2 of 19 runs (torch 2.13 CPU, gloo, torch.profiler on rank 0); not seen with tiny.
+    argv = ["--model", "tiny", "--overlap", "--trace", str(trace)]
+    assert train(text_file, tmp_path / "run", *argv)["code"] == 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     for phase in (
         "wholeshard.grad_sync.start",
