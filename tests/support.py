@@ -20,8 +20,7 @@ from torch import nn
 import wholeshard
 from wholeshard.distributed.launch import launch
 from wholeshard.planning import Buffer, ParamSpec, validate_specs
-from wholeshard.planning._whole import plan_whole
-from wholeshard.planning.plan import _group_size
+from wholeshard.planning.plan import _group_size, plan_buffer
 from wholeshard.planning.routing import route_params
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 64, 32, 8, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
@@ -474,21 +473,29 @@ def whole_buffer(
     specs = tuple(specs)
     _group_size(dp, None, bucket_size, align, strategy, "whole")
     validate_specs(specs)
-    buffer = plan_whole(specs, dp, bucket_size, align, strategy)
+    buffer = plan_buffer("muon", specs, dp, bucket_size, align, strategy)
     buffer.check(specs)
     return buffer
 
 
 def verify_whole_buffer(buffer: Buffer, specs: list[ParamSpec]) -> None:
-    """Re-check every invariant of a whole-tensor buffer (either strategy) without calling
+    """Re-check every invariant of a whole-tensor buffer (any strategy) without calling
     `Buffer.check`."""
     k, align = buffer.shard_group_size, buffer.align
     assert buffer.kind == "muon" and buffer.whole
-    # Buckets: numbered in order, contiguous from 0, k equal aligned shards.
+    # Buckets: numbered in order, contiguous from 0; k equal aligned shards, or owner buckets
+    # whose listed owners ascend and tile the bucket.
     pos = 0
     for i, b in enumerate(buffer.buckets):
-        assert b.index == i and b.start == pos and b.numel == k * b.shard_numel > 0
-        assert b.shard_numel % align == 0
+        assert b.index == i and b.start == pos and b.numel > 0
+        if b.owners:
+            ranks = [r for r, _, _ in b.shards()]
+            assert ranks == sorted(set(ranks)) and 0 <= ranks[0] and ranks[-1] < k
+            assert [lo for _, lo, _ in b.shards()][0] == b.start
+            assert all(hi > lo and lo % align == 0 for _, lo, hi in b.shards())
+            assert sum(b.shard_len(r) for r in range(k)) == b.numel
+        else:
+            assert b.numel == k * b.shard_numel and b.shard_numel % align == 0
         pos = b.end
     assert buffer.numel == pos
 
@@ -497,7 +504,10 @@ def verify_whole_buffer(buffer: Buffer, specs: list[ParamSpec]) -> None:
     for s, p in zip(specs, buffer.placements, strict=True):
         b = buffer.buckets[p.bucket]
         assert p.end - p.start == s.numel and p.start % align == 0
-        owner = (p.start - b.start) // b.shard_numel
+        if b.owners:
+            owner = next(r for r, lo, hi in b.shards() if lo <= p.start < hi)
+        else:
+            owner = (p.start - b.start) // b.shard_numel
         assert p.owner == owner and 0 <= owner < k
         lo, hi = b.shard(owner)
         assert lo <= p.start and p.end <= hi, f"{p.name} leaves shard {owner}"
@@ -525,4 +535,4 @@ def verify_whole_buffer(buffer: Buffer, specs: list[ParamSpec]) -> None:
         if s.tied:
             b = buffer.buckets[p.bucket]
             assert members[p.bucket] == [i] and p.start == b.start
-            assert b.shard_numel == round_up(s.numel, align)
+            assert b.shard_len(p.owner) == round_up(s.numel, align)

@@ -531,6 +531,34 @@ def plans_every_k(presets: tuple[str, ...] = ("llama3-70b", "qwen3-30b-a3b")) ->
     return [plans_header(doc), "", *table(head, "lrr" + "r" * 8, body)]
 
 
+def scale() -> list[str]:
+    """What `plan_for` chooses for the presets at dp 8-1024, by default and with automatic
+    shard groups."""
+    doc = load("scale.json")
+    gib = 1024**3
+    body = []
+    for r in doc["rows"]:
+        groups = "auto" if r["shard_group_size"] else "dp"
+        owner = f"{r['owner_buckets']} owner" if r["owner_buckets"] else "equal"
+        body.append([
+            r["preset"], r["dp"], groups, r["k"], r["strategy"],
+            f"{r['buckets']} ({owner})",
+            f"{r['largest_bucket'] / 1e6:,.0f}M / {r['bucket_limit'] / 1e6:,.0f}M",
+            f"{r['padding_fraction']:.2%}", f"{r['ns_imbalance']:.3f}",
+            "yes" if r["meets_targets"] else "no",
+            f"{r['zero_optimizer_state_bytes'] / gib:.2f}",
+            f"{r['fully_sharded_persistent_bytes'] / gib:.2f}",
+            f"{r['fully_sharded_peak_transient_bytes'] / gib:.2f}",
+            f"{r['plan_seconds']:.2f}",
+        ])  # fmt: skip
+    head = ["preset", "dp", "groups", "k", "strategy", "buckets", "largest / limit",
+            "padding", "NS imbalance", "targets met", "ZeRO opt. state GiB",
+            "fully sharded GiB", "peak transient GiB", "plan s"]  # fmt: skip
+    how = "python tools/measure_scale.py"
+    header = measured(doc["date"], doc["machine"], how, "docs/results/scale.json")
+    return [header, "", *table(head, "lrlrlrrrrlrrrr", body)]
+
+
 # -- results: resident memory -----------------------------------------------------------------
 
 
@@ -578,6 +606,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "plans-recommended-40m": lambda: plans_table("40M", "recommended"),
     "plans-no-groups": lambda: plans_table("default", "no_groups"),
     "plans-every-k": plans_every_k,
+    "plans-scale": scale,
     "rss": rss,
 }
 

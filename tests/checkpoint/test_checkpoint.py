@@ -184,6 +184,9 @@ MODES = [
         dict(overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True),
         id="pipelined",
     ),
+    pytest.param(
+        dict(strategy="owners", reshard_after_forward=True, bucket_size=3000), id="owners"
+    ),
 ]
 
 
@@ -245,8 +248,15 @@ FULLY_SHARDED = {"reshard_after_forward": True, "bucket_size": 3000}
 
 @pytest.mark.parametrize(
     "nproc,ddp_kw",
-    [(1, {}), (3, {}), (3, {"bucket_size": 3000}), (4, {}), (3, FULLY_SHARDED)],
-    ids=["1", "3", "3-small-buckets", "4", "3-fully-sharded"],
+    [
+        (1, {}),
+        (3, {}),
+        (3, {"bucket_size": 3000}),
+        (4, {}),
+        (3, FULLY_SHARDED),
+        (3, dict(FULLY_SHARDED, strategy="owners")),
+    ],
+    ids=["1", "3", "3-small-buckets", "4", "3-fully-sharded", "3-owners-fully-sharded"],
 )
 def test_reshard_2_ranks_to_n(saved_at_2: dict, nproc: int, ddp_kw: dict) -> None:
     _assert_loads_and_continues(saved_at_2, nproc, ddp_kw)

@@ -18,6 +18,7 @@ from wholeshard.planning import default_bucket_size, plan_buffers
 from wholeshard.planning.costs import OPS, Mode, plan_costs
 from wholeshard.planning.presets import preset
 from wholeshard.planning.projection import project
+from wholeshard.planning.targets import bucket_size_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +54,9 @@ def test_json_has_every_field_with_its_type(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["--shapes", write(tmp_path, SMALL), "--dp", "4", "--shard-group-size", "2"]
-    code, out, err = run([*args, "--bucket-size", "4096", "--json"], capsys)
+    code, out, err = run(
+        [*args, "--bucket-size", "4096", "--strategy", "balanced", "--json"], capsys
+    )
     assert code == 0 and err == ""
     doc = json.loads(out)
     assert set(doc) == {
@@ -80,8 +83,9 @@ def test_json_has_every_field_with_its_type(
         assert set(b) == {"kind", "numel", "buckets"} and isinstance(b["numel"], int)
         assert b["buckets"][-1]["end"] == b["numel"]
         for c in b["buckets"]:
-            assert set(c) == {"start", "end", "shard_numel"}
-            assert all(isinstance(v, int) for v in c.values())
+            assert set(c) == {"start", "end", "shard_numel", "collectives"}
+            assert c["collectives"] == "reduce_scatter/all_gather"
+            assert all(isinstance(c[f], int) for f in ("start", "end", "shard_numel"))
             assert c["end"] - c["start"] == 2 * c["shard_numel"]
     assert [p["name"] for p in doc["params"]] == [p["name"] for p in SMALL["params"]]
     for p in doc["params"]:
@@ -309,20 +313,51 @@ def test_auto_shard_groups_say_which_and_why(capsys: pytest.CaptureFixture[str])
     code, out, _ = run(argv, capsys)
     doc = json.loads(out)
     choice = doc["shard_group_choice"]
-    assert code == 0 and doc["shard_group_size"] == choice["k"] == 4 and choice["meets_targets"]
+    assert code == 0 and doc["shard_group_size"] == choice["k"] == 128 and choice["meets_targets"]
+    assert choice["strategy"] == doc["strategy"] == "owners"
+    # k = 256 was passed over: equal shards by arithmetic, owner buckets by their imbalance.
     assert (
-        choice["largest_bucket"] <= choice["bucket_limit"] and "k x the widest" in choice["reason"]
+        "256: balanced: k x the widest" in choice["reason"]
+        and "owners: imbalance" in choice["reason"]
     )
+    assert choice["largest_bucket"] <= choice["bucket_limit"]
     specs = preset("llama3-70b")
     want = plan_buffers(
         specs,
         256,
-        bucket_size=default_bucket_size(sum(s.numel for s in specs), 4),
-        shard_group_size=4,
+        bucket_size=bucket_size_for(sum(s.numel for s in specs), 128, "owners"),
+        shard_group_size=128,
+        strategy="owners",
     )
-    assert doc["buffers"][0]["buckets"][0]["end"] == want.buffers[0].buckets[0].end
+    got = doc["buffers"][0]["buckets"]
+    assert [(b["start"], b["end"]) for b in got] == [
+        (b.start, b.end) for b in want.buffers[0].buckets
+    ]
+    assert {b["collectives"] for b in got} == {"reduce/broadcast"}
+    assert got[0]["owner_starts"] == [list(e) for e in want.buffers[0].buckets[0].owner_starts]
     code, out, _ = run(argv[:-1], capsys)
-    assert code == 0 and out.startswith("shard groups (auto): k=4 of dp 256")
+    assert code == 0 and out.startswith("plan (auto): k=128 of dp 256: strategy owners")
+    assert "reduce/broadcast" in out
+
+
+def test_owner_buckets_replace_equal_shards_past_a_few_dozen_ranks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The automatic strategy at k = dp: equal shards at dp 8, owner buckets at dp 64, where
+    equal shards would make one bucket of most of the model."""
+    code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--json"], capsys)
+    small = json.loads(out)
+    code2, out, _ = run(["--preset", "llama3-8b", "--dp", "64", "--json"], capsys)
+    large = json.loads(out)
+    assert code == code2 == 0
+    assert small["strategy"] == "balanced" and large["strategy"] == "owners"
+    choice = large["shard_group_choice"]
+    assert "balanced: k x the widest matrix > the bucket limit" in choice["reason"]
+    assert choice["meets_targets"] and choice["ns_imbalance"] <= 1.10
+    assert large["padding_fraction"] == 0
+    muon = large["buffers"][0]["buckets"]
+    assert max(b["end"] - b["start"] for b in muon) < 2 * 218_112_000  # 2 layers
+    assert all(b["shard_numel"] == 0 and b["owner_starts"][0][1] == b["start"] for b in muon)
 
 
 @pytest.mark.parametrize(

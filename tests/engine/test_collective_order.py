@@ -65,6 +65,7 @@ def _recording() -> list[tuple]:
 
     dist.all_reduce = record("all_reduce", dist.all_reduce)
     dist.broadcast = record("broadcast", dist.broadcast)
+    dist.reduce = record("reduce", dist.reduce)
     collectives._all_gather = record("all_gather", collectives._all_gather)
     collectives._reduce_scatter = record("reduce_scatter", collectives._reduce_scatter)
     return calls
@@ -117,6 +118,14 @@ MODES = {
     "pipelined-fully-sharded": (dict(pipelined_step=True, **FULLY_SHARDED, **OVERLAP), None),
     "shard-groups": (dict(shard_group_size=2, **OVERLAP), None),
     "fp8-gather": (dict(fp8_param_gather=True, param_dtype=torch.bfloat16, **OVERLAP), "mxfp8"),
+    "owners-pipelined-fully-sharded": (
+        dict(strategy="owners", pipelined_step=True, **FULLY_SHARDED, **OVERLAP),
+        None,
+    ),
+    "owners-fp8-gather": (
+        dict(strategy="owners", fp8_param_gather=True, param_dtype=torch.bfloat16, **OVERLAP),
+        "tensorwise",
+    ),
 }
 
 

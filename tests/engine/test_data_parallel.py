@@ -8,6 +8,7 @@ import torch.distributed as dist
 from support import (
     ADAMW_KW,
     MUON_KW,
+    OVERLAP,
     assert_matches,
     batch,
     lm_loss,
@@ -215,10 +216,14 @@ def test_lr_scheduler_drives_both_groups() -> None:
         dict(shard_group_size=2, overlap_grad_reduce=True, overlap_param_gather=True),
         dict(shard_group_size=1),
         dict(strategy="size_match"),
+        dict(strategy="owners"),
+        dict(strategy="owners", shard_group_size=2, reshard_after_forward=True, **OVERLAP),
     ],
-    ids=["k2", "k2-overlap", "k1", "size_match"],
+    ids=["k2", "k2-overlap", "k1", "size_match", "owners", "owners-k2-fully-sharded-overlap"],
 )
 def test_shard_groups_and_strategies_match_reference(ddp_kw: dict) -> None:
+    """Owner buckets here hold one matrix each over 4 (or 2) ranks: buckets with fewer
+    matrices than ranks, whose other ranks own nothing in them."""
     ref = reference_run(STEPS, clip=0.3)
     outs = run(wholeshard_run, 4, STEPS, clip=0.3, ddp_kw=dict(ddp_kw, bucket_size=3000))
     for out in outs:

@@ -59,6 +59,13 @@ def test_fully_sharded_is_bitwise_equal_to_zero(nproc: int, dtype, overlap: bool
     _assert_fs_equals_zero(nproc, OVERLAP if overlap else {}, dtype)
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_owner_buckets_fully_sharded_are_bitwise_equal_to_zero(nproc: int) -> None:
+    """Owner buckets (reduce to the owner, broadcast from it), most holding fewer matrices than
+    ranks: fully sharded and overlapped equals ZeRO-1/2 bit for bit, and matches the reference."""
+    _assert_fs_equals_zero(nproc, dict(strategy="owners", **OVERLAP), torch.bfloat16)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_hybrid_sharding_in_shard_groups(overlap: bool) -> None:
     mode = dict(shard_group_size=2, **(OVERLAP if overlap else {}))

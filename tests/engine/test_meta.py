@@ -13,6 +13,7 @@ from torch import nn
 
 import wholeshard
 from wholeshard.distributed.launch import WorkerFailed
+from wholeshard.engine import _storage
 from wholeshard.fp8 import convert
 
 STEPS = 2
@@ -79,6 +80,7 @@ MODES = {
     "shard-groups": dict(shard_group_size=1),
     "ping-pong": dict(scheme="ping_pong", param_sync="broadcast"),
     "fp8-gather": dict(fp8_param_gather=True, **OVERLAP),
+    "owners-fully-sharded": dict(strategy="owners", reshard_after_forward=True, **OVERLAP),
 }
 
 
@@ -108,3 +110,31 @@ def test_meta_model_without_param_init_is_refused_with_the_fix() -> None:
 def test_param_init_must_be_a_function() -> None:
     with pytest.raises(ValueError, match="param_init must be None or a function"):
         wholeshard.DataParallelConfig(param_init="normal")
+
+
+def _full_units_alive_while_building(ddp_kw: dict) -> list[int]:
+    """How many storage units hold their full param storage each time a new one is made, and
+    after the wrapper is built (fully sharded: only the unit being filled)."""
+    alive: list[int] = []
+    built: list[_storage.BucketStorage] = []
+    original = _storage.BucketStorage.__init__
+
+    def init_and_count(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        built.append(self)
+        alive.append(sum(_storage._allocated(b.param) for b in built))
+
+    _storage.BucketStorage.__init__ = init_and_count
+    try:
+        wholeshard.DataParallel(_model(meta=True), param_init=init, **ddp_kw)
+    finally:
+        _storage.BucketStorage.__init__ = original
+    return [*alive, sum(_storage._allocated(b.param) for b in built)]
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "owners"])
+def test_fully_sharded_construction_holds_one_full_unit_beside_the_shards(strategy: str) -> None:
+    """Issue 20: peak memory during construction is at most one unit beside the owned shards."""
+    ddp_kw = dict(bucket_size=3000, strategy=strategy, reshard_after_forward=True, **OVERLAP)
+    for alive in run(_full_units_alive_while_building, 2, ddp_kw):
+        assert len(alive) > 4 and max(alive) == 1 and alive[-1] == 0, alive

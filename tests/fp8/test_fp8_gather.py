@@ -226,10 +226,9 @@ def test_checkpoints_hold_masters_and_load_either_way(tmp_path, save_on: bool) -
 def _mixed_on_and_off() -> dict:
     """`pos` (8 x 32, a bare param) routed to Muon lands in buckets with converted weights."""
     kw = dict(make=fp8_model("mxfp8"), param_dtype=torch.bfloat16, use_muon=_muon_with_pos)
-    off = wholeshard_run(3, ddp_kw=dict(BUCKETS, **OVERLAP), **kw)
-    on = wholeshard_run(
-        3, ddp_kw=dict(BUCKETS, fp8_param_gather=True, **OVERLAP), keep_ddp=True, **kw
-    )
+    mixing = dict(BUCKETS, strategy="balanced", **OVERLAP)  # equal shards pack `pos` with others
+    off = wholeshard_run(3, ddp_kw=mixing, **kw)
+    on = wholeshard_run(3, ddp_kw=dict(mixing, fp8_param_gather=True), keep_ddp=True, **kw)
     kinds = {type(b).__name__ for b in on.pop("ddp").buckets}
     return {"off": off, "on": on, "kinds": kinds}
 

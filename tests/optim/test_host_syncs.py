@@ -15,37 +15,47 @@ import pytest
 import torch
 import torch.distributed as dist
 from support import ADAMW_KW, MUON_KW, OVERLAP, lm_loss, local_batch, make_model, run
-from torch.overrides import TorchFunctionMode
 
 import wholeshard
 from wholeshard.optim import _step_check
 
 _READS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.__bool__,
-    torch.Tensor.__int__,
-    torch.Tensor.__float__,
-    torch.Tensor.__index__,
-    torch.Tensor.numpy,
-    torch.Tensor.nonzero,
-    torch.nonzero,
-    torch.equal,
-}
+    torch.Tensor: ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy",
+                   "nonzero"),
+    torch: ("nonzero", "equal"),
+}  # fmt: skip
 
 
-class CountReads(TorchFunctionMode):
+class CountReads:
+    """Counts reads of a tensor's values into Python inside it, on any thread and inside
+    autograd hooks too (it patches the methods: a `TorchFunctionMode` is not active where the
+    autograd engine calls hooks)."""
+
     def __init__(self, host: list[torch.Tensor]) -> None:
-        super().__init__()
         self.host = host  # tensors that live on the host on CUDA too
         self.reads: list[str] = []
+        self._saved: list[tuple[object, str, object]] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _READS:
+    def _counting(self, name: str, fn):
+        def read(*args, **kwargs):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if not any(any(t is h for h in self.host) for t in tensors):
-                self.reads.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
+                self.reads.append(name)
+            return fn(*args, **kwargs)
+
+        return read
+
+    def __enter__(self) -> CountReads:
+        for owner, names in _READS.items():
+            for name in names:
+                fn = getattr(owner, name)
+                self._saved.append((owner, name, fn))
+                setattr(owner, name, self._counting(name, fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
 
 
 def _reads_per_step(nonfinite: str | None, ddp_kw: dict, clip: bool) -> list[list[str]]:
@@ -88,7 +98,10 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize(("nonfinite", "reads"), [(None, 0), ("error", 1), ("skip", 1)])
 def test_a_step_reads_the_device_at_most_once(mode: str, nonfinite: str | None, reads: int):
+    # Fully sharded with overlapped reductions over 2+ ranks reads one more value: which modules
+    # every rank ran in this forward ([Note: collective order] in the engine's `_schedule`).
+    reads += mode == "fully-sharded"
     for per_step in run(_reads_per_step, 2, nonfinite, MODES[mode], mode == "overlap"):
         # The first step creates the optimizers' state; from the second on, the steady state.
         assert [len(r) for r in per_step[1:]] == [reads] * 3, per_step
-        assert all(r == ["tolist"] for r in per_step[1:] if r), per_step
+        assert all(set(r) == {"tolist"} for r in per_step[1:] if r), per_step

@@ -17,23 +17,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import make_model, spec_lists
 
-from wholeshard.planning import ParamSpec, Plan, default_bucket_size, plan_buffers
-from wholeshard.planning.auto import (
-    MAX_IMBALANCE,
-    MIN_BUCKET_LIMIT,
-    ShardGroupChoice,
-    auto_shard_group_size,
-    bucket_limit_at,
-    bucket_target,
-    ladder,
-    largest_layer,
-    optimizer_state,
-)
-from wholeshard.planning.costs import owned
+from wholeshard.planning import ParamSpec, Plan, plan_buffers
+from wholeshard.planning.auto import ShardGroupChoice, auto_shard_group_size, ladder, plan_for
+from wholeshard.planning.costs import owned, storage_units
 from wholeshard.planning.presets import preset
 from wholeshard.planning.projection import rank_ns_flops
 from wholeshard.planning.routing import route_params
 from wholeshard.planning.specs import cost_imbalance, round_up
+from wholeshard.planning.targets import (
+    MAX_IMBALANCE,
+    MIN_BUCKET_LIMIT,
+    bucket_limit_at,
+    bucket_size_for,
+    bucket_target,
+    largest_layer,
+    optimizer_state,
+)
 
 PRESETS = ("llama3-8b", "llama3-70b", "qwen3-30b-a3b", "moe-256x")
 DPS = (8, 64, 256, 1024)
@@ -52,8 +51,9 @@ def choice_of(name: str, dp: int) -> tuple[ShardGroupChoice, float]:
     return choice, time.process_time() - start
 
 
-def largest_bucket(plan: Plan) -> int:
-    return max((b.numel for buffer in plan.buffers for b in buffer.buckets), default=0)
+def largest_bucket(plan: Plan, specs: tuple[ParamSpec, ...]) -> int:
+    """The largest storage unit: the buckets a stacked param runs across count as one."""
+    return max((u.numel for u in storage_units(plan, specs)), default=0)
 
 
 def limit_of(plan: Plan, target: int) -> int:
@@ -61,10 +61,10 @@ def limit_of(plan: Plan, target: int) -> int:
     return bucket_limit_at(target, next((b for b in plan.buffers if b.kind == "adamw"), None))
 
 
-def meets(plan: Plan, target: int, padding_limit: float) -> bool:
+def meets(plan: Plan, specs: tuple[ParamSpec, ...], target: int, padding_limit: float) -> bool:
     """Issue 20's targets, computed here from the plan alone."""
     return (
-        largest_bucket(plan) <= limit_of(plan, target)
+        largest_bucket(plan, specs) <= limit_of(plan, target)
         and plan.padding_fraction <= padding_limit
         and cost_imbalance(rank_ns_flops(plan)) <= MAX_IMBALANCE
     )
@@ -73,18 +73,22 @@ def meets(plan: Plan, target: int, padding_limit: float) -> bool:
 def assert_figures_are_the_plans(choice: ShardGroupChoice, specs: tuple[ParamSpec, ...]) -> None:
     """The choice's plan is `plan_buffers`'s at its k and bucket size, and every figure is it."""
     plan = plan_buffers(
-        specs, choice.dp_size, bucket_size=choice.bucket_size, shard_group_size=choice.k
+        specs,
+        choice.dp_size,
+        bucket_size=choice.bucket_size,
+        shard_group_size=choice.k,
+        strategy=choice.plan.strategy,
     )
     assert choice.plan == plan
     assert choice.dp_size % choice.k == 0 and choice.replicas == choice.dp_size // choice.k
     assert choice.buckets == sum(len(b.buckets) for b in plan.buffers)
-    assert choice.largest_bucket == largest_bucket(plan)
+    assert choice.largest_bucket == largest_bucket(plan, specs)
     assert choice.padding_fraction == plan.padding_fraction
     assert choice.ns_imbalance == cost_imbalance(rank_ns_flops(plan))
     assert choice.ns_flops == max(rank_ns_flops(plan))
     assert choice.optimizer_state == max(o.muon + 2 * o.adamw for o in owned(plan))
     assert choice.bucket_limit == limit_of(plan, choice.bucket_target)
-    assert choice.meets_targets == meets(plan, choice.bucket_target, choice.padding_limit)
+    assert choice.meets_targets == meets(plan, specs, choice.bucket_target, choice.padding_limit)
 
 
 # ---------------------------------------------------------------- presets: issue 20's targets
@@ -97,7 +101,8 @@ def test_presets_meet_the_targets(name: str, dp: int) -> None:
     choice, _ = choice_of(name, dp)
     assert choice.meets_targets, choice.reason
     assert choice.padding_fraction <= 0.01 and choice.ns_imbalance <= 1.10
-    assert choice.bucket_size == default_bucket_size(sum(s.numel for s in specs), choice.k)
+    numel = sum(s.numel for s in specs)
+    assert choice.bucket_size == bucket_size_for(numel, choice.k, choice.plan.strategy)
     target = max(MIN_BUCKET_LIMIT, 2 * largest_layer(specs))
     assert choice.bucket_target == target
     if name == "llama3-8b":
@@ -129,12 +134,13 @@ def test_no_larger_candidate_meets_the_targets(name: str, dp: int) -> None:
     for k in ladder(dp):
         if k <= choice.k:
             break
-        if name == "moe-256x" and (dp, k) != (64, 64):
-            assert k * widest > choice.bucket_limit or k in choice.tried[:-1], k
-            continue
-        size = default_bucket_size(numel, k)
-        plan = plan_buffers(specs, dp, bucket_size=size, shard_group_size=k)
-        assert not meets(plan, choice.bucket_target, choice.padding_limit), (name, dp, k)
+        for strategy in ("balanced", "owners"):
+            if strategy == "balanced" and name == "moe-256x" and (dp, k) != (64, 64):
+                assert k * widest > choice.bucket_limit or k in choice.tried[:-1], k
+                continue
+            size = bucket_size_for(numel, k, strategy)
+            plan = plan_buffers(specs, dp, bucket_size=size, shard_group_size=k, strategy=strategy)
+            assert not meets(plan, specs, choice.bucket_target, choice.padding_limit), (name, dp, k)
 
 
 def test_planning_is_fast_at_dp_1024() -> None:
@@ -161,12 +167,11 @@ def tiny_specs(**kw: object) -> tuple[ParamSpec, ...]:
     ids=["gpt2-small", "tiny", "tiny-tied", "tiny-4-layers"],
 )
 def test_small_runs_keep_k_equal_dp_where_it_meets_the_targets(specs: tuple) -> None:
-    numel = sum(s.numel for s in specs)
     kept = []
     for dp in range(2, 9):
         choice = auto_shard_group_size(specs, dp)
-        full = plan_buffers(specs, dp, bucket_size=default_bucket_size(numel, dp))
-        if meets(full, choice.bucket_target, choice.padding_limit):
+        full, why = plan_for(specs, dp)  # the automatic strategy at k = dp
+        if why is not None and why.meets_targets:
             assert choice.k == dp and choice.plan == full, (dp, choice.reason)
             kept.append(dp)
         else:
@@ -228,7 +233,7 @@ def test_no_params_and_one_rank() -> None:
     dp=st.integers(1, 48),
     bucket_size=st.one_of(st.none(), st.integers(1, 200_000)),
     bucket_limit=st.one_of(st.none(), st.integers(1, 2_000_000)),
-    strategy=st.sampled_from(["balanced", "size_match"]),
+    strategy=st.sampled_from(["balanced", "size_match", "owners"]),
 )
 def test_choice_is_a_divisor_with_its_plans_figures(
     specs: list[ParamSpec],
@@ -249,29 +254,31 @@ def test_choice_is_a_divisor_with_its_plans_figures(
     numel = sum(s.numel for s in specs)
 
     def plan_at(k: int) -> Plan:
-        size = default_bucket_size(numel, k) if bucket_size is None else bucket_size
+        size = bucket_size_for(numel, k, strategy) if bucket_size is None else bucket_size
         return plan_buffers(specs_t, dp, bucket_size=size, strategy=strategy, shard_group_size=k)  # type: ignore[arg-type]
 
     plan = plan_at(choice.k)
     assert choice.plan == plan and choice.bucket_size == plan.bucket_size
-    assert choice.largest_bucket == largest_bucket(plan)
+    assert choice.largest_bucket == largest_bucket(plan, specs)
     assert choice.padding_fraction == plan.padding_fraction
     assert choice.buckets == sum(len(b.buckets) for b in plan.buffers)
     assert choice.ns_imbalance == cost_imbalance(rank_ns_flops(plan))
     assert choice.optimizer_state == optimizer_state(plan)
     assert choice.bucket_target == (bucket_target(specs) if bucket_limit is None else bucket_limit)
     assert choice.bucket_limit == limit_of(plan, choice.bucket_target) >= choice.bucket_target
-    assert choice.meets_targets == meets(plan, choice.bucket_target, choice.padding_limit)
+    assert choice.meets_targets == meets(plan, specs, choice.bucket_target, choice.padding_limit)
     # The largest k: every larger candidate misses (the bounds that skip some are sound).
     larger = [k for k in ladder(dp) if k > choice.k]
     plans = {k: plan_at(k) for k in [*larger, *choice.tried]}
     for k in larger:
-        assert not meets(plans[k], choice.bucket_target, choice.padding_limit), k
+        assert not meets(plans[k], specs, choice.bucket_target, choice.padding_limit), k
     if not choice.meets_targets:  # the compromise: the least overshoot of the planned ones
 
         def overshoot(p: Plan) -> float:
             memory = (1 - choice.padding_limit) / (1 - p.padding_fraction)
             imbalance = cost_imbalance(rank_ns_flops(p)) / MAX_IMBALANCE
-            return max(largest_bucket(p) / limit_of(p, choice.bucket_target), memory, imbalance)
+            return max(
+                largest_bucket(p, specs) / limit_of(p, choice.bucket_target), memory, imbalance
+            )
 
         assert all(overshoot(plan) <= overshoot(plans[k]) for k in choice.tried)

@@ -16,6 +16,7 @@ from wholeshard.planning.costs import (
     Collective,
     Mode,
     dtype_name,
+    fully_sharded,
     owned,
     plan_costs,
     ring_bytes,
@@ -61,7 +62,7 @@ def planned(request):
 
 def test_ring_bytes_is_the_traffic_counters_arithmetic() -> None:
     """One table of bytes per collective: the traffic counter's, which charges real runs."""
-    c10d = {"all_reduce": "allreduce_", "broadcast": "broadcast_"}
+    c10d = {"all_reduce": "allreduce_", "broadcast": "broadcast_", "reduce": "reduce_"}
     for op in OPS:
         for ranks in (1, 2, 3, 8, 1024):
             for nbytes in (0, 4, 1000, 12_345_679):
@@ -157,7 +158,8 @@ def test_collectives_per_step(planned, mode: Mode) -> None:
     buckets = sum(len(u.buckets) for u in units)
     assert counts["reduce_scatter"] == buckets
     replicas = buckets if dp > k else 0
-    check = 1 + (mode.clip_grad_norm and k > 1)
+    ran = fully_sharded(plan, mode) and mode.overlap_grad_reduce  # the modules-run flags
+    check = 1 + (mode.clip_grad_norm and k > 1) + ran
     assert counts["all_reduce"] == replicas + check
     times = [0] * len(units)  # how often each unit's params are synced
     if k > 1:
@@ -174,6 +176,7 @@ def test_collectives_per_step(planned, mode: Mode) -> None:
         if dp > k:
             expected += 2 * (dp // k - 1) / (dp // k) * u.shard_numel * gb
     expected += 2 * (dp - 1) / dp * 8 * (4 + len(specs))
+    expected += 2 * (dp - 1) / dp * 4 * len(units) if ran else 0
     if mode.clip_grad_norm and k > 1:
         expected += 2 * (k - 1) / k * 4
     # each collective's bytes are rounded to an integer

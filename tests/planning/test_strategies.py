@@ -38,9 +38,9 @@ def imbalance(buffer: Buffer, specs: list[ParamSpec]) -> float:
     dp=st.integers(1, 64),
     bucket_size=st.one_of(st.none(), st.integers(1, 400_000)),
     align=st.sampled_from([1, 8, 64, 100]),
-    strategy=st.sampled_from(STRATEGIES),
+    strategy=st.sampled_from([s for s in STRATEGIES if s != "auto"]),
 )
-def test_both_strategies_keep_every_invariant(
+def test_every_strategy_keeps_every_invariant(
     specs: list[ParamSpec], dp: int, bucket_size: int | None, align: int, strategy: str
 ) -> None:
     buffer = whole_buffer(specs, dp, bucket_size=bucket_size, align=align, strategy=strategy)
@@ -176,7 +176,7 @@ def test_balanced_beats_size_matching_on_random_transformers() -> None:
                 continue
             plans = {
                 strategy: plan_buffers(specs, k, bucket_size=40_000_000, strategy=strategy)
-                for strategy in STRATEGIES
+                for strategy in ("size_match", "balanced")
             }
             for plan in plans.values():
                 verify_whole_buffer(plan.buffers[0], muon)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..planning import DEFAULT_STRATEGY, STRATEGIES, ParamSpec, Plan
+from ..planning import DEFAULT_STRATEGY, STRATEGIES, Bucket, ParamSpec, Plan
 from ..planning.auto import ShardGroupChoice, plan_for
 from ..planning.costs import Costs, Mode, fully_sharded, plan_costs
 from ..planning.presets import PRESETS
@@ -101,10 +101,7 @@ def plan_json(
             {
                 "kind": b.kind,
                 "numel": b.numel,
-                "buckets": [
-                    {"start": c.start, "end": c.end, "shard_numel": c.shard_numel}
-                    for c in b.buckets
-                ],
+                "buckets": [bucket_json(c) for c in b.buckets],
             }
             for b in plan.buffers
         ],
@@ -113,11 +110,26 @@ def plan_json(
     }
 
 
+def collectives_of(bucket: Bucket) -> str:
+    """The collectives that sync `bucket` ([Note: owner buckets] in `planning.specs`)."""
+    return "reduce/broadcast" if bucket.owners else "reduce_scatter/all_gather"
+
+
+def bucket_json(bucket: Bucket) -> dict[str, Any]:
+    """One bucket of the `--json` document: its range, its shards, and its collectives."""
+    out = {"start": bucket.start, "end": bucket.end, "shard_numel": bucket.shard_numel}
+    out["collectives"] = collectives_of(bucket)
+    if bucket.owners:
+        out["owner_starts"] = [list(entry) for entry in bucket.owner_starts]
+    return out
+
+
 def choice_json(choice: ShardGroupChoice) -> dict[str, Any]:
     """`shard_group_choice` of the `--json` document (`--shard-group-size auto`)."""
     fields = ("k", "meets_targets", "reason", "bucket_size", "largest_bucket", "bucket_limit",
               "padding_fraction", "padding_limit", "ns_imbalance", "tried")  # fmt: skip
-    return {f: list(v) if isinstance(v := getattr(choice, f), tuple) else v for f in fields}
+    out = {f: list(v) if isinstance(v := getattr(choice, f), tuple) else v for f in fields}
+    return {**out, "strategy": choice.plan.strategy}
 
 
 def size(n: int) -> str:
@@ -168,8 +180,8 @@ def plan_table(plan: Plan, seconds: float, source: str, costs: Costs | None = No
         *(costs_lines(costs) if costs is not None else []),
     ]
     header = (
-        f"  {'bucket':>6} {'start':>17} {'end':>17} {'shard_numel':>15} {'params':>7} "
-        f"{'padding':>8}  largest param"
+        f"  {'bucket':>6} {'start':>17} {'end':>17} {'shards':>15} {'params':>7} "
+        f"{'padding':>8}  {'collectives':<26} largest param"
     )
     for index, buffer in enumerate(plan.buffers):
         lines += [
@@ -188,9 +200,11 @@ def plan_table(plan: Plan, seconds: float, source: str, costs: Costs | None = No
                     m[2] = p
         for b, (count, bucket_used, widest) in zip(buffer.buckets, members, strict=True):
             shape = "x".join(map(str, widest.shape)) or "scalar"
+            shards = f"{len(b.owner_starts)} owners" if b.owners else f"{b.shard_numel:,}"
             lines.append(
-                f"  {b.index:>6} {b.start:>17,} {b.end:>17,} {b.shard_numel:>15,} {count:>7} "
-                f"{1 - bucket_used / b.numel:>8.2%}  {widest.name} ({shape})"
+                f"  {b.index:>6} {b.start:>17,} {b.end:>17,} {shards:>15} {count:>7} "
+                f"{1 - bucket_used / b.numel:>8.2%}  {collectives_of(b):<26} {widest.name} "
+                f"({shape})"
             )
     return "\n".join(lines)
 
@@ -320,7 +334,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(doc, allow_nan=False) + "\n")
     else:
         if choice is not None:
-            print(f"shard groups (auto): {choice.reason}\n")
+            print(f"plan (auto): {choice.reason}\n")
         print(plan_table(plan, seconds, source, costs))
         if projected is not None:
             print(projected.describe())

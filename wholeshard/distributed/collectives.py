@@ -1,7 +1,8 @@
 """The few collectives wholeshard issues, in one place, with per-torch-version fallbacks.
 
-Every collective here moves equal-size per-rank chunks (what NCCL requires) and returns an
-async work handle (or None when there is nothing to wait for).
+Every collective here moves equal-size per-rank chunks (what NCCL requires; a reduce or broadcast
+moves one tensor of the same size on every rank) and returns an async work handle (or None when
+there is nothing to wait for).
 """
 
 from __future__ import annotations
@@ -37,12 +38,38 @@ def reduce_scatter_sum(
     return _Finish(work, shard, None, divide_by) if divide_by != 1 else work
 
 
+def reduce_sum(
+    tensor: torch.Tensor,
+    group_rank: int,
+    group: ProcessGroup | None,
+    divide_by: int = 1,
+    out: torch.Tensor | None = None,
+) -> Work | _Finish | None:
+    """Sum `tensor` over the group onto the rank `group_rank` of the group, which then divides
+    it by `divide_by` ([Note: averaging]) and, given `out` (a separate tensor of its size),
+    copies it there. On the other ranks `tensor` is left unspecified and `out` untouched."""
+    dst = dist.get_global_rank(group or dist.group.WORLD, group_rank)
+    work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if dist.get_rank(group) != group_rank:
+        return work
+    in_place = out is None or out.data_ptr() == tensor.data_ptr()
+    dst_tensor = tensor if in_place else out
+    if in_place and divide_by == 1:
+        return work
+    return _Finish(work, dst_tensor, None if in_place else tensor, divide_by)
+
+
 def all_reduce_sum(
     tensor: torch.Tensor, group: ProcessGroup | None, divide_by: int = 1
 ) -> Work | _Finish | None:
     """Sum `tensor` over the group in place, then divide by `divide_by` ([Note: averaging])."""
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return _Finish(work, tensor, None, divide_by) if divide_by != 1 else work
+
+
+def all_reduce_min(tensor: torch.Tensor, group: ProcessGroup | None) -> Work | None:
+    """The elementwise minimum of `tensor` over the group, in place (async)."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group, async_op=True)
 
 
 class _Finish:

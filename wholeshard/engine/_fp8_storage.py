@@ -133,12 +133,12 @@ class Fp8Storage(BucketStorage):
             )
         _alloc(self.grad)
         staging = self._staging()
-        group, rank = self.groups.gather_group, self.groups.rank
+        rank = self.groups.rank
         handles = []
         for i, b in enumerate(self.buckets):
             mine = self._shard_range(staging, b, rank)
             mine.copy_(self._own_shard(self.param, self.param_shard, i))  # bf16(master), staged now
-            handles.append(collectives.all_gather(self._bucket_range(staging, b), mine, group))
+            handles += self._share(staging, b, mine)
         return InFlight(handles)
 
     def _gather_bytes(self) -> InFlight:
@@ -155,13 +155,7 @@ class Fp8Storage(BucketStorage):
                     q.rowwise.data.view(torch.uint8).reshape(-1)
                 )
                 scales[j] = q.rowwise.scale
-            handles.append(
-                collectives.all_gather(
-                    self._bucket_range(self._bytes, b),
-                    self._shard_range(self._bytes, b, rank),
-                    group,
-                )
-            )
+            handles += self._share(self._bytes, b, self._shard_range(self._bytes, b, rank))
             handles.append(collectives.all_gather(self._scales[i], scales, group))
         return InFlight(handles)
 

@@ -12,9 +12,15 @@ when the forward or backward ends, so a module that runs on one rank only (an Mo
 token chose) changes no rank's sequence. Gathers outside the queue happen only when a module
 needs a released bucket again (a module called twice; activation checkpointing), which all ranks
 do alike when they run the same modules. Reductions and gathers interleave alike too, on one
-group or two: a separate all-gather group (`separate_all_gather_group`) lets gathers progress
-beside reductions, but on NCCL two communicators may serialise (`CUDA_DEVICE_MAX_CONNECTIONS=1`,
-or compute filling the GPU), so it does not excuse a different order.
+group or two. Fully sharded with `overlap_grad_reduce`, reductions run while backward gathers,
+and a bucket holding a module that one rank skipped completes at another point on each rank;
+so at the end of every forward the ranks agree (one small all-reduce, read once in backward)
+on which buckets every rank ran all the modules of, and backward reduces only up to the first
+bucket some rank skipped a module of: that one and those after it are reduced at the step,
+in order, on every rank alike. Across groups: a separate all-gather group
+(`separate_all_gather_group`) lets gathers progress beside reductions, but on NCCL two
+communicators may serialise (`CUDA_DEVICE_MAX_CONNECTIONS=1`, or compute filling the GPU), so
+it does not excuse a different order.
 `tests/engine/test_collective_order.py` records every collective of every rank (op, group,
 elements, dtype) through steps of every mode, with a block one rank skips and activation
 checkpointing, and checks the sequences are identical.
@@ -48,7 +54,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
+from torch.distributed import ProcessGroup, Work
 
+from ..distributed import collectives
 from ._storage import BucketState, BucketStorage
 from ._waits import WaitTimer
 
@@ -82,6 +90,7 @@ class Scheduler:
         overlap_grad_reduce: bool,
         overlap_param_gather: bool,
         reshard: bool,
+        agree_group: ProcessGroup | None = None,
     ) -> None:
         self.buckets = list(buckets)
         if [b.index for b in self.buckets] != list(range(len(self.buckets))):
@@ -102,6 +111,9 @@ class Scheduler:
         self._gathering = 0  # gathers in flight
         self._backward_task: int | None = None
         self._kept: set[int] = set()  # buckets kept gathered across forward/backward
+        self.agree_group = agree_group  # the data-parallel group: where ranks agree on skips
+        self._ran: tuple[torch.Tensor, Work | None] | None = None  # this forward's, in flight
+        self._ran_everywhere: list[int] | None = None  # per bucket, read once per backward
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -133,8 +145,20 @@ class Scheduler:
             self._release(bucket)
         if self.overlap_grad_reduce and self.reduces:
             n = len(self.buckets)
-            while self._next_reduce < n and self.buckets[self._next_reduce].complete:
+            while self._next_reduce < n and self._reducible(self.buckets[self._next_reduce]):
                 self._start_reduce()
+
+    def _reducible(self, bucket: BucketStorage) -> bool:
+        """Whether backward may reduce `bucket` now: complete, and (resharding) no rank skipped
+        a module holding its params in this forward ([Note: collective order])."""
+        if not bucket.complete:
+            return False
+        if self._ran is not None:
+            values, work = self._ran
+            with self._blocked():
+                collectives.wait(work)
+            self._ran_everywhere, self._ran = values.tolist(), None
+        return self._ran_everywhere is None or bool(self._ran_everywhere[bucket.index])
 
     def _start_reduce(self) -> None:
         n = self._next_reduce
@@ -271,6 +295,11 @@ class Scheduler:
             keep = grad and (b.index == 0 or b.index in self._kept)
             if b.params_materialised and not keep:
                 self._release(b)
+        self._ran_everywhere = None
+        if grad and self.gathers and self.overlap_grad_reduce and self.reduces and self.sync_grads:
+            ran = [int(left <= 0) for left in self.forward_left]
+            values = torch.tensor(ran, dtype=torch.int32, device=self.buckets[0].param.device)
+            self._ran = values, collectives.all_reduce_min(values, self.agree_group)
 
     def pre_forward(self, buckets: Sequence[BucketStorage]) -> None:
         """A module is about to run: its buckets must be gathered."""

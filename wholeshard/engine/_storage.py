@@ -2,10 +2,10 @@
 
 [Note: storage units]
 A `BucketStorage` covers elements `[start, end)` of one planned buffer: one planned bucket, or
-several consecutive ones where a stacked param runs across them (a param's `.data` is one view,
-so the planned buckets it spans share one storage unit: `Buffer.storage_units`). Each planned
-bucket is cut into `k` equal shards, one per rank of the shard group, and every collective runs
-per planned bucket, so every rank moves the same number of elements (what NCCL needs).
+several where a stacked param runs across them (a param's `.data` is one view: see
+`Buffer.storage_units`). Collectives run per planned bucket: equal shards by one reduce-scatter
+and one all-gather, an owner bucket's ([Note: owner buckets] in `planning.specs`) by a reduce
+and a broadcast per owner's shard; in each, every rank moves as many elements (NCCL needs it).
 
 [Note: resharding]
 Without resharding (ZeRO-1/2) the full `param` and `grad` tensors live for the whole run and
@@ -148,7 +148,7 @@ class BucketStorage:
         # Where each bucket's shard of this rank starts in the shard tensors.
         self._shard_at = [0]
         for b in self.buckets[:-1]:
-            self._shard_at.append(self._shard_at[-1] + b.shard_numel)
+            self._shard_at.append(self._shard_at[-1] + b.shard_len(groups.rank))
         self.param_shard = self.grad_shard = None
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self.reset_arrivals()
@@ -175,7 +175,7 @@ class BucketStorage:
         b = self.buckets[i]
         if shard is None:
             return self._shard_range(full, b, self.groups.rank)
-        return shard[self._shard_at[i] : self._shard_at[i] + b.shard_numel]
+        return shard[self._shard_at[i] : self._shard_at[i] + b.shard_len(self.groups.rank)]
 
     def owned_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat (param, grad) views of buffer elements `[lo, hi)`, which lie in this rank's shard
@@ -229,7 +229,7 @@ class BucketStorage:
         """Start resharding: copy this rank's shards out of the full tensors, then free them."""
         if self.param_shard is not None:
             return
-        numel = self._shard_at[-1] + self.buckets[-1].shard_numel
+        numel = self._shard_at[-1] + self.buckets[-1].shard_len(self.groups.rank)
         self.param_shard = self.param.new_empty(numel)
         self.grad_shard = self.grad.new_zeros(numel)
         for i, b in enumerate(self.buckets):
@@ -305,19 +305,27 @@ class BucketStorage:
             self.grad.zero_()
 
     def _reduce(self) -> InFlight:
-        """Reduce-scatter every bucket, then sum across replicas; the average divides once, at
-        the end ([Note: averaging] in `distributed/collectives.py`)."""
+        """Reduce-scatter every bucket (an owner bucket: reduce each shard to its owner), then
+        sum across replicas; the average divides once, at the end ([Note: averaging] in
+        `distributed/collectives.py`)."""
         group, replicas = self.groups.group, self.groups.replica_group
         mine = [self._own_shard(self.grad, self.grad_shard, i) for i in range(len(self.buckets))]
         stage1 = self.groups.size if replicas is None else 1
-        handles = [
-            collectives.reduce_scatter_sum(out, self._bucket_range(self.grad, b), group, stage1)
-            for out, b in zip(mine, self.buckets, strict=True)
-        ]
+        handles = []
+        for out, b in zip(mine, self.buckets, strict=True):
+            if not b.owners:
+                full = self._bucket_range(self.grad, b)
+                handles.append(collectives.reduce_scatter_sum(out, full, group, stage1))
+            for r, lo, hi in b.shards() if b.owners else ():
+                dst = out if r == self.groups.rank else None
+                handles.append(
+                    collectives.reduce_sum(self._elements(self.grad, lo, hi), r, group, stage1, dst)
+                )
         if replicas is None:
             return InFlight(handles)
         total = self.groups.size * dist.get_world_size(replicas)
-        # The second stage reads the reduce-scatter's output, so it starts once that is done.
+        mine = [m for m in mine if m.numel()]  # the replicas hold the same (empty) shards
+        # The second stage reads the first's output, so it starts once that is done.
         return InFlight(
             handles, lambda: [collectives.all_reduce_sum(m, replicas, total) for m in mine]
         )
@@ -353,23 +361,28 @@ class BucketStorage:
             param.data = view
 
     def _gather(self) -> InFlight:
-        group, k, rank = self.groups.gather_group, self.groups.size, self.groups.rank
         handles = []
         for i, b in enumerate(self.buckets):
             mine = self._own_shard(self.param, self.param_shard, i)
-            if self.groups.param_sync == "allgather":
-                handles.append(
-                    collectives.all_gather(self._bucket_range(self.param, b), mine, group)
-                )
-                continue
-            own = self._shard_range(self.param, b, rank)
-            if own.data_ptr() != mine.data_ptr():
-                own.copy_(mine)
-            handles += [
-                collectives.broadcast(self._shard_range(self.param, b, r), r, group)
-                for r in range(k)
-            ]
+            handles += self._share(self.param, b, mine, self.groups.param_sync)
         return InFlight(handles)
+
+    def _share(
+        self, full: torch.Tensor, b: Bucket, mine: torch.Tensor, sync: ParamSync = "allgather"
+    ) -> list[Work | None]:
+        """Dispatch the sync of bucket `b` of `full` (a full tensor of this unit): `mine` (this
+        rank's shard, which may alias its range of `full`) and the others' land in `full`, by an
+        all-gather, or one broadcast per non-empty shard (`sync="broadcast"`, owner buckets)."""
+        group, rank = self.groups.gather_group, self.groups.rank
+        if sync == "allgather" and not b.owners:
+            return [collectives.all_gather(self._bucket_range(full, b), mine, group)]
+        own = self._shard_range(full, b, rank)
+        if own.numel() and own.data_ptr() != mine.data_ptr():
+            own.copy_(mine)
+        return [
+            collectives.broadcast(self._elements(full, lo, hi), r, group)
+            for r, lo, hi in b.shards()
+        ]
 
     def drop_temporaries(self) -> None:
         """Free temporary buffers a storage kind keeps between steps (none here)."""

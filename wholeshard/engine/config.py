@@ -65,12 +65,15 @@ class DataParallelConfig:
 
     bucket_size: int | None = None
     """Elements per bucket, at least; None takes `wholeshard.planning.default_bucket_size`
-    (about 1/8 of the params, from 65,536 up to max(40M, 1M x dp)). More, smaller buckets
-    overlap more; each costs one collective per step."""
-    strategy: Strategy = "balanced"
-    """How Muon matrices are dealt to ranks: `balanced` (the matrix rule's cost, `matrix_cost`,
-    even across ranks, padding low) or `size_match` (rows of same-size matrices, Megatron's
-    rule)."""
+    (about 1/8 of the params, from 65,536 up to max(40M, 1M x k) for equal shards over k ranks,
+    up to 40M for owner buckets). More, smaller buckets overlap more; each costs collectives."""
+    strategy: Strategy = "auto"
+    """How Muon matrices are dealt to ranks: `balanced` (equal shards, reduce-scattered and
+    all-gathered, the matrix rule's cost, `matrix_cost`, even across ranks, padding low),
+    `owners` (owner buckets of any size, no padding: each shard reduced to its owner and
+    broadcast back, for dp past a few dozen), `size_match` (equal shards in rows of same-size
+    matrices, Megatron's rule), or `auto`: balanced where it meets the plan targets (bucket
+    bound, 1% padding, 1.10 imbalance), else owners (`wholeshard plan` says why)."""
     matrix_cost: MatrixCost | None = None
     """`cost(rows, cols) -> int`, the per-step work of the matrix rule on one matrix, which
     `balanced` evens out across ranks (and `shard_group_size="auto"` measures): the rule's own
@@ -94,7 +97,7 @@ class DataParallelConfig:
     grad_reduce_dtype: torch.dtype | None = None
     """dtype gradients are accumulated and reduced in. None: torch.float32."""
     overlap_grad_reduce: bool = False
-    """Reduce-scatter each bucket during backward, as soon as all its gradients are in."""
+    """Reduce each bucket during backward, as soon as all its gradients are in."""
     overlap_param_gather: bool = False
     """Gather the updated params during the next forward, each bucket just ahead of the modules
     that use it, instead of at the end of `optimizer.step()`."""

@@ -2,15 +2,14 @@
 
 Step protocol (the optimizer drives it; `_schedule.Scheduler` decides when collectives run):
 1. backward: each param's post-accumulate-grad hook adds its grad into its bucket's grad buffer;
-   with `overlap_grad_reduce` a bucket whose params are all in starts its reduce-scatter;
+   with `overlap_grad_reduce` a bucket whose params are all in starts its reduction;
 2. `finish_grad_sync()`: every bucket reduced (averaged), so this rank's grad shards hold the
    full averaged gradient of every param it owns;
 3. the optimizer writes its owned params (`owned()`: views of this rank's param shards);
-4. `start_param_sync()`: each bucket's all-gather restores every param on every rank: all at
-   once; with `overlap_param_gather` as the next forward reaches them; fully sharded
-   (`reshard_after_forward=True`): before each module's forward and backward, released after.
-With `pipelined_step` the optimizer does 2-4 bucket by bucket instead (`reduced_buckets()`):
-each bucket is updated as soon as its reduction lands and gathered at once.
+4. `start_param_sync()`: each bucket's gather restores every param on every rank: at once, as
+   the next forward reaches them (`overlap_param_gather`), or around each module's forward and
+   backward, released after (fully sharded: `reshard_after_forward=True`).
+`pipelined_step`: 2-4 bucket by bucket (`reduced_buckets()`), each updated once reduced.
 
 The engine's modules: `config` (the options), `_init` (the construction steps; `_meta`: from
 the meta device), `_storage` (a bucket's storage, states and collectives; `_fp8_storage` and
@@ -180,6 +179,7 @@ class DataParallel(nn.Module):
             overlap_grad_reduce=cfg.overlap_grad_reduce,
             overlap_param_gather=cfg.overlap_param_gather,
             reshard=self.reshard_after_forward,
+            agree_group=self.process_group,
         )
         self._register_hooks(gathers)
         self._optimizer: weakref.ref[StateHolder] | None = None

@@ -17,7 +17,9 @@ memory behind the all-reduce and judged (a changed model, ranks at different ste
 start of the next step, or when the optimizer's state is read, on every rank at the same point,
 so such a mistake raises one step later. The step goes on with the params some rank got a
 gradient for: all of them when this rank got every one (zero syncs), else the result is read
-now for the others' flags (one sync, the judging still waits).
+now for the others' flags (one sync, the judging still waits). Fully sharded with
+`overlap_grad_reduce` over 2+ ranks, backward reads one more value, which modules every rank ran
+in this forward ([Note: collective order] in the engine's `_schedule`): one sync more either way.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ and it imports torch only when it does); `plan_buffers(specs, dp_size, ...)` tak
 `routing`, `specs` (the records), `buffer` (one buffer, its owner rule and invariant checks),
 `plan` (the entry point and the one validator), `presets` and `shapes` (specs without a model),
 `costs` (what a plan costs each rank in a mode: memory, collectives, bytes; with `_lifetimes`
-for the fully sharded peak) and `projection` (a step-time estimate from those); the planners
-are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_stacked`,
-`_elementwise`, `_unaligned`.
+for the fully sharded peak), `projection` (a step-time estimate from those), `targets` (what a
+good plan is) and `auto` (the automatic strategy and shard-group size: `plan_for`, the one
+entry point of `DataParallel`); the planners are private: `_whole` (with `_rows`, `_balanced`,
+`_packing`), `_owners`, `_stacked`, `_elementwise`, `_unaligned`, and `_invariants` checks them.
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):
@@ -19,9 +20,10 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
 - buffer: one flat tensor holding params of one kind (`planning.Buffer`): "muon" (whole
   tensors), "stacked" (whole matrices of expert stacks), "adamw" (element-wise), or
   "unaligned" (the ping-pong baseline's).
-- bucket: a contiguous range of a buffer, cut into `k` equal shards (`planning.Bucket`); each
-  bucket is reduced and gathered as one unit of collectives.
-- shard: rank r's 1/k of a bucket; rank r of a shard group owns shard r of every bucket.
+- bucket: a contiguous range of a buffer, cut into `k` shards (`planning.Bucket`): equal ones,
+  reduce-scattered and all-gathered, or an owner bucket's, of any length, reduced to and
+  broadcast from each owner; each bucket is reduced and gathered as one unit of collectives.
+- shard: rank r's part of a bucket; rank r of a shard group owns shard r of every bucket.
 - storage unit: the buckets one runtime storage object spans (`engine`'s `BucketStorage`); one
   bucket, or several where a stacked param runs across them.
 - owned range: the elements of one param a rank updates, as the engine hands them to the
@@ -30,7 +32,9 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   (`optim.OwnedPiece`).
 - scheme: how params are owned: "whole" (whole tensors in aligned shards: the design) or
   "ping_pong" (the legacy baseline).
-- strategy: how the whole-tensor planner assigns params to shards: "size_match" or "balanced".
+- strategy: how the whole-tensor planner assigns params to shards: "size_match", "balanced"
+  (equal shards), "owners" (owner buckets), or "auto" (balanced where it meets the plan
+  targets, else owners).
 """
 
 from .buffer import KINDS, Buffer

@@ -2,7 +2,12 @@
 
 Params are packed in backprop order (reverse registration order), each starting on an
 `align`-element boundary, and cut into buckets that close once they hold `>= bucket_size`
-elements; each bucket is then padded to a multiple of `k * align`, so its `k` equal shards start
+elements or where the next param belongs to another layer (`specs.layer_of`: the embedding, the
+final norm and the head, outside numbered modules, count as one "layer" each run of them), so a
+bucket completes as backward leaves its layer: packed across layers, the norms of every layer
+would share the embedding's bucket, which completes last and, reduced in order, would hold every
+later reduction (and, fully sharded, every full grad bucket) until backward ends; each bucket is
+then padded to a multiple of `k * align`, so its `k` equal shards start
 aligned. Rank r owns the contiguous r-th shard of every bucket, so a param may straddle shards
 (`owner` is None), and the only padding is alignment (< `align` per param) plus < `k * align`
 per bucket: a tied embedding costs nothing.
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .buffer import Buffer
-from .specs import Bucket, ParamSpec, Placement, round_up
+from .specs import Bucket, ParamSpec, Placement, layer_of, round_up
 
 
 def plan_elementwise(
@@ -35,7 +40,8 @@ def plan_elementwise(
             spec.name, tuple(spec.shape), len(buckets), cursor, cursor + spec.numel, None
         )
         cursor = round_up(cursor + spec.numel, align)
-        if i == 0 or (bucket_size is not None and cursor - start >= bucket_size):
+        full = bucket_size is not None and cursor - start >= bucket_size
+        if i == 0 or full or layer_of(specs[i - 1].name) != layer_of(spec.name):
             end = start + round_up(cursor - start, k * align)
             buckets.append(Bucket(len(buckets), start, end, (end - start) // k))
             start = cursor = end

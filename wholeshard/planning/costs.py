@@ -18,11 +18,15 @@ The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and iss
   piece per owned range of a param; amsgrad, fused and capturable AdamW are not modelled).
 
 Per step (steady state: one forward, backward, `clip_grad_norm_` and `step()`, dp > 1): per
-planned bucket a reduce-scatter of the bucket in the shard group and, with replicas, an
-all-reduce of the shard across them (grad dtype); per bucket an all-gather (or k broadcasts,
-`param_sync="broadcast"`) in the param dtype when k > 1, twice when fully sharded (forward and
-backward) except for the units kept gathered from forward to backward: the first in reduce
-order and those holding params of the root module (names without a dot); one float64 step
+planned bucket a reduce-scatter of the bucket in the shard group (an owner bucket: a reduce of
+each non-empty shard) and, with replicas, an all-reduce of the rank's shard across them (grad
+dtype); per bucket an all-gather (k broadcasts with `param_sync="broadcast"`; an owner bucket:
+a broadcast of each non-empty shard) in the param dtype when k > 1, twice when fully sharded
+(forward and backward) except for the units kept gathered from forward to backward: the first
+in reduce order and those holding params of the root module (names without a dot); fully
+sharded with
+`overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit (which units every rank
+ran all the modules of: [Note: collective order] in the engine's `_schedule`); one float64 step
 check of 4 + (number of params) values over dp ranks; one fp32 norm over the shard group when
 clipping and k > 1. `ring_bytes` charges each what a bandwidth-optimal ring sends per rank (the
 table of `wholeshard.bench.traffic`, which counts real runs; here over the op's own group).
@@ -52,11 +56,12 @@ ELEMENT_BYTES = {
     "float16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "int32": 4,
 }
-"""Bytes per element of the dtypes a mode may name."""
+"""Bytes per element of the dtypes a mode or a collective may name."""
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
             "half": "float16", "fp64": "float64", "double": "float64"}  # fmt: skip
-OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast")
+OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce")
 ParamSync = Literal["allgather", "broadcast"]
 
 
@@ -175,16 +180,28 @@ def persistent_bytes(plan: Plan, mode: Mode, rank: int) -> dict[str, int]:
     """Bytes shard-group rank `rank` holds between steps, by kind, and their `total`
     ([Note: plan costs]); `params`, `grads`, `masters` and `optimizer_state` are what
     `DataParallel.memory()` reports there after a step."""
-    return _persistent(plan, mode, owned(plan, mode.transposed)[rank])
+    return _persistent(mode, owned(plan, mode.transposed)[rank], _kept(plan, mode)[rank])
 
 
-def _persistent(plan: Plan, mode: Mode, mine: Owned) -> dict[str, int]:
+def _kept(plan: Plan, mode: Mode) -> list[int]:
+    """Per shard-group rank, the buffer elements it keeps between steps: all of them, or its
+    shards when fully sharded (one pass over the buckets: an owner bucket lists its owners)."""
+    k = plan.shard_group_size
+    if not fully_sharded(plan, mode):
+        return [plan.numel] * k
+    equal, kept = 0, [0] * k
+    for buffer in plan.buffers:
+        for b in buffer.buckets:
+            if not b.owners:
+                equal += b.shard_numel
+                continue
+            for r, lo, hi in b.shards():
+                kept[r] += hi - lo
+    return [n + equal for n in kept]
+
+
+def _persistent(mode: Mode, mine: Owned, kept: int) -> dict[str, int]:
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
-    kept = sum(
-        b.shard_numel if fully_sharded(plan, mode) else b.numel
-        for buffer in plan.buffers
-        for b in buffer.buckets
-    )
     elements = mine.muon + mine.adamw
     masters = elements if mode.param_dtype != "float32" else mine.transposed
     master_grads = elements if mode.grad_reduce_dtype != "float32" else mine.transposed
@@ -203,8 +220,9 @@ def _persistent(plan: Plan, mode: Mode, mine: Owned) -> dict[str, int]:
 class Collective:
     """One collective a rank issues: `op` (one of `OPS`) over a group of `ranks`, moving
     `numel` elements of `dtype` (the full input of a reduce-scatter, the full output of an
-    all-gather, the tensor of an all-reduce or broadcast); `what` it is for; `group`: "shard"
-    (k consecutive ranks), "replica" (dp / k ranks, k apart) or "dp" (every rank)."""
+    all-gather, the tensor of an all-reduce, a reduce or a broadcast); `what` it is for;
+    `group`: "shard" (k consecutive ranks), "replica" (dp / k ranks, k apart) or "dp" (every
+    rank)."""
 
     op: str
     ranks: int
@@ -220,19 +238,23 @@ class Collective:
 
 def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
     """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
-    bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather and broadcast
-    (n-1)/n S. The same arithmetic as `wholeshard.bench.traffic`."""
+    bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather, and a
+    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S. The same arithmetic
+    as `wholeshard.bench.traffic`."""
     ring = (ranks - 1) / ranks
     if op == "all_reduce":
         return round(2 * ring * nbytes)
-    if op in ("reduce_scatter", "all_gather", "broadcast"):
+    if op in ("reduce_scatter", "all_gather", "broadcast", "reduce"):
         return round(ring * nbytes)
     raise ValueError(f"unknown collective {op!r}; one of {OPS}")
 
 
-def step_collectives(plan: Plan, specs: Sequence[ParamSpec], mode: Mode) -> list[Collective]:
-    """Every collective one rank issues in one training step, as a multiset (within a step the
-    order depends on the schedule); empty at dp 1 ([Note: plan costs])."""
+def step_collectives(
+    plan: Plan, specs: Sequence[ParamSpec], mode: Mode, rank: int = 0
+) -> list[Collective]:
+    """Every collective shard-group rank `rank` issues in one training step, as a multiset
+    (within a step the order depends on the schedule); empty at dp 1 ([Note: plan costs]). Only
+    the all-reduce across replicas of an owner bucket's shard differs between ranks."""
     dp, k = plan.dp_size, plan.shard_group_size
     if dp == 1:
         return []
@@ -241,11 +263,16 @@ def step_collectives(plan: Plan, specs: Sequence[ParamSpec], mode: Mode) -> list
     out = []
     for u in units:
         for b in u.buckets:
-            out.append(Collective("reduce_scatter", k, b.numel, grad, "grads", "shard"))
-            if dp > k:
-                out.append(
-                    Collective("all_reduce", dp // k, b.shard_numel, grad, "grads", "replica")
+            if b.owners:
+                out += [Collective("reduce", k, hi - lo, grad, "grads", "shard")
+                        for _, lo, hi in b.shards()]  # fmt: skip
+            else:
+                out.append(Collective("reduce_scatter", k, b.numel, grad, "grads", "shard"))
+            if dp > k and b.shard_len(rank):
+                replicas = Collective(
+                    "all_reduce", dp // k, b.shard_len(rank), grad, "grads", "replica"
                 )
+                out.append(replicas)
     if k > 1:
         gathers = [1] * len(units)
         if fully_sharded(plan, mode):
@@ -253,12 +280,14 @@ def step_collectives(plan: Plan, specs: Sequence[ParamSpec], mode: Mode) -> list
             gathers = [1 if u.index in kept else 2 for u in units]
         for u, times in zip(units, gathers, strict=True):
             for b in u.buckets:
-                if mode.param_sync == "allgather":
+                if mode.param_sync == "allgather" and not b.owners:
                     sync = [Collective("all_gather", k, b.numel, param, "params", "shard")]
                 else:
-                    sync = [Collective("broadcast", k, b.shard_numel, param, "params", "shard")]
-                    sync *= k
+                    sync = [Collective("broadcast", k, hi - lo, param, "params", "shard")
+                            for _, lo, hi in b.shards()]  # fmt: skip
                 out += sync * times
+    if fully_sharded(plan, mode) and mode.overlap_grad_reduce:
+        out.append(Collective("all_reduce", dp, len(units), "int32", "modules run", "dp"))
     out.append(Collective("all_reduce", dp, 4 + len(specs), "float64", "step check", "dp"))
     if mode.clip_grad_norm and k > 1:
         out.append(Collective("all_reduce", k, 1, "float32", "grad norm", "shard"))
@@ -270,7 +299,9 @@ class Costs:
     """What `plan` costs in `mode` ([Note: plan costs]). `persistent[r]`: `persistent_bytes`
     of shard-group rank r; `transient_bucket`: the largest unit's full params and grads (what
     `memory()` reports as `transient_bucket`), `peak_transient`: the most bytes of full units
-    alive at once in a step (0 unless fully sharded); `collectives`: one step's."""
+    alive at once in a step (0 unless fully sharded); `collectives`: one step's, of
+    `worst_rank` (`step_collectives` of another rank differs only in the owner buckets'
+    all-reduces across replicas)."""
 
     plan: Plan
     mode: Mode
@@ -291,7 +322,8 @@ class Costs:
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes one rank sends per step (every rank sends the same under the ring model)."""
+        """Bytes `worst_rank` sends per step (under the ring model every rank sends the same, but
+        for an owner bucket's all-reduce across replicas, of that rank's shard)."""
         return sum(c.bytes_sent for c in self.collectives)
 
     def bytes_by_op(self) -> dict[str, int]:
@@ -306,10 +338,16 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     `Mode()`, ZeRO-1/2 in float32)."""
     mode = mode or Mode()
     units = storage_units(plan, specs)
-    per_rank = tuple(_persistent(plan, mode, mine) for mine in owned(plan, mode.transposed))
+    kept = _kept(plan, mode)
+    per_rank = tuple(
+        _persistent(mode, mine, kept[r]) for r, mine in enumerate(owned(plan, mode.transposed))
+    )
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
     transient = peak = 0
     if fully_sharded(plan, mode):
         transient = max(u.numel for u in units) * (pb + gb)
         peak = _lifetimes.peak_bytes(units, specs, pb, gb, mode)
-    return Costs(plan, mode, per_rank, transient, peak, tuple(step_collectives(plan, specs, mode)))
+    totals = [p["total"] for p in per_rank]
+    worst = totals.index(max(totals))
+    collectives = tuple(step_collectives(plan, specs, mode, worst))
+    return Costs(plan, mode, per_rank, transient, peak, collectives)

@@ -24,15 +24,18 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._elementwise import plan_elementwise
+from ._owners import plan_owned_stacked, plan_owned_whole
 from ._stacked import plan_stacked
 from ._unaligned import plan_unaligned
 from ._whole import plan_whole
 from .buffer import KINDS, Buffer, BufferKind
 from .specs import MatrixCost, ParamSpec, cost_imbalance, is_int
 
-Strategy = Literal["size_match", "balanced"]
-STRATEGIES: tuple[Strategy, ...] = ("size_match", "balanced")
-DEFAULT_STRATEGY: Strategy = "balanced"
+Strategy = Literal["auto", "balanced", "owners", "size_match"]
+STRATEGIES: tuple[Strategy, ...] = ("auto", "balanced", "owners", "size_match")
+DEFAULT_STRATEGY: Strategy = "auto"
+"""What `DataParallel`, `wholeshard plan` and the train job use (`auto.plan_for` resolves it);
+`plan_buffers` plans one named strategy and defaults to "balanced"."""
 Scheme = Literal["whole", "ping_pong"]
 SCHEMES: tuple[Scheme, ...] = ("whole", "ping_pong")
 
@@ -137,7 +140,7 @@ def plan_buffers(
     *,
     bucket_size: int | None = None,
     align: int = 64,
-    strategy: Strategy = DEFAULT_STRATEGY,
+    strategy: Strategy = "balanced",
     shard_group_size: int | None = None,
     scheme: Scheme = "whole",
     matrix_cost: MatrixCost | None = None,
@@ -145,8 +148,9 @@ def plan_buffers(
     """Plan the buffers for `params` (registration order) on `dp_size` ranks.
 
     Muon params go to whole-tensor buffers planned by `strategy` over `k = shard_group_size or
-    dp_size` ranks ("balanced" balances `matrix_cost`, None: Newton-Schulz cost), the others
-    to an element-wise buffer (module docstring). Buckets close near `bucket_size` elements
+    dp_size` ranks ("balanced" and "owners" balance `matrix_cost`, None: Newton-Schulz cost;
+    "auto" is `auto.plan_for`'s to resolve), the others to an element-wise buffer (module
+    docstring). Buckets close near `bucket_size` elements
     (None: one bucket per buffer, or per run between tied params).
     `scheme="ping_pong"` plans the legacy baseline instead: one unaligned buffer (`align` 1,
     size matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
@@ -155,6 +159,11 @@ def plan_buffers(
     specs = tuple(params)
     validate_specs(specs)
     k = _group_size(dp_size, shard_group_size, bucket_size, align, strategy, scheme)
+    if strategy == "auto":
+        raise ValueError(
+            "strategy='auto' chooses between plans: use wholeshard.planning.auto.plan_for (what "
+            "DataParallel uses), or name one of 'balanced', 'owners', 'size_match'"
+        )
     if scheme == "ping_pong":
         plan = Plan(
             dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, bucket_size),)
@@ -164,15 +173,35 @@ def plan_buffers(
     by_kind: dict[BufferKind, list[ParamSpec]] = {}
     for s in specs:
         by_kind.setdefault(buffer_kind(s), []).append(s)
-    planners = {
-        "muon": lambda s: plan_whole(s, k, bucket_size, align, strategy, matrix_cost),
-        "stacked": lambda s: plan_stacked(s, k, bucket_size, align),
-        "adamw": lambda s: plan_elementwise(s, k, bucket_size, align),
-    }
-    buffers = tuple(planners[kind](tuple(by_kind[kind])) for kind in KINDS if kind in by_kind)
+    buffers = tuple(
+        plan_buffer(kind, tuple(by_kind[kind]), k, bucket_size, align, strategy, matrix_cost)
+        for kind in KINDS
+        if kind in by_kind
+    )
     plan = Plan(dp_size, k, strategy, align, bucket_size, buffers, matrix_cost)
     plan.check(specs)
     return plan
+
+
+def plan_buffer(
+    kind: BufferKind,
+    specs: tuple[ParamSpec, ...],
+    k: int,
+    bucket_size: int | None,
+    align: int,
+    strategy: Strategy,
+    matrix_cost: MatrixCost | None = None,
+) -> Buffer:
+    """The buffer of one kind (not "unaligned") of validated `specs` over `k` ranks, planned by
+    `strategy` (not "auto"), not yet checked."""
+    if kind == "adamw":
+        return plan_elementwise(specs, k, bucket_size, align)
+    if strategy == "owners":
+        plan = plan_owned_whole if kind == "muon" else plan_owned_stacked
+        return plan(specs, k, bucket_size, align, matrix_cost)
+    if kind == "stacked":
+        return plan_stacked(specs, k, bucket_size, align)
+    return plan_whole(specs, k, bucket_size, align, strategy, matrix_cost)
 
 
 def buffer_kind(spec: ParamSpec) -> BufferKind:

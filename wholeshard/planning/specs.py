@@ -2,11 +2,13 @@
 matrices of a stacked param. Pure data, no torch.
 
 `Bucket.owner` is the one owner rule of every sharded buffer: the rank owning buffer element `i`
-of a bucket is `(i - bucket.start) // shard_numel`.
+of a bucket is the rank whose shard holds it, `(i - bucket.start) // shard_numel` for equal
+shards, or the one whose `bounds` range holds it in an owner bucket.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import operator
@@ -47,25 +49,71 @@ def layer_of(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Elements `[start, end)` of the buffer, cut into equal shards of `shard_numel`; rank r
-    (within the shard group) owns shard r."""
+    """Elements `[start, end)` of the buffer, cut into one shard per rank of the shard group;
+    rank r (within the group) owns shard r.
+
+    [Note: owner buckets]
+    A bucket either has `k` equal shards of `shard_numel` (its gradients are reduce-scattered
+    and its params all-gathered: one collective each, what NCCL needs equal sizes for), or it is
+    an owner bucket: `owner_starts` lists `(rank, start)` of every rank with a non-empty shard,
+    ranks and starts ascending, the first at the bucket's start; a rank's shard runs to the next
+    listed start (or the bucket's end), and an unlisted rank's shard is empty (`shard_numel` is
+    0). An owner bucket's gradients go to each listed owner by a reduce of its shard and its
+    params leave by a broadcast of it: the same bytes per rank as a reduce-scatter and an
+    all-gather, with no equal-shard constraint, so no padding and no minimum size (a bucket of
+    whole matrices over k equal shards holds at least k times its widest one). Only the owners
+    are listed, so a bucket costs the same at 8 ranks as at 1024.
+    """
 
     index: int
     start: int
     end: int
     shard_numel: int
+    owner_starts: tuple[tuple[int, int], ...] = ()
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def owners(self) -> bool:
+        """Whether this is an owner bucket ([Note: owner buckets])."""
+        return bool(self.owner_starts)
+
     def shard(self, rank: int) -> tuple[int, int]:
-        """Buffer range `[start, end)` of rank's shard."""
-        lo = self.start + rank * self.shard_numel
-        return lo, lo + self.shard_numel
+        """Buffer range `[start, end)` of rank's shard (empty: `start == end`)."""
+        if not self.owner_starts:
+            lo = self.start + rank * self.shard_numel
+            return lo, lo + self.shard_numel
+        listed = self.owner_starts
+        i = bisect.bisect_left(listed, rank, key=operator.itemgetter(0))
+        if i == len(listed):
+            return self.end, self.end
+        lo = listed[i][1]
+        if listed[i][0] != rank:
+            return lo, lo
+        return lo, listed[i + 1][1] if i + 1 < len(listed) else self.end
+
+    def shard_len(self, rank: int) -> int:
+        """Elements in rank's shard."""
+        lo, hi = self.shard(rank)
+        return hi - lo
+
+    def shards(self) -> Iterator[tuple[int, int, int]]:
+        """`(rank, start, end)` of every non-empty shard, by rank."""
+        if not self.owner_starts:
+            for rank in range(self.numel // self.shard_numel):
+                yield rank, *self.shard(rank)
+            return
+        listed = self.owner_starts
+        for i, (rank, lo) in enumerate(listed):
+            yield rank, lo, listed[i + 1][1] if i + 1 < len(listed) else self.end
 
     def owner(self, element: int) -> int:
         """The rank whose shard holds buffer element `element`: the only owner rule."""
+        if self.owner_starts:
+            i = bisect.bisect_right(self.owner_starts, element, key=operator.itemgetter(1))
+            return self.owner_starts[i - 1][0]
         return (element - self.start) // self.shard_numel
 
 

@@ -1,0 +1,228 @@
+"""What a good plan is, measured from shapes: the targets every automatic choice (strategy and
+shard-group size, in `auto`) holds a plan to, and one planned candidate's figures against them.
+
+[Note: plan targets]
+- largest bucket (storage unit: the buckets a stacked param runs across count as one, since
+  they complete and are materialised together) <= the bucket limit, max(100M elements, 2 x the
+  largest layer) (a layer: the params sharing a name prefix up to the first numbered module,
+  `model.layers.7`, MoE experts included), or, where larger, the element-wise bucket of a param
+  wider than that (the element-wise planner keeps a param inside one bucket, so no plan shrinks
+  it);
+- padding <= 1% beyond the alignment padding every plan has (each param rounded up to `align`
+  elements: none for the presets, a few % for toy models);
+- Newton-Schulz imbalance (max / mean over the shard group of the flops of owned matrices,
+  `projection.ns_flops`, or of the plan's `matrix_cost`) <= 1.10.
+A candidate misses by its overshoot, max(largest bucket / bucket limit, (1 - padding limit) /
+(1 - padding), imbalance / 1.10): each the factor by which what its target protects grows
+(bucket bytes, buffer memory, the busiest rank's Newton-Schulz time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ._elementwise import plan_elementwise
+from ._owners import plan_owned_stacked, plan_owned_whole
+from ._stacked import plan_stacked
+from ._whole import plan_whole
+from .buffer import KINDS, Buffer, BufferKind
+from .costs import owned
+from .plan import Plan, buffer_kind, default_bucket_size
+from .projection import matrix_flops, rank_ns_flops
+from .specs import MatrixCost, ParamSpec, cost_imbalance, layer_of, matrix_shape, round_up
+
+MIN_BUCKET_LIMIT = 100_000_000
+"""The bucket limit is never below this many elements: smaller buckets cost latency."""
+LAYERS_PER_BUCKET = 2
+"""The bucket limit is at least this many of the largest layer."""
+MAX_PADDING = 0.01
+MAX_IMBALANCE = 1.10
+
+
+def largest_layer(specs: Sequence[ParamSpec]) -> int:
+    """Elements of the largest layer: params grouped by their name's prefix up to the first
+    numbered module (`model.layers.7.mlp.experts.3.up.weight` -> `model.layers.7`). Params
+    outside numbered modules (embeddings, final norm, head) belong to no layer; with no
+    numbered module at all, the largest param. 0 for no specs."""
+    groups: dict[str, int] = {}
+    for s in specs:
+        layer = layer_of(s.name)
+        if layer is not None:
+            groups[layer] = groups.get(layer, 0) + s.numel
+    return max(groups.values()) if groups else max((s.numel for s in specs), default=0)
+
+
+def bucket_target(specs: Sequence[ParamSpec]) -> int:
+    """max(`MIN_BUCKET_LIMIT`, `LAYERS_PER_BUCKET` x `largest_layer`): the bucket bound."""
+    return max(MIN_BUCKET_LIMIT, LAYERS_PER_BUCKET * largest_layer(specs))
+
+
+def bucket_limit_at(target: int, elementwise: Buffer | None) -> int:
+    """The bucket limit of a plan whose element-wise buffer is `elementwise`: `target`, or the
+    largest element-wise bucket holding a param wider than `target` (the element-wise planner
+    keeps a param inside one bucket, so no plan makes that bucket smaller than the param)."""
+    if elementwise is None:
+        return target
+    wide = {p.bucket for p in elementwise.placements if p.numel > target}
+    return max([target, *(elementwise.buckets[b].numel for b in wide)])
+
+
+def largest_unit(plan: Plan) -> int:
+    """Elements of the plan's largest storage unit: a bucket, or the buckets a stacked param
+    runs across (`Buffer.storage_units`), which are reduced as backward completes them together
+    and, fully sharded, materialised together."""
+    return max(
+        (
+            buffer.buckets[run.stop - 1].end - buffer.buckets[run.start].start
+            for buffer in plan.buffers
+            for run in buffer.storage_units()
+        ),
+        default=0,
+    )
+
+
+def ns_imbalance(plan: Plan) -> float:
+    """Max / mean over the shard group of the Newton-Schulz flops of owned matrices."""
+    return cost_imbalance(rank_ns_flops(plan))
+
+
+def optimizer_state(plan: Plan) -> int:
+    """fp32 optimizer values the busiest shard-group rank keeps: a Muon momentum per owned Muon
+    element, two AdamW moments per owned element-wise one."""
+    return max((o.muon + 2 * o.adamw for o in owned(plan)), default=0)
+
+
+def bucket_size_for(used: int, k: int, strategy: str) -> int:
+    """The default bucket size of a plan at k: `default_bucket_size(used, k)` for equal shards
+    (a bucket is reduce-scattered over k ranks, so it is sized for k); with owner buckets, which
+    need no room per rank, the size for one rank."""
+    return default_bucket_size(used, 1 if strategy == "owners" else k)
+
+
+class Shapes:
+    """What the bounds and the planners need, read once from validated specs."""
+
+    def __init__(
+        self, specs: tuple[ParamSpec, ...], align: int, matrix_cost: MatrixCost | None
+    ) -> None:
+        self.align, self.matrix_cost = align, matrix_cost
+        self.by_kind: dict[BufferKind, list[ParamSpec]] = {}
+        for s in specs:
+            self.by_kind.setdefault(buffer_kind(s), []).append(s)
+        whole = self.by_kind.get("muon", [])
+        self.used = sum(s.numel for s in specs)
+        aligned = sum(round_up(s.numel, align) for s in specs)
+        # 1% beyond the alignment padding every plan has (each param starts aligned)
+        self.padding_limit = MAX_PADDING + (aligned - self.used) / aligned if aligned else 1.0
+        self.whole_used = sum(s.numel for s in whole)
+        self.widest = max((round_up(s.numel, align) for s in whole), default=0)
+        self.widest_tied = max((round_up(s.numel, align) for s in whole if s.tied), default=0)
+        self.widest_matrix = max(
+            (round_up(math.prod(matrix_shape(s.shape)), align) for s in self.by_kind["stacked"])
+            if "stacked" in self.by_kind
+            else (),
+            default=0,
+        )
+        muon = [s for s in specs if s.muon and len(s.shape) >= 2]
+        cache = {
+            shape: matrix_flops(shape, matrix_cost)
+            for shape in {matrix_shape(s.shape) for s in muon}
+        }
+        flops = [cache[matrix_shape(s.shape)] for s in muon]
+        self.total_flops = sum(
+            f * math.prod(s.shape[:-2]) for f, s in zip(flops, muon, strict=True)
+        )
+        self.costliest = max(flops, default=0)
+
+    def elementwise(self, k: int, bucket_size: int) -> Buffer | None:
+        """The element-wise buffer at k (cheap: no search), None without element-wise specs."""
+        specs = self.by_kind.get("adamw")
+        return None if specs is None else plan_elementwise(tuple(specs), k, bucket_size, self.align)
+
+    def hopeless(self, k: int, limit: int, equal_shards: bool) -> str | None:
+        """Why no plan at k (`equal_shards`: of equal-shard buckets) can meet the targets (a
+        lower bound over its limit), or None."""
+        if self.total_flops and self.costliest * k / self.total_flops > MAX_IMBALANCE:
+            return "the costliest matrix alone > 1.10 x the mean"
+        if not equal_shards:
+            return None
+        if k * max(self.widest, self.widest_matrix) > limit:
+            return "k x the widest matrix > the bucket limit"
+        padded = max(k * self.widest - self.whole_used, (k - 1) * self.widest_tied, 0)
+        if padded and padded / (self.used + padded) > self.padding_limit:
+            return "the widest matrix's bucket pads over the limit"
+        return None
+
+    def plan(
+        self, dp: int, k: int, bucket_size: int, strategy: str, elementwise: Buffer | None
+    ) -> Plan:
+        """What `plan_buffers` makes of the specs at k with `strategy` (not "auto"), not yet
+        checked (the specs are validated), given its element-wise buffer."""
+        align, cost, owners = self.align, self.matrix_cost, strategy == "owners"
+        planners = {
+            "muon": lambda s: (
+                plan_owned_whole(s, k, bucket_size, align, cost)
+                if owners
+                else plan_whole(s, k, bucket_size, align, strategy, cost)
+            ),
+            "stacked": lambda s: (
+                plan_owned_stacked(s, k, bucket_size, align, cost)
+                if owners
+                else plan_stacked(s, k, bucket_size, align)
+            ),
+            "adamw": lambda s: elementwise,
+        }
+        by_kind = self.by_kind
+        buffers = tuple(planners[kind](tuple(by_kind[kind])) for kind in KINDS if kind in by_kind)
+        return Plan(dp, k, strategy, align, bucket_size, buffers, cost)  # type: ignore[arg-type]
+
+
+class Figures:
+    """A planned candidate and its figures against [Note: plan targets]; the Newton-Schulz flops
+    only when asked (a plan that misses the bucket or padding target fails without them)."""
+
+    def __init__(
+        self, k: int, bucket_size: int, limit: int, padding_limit: float, plan: Plan
+    ) -> None:
+        self.k, self.bucket_size, self.limit, self.plan = k, bucket_size, limit, plan
+        self.padding_limit = padding_limit
+        self.largest = largest_unit(plan)
+        self.padding = plan.padding_fraction
+        self._flops: list[int] | None = None
+
+    @property
+    def flops(self) -> list[int]:
+        if self._flops is None:
+            plan = self.plan
+            self._flops = rank_ns_flops(plan) if plan.matrix_cost is None else plan.rank_costs()
+        return self._flops
+
+    @property
+    def imbalance(self) -> float:
+        return cost_imbalance(self.flops)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.largest <= self.limit
+            and self.padding <= self.padding_limit
+            and self.imbalance <= MAX_IMBALANCE
+        )
+
+    @property
+    def overshoot(self) -> float:
+        """The worst factor by which a figure exceeds its target (<= 1: every target met)."""
+        memory = (1 - self.padding_limit) / (1 - self.padding) if self.padding < 1 else math.inf
+        return max(self.largest / self.limit, memory, self.imbalance / MAX_IMBALANCE)
+
+    def miss(self) -> str:
+        """The figures that miss their targets."""
+        out = []
+        if self.largest > self.limit:
+            out.append(f"largest bucket {self.largest:.3g} > {self.limit:.3g}")
+        if self.padding > self.padding_limit:
+            out.append(f"padding {self.padding:.2%} > {self.padding_limit:.2%}")
+        if self.imbalance > MAX_IMBALANCE:
+            out.append(f"imbalance {self.imbalance:.3f}")
+        return ", ".join(out)
