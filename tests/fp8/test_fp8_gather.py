@@ -30,7 +30,11 @@ from wholeshard.engine._storage import InFlight
 
 STEPS = 5
 BUCKETS = dict(bucket_size=3000)
-MODES = {"zero": {}, "fully_sharded": dict(reshard_after_forward=True)}
+MODES = {
+    "zero": {},
+    "fully_sharded": dict(reshard_after_forward=True),
+    "owners": dict(strategy="owners", reshard_after_forward=True),  # reduce/broadcast per owner
+}
 
 
 def _on_and_off(mode: dict) -> dict:

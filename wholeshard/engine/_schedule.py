@@ -54,9 +54,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
-from ..distributed import collectives
+from ._skips import RanEverywhere
 from ._storage import BucketState, BucketStorage
 from ._waits import WaitTimer
 
@@ -111,9 +111,7 @@ class Scheduler:
         self._gathering = 0  # gathers in flight
         self._backward_task: int | None = None
         self._kept: set[int] = set()  # buckets kept gathered across forward/backward
-        self.agree_group = agree_group  # the data-parallel group: where ranks agree on skips
-        self._ran: tuple[torch.Tensor, Work | None] | None = None  # this forward's, in flight
-        self._ran_everywhere: list[int] | None = None  # per bucket, read once per backward
+        self.ran = RanEverywhere(len(self.buckets), self.buckets[0].param.device, agree_group)
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -153,12 +151,8 @@ class Scheduler:
         a module holding its params in this forward ([Note: collective order])."""
         if not bucket.complete:
             return False
-        if self._ran is not None:
-            values, work = self._ran
-            with self._blocked():
-                collectives.wait(work)
-            self._ran_everywhere, self._ran = values.tolist(), None
-        return self._ran_everywhere is None or bool(self._ran_everywhere[bucket.index])
+        with self._blocked():
+            return self.ran[bucket.index]
 
     def _start_reduce(self) -> None:
         n = self._next_reduce
@@ -295,11 +289,9 @@ class Scheduler:
             keep = grad and (b.index == 0 or b.index in self._kept)
             if b.params_materialised and not keep:
                 self._release(b)
-        self._ran_everywhere = None
+        self.ran.clear()
         if grad and self.gathers and self.overlap_grad_reduce and self.reduces and self.sync_grads:
-            ran = [int(left <= 0) for left in self.forward_left]
-            values = torch.tensor(ran, dtype=torch.int32, device=self.buckets[0].param.device)
-            self._ran = values, collectives.all_reduce_min(values, self.agree_group)
+            self.ran.exchange(self.forward_left)
 
     def pre_forward(self, buckets: Sequence[BucketStorage]) -> None:
         """A module is about to run: its buckets must be gathered."""

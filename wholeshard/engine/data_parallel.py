@@ -14,7 +14,7 @@ Step protocol (the optimizer drives it; `_schedule.Scheduler` decides when colle
 The engine's modules: `config` (the options), `_init` (the construction steps; `_meta`: from
 the meta device), `_storage` (a bucket's storage, states and collectives; `_fp8_storage` and
 `_unaligned_storage` are its kinds), `_schedule` (when collectives run; `_waits`: how long waits
-hold the step up), `_hooks` (module hooks), `_guard` (misuse checks).
+hold the step up; `_skips`: modules some rank skipped), `_hooks` (module hooks), `_guard`.
 """
 
 from __future__ import annotations

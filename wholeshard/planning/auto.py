@@ -118,8 +118,8 @@ def _candidates(
     force: bool,
 ) -> tuple[list[Figures], list[str]]:
     """The plans at k by `strategy` ("auto": balanced, then owners unless balanced meets every
-    target), and why each other one was passed over or missed; `force`: plan even a candidate a
-    bound calls hopeless."""
+    target), and why each other one was passed over or missed; `force`: plan at least one (the
+    last) even where a bound calls it hopeless."""
     figures: list[Figures] = []
     notes: list[str] = []
     names = ("balanced", "owners") if strategy == "auto" else (strategy,)
