@@ -246,9 +246,14 @@ def test_table_lists_every_bucket(capsys: pytest.CaptureFixture[str]) -> None:
     assert "buffer 1 (adamw, element-wise)" in out
 
 
-def test_png_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "preset,dp", [("gpt2-small", 4), ("llama3-8b", 64)], ids=["equal", "owners"]
+)
+def test_png_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], preset: str, dp: int
+) -> None:
     png = tmp_path / "plan.png"
-    code, out, _ = run(["--preset", "gpt2-small", "--dp", "4", "--png", str(png)], capsys)
+    code, out, _ = run(["--preset", preset, "--dp", str(dp), "--png", str(png)], capsys)
     assert code == 0 and f"wrote {png}" in out
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000

@@ -27,8 +27,8 @@ def draw_png(plan: Plan, path: str) -> None:
     for ax, (index, buffer) in zip(axes, enumerate(plan.buffers), strict=False):
         shards, owners = [], []
         for b in buffer.buckets:
-            for r in range(k):
-                shards.append((b.start + r * b.shard_numel, b.shard_numel))
+            for r, lo, hi in b.shards():  # an owner bucket's non-empty shards
+                shards.append((lo, hi - lo))
                 owners.append(r)
         ax.broken_barh(shards, (0, 1), facecolors=colours.to_rgba(owners), linewidth=0)
         ax.broken_barh(_gaps(buffer), (0, 1), facecolors="0.85", hatch="////", linewidth=0)
