@@ -23,12 +23,9 @@ import math
 from collections.abc import Sequence
 
 from ._elementwise import plan_elementwise
-from ._owners import plan_owned_stacked, plan_owned_whole
-from ._stacked import plan_stacked
-from ._whole import plan_whole
 from .buffer import KINDS, Buffer, BufferKind
 from .costs import owned
-from .plan import Plan, buffer_kind, default_bucket_size
+from .plan import Plan, buffer_kind, default_bucket_size, plan_buffer
 from .projection import matrix_flops, rank_ns_flops
 from .specs import MatrixCost, ParamSpec, cost_imbalance, layer_of, matrix_shape, round_up
 
@@ -159,23 +156,15 @@ class Shapes:
     ) -> Plan:
         """What `plan_buffers` makes of the specs at k with `strategy` (not "auto"), not yet
         checked (the specs are validated), given its element-wise buffer."""
-        align, cost, owners = self.align, self.matrix_cost, strategy == "owners"
-        planners = {
-            "muon": lambda s: (
-                plan_owned_whole(s, k, bucket_size, align, cost)
-                if owners
-                else plan_whole(s, k, bucket_size, align, strategy, cost)
-            ),
-            "stacked": lambda s: (
-                plan_owned_stacked(s, k, bucket_size, align, cost)
-                if owners
-                else plan_stacked(s, k, bucket_size, align)
-            ),
-            "adamw": lambda s: elementwise,
-        }
-        by_kind = self.by_kind
-        buffers = tuple(planners[kind](tuple(by_kind[kind])) for kind in KINDS if kind in by_kind)
-        return Plan(dp, k, strategy, align, bucket_size, buffers, cost)  # type: ignore[arg-type]
+        by_kind, cost = self.by_kind, self.matrix_cost
+        buffers = tuple(
+            elementwise
+            if kind == "adamw"
+            else plan_buffer(kind, tuple(by_kind[kind]), k, bucket_size, self.align, strategy, cost)  # type: ignore[arg-type]
+            for kind in KINDS
+            if kind in by_kind
+        )
+        return Plan(dp, k, strategy, self.align, bucket_size, buffers, cost)  # type: ignore[arg-type]
 
 
 class Figures:
