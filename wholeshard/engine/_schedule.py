@@ -151,8 +151,10 @@ class Scheduler:
         a module holding its params in this forward ([Note: collective order])."""
         if not bucket.complete:
             return False
-        with self._blocked():
-            return self.ran[bucket.index]
+        if self.ran.pending:  # time only the one wait, not every lookup
+            with self._blocked():
+                self.ran.settle()
+        return self.ran[bucket.index]
 
     def _start_reduce(self) -> None:
         n = self._next_reduce

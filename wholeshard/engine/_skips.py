@@ -40,8 +40,17 @@ class RanEverywhere:
         self._work = collectives.all_reduce_min(self.values, self.group)
         self._pending = True
 
-    def __getitem__(self, unit: int) -> bool:
+    @property
+    def pending(self) -> bool:
+        """Whether an exchange is in flight, not read yet (the next lookup waits for it)."""
+        return self._pending
+
+    def settle(self) -> None:
+        """Wait for the exchange in flight, if any, and read it."""
         if self._pending:
             collectives.wait(self._work)
             self._read, self._pending = self.values.tolist(), False
+
+    def __getitem__(self, unit: int) -> bool:
+        self.settle()
         return self._read is None or bool(self._read[unit])

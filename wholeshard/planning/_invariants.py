@@ -79,7 +79,7 @@ def _check_buckets(buffer: Buffer) -> None:
                 "previous bucket ends: buckets are contiguous from element 0"
             )
         if b.owners:
-            _check_bounds(buffer, b, where)
+            _check_owners(buffer, b, where)
             expected_start = b.end
             continue
         if b.shard_numel <= 0:
@@ -97,7 +97,7 @@ def _check_buckets(buffer: Buffer) -> None:
         expected_start = b.end
 
 
-def _check_bounds(buffer: Buffer, b: Bucket, where: str) -> None:
+def _check_owners(buffer: Buffer, b: Bucket, where: str) -> None:
     """An owner bucket ([Note: owner buckets]): owners listed by ascending rank (within the
     group) and strictly ascending start, the first at the bucket's start, the last before its
     end, `shard_numel` 0; only whole-tensor and stacked buffers have them, and a whole-tensor

@@ -24,9 +24,9 @@ dtype); per bucket an all-gather (k broadcasts with `param_sync="broadcast"`; an
 a broadcast of each non-empty shard) in the param dtype when k > 1, twice when fully sharded
 (forward and backward) except for the units kept gathered from forward to backward: the first
 in reduce order and those holding params of the root module (names without a dot); fully
-sharded with
-`overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit (which units every rank
-ran all the modules of: [Note: collective order] in the engine's `_schedule`); one float64 step
+sharded with `overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit (which
+units every rank ran all the modules of: [Note: collective order] in the engine's
+`_schedule`); one float64 step
 check of 4 + (number of params) values over dp ranks; one fp32 norm over the shard group when
 clipping and k > 1. `ring_bytes` charges each what a bandwidth-optimal ring sends per rank (the
 table of `wholeshard.bench.traffic`, which counts real runs; here over the op's own group).
@@ -313,8 +313,7 @@ class Costs:
     @property
     def worst_rank(self) -> int:
         """The shard-group rank holding the most persistent bytes (the lowest of ties)."""
-        totals = [p["total"] for p in self.persistent]
-        return totals.index(max(totals))
+        return _worst(self.persistent)
 
     def counts(self) -> dict[str, int]:
         """Collectives per step by op."""
@@ -347,7 +346,11 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     if fully_sharded(plan, mode):
         transient = max(u.numel for u in units) * (pb + gb)
         peak = _lifetimes.peak_bytes(units, specs, pb, gb, mode)
-    totals = [p["total"] for p in per_rank]
-    worst = totals.index(max(totals))
-    collectives = tuple(step_collectives(plan, specs, mode, worst))
+    collectives = tuple(step_collectives(plan, specs, mode, _worst(per_rank)))
     return Costs(plan, mode, per_rank, transient, peak, collectives)
+
+
+def _worst(persistent: Sequence[dict[str, int]]) -> int:
+    """The rank whose persistent bytes total the most (the lowest of ties)."""
+    totals = [p["total"] for p in persistent]
+    return totals.index(max(totals))

@@ -170,9 +170,7 @@ def plan_buffers(
         )
         plan.check(specs)
         return plan
-    by_kind: dict[BufferKind, list[ParamSpec]] = {}
-    for s in specs:
-        by_kind.setdefault(buffer_kind(s), []).append(s)
+    by_kind = specs_by_kind(specs)
     buffers = tuple(
         plan_buffer(kind, tuple(by_kind[kind]), k, bucket_size, align, strategy, matrix_cost)
         for kind in KINDS
@@ -202,6 +200,14 @@ def plan_buffer(
     if kind == "stacked":
         return plan_stacked(specs, k, bucket_size, align)
     return plan_whole(specs, k, bucket_size, align, strategy, matrix_cost)
+
+
+def specs_by_kind(specs: Sequence[ParamSpec]) -> dict[BufferKind, list[ParamSpec]]:
+    """`specs` grouped by `buffer_kind`, each group in registration order."""
+    by_kind: dict[BufferKind, list[ParamSpec]] = {}
+    for s in specs:
+        by_kind.setdefault(buffer_kind(s), []).append(s)
+    return by_kind
 
 
 def buffer_kind(spec: ParamSpec) -> BufferKind:

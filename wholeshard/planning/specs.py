@@ -3,7 +3,7 @@ matrices of a stacked param. Pure data, no torch.
 
 `Bucket.owner` is the one owner rule of every sharded buffer: the rank owning buffer element `i`
 of a bucket is the rank whose shard holds it, `(i - bucket.start) // shard_numel` for equal
-shards, or the one whose `bounds` range holds it in an owner bucket.
+shards, or the last listed owner starting at or before `i` in an owner bucket.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import math
 from collections.abc import Sequence
 
 from ._elementwise import plan_elementwise
-from .buffer import KINDS, Buffer, BufferKind
+from .buffer import KINDS, Buffer
 from .costs import owned
-from .plan import Plan, buffer_kind, default_bucket_size, plan_buffer
+from .plan import Plan, default_bucket_size, plan_buffer, specs_by_kind
 from .projection import matrix_flops, rank_ns_flops
 from .specs import MatrixCost, ParamSpec, cost_imbalance, layer_of, matrix_shape, round_up
 
@@ -79,11 +79,6 @@ def largest_unit(plan: Plan) -> int:
     )
 
 
-def ns_imbalance(plan: Plan) -> float:
-    """Max / mean over the shard group of the Newton-Schulz flops of owned matrices."""
-    return cost_imbalance(rank_ns_flops(plan))
-
-
 def optimizer_state(plan: Plan) -> int:
     """fp32 optimizer values the busiest shard-group rank keeps: a Muon momentum per owned Muon
     element, two AdamW moments per owned element-wise one."""
@@ -104,9 +99,7 @@ class Shapes:
         self, specs: tuple[ParamSpec, ...], align: int, matrix_cost: MatrixCost | None
     ) -> None:
         self.align, self.matrix_cost = align, matrix_cost
-        self.by_kind: dict[BufferKind, list[ParamSpec]] = {}
-        for s in specs:
-            self.by_kind.setdefault(buffer_kind(s), []).append(s)
+        self.by_kind = specs_by_kind(specs)
         whole = self.by_kind.get("muon", [])
         self.used = sum(s.numel for s in specs)
         aligned = sum(round_up(s.numel, align) for s in specs)
