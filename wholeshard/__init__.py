@@ -23,6 +23,8 @@ _EXPORTS = {
     "DataParallelConfig": "wholeshard.engine.config",
     "LayerwiseOptimizer": "wholeshard.optim.layerwise",
     "Checkpointable": "wholeshard.optim.pieces",
+    "split_qkv": "wholeshard.optim.ns_split",
+    "split_heads": "wholeshard.optim.ns_split",
     "save_checkpoint": "wholeshard.checkpoint",
     "load_checkpoint": "wholeshard.checkpoint",
     "CheckpointError": "wholeshard.checkpoint",
@@ -55,6 +57,8 @@ __all__ = [
     "route_params",
     "routing_table",
     "save_checkpoint",
+    "split_heads",
+    "split_qkv",
 ]
 
 if TYPE_CHECKING:
@@ -63,6 +67,7 @@ if TYPE_CHECKING:
     from .engine.config import DataParallelConfig
     from .engine.data_parallel import DataParallel
     from .optim.layerwise import LayerwiseOptimizer
+    from .optim.ns_split import split_heads, split_qkv
     from .optim.pieces import Checkpointable
     from .planning import Bucket, Buffer, ParamSpec, Placement, Plan, plan_buffers
     from .planning.routing import Route, route_params, routing_table

@@ -2,7 +2,8 @@
 
 A logical tensor is written and read as rectangular chunks with offsets into the full tensor
 (`Chunks`). An owned whole tensor is one chunk at offset 0; a flat slice `[offset, offset + n)`
-of a param is cut into at most `2 * ndim - 1` row-major boxes (`flat_range_boxes`). The planners
+of a param is cut into at most `2 * ndim - 1` row-major boxes (`flat_range_boxes`); a row block
+(ns_split) is one box. The planners
 hand DCP exactly these chunks: no flattening, no resharding of their own, so DCP finds for each
 chunk read the saved chunks that overlap it, whatever the world size or plan at save time.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,6 +63,40 @@ def whole(t: torch.Tensor) -> list[Part]:
     return [((0,) * t.ndim, t)]
 
 
+def block_key(piece: OwnedPiece, key: str) -> str:
+    """Where state `key` of `piece` that is not element-wise is stored: one entry per row block
+    (`key[a:b]`), as the matrix optimizer keeps one per block ([Note: row blocks])."""
+    return key if piece.rows is None else f"{key}[{piece.rows[0]}:{piece.rows[1]}]"
+
+
+def own_state_keys(piece: OwnedPiece, saved: list[str]) -> dict[str, str]:
+    """Of `saved`, the state keys of `piece`'s param that are not element-wise, those holding
+    `piece`'s state, each mapped to its state key (`block_key`'s inverse). Raises ValueError if
+    they were saved under another row split."""
+    blocks = {key: _BLOCK.fullmatch(key) for key in saved}
+    if piece.rows is None:
+        own = {key: key for key, block in blocks.items() if block is None}
+        wrong = "with" if len(own) < len(saved) else None
+    else:
+        own = {
+            key: block[1]
+            for key, block in blocks.items()
+            if block is not None and (int(block[2]), int(block[3])) == piece.rows
+        }
+        names = {block[1] if block else key for key, block in blocks.items()}
+        wrong = "without" if None in blocks.values() else None
+        wrong = wrong or ("with other" if names != set(own.values()) else None)
+    if wrong:
+        raise ValueError(
+            f"optimizer state {sorted(saved)[:4]} of {piece.name} was saved {wrong} row blocks "
+            f"(ns_split): build the LayerwiseOptimizer with the ns_split it was saved with"
+        )
+    return own
+
+
+_BLOCK = re.compile(r"(.*)\[(\d+):(\d+)\]")
+
+
 def matrix_row(piece: OwnedPiece, t: torch.Tensor) -> list[Part]:
     """`t`, one matrix's state not shaped like it, as row `piece.matrix` of an entry stacking
     every matrix's (shape `(piece.matrices, *t.shape)`)."""
@@ -106,6 +142,8 @@ def flat_range_boxes(
 def piece_parts(piece: OwnedPiece, flat: torch.Tensor) -> list[Part]:
     """`flat` (the piece's elements in storage order, any shape) cut into chunks of the full
     param: views of `flat`, so reading into them fills `flat`."""
+    if piece.rows is not None:
+        return [_block_part(piece, flat)]
     flat = flat.reshape(-1)
     stop = piece.offset + flat.numel()
     parts, at = [], 0
@@ -114,6 +152,22 @@ def piece_parts(piece: OwnedPiece, flat: torch.Tensor) -> list[Part]:
         parts.append((offsets, flat[at : at + n].view(sizes)))
         at += n
     return parts
+
+
+def _block_part(piece: OwnedPiece, t: torch.Tensor) -> Part:
+    """A row block's elements (storage orientation) as the one box they fill in the param: rows
+    `piece.rows` of its matrix, or those columns when the matrix is stored (in, out)."""
+    (a, b), shape = piece.rows, piece.full_shape
+    lead = []
+    index = piece.matrix or 0
+    for dim in reversed(shape[:-2]):  # the matrix's index in each stacking dim
+        index, at = divmod(index, dim)
+        lead.insert(0, at)
+    if piece.transposed:
+        offsets, sizes = (*lead, 0, a), (*(1,) * len(lead), shape[-2], b - a)
+    else:
+        offsets, sizes = (*lead, a, 0), (*(1,) * len(lead), b - a, shape[-1])
+    return tuple(offsets), t.reshape(sizes)
 
 
 # -- DCP -----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
 from . import _chunks as chunks
 from ._arrival import all_arrive
-from ._chunks import Chunks, add, matrix_row, piece_parts, whole
+from ._chunks import Chunks, add, matrix_row, own_state_keys, piece_parts, whole
 from ._consensus import RankConsensus
 from ._model_table import check_model, names, other_tensors, state_keys, trainable_changes
 from .directory import (
@@ -157,22 +157,26 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
         # Read in the storage orientation; install through the optimizer-orientation view.
         master = piece.param.new_empty(piece.param.shape, dtype=piece.master.dtype)
         add(entries, key, shape, piece_parts(piece, master))
-        state = {}
+        state, shaped = {}, []
         for k in state_keys(metadata, name):
             key, saved = f"optim/{name}/{k}", md[f"optim/{name}/{k}"]
             if tuple(saved.size) == shape:
                 value = piece.param.new_empty(piece.param.shape, dtype=saved.properties.dtype)
                 add(entries, key, shape, piece_parts(piece, value))
                 state[k] = piece.oriented(value)
-            elif piece.matrix is not None and tuple(saved.size[:1]) == (piece.matrices,):
+            else:
+                shaped.append(k)
+        for k, own in own_state_keys(piece, shaped).items():  # a row block's own, if split
+            key, saved = f"optim/{name}/{k}", md[f"optim/{name}/{k}"]
+            if piece.matrix is not None and tuple(saved.size[:1]) == (piece.matrices,):
                 value = torch.empty(tuple(saved.size[1:]), dtype=saved.properties.dtype)
                 add(entries, key, saved.size, matrix_row(piece, value))
-                state[k] = value  # a stack's matrix: its own row (per-row moments, say)
-            else:  # one value per param (AdamW's step): every piece reads the whole of it
+                state[own] = value  # a stack's matrix: its own row (per-row moments, say)
+            else:  # one value per param or block (AdamW's step): each piece reads all of it
                 if key not in entries:
                     full = torch.empty(saved.size, dtype=saved.properties.dtype)
                     add(entries, key, saved.size, whole(full))
-                state[k] = entries[key].parts[0][1]
+                state[own] = entries[key].parts[0][1]
         plan.pieces.append(LoadedPiece(piece, piece.oriented(master), state))
     for name, live in other_tensors(ddp).items():  # a param trainable at save: from its master
         key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"

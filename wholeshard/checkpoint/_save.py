@@ -15,7 +15,7 @@ from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, elementwise, step_count
 from . import _chunks as chunks
 from ._arrival import all_arrive
-from ._chunks import Chunks, add, matrix_row, piece_parts, whole
+from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, whole
 from ._consensus import RankConsensus
 from ._model_table import aliases, model_table, other_tensors
 from .directory import (
@@ -110,11 +110,12 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
             if elementwise(value, piece):
                 parts = piece_parts(piece, piece.oriented(value))
                 add(entries, f"optim/{name}/{key}", shape, parts)
-            elif piece.matrix is not None:  # a stack's matrix: its own row of a stacked entry
-                size = (piece.matrices, *value.shape)
-                add(entries, f"optim/{name}/{key}", size, matrix_row(piece, value))
-            elif piece.offset == 0:  # same on every piece of the param: element 0's owner writes
-                add(entries, f"optim/{name}/{key}", value.shape, whole(value))
+                continue
+            entry = f"optim/{name}/{block_key(piece, key)}"
+            if piece.matrix is not None:  # a stack's matrix: its own row of a stacked entry
+                add(entries, entry, (piece.matrices, *value.shape), matrix_row(piece, value))
+            elif piece.rows is not None or piece.offset == 0:  # per block, else per param
+                add(entries, entry, value.shape, whole(value))
     if rank == 0:
         for name, t in other_tensors(ddp).items():
             add(entries, f"model/{name}", t.shape, whole(t.detach()))

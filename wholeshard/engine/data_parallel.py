@@ -13,8 +13,9 @@ Step protocol (the optimizer drives it; `_schedule.Scheduler` decides when colle
 
 The engine's modules: `config` (the options), `_init` (the construction steps; `_meta`: from
 the meta device), `_storage` (a bucket's storage, states and collectives; `_fp8_storage` and
-`_unaligned_storage` are its kinds), `_schedule` (when collectives run; `_waits`: how long waits
-hold the step up; `_skips`: modules some rank skipped), `_hooks` (module hooks), `_guard`.
+`_unaligned_storage` are its kinds), `_owned` (what a rank updates), `_schedule` (when
+collectives run; `_waits`: how long waits hold the step up; `_skips`: modules some rank
+skipped), `_hooks` (module hooks), `_guard`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +31,7 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.groups import make_groups, resolve_group
-from ..planning import Buffer, Placement, Plan
+from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
 from ._fp8_storage import has_fp8_weights
@@ -47,26 +47,10 @@ from ._init import (
     storage_factory,
 )
 from ._meta import fill_frozen, fill_owned, materialise, target_device
+from ._owned import OwnedRange, owned_ranges
 from ._schedule import Scheduler
 from ._storage import BucketStorage, CommGroups
 from .config import DataParallelConfig
-
-
-@dataclass(frozen=True)
-class OwnedRange:
-    """Elements `[offset, offset + param.numel())` of a flattened param that this rank updates.
-
-    `param` and `grad` are views of storage this rank keeps between steps: shaped like the param
-    when the range is the whole tensor, like one matrix when it is a matrix of a stacked param,
-    1-D otherwise.
-    """
-
-    route: Route
-    offset: int
-    param: torch.Tensor
-    grad: torch.Tensor
-    bucket: int
-    """Index of the bucket holding the range in `DataParallel.buckets` (reduce order)."""
 
 
 class StateHolder(Protocol):
@@ -242,22 +226,8 @@ class DataParallel(nn.Module):
     def owned(self) -> Iterator[OwnedRange]:
         """What this rank updates, in registration order: whole params, whole matrices of
         stacked params, or flat slices of element-wise ones. Ownership comes from the plan."""
-        ranges: dict[str, list[tuple[Placement, int, int, Buffer]]] = {}
-        for buffer in self.plan.buffers:
-            for p, offset, length in buffer.owned(self.shard_rank):
-                ranges.setdefault(p.name, []).append((p, offset, length, buffer))
-        for route in self.routes:
-            for p, offset, length, buffer in ranges.get(route.name, ()):
-                bucket = self._slot_of[p.name][0]
-                lo = p.start + offset
-                param, grad = bucket.owned_views(lo, lo + length)
-                if buffer.whole:
-                    shape: tuple[int, ...] = p.shape
-                elif buffer.kind == "stacked":
-                    shape = p.shape[-2:]
-                else:
-                    shape = (length,)
-                yield OwnedRange(route, offset, param.view(shape), grad.view(shape), bucket.index)
+        buckets = {name: b for name, (b, _) in self._slot_of.items()}
+        return owned_ranges(self.plan, self.routes, self.shard_rank, buckets)
 
     # -- gradients ------------------------------------------------------------------------
 

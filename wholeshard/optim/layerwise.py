@@ -34,6 +34,7 @@ from ._step_check import (
     issue,
     peak_norms,
 )
+from .ns_split import NsSplit, row_blocks
 from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of
 
 
@@ -56,6 +57,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             `FloatingPointError` on every rank naming the param and the step; "skip" leaves
             params and optimizer state untouched, zeroes the grads and counts `skipped_steps`;
             None does not look.
+        ns_split: `fn(name, param) -> list[int] | None`: sizes of the row blocks of a Muon
+            param's (out, in) matrix stepped as separate matrices, the layout unchanged
+            (`wholeshard.split_qkv`, `split_heads`; [Note: row blocks], `optim/ns_split.py`).
 
     `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
     LR schedulers work unchanged. `zero_grad()` zeros the grad buffer. A param that got no
@@ -87,6 +91,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         adamw: dict[str, Any] | None = None,
         nonfinite: NonfinitePolicy | None = "error",
         matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
+        ns_split: NsSplit | None = None,
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
@@ -102,8 +107,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._owned: list[OwnedPiece] = []
         self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
         self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
+        blocks = row_blocks(ddp.routes, ns_split)
         for owned in ddp.owned():
-            pieces = pieces_of(owned)
+            pieces = pieces_of(owned, blocks.get(owned.route.name))
             self._owned += pieces
             self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
         index = {r.name: i for i, r in enumerate(ddp.routes)}

@@ -20,7 +20,9 @@ works on 2-D tensors, so every Muon piece is one matrix in (out, in) orientation
 - a stacked param (more than 2 dims: fused MoE experts) is stepped as one piece per matrix, each
   its own `torch.optim.Muon` param, exactly as if each expert's slice were a separate param;
 - a weight stored (in, out) (`Route.transposed`: transformers' `Conv1D`) is stepped on a
-  contiguous (out, in) fp32 master, exactly as the same layer stored as `nn.Linear` would be.
+  contiguous (out, in) fp32 master, exactly as the same layer stored as `nn.Linear` would be;
+- a matrix split into row blocks (`LayerwiseOptimizer(ns_split=)`) is stepped as one piece per
+  block, exactly as if each block were a separate layer's weight ([Note: row blocks]).
 `OwnedPiece.oriented` maps between the storage orientation and the optimizer's.
 """
 
@@ -42,9 +44,12 @@ MUON, ADAMW = "muon", "adamw"
 @dataclass
 class OwnedPiece:
     """A piece of one param that this rank updates: the whole tensor, one matrix of a stacked
-    param, or a flat slice.
+    param, a row block of one ([Note: row blocks] in `wholeshard.optim.ns_split`), or a flat
+    slice.
 
-    The piece covers elements `[offset, offset + param.numel())` of the flattened param.
+    The piece covers elements `[offset, offset + param.numel())` of the flattened param, except
+    a row block of a matrix stored (in, out) (`transposed`): its columns `rows` of the matrix
+    starting at `offset`.
     `master` is in the optimizer's orientation ([Note: what Muon sees]), `param` and `grad` in the
     storage orientation.
     """
@@ -58,11 +63,14 @@ class OwnedPiece:
     master: torch.Tensor  # fp32; the param view itself when the param is fp32 and not transposed
     matrix: int | None = None  # index of the matrix within a stacked param
     transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
+    rows: tuple[int, int] | None = None  # a row block [a, b) of its (out, in) matrix (ns_split)
 
     @property
     def key(self) -> str:
-        """Unique among this rank's pieces: the param name, with `[i]` for matrix i of a stack."""
-        return self.name if self.matrix is None else f"{self.name}[{self.matrix}]"
+        """Unique among this rank's pieces: the param name, with `[i]` for matrix i of a stack
+        and `[a:b]` for a row block."""
+        key = self.name if self.matrix is None else f"{self.name}[{self.matrix}]"
+        return key if self.rows is None else f"{key}[{self.rows[0]}:{self.rows[1]}]"
 
     @property
     def separate_master(self) -> bool:
@@ -166,8 +174,9 @@ def elementwise(value: torch.Tensor, piece: OwnedPiece) -> bool:
     return tuple(value.shape) == tuple(piece.master.shape)
 
 
-def pieces_of(owned: OwnedRange) -> list[OwnedPiece]:
-    """The optimizer's pieces of one owned range: one per matrix of a Muon stack, else one."""
+def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[OwnedPiece]:
+    """The optimizer's pieces of one owned range: one per matrix of a Muon stack, else one; with
+    row-block `bounds` `(0, b1, ..., out)` ([Note: row blocks]), one per block of each matrix."""
     route, full_shape = owned.route, owned.route.shape
     if not route.muon:
         return [_piece(route.name, ADAMW, full_shape, owned.offset, owned.param, owned.grad)]
@@ -176,19 +185,29 @@ def pieces_of(owned: OwnedRange) -> list[OwnedPiece]:
     params = owned.param.reshape(-1, rows, cols).unbind()
     grads = owned.grad.reshape(-1, rows, cols).unbind()
     stacked = len(full_shape) > 2
-    return [
-        _piece(
-            route.name,
-            MUON,
-            full_shape,
-            owned.offset + i * rows * cols,
-            param,
-            grad,
-            matrix=first + i if stacked else None,
-            transposed=route.transposed,
-        )
-        for i, (param, grad) in enumerate(zip(params, grads, strict=True))
-    ]
+    blocks = list(zip(bounds[:-1], bounds[1:], strict=True)) if bounds else [None]
+    pieces = []
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        base = owned.offset + i * rows * cols
+        for block in blocks:
+            offset, cut = base, slice(None)
+            if block is not None:  # rows of the (out, in) matrix: columns when stored (in, out)
+                cut = (slice(None), slice(*block)) if route.transposed else slice(*block)
+                offset += 0 if route.transposed else block[0] * cols
+            pieces.append(
+                _piece(
+                    route.name,
+                    MUON,
+                    full_shape,
+                    offset,
+                    param[cut],
+                    grad[cut],
+                    matrix=first + i if stacked else None,
+                    transposed=route.transposed,
+                    rows=block,
+                )
+            )
+    return pieces
 
 
 def _piece(
@@ -201,6 +220,7 @@ def _piece(
     *,
     matrix: int | None = None,
     transposed: bool = False,
+    rows: tuple[int, int] | None = None,
 ) -> OwnedPiece:
     """A piece with its fp32 master: the param view itself when fp32 and not transposed."""
     if param.dtype == torch.float32 and not transposed:
@@ -211,4 +231,4 @@ def _piece(
             master = master.clone()
     direct = grad.dtype == torch.float32 and not transposed
     master.grad = grad if direct else torch.zeros_like(master)
-    return OwnedPiece(name, kind, full_shape, offset, param, grad, master, matrix, transposed)
+    return OwnedPiece(name, kind, full_shape, offset, param, grad, master, matrix, transposed, rows)

@@ -190,8 +190,8 @@ class QKClip:
             assert self._scales is not None  # taken by the step's pre-hook
             rows = self._scales[i].repeat_interleave(self.targets[i].head_dim)
             rows = rows.to(device=piece.master.device)
-            if piece.kind == MUON:  # the whole matrix, (out, in) ([Note: what Muon sees])
-                piece.master.mul_(rows[:, None])
+            if piece.kind == MUON:  # the matrix, or a row block of it, (out, in)
+                piece.master.mul_(rows[slice(*piece.rows) if piece.rows else slice(None), None])
                 continue
             flat = piece.master.view(-1)  # elements [offset, offset + n) of the stored param
             index = torch.arange(piece.offset, piece.offset + flat.numel(), device=flat.device)

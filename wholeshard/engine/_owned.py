@@ -1,0 +1,55 @@
+"""What a rank updates: the ranges of params it owns under the plan, as views of its storage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..planning import Buffer, Placement, Plan
+from ..planning.routing import Route
+
+if TYPE_CHECKING:
+    from ._storage import BucketStorage
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """Elements `[offset, offset + param.numel())` of a flattened param that this rank updates.
+
+    `param` and `grad` are views of storage this rank keeps between steps: shaped like the param
+    when the range is the whole tensor, like one matrix when it is a matrix of a stacked param,
+    1-D otherwise.
+    """
+
+    route: Route
+    offset: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    bucket: int
+    """Index of the bucket holding the range in `DataParallel.buckets` (reduce order)."""
+
+
+def owned_ranges(
+    plan: Plan, routes: list[Route], shard_rank: int, buckets: Mapping[str, BucketStorage]
+) -> Iterator[OwnedRange]:
+    """The ranges shard rank `shard_rank` owns, in the order of `routes`; `buckets` maps each
+    param name to the storage of its bucket."""
+    ranges: dict[str, list[tuple[Placement, int, int, Buffer]]] = {}
+    for buffer in plan.buffers:
+        for p, offset, length in buffer.owned(shard_rank):
+            ranges.setdefault(p.name, []).append((p, offset, length, buffer))
+    for route in routes:
+        for p, offset, length, buffer in ranges.get(route.name, ()):
+            bucket = buckets[p.name]
+            lo = p.start + offset
+            param, grad = bucket.owned_views(lo, lo + length)
+            if buffer.whole:
+                shape: tuple[int, ...] = p.shape
+            elif buffer.kind == "stacked":
+                shape = p.shape[-2:]
+            else:
+                shape = (length,)
+            yield OwnedRange(route, offset, param.view(shape), grad.view(shape), bucket.index)
