@@ -21,9 +21,10 @@ skipped), `_hooks` (module hooks), `_guard`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.groups import make_groups, resolve_group
+from ..distributed.mesh import mesh_data_parallel
 from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
@@ -52,6 +54,9 @@ from ._schedule import Scheduler
 from ._storage import BucketStorage, CommGroups
 from .config import DataParallelConfig
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 class StateHolder(Protocol):
     """What `DataParallel.memory` asks the optimizer attached to it."""
@@ -70,6 +75,9 @@ class DataParallel(nn.Module):
             (`DataParallel(module, reshard_after_forward=True)`), not both.
         process_group: the data-parallel group; None: the default group (or one process when
             torch.distributed is not initialised).
+        mesh: a `DeviceMesh` whose named dims say what each is, instead of `process_group`:
+            `"dp"`, or `"dp_replicate"` x `"dp_shard"` (hybrid sharding, the mesh form of
+            `shard_group_size`) ([Note: mesh dims] in `wholeshard.distributed.mesh`).
 
     Muon-routed params live in whole-tensor buffers, the others in element-wise sharded ones
     (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step:
@@ -99,10 +107,15 @@ class DataParallel(nn.Module):
         config: DataParallelConfig | None = None,
         *,
         process_group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
-        self.config = cfg = DataParallelConfig.from_options(config, options)
+        cfg = DataParallelConfig.from_options(config, options)
+        if mesh is not None:  # [Note: mesh dims]
+            process_group, k = mesh_data_parallel(mesh, process_group, cfg.shard_group_size)
+            cfg = dataclasses.replace(cfg, shard_group_size=k)
+        self.config = cfg
         if cfg.fp8_param_gather and not has_fp8_weights(module):
             raise ValueError(
                 "fp8_param_gather=True but the model has no FP8 layers: convert it first with "

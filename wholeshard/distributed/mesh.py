@@ -1,0 +1,86 @@
+"""The data-parallel group of a `DeviceMesh` (`DataParallel(module, mesh=...)`).
+
+[Note: mesh dims]
+A mesh's dims say what each is by name: `"dp"` (data parallel), or `"dp_replicate"` x
+`"dp_shard"` (hybrid sharding: params sharded within each `dp_shard` group and replicated
+across `dp_replicate`, the mesh form of `shard_group_size`); `"dp_shard"` alone shards across
+all its ranks and `"dp_replicate"` alone replicates. `"pp"` (pipeline stages) may sit beside
+them: each stage wraps its own module on its own data-parallel group. `DataParallel` works on
+this rank's data-parallel ranks: its dp dims flattened in row-major order, so each `dp_shard`
+row is a block of consecutive data-parallel ranks (the shard groups `shard_group_size` makes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+DP_DIMS = ("dp", "dp_replicate", "dp_shard")
+"""The data-parallel dim names, in the order a mesh must have them."""
+
+KNOWN_DIMS = (*DP_DIMS, "pp", "tp", "ep")
+
+
+def mesh_data_parallel(
+    mesh: DeviceMesh, process_group: ProcessGroup | None, shard_group_size: int | str | None
+) -> tuple[ProcessGroup, int | None]:
+    """(this rank's data-parallel group, the shard group size the mesh says), checked against
+    the `process_group` and `shard_group_size` also given. Every rank raises alike on a mesh it
+    cannot use: the checks read the whole mesh, which every rank holds."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {mesh!r}")
+    if process_group is not None:
+        raise ValueError("pass mesh= or process_group=, not both: the mesh gives the group")
+    names = tuple(mesh.mesh_dim_names or ())
+    if len(names) != mesh.ndim:
+        raise ValueError(
+            "the mesh's dims need names saying what each is: init_device_mesh(device, shape, "
+            "mesh_dim_names=('dp',)), or ('dp_replicate', 'dp_shard') ([Note: mesh dims])"
+        )
+    unknown = [n for n in names if n not in KNOWN_DIMS]
+    if unknown:
+        raise ValueError(f"mesh dims {unknown} are not among {list(KNOWN_DIMS)}")
+    unsupported = [n for n in names if n in ("tp", "ep")]
+    if unsupported:
+        raise NotImplementedError(
+            f"mesh dims {unsupported}: tensor- and expert-parallel dims are not supported yet; "
+            f"DataParallel runs on the data-parallel dims {list(DP_DIMS)} (and 'pp': each "
+            f"pipeline stage wraps its own module)"
+        )
+    dp = [n for n in names if n in DP_DIMS]
+    if not dp:
+        raise ValueError(f"the mesh {names} has no data-parallel dim: name one 'dp'")
+    if "dp" in dp and len(dp) > 1:
+        raise ValueError(
+            f"the mesh {names} names 'dp' and a hybrid dim: use 'dp' alone, or "
+            f"('dp_replicate', 'dp_shard')"
+        )
+    if dp == ["dp_shard", "dp_replicate"]:
+        raise ValueError("name the mesh's dims ('dp_replicate', 'dp_shard'), in that order")
+    at = [names.index(n) for n in dp]
+    rest = [i for i in range(mesh.ndim) if i not in at]
+    groups = mesh.mesh.permute(*rest, *at).reshape(-1, math.prod(mesh.mesh.shape[i] for i in at))
+    if not bool((groups.diff(dim=1) > 0).all()):
+        raise ValueError(
+            "the mesh's ranks must increase along its data-parallel dims (as init_device_mesh "
+            f"lays them out), got {mesh.mesh.tolist()}"
+        )
+    sizes = {n: mesh.size(names.index(n)) for n in dp}
+    k = (
+        sizes["dp_shard"]
+        if len(dp) == 2
+        else {"dp": None, "dp_shard": None, "dp_replicate": 1}[dp[0]]
+    )
+    if shard_group_size is not None and shard_group_size != k:
+        raise ValueError(
+            f"shard_group_size={shard_group_size!r}, but the mesh's dims {sizes} say "
+            f"{k}: pass one or the other"
+        )
+    group = mesh.get_group(dp[0]) if len(dp) == 1 else mesh[tuple(dp)]._flatten().get_group()
+    return group, k
