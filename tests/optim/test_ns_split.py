@@ -224,9 +224,7 @@ def test_muon_state_is_elementwise_and_loads_with_or_without_the_split(tmp_path)
     run(_fused, 2, "qkv_proj", QKV, SPLIT, ckpt=path, stop_after_save=True)
     whole = _momentum(path + "/step-2", None)
     blocks = _momentum(path + "/step-2", SPLIT)
-    assert list(blocks) == [
-        f"attn.qkv_proj[{a}:{b}]" for a, b in ((0, 32), (32, 48), (48, 64))
-    ]
+    assert list(blocks) == [f"attn.qkv_proj[{a}:{b}]" for a, b in ((0, 32), (32, 48), (48, 64))]
     assert torch.equal(whole["attn.qkv_proj"], torch.cat(list(blocks.values())))
 
 

@@ -7,7 +7,10 @@ Newton-Schulz coefficients (the fixed quintic or Polar Express); `QKClip`, MuonC
 query/key clip applied by each matrix's owner inside the step; `SOAP`, Adam in the eigenbasis
 of Shampoo's factors, whose `matrix_cost` the planner balances
 (`DataParallel(model, matrix_cost=SOAP.matrix_cost)`). `rules` names the matrix rules for the
-train job and the bench; `gram_ns` is the Gram form of Newton-Schulz (`ns_algorithm="gram"`).
+train job and the bench; `gram_ns` is the Gram form of Newton-Schulz (`ns_algorithm="gram"`);
+`tensor_parallel` is Newton-Schulz on DTensor matrices sharded by tensor parallelism
+(`Muon(tp_mode=)`); `ns_split` the row blocks stepped as separate matrices
+(`LayerwiseOptimizer(ns_split=)`).
 Bringing your own rule: docs/optimizers.md."""
 
 from ._step_check import first_nonfinite

@@ -55,6 +55,15 @@ from torch.optim.optimizer import ParamsT, _to_scalar
 
 from ..planning.specs import newton_schulz_cost
 from .gram_ns import NsAlgorithm, check_ns_algorithm, gram_newton_schulz
+from .tensor_parallel import (
+    TpMode,
+    TpShard,
+    check_tp_mode,
+    distributed_newton_schulz,
+    gather_full,
+    own_slice,
+    tp_shard,
+)
 
 Coefficients = tuple[float, float, float]
 Schedule = str | Coefficients | Sequence[Coefficients]
@@ -274,7 +283,9 @@ class Muon(torch.optim.Muon):
     its Frobenius norm clamped at `eps`) with the schedule's coefficients per step; for Polar
     Express the norm is first multiplied by 1.01, as in Algorithm 1 of the paper.
     `ns_algorithm="gram"` runs the same iterations in fewer flops (`gram_ns`; not bit for bit),
-    kept as an attribute so that state dicts stay torch's.
+    kept as an attribute so that state dicts stay torch's. A DTensor param sharded by tensor
+    parallelism is orthogonalized as its logical matrix, by `tp_mode` "duplicated" or
+    "distributed" ([Note: tensor-parallel Muon] in `wholeshard.optim.tensor_parallel`).
     """
 
     matrix_cost = staticmethod(newton_schulz_cost)  # the planner's default cost
@@ -292,9 +303,11 @@ class Muon(torch.optim.Muon):
         adjust_lr_fn: str | None = None,
         *,
         ns_algorithm: NsAlgorithm = "standard",
+        tp_mode: TpMode = "duplicated",
     ) -> None:
         ns_schedule(ns_coefficients, ns_steps)  # validates
         self.ns_algorithm = check_ns_algorithm(ns_algorithm)
+        self.tp_mode = check_tp_mode(tp_mode)
         super().__init__(
             params,
             lr=lr,
@@ -323,10 +336,39 @@ class Muon(torch.optim.Muon):
             for p, grad, buf in zip(params, grads, bufs, strict=True):
                 buf.lerp_(grad, 1 - group["momentum"])
                 update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                update = _torch_form_ns(update, schedule, safety, group["eps"], self.ns_algorithm)
+                shard = tp_shard(update)
+                if shard is None:
+                    update = _torch_form_ns(
+                        update, schedule, safety, group["eps"], self.ns_algorithm
+                    )
+                else:  # [Note: tensor-parallel Muon]
+                    update = self._tp_ns(update, shard, schedule, safety, group["eps"])
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
+
+    def _tp_ns(
+        self,
+        update: Tensor,
+        shard: TpShard,
+        schedule: list[Coefficients],
+        safety: float,
+        eps: float,
+    ) -> Tensor:
+        """Newton–Schulz of the logical matrix a DTensor `update` is a slice of, as a DTensor
+        laid out like it ([Note: tensor-parallel Muon])."""
+        from torch.distributed.tensor import DTensor
+
+        local, shape = update.to_local(), tuple(update.shape)
+        if self.tp_mode == "distributed":
+            local = distributed_newton_schulz(local, shard, shape, schedule, safety, eps)
+        else:
+            full = gather_full(local.bfloat16(), shard)
+            full = _torch_form_ns(full, schedule, safety, eps, self.ns_algorithm)
+            local = own_slice(full, shard)
+        return DTensor.from_local(
+            local, update.device_mesh, update.placements, shape=update.shape, stride=update.stride()
+        )
 
 
 def _torch_form_ns(

@@ -1,0 +1,140 @@
+"""Newton–Schulz on a tensor-parallel matrix: the update of the logical (unsharded) matrix.
+
+[Note: tensor-parallel Muon]
+A weight that `torch.distributed.tensor.parallel.parallelize_module` sharded (a DTensor with
+`Shard(0)`, ColwiseParallel's, or `Shard(1)`, RowwiseParallel's, on one mesh dim) holds a slice
+of the matrix Muon must orthogonalize whole. Momentum is element-wise, so it stays a slice; only
+Newton–Schulz needs the other slices, in one of two ways (`tp_mode`):
+- "duplicated": all-gather the bf16 Newton–Schulz input across the tensor-parallel group, run
+  torch's iteration on the full matrix on every rank, keep this rank's slice. The same bits as
+  one process on the same input; traffic: the matrix in bf16, (tp - 1) / tp of it per rank.
+- "distributed": keep the slices and all-reduce what the iteration sums across them: the
+  squared Frobenius norm, then in each iteration the Gram matrix of the unsharded side (m x m,
+  m the unsharded dim's length) in float32. Equal in exact arithmetic (p(X Xᵀ) X = X p(Xᵀ X));
+  in bf16 within rounding. Traffic: ns_steps Gram matrices, 2 (tp - 1) / tp of each per rank;
+  less than duplicated when the unsharded side is short, more when it is long.
+Muon's shape scaling (`adjust_lr_fn`) reads the DTensor's logical shape. Supported: a DTensor
+sharded on exactly one mesh dim, on dim 0 or 1 of a 2-D param, replicated on any other dims.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+TpMode = Literal["duplicated", "distributed"]
+TP_MODES = ("duplicated", "distributed")
+Coefficients = tuple[float, float, float]
+
+
+class TpShard(NamedTuple):
+    """Where a 2-D DTensor's slice sits: sharded on `dim` across `group` (`size` ranks, this
+    one `rank`)."""
+
+    group: dist.ProcessGroup
+    dim: int
+    rank: int
+    size: int
+
+
+def tp_shard(t: Tensor) -> TpShard | None:
+    """The shard layout of `t` if it is a DTensor sharded on one mesh dim (None if it is a plain
+    tensor or replicated); raises ValueError for layouts Newton–Schulz cannot work on."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return None
+    sharded = [(i, p) for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    if not sharded:
+        return None
+    if len(sharded) > 1 or not isinstance(sharded[0][1], Shard) or t.ndim != 2:
+        raise ValueError(
+            f"tensor-parallel Muon needs a 2-D DTensor sharded on one mesh dim (Shard(0) or "
+            f"Shard(1)), replicated on the others; got shape {tuple(t.shape)} with placements "
+            f"{t.placements}"
+        )
+    mesh_dim, placement = sharded[0]
+    mesh, dim = t.device_mesh, placement.dim % 2
+    size = mesh.size(mesh_dim)
+    if t.shape[dim] % size:
+        raise ValueError(
+            f"tensor-parallel Muon needs equal slices: dim {dim} of shape {tuple(t.shape)} does "
+            f"not divide by the {size} ranks it is sharded over"
+        )
+    return TpShard(mesh.get_group(mesh_dim), dim, mesh.get_local_rank(mesh_dim), size)
+
+
+def check_tp_mode(mode: str) -> TpMode:
+    if mode not in TP_MODES:
+        raise ValueError(f"tp_mode must be one of {TP_MODES}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def gather_full(local: Tensor, shard: TpShard) -> Tensor:
+    """The full matrix from every rank's slice of it ("duplicated")."""
+    parts = [torch.empty_like(local) for _ in range(shard.size)]
+    dist.all_gather(parts, local.contiguous(), group=shard.group)
+    return torch.cat(parts, dim=shard.dim)
+
+
+def own_slice(full: Tensor, shard: TpShard) -> Tensor:
+    """This rank's slice of `full`, contiguous."""
+    return full.chunk(shard.size, shard.dim)[shard.rank].contiguous()
+
+
+def distributed_newton_schulz(
+    local: Tensor,
+    shard: TpShard,
+    full_shape: tuple[int, int],
+    schedule: list[Coefficients],
+    safety: float,
+    eps: float,
+) -> Tensor:
+    """This rank's slice (bf16) of torch's Newton–Schulz iteration on the full matrix, from the
+    slices alone ("distributed", [Note: tensor-parallel Muon])."""
+    tall = full_shape[0] > full_shape[1]
+    x = local.bfloat16()
+    x = x.T if tall else x
+    sq = x.float().pow(2).sum().reshape(1)
+    dist.all_reduce(sq, group=shard.group)
+    norm = sq.sqrt().to(torch.bfloat16)[0]
+    x = x / (norm if safety == 1.0 else norm * safety).clamp(min=eps)
+    for a, b, c in schedule:
+        if _sharded_dim(full_shape, shard.dim) == 1:  # columns split: x xᵀ sums the slices'
+            gram = _summed(x @ x.T, shard)
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        else:  # rows split: the same polynomial from the right, with xᵀ x
+            gram = _summed(x.T @ x, shard)
+            x = torch.addmm(x, x, torch.addmm(gram, gram, gram, beta=b, alpha=c), beta=a)
+    return (x.T if tall else x).contiguous()
+
+
+def traffic_bytes(
+    shape: tuple[int, int], shard_dim: int, tp: int, mode: TpMode, ns_steps: int
+) -> int:
+    """Bytes one rank sends per step for Newton–Schulz on one matrix of logical `shape` sharded
+    on `shard_dim` over `tp` ranks, ring collectives: an all-gather sends (tp - 1) / tp of its
+    result, an all-reduce twice that ([Note: tensor-parallel Muon])."""
+    if tp == 1:
+        return 0
+    rows, cols = shape
+    if mode == "duplicated":
+        return 2 * rows * cols * (tp - 1) // tp  # bf16
+    short, long = sorted(shape)
+    side = short if _sharded_dim(shape, shard_dim) == 1 else long
+    return (ns_steps * 4 * side * side + 4) * 2 * (tp - 1) // tp  # fp32 Grams and the norm
+
+
+def _sharded_dim(shape: tuple[int, int], shard_dim: int) -> int:
+    """Which dim of the iterate (the matrix turned so rows <= cols) is sharded."""
+    return 1 - shard_dim if shape[0] > shape[1] else shard_dim
+
+
+def _summed(partial: Tensor, shard: TpShard) -> Tensor:
+    """`partial` summed over the group in float32, back in bf16."""
+    total = partial.float()
+    dist.all_reduce(total, group=shard.group)
+    return total.to(torch.bfloat16)
