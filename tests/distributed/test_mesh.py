@@ -45,7 +45,7 @@ def _refusals() -> list[str]:
     cases = [
         lambda: dict(mesh=init_device_mesh("cpu", (2,))),
         lambda: dict(mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("data",))),
-        lambda: dict(mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))),
+        lambda: dict(mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))),
         lambda: dict(mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))),
         lambda: dict(
             mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "dp_replicate"))
@@ -78,7 +78,7 @@ def test_unusable_meshes_are_refused_on_every_rank() -> None:
     expected = [
         "need names",
         "'data'] are not among",
-        "NotImplementedError: mesh dims ['tp']",
+        "NotImplementedError: mesh dim 'ep'",
         "has no data-parallel dim",
         "in that order",
         "names 'dp' and a hybrid dim",

@@ -18,7 +18,14 @@ from . import _chunks as chunks
 from ._arrival import all_arrive
 from ._chunks import Chunks, add, matrix_row, own_state_keys, piece_parts, whole
 from ._consensus import RankConsensus
-from ._model_table import check_model, names, other_tensors, state_keys, trainable_changes
+from ._model_table import (
+    check_model,
+    names,
+    other_tensors,
+    refuse_tensor_parallel,
+    state_keys,
+    trainable_changes,
+)
 from .directory import (
     TRAINER,
     CheckpointError,
@@ -46,6 +53,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     one trainable now but frozen then starts with fresh optimizer state (its master from the
     loaded value), one frozen now drops its saved state; a warning names them.
     """
+    refuse_tensor_parallel(ddp)
     group = RankConsensus(ddp.process_group, ddp.dp_size, ddp.rank)
     if group.distributed:  # before anything is read or a collective is entered
         all_arrive(ddp.process_group, "load_checkpoint")

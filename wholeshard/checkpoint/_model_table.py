@@ -63,6 +63,17 @@ def model_table(ddp: DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
     return params, others
 
 
+def refuse_tensor_parallel(ddp: DataParallel) -> None:
+    """Raise (on every rank alike) for a model with tensor-parallel (DTensor) params: their
+    checkpoints, which span the data- and tensor-parallel ranks, are not supported yet."""
+    if ddp.tensor_parallel:
+        raise NotImplementedError(
+            "checkpoints of a tensor-parallel model (DTensor params) are not supported yet: "
+            "meanwhile save model.state_dict() (DTensors) inside ddp.full_params() with "
+            "torch.distributed.checkpoint (docs/parallelism.md)"
+        )
+
+
 def state_keys(metadata: Metadata, name: str) -> list[str]:
     """The optimizer state keys saved for param `name` (its master excluded)."""
     prefix = f"optim/{name}/"

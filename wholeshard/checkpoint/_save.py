@@ -17,7 +17,7 @@ from . import _chunks as chunks
 from ._arrival import all_arrive
 from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, whole
 from ._consensus import RankConsensus
-from ._model_table import aliases, model_table, other_tensors
+from ._model_table import aliases, model_table, other_tensors, refuse_tensor_parallel
 from .directory import (
     TRAINER,
     CheckpointError,
@@ -52,6 +52,7 @@ def save_checkpoint(
     older checkpoints (`step-M`, M < N) beyond the K - 1 most recent are deleted after the new
     one is complete. Returns the new checkpoint's directory.
     """
+    refuse_tensor_parallel(ddp)
     if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
     root = Path(path)

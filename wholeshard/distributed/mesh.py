@@ -5,9 +5,11 @@ A mesh's dims say what each is by name: `"dp"` (data parallel), or `"dp_replicat
 `"dp_shard"` (hybrid sharding: params sharded within each `dp_shard` group and replicated
 across `dp_replicate`, the mesh form of `shard_group_size`); `"dp_shard"` alone shards across
 all its ranks and `"dp_replicate"` alone replicates. `"pp"` (pipeline stages) may sit beside
-them: each stage wraps its own module on its own data-parallel group. `DataParallel` works on
-this rank's data-parallel ranks: its dp dims flattened in row-major order, so each `dp_shard`
-row is a block of consecutive data-parallel ranks (the shard groups `shard_group_size` makes).
+them: each stage wraps its own module on its own data-parallel group; so may `"tp"`: params
+the model parallelized over `mesh["tp"]` are DTensors, held as their local shards (`dtensor`),
+each data-parallel group holding one tensor-parallel position. `DataParallel` works on this
+rank's data-parallel ranks: its dp dims flattened in row-major order, so each `dp_shard` row
+is a block of consecutive data-parallel ranks (the shard groups `shard_group_size` makes).
 """
 
 from __future__ import annotations
@@ -46,12 +48,10 @@ def mesh_data_parallel(
     unknown = [n for n in names if n not in KNOWN_DIMS]
     if unknown:
         raise ValueError(f"mesh dims {unknown} are not among {list(KNOWN_DIMS)}")
-    unsupported = [n for n in names if n in ("tp", "ep")]
-    if unsupported:
+    if "ep" in names:
         raise NotImplementedError(
-            f"mesh dims {unsupported}: tensor- and expert-parallel dims are not supported yet; "
-            f"DataParallel runs on the data-parallel dims {list(DP_DIMS)} (and 'pp': each "
-            f"pipeline stage wraps its own module)"
+            "mesh dim 'ep': expert-parallel dims are not supported yet; DataParallel runs on "
+            f"the data-parallel dims {list(DP_DIMS)}, beside 'tp' and 'pp'"
         )
     dp = [n for n in names if n in DP_DIMS]
     if not dp:

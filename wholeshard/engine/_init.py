@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from ..distributed.dtensor import local
 from ..planning import ParamSpec, Placement, Plan
 from ..planning.auto import plan_for
 from ..planning.routing import Route
@@ -158,12 +159,13 @@ def broadcast_the_rest(
     `device` (a CPU table in a CUDA model) travels through a copy on it: NCCL moves device
     tensors only."""
     for t in [*frozen, *module.buffers()]:
-        if t.device == device:
-            collectives.broadcast_from_first(t.data, group)
+        data = local(t.data)  # a DTensor's: its shard, the same on its data-parallel peers
+        if data.device == device:
+            collectives.broadcast_from_first(data, group)
             continue
-        staged = t.data.to(device)
+        staged = data.to(device)
         collectives.broadcast_from_first(staged, group)
-        t.data.copy_(staged)
+        data.copy_(staged)
 
 
 def forward_order(storages: Sequence[BucketStorage], routes: list[Route]) -> list[int]:

@@ -12,9 +12,9 @@ Without resharding (ZeRO-1/2) the full `param` and `grad` tensors live for the w
 this rank's shards are views into them. With `reshard=True` (fully sharded) this rank keeps its
 shards in the separate `param_shard` and `grad_shard` tensors, and the full tensors' storage
 exists only from `start_gather` to `release_params` (params) and from the first gradient to the
-end of the reduction (grads). The `nn.Parameter` objects never change: while released, each
-param's `.data` is an empty tensor, and the full storage is freed with `resize_(0)` and regrown
-in place, so the views autograd saved during forward see the re-gathered values in backward.
+end of the reduction (grads). The `nn.Parameter` objects never change: released, each param's
+`.data` (a DTensor's local tensor) is empty, and the full storage is freed with `resize_(0)`
+and regrown in place, so the views autograd saved in forward see the values in backward.
 
 [Note: bucket states]
 What the params of a storage unit hold, as a `BucketState`:
@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, Work
 
 from ..distributed import collectives
+from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
 
 ParamSync = Literal["allgather", "broadcast"]
@@ -143,8 +144,8 @@ class BucketStorage:
         if reshard:
             _free(self.grad)
         for (param, _), view in zip(self.params, self._param_views, strict=True):
-            view.copy_(param.detach())
-            param.data = view
+            view.copy_(local(param.detach()))
+            set_local(param, view)
         # Where each bucket's shard of this rank starts in the shard tensors.
         self._shard_at = [0]
         for b in self.buckets[:-1]:
@@ -156,7 +157,6 @@ class BucketStorage:
         self.state = BucketState.FRESH
 
     # -- geometry ---------------------------------------------------------------------------
-
     def _elements(self, full: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Buffer elements `[lo, hi)` of a full tensor of this unit."""
         return full[lo - self.start : hi - self.start]
@@ -245,7 +245,7 @@ class BucketStorage:
         if not self.reshard:
             return
         for param, _ in self.params:
-            param.data = self._empty
+            set_local(param, self._empty)
         _free(self.param)
         self.state = BucketState.RELEASED
 
@@ -273,10 +273,10 @@ class BucketStorage:
         self.received = [False] * len(self.params)
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
-        """Add `grad` into the grad range of `self.params[i]`."""
+        """Add `grad` (a DTensor's: its local shard) into the grad range of `self.params[i]`."""
         self._materialise_grads()
         self.received[i] = True
-        self._grad_views[i].add_(grad)
+        self._grad_views[i].add_(local(grad))
 
     def start_reduce(self) -> None:
         """Dispatch the reduction: afterwards this rank's grad shards hold the averages."""
@@ -358,7 +358,7 @@ class BucketStorage:
 
     def _point_params_at_full(self) -> None:
         for (param, _), view in zip(self.params, self._param_views, strict=True):
-            param.data = view
+            set_local(param, view)
 
     def _gather(self) -> InFlight:
         handles = []

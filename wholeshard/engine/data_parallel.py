@@ -36,6 +36,7 @@ from ..distributed.mesh import mesh_data_parallel
 from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
+from ._dtensor import check_tensor_parallel
 from ._fp8_storage import has_fp8_weights
 from ._guard import ParamSignature, claim, unclaim
 from ._init import (
@@ -97,6 +98,7 @@ class DataParallel(nn.Module):
     rank: int  # in `process_group`
     shard_group_size: int
     shard_rank: int  # in this rank's shard group
+    tensor_parallel: bool  # some params are DTensors, held as their local shards
     reshard_after_forward: bool  # what the config asks, where there is anything to gather
     fp8_param_gather: bool  # likewise
     scheduler: Scheduler
@@ -128,6 +130,12 @@ class DataParallel(nn.Module):
             placeholders = materialise(module, target_device(module, self.process_group))
             fill_frozen(module, cfg.param_init)
         self.routes = route_params(module, cfg.use_muon)
+        self.tensor_parallel = check_tensor_parallel(
+            self.routes,
+            mesh.mesh_dim_names if mesh is not None else None,
+            param_init=cfg.param_init is not None,
+            fp8=cfg.fp8_param_gather,
+        )
         check_model(module, self.routes, self.process_group, self.dp_size, placeholders)
         param_dtype = cfg.param_dtype or common_dtype(self.routes)
         self.frozen = cast_frozen(module, param_dtype)

@@ -35,7 +35,9 @@ from ._step_check import (
     peak_norms,
 )
 from .ns_split import NsSplit, row_blocks
-from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of
+from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
+from .rules import tensor_parallel_rule
+from .tensor_parallel import TpMode, tp_slices
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -92,6 +94,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         nonfinite: NonfinitePolicy | None = "error",
         matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
         ns_split: NsSplit | None = None,
+        tp_mode: TpMode = "duplicated",
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
@@ -113,14 +116,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._owned += pieces
             self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
         index = {r.name: i for i, r in enumerate(ddp.routes)}
-        self._indices = torch.tensor(  # each piece's param index, for the step check
-            [index[o.name] for o in self._owned],
-            dtype=torch.float64,
-            device=ddp.device,
-        )
-
+        indices = [index[o.name] for o in self._owned]  # each piece's param, for the step check
+        self._indices = torch.tensor(indices, dtype=torch.float64, device=ddp.device)
+        matrix_optimizer, muon = tensor_parallel_rule(matrix_optimizer, muon, tp_mode, ddp.routes)
+        self._tp_group, sliced = tp_slices(ddp.routes)  # for norms: slices sum over the group
+        self._sliced = [o.name in sliced for o in self._owned]
         self._inner = {
-            MUON: matrix_optimizer([{"params": self._masters(MUON)}], **(muon or {})),
+            MUON: matrix_optimizer([{"params": self._masters(MUON)}], **muon),
             ADAMW: torch.optim.AdamW([{"params": self._masters(ADAMW)}], **(adamw or {})),
         }
         super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})
@@ -130,7 +132,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         ddp.attach_optimizer(self)
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
-        return [o.master for o in self._owned if o.kind == kind]
+        return [o.stepped for o in self._owned if o.kind == kind]
 
     # -- the step -------------------------------------------------------------------------
 
@@ -173,7 +175,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                     [o.master.grad for o in cast], [o.oriented(o.grad) for o in cast]
                 )
             for kind, opt in self._inner.items():
-                masters = [o.master for o in pieces if o.kind == kind]
+                masters = [o.stepped for o in pieces if o.kind == kind]
                 if masters:
                     with _holding(opt.param_groups[0], masters):
                         opt.step()
@@ -280,15 +282,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         grads = [o.grad for o in self._owned]
         norms = list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
         self._piece_norms = torch.stack(norms) if norms else None
-        if math.isinf(norm_type):
-            local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
-            op = dist.ReduceOp.MAX
-        else:
-            local = (
-                torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
-            )
-            op = dist.ReduceOp.SUM
-        local = local.to(device=device, dtype=torch.float32).reshape(1)
+        inf = math.isinf(norm_type)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+
+        def combined(ns: list[torch.Tensor]) -> torch.Tensor:
+            t = torch.stack(ns) if ns else torch.zeros(1, device=device)
+            return (t.max() if inf else t.pow(norm_type).sum()).float().reshape(1)
+
+        local = combined([n for n, s in zip(norms, self._sliced, strict=True) if not s])
+        if self._tp_group is not None:  # slices of tensor-parallel params: summed over tp too
+            sliced = combined([n for n, s in zip(norms, self._sliced, strict=True) if s])
+            collectives.all_reduce(sliced, self._tp_group, op=op)
+            local = torch.maximum(local, sliced) if inf else local + sliced
         if self.ddp.shard_group_size > 1:  # shard groups own everything; replicas agree
             collectives.all_reduce(local, self.ddp.shard_group, op=op)
         total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
@@ -319,14 +324,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """The torch optimizer's live state dict for `piece` (empty before the first step). A
         step check left unread is read first: state is never handed out past a failed check."""
         self._settle_check()
-        return self._inner[piece.kind].state[piece.master]
+        return self._inner[piece.kind].state[piece.stepped]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, keyed by param name; loads at the same world size and plan only."""
         self._settle_check()
         state: dict[str, dict[str, Any]] = {}
         for o in self._owned:
-            entry = dict(self._inner[o.kind].state.get(o.master, {}))
+            entry = dict(self._inner[o.kind].state.get(o.stepped, {}))
             if o.separate_master:
                 entry["master"] = o.master
             state[o.key] = entry
@@ -353,7 +358,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         pieces = []
         for key, entry in saved.items():
             o = owned[key]
-            state = {k: _restore(v, o.master) for k, v in entry.items() if k != "master"}
+            state = {k: restored(v, o.master) for k, v in entry.items() if k != "master"}
             pieces.append(LoadedPiece(o, entry.get("master"), state))
         groups = [{k: v for k, v in g.items() if k != "kind"} for g in state_dict["param_groups"]]
         install_state(self.ddp, self, pieces, groups)
@@ -390,11 +395,3 @@ def _holding(group: dict[str, Any], params: list[torch.Tensor]) -> Iterator[None
         yield
     finally:
         group["params"] = every
-
-
-def _restore(value: Any, master: torch.Tensor) -> Any:
-    """A private copy of one saved state value; tensors shaped like the param go to its device."""
-    if not torch.is_tensor(value):
-        return value
-    value = value.detach().clone()
-    return value.to(master.device) if value.shape == master.shape else value

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
+from ..distributed.dtensor import is_dtensor
+
 if TYPE_CHECKING:
     from ..engine.data_parallel import DataParallel, OwnedRange
 
@@ -64,6 +66,7 @@ class OwnedPiece:
     matrix: int | None = None  # index of the matrix within a stacked param
     transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
     rows: tuple[int, int] | None = None  # a row block [a, b) of its (out, in) matrix (ns_split)
+    tp_param: torch.Tensor | None = None  # tensor parallel: a DTensor over `master` (below)
 
     @property
     def key(self) -> str:
@@ -71,6 +74,13 @@ class OwnedPiece:
         and `[a:b]` for a row block."""
         key = self.name if self.matrix is None else f"{self.name}[{self.matrix}]"
         return key if self.rows is None else f"{key}[{self.rows[0]}:{self.rows[1]}]"
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        """What the torch optimizer steps (and keys its state by): `master`, or for a slice of
+        a tensor-parallel matrix a DTensor over it with the logical shape, whose `.grad` is one
+        over `master.grad` ([Note: tensor-parallel Muon] in `optim.tensor_parallel`)."""
+        return self.master if self.tp_param is None else self.tp_param
 
     @property
     def separate_master(self) -> bool:
@@ -146,7 +156,7 @@ def install_state(
                 piece.param.copy_(piece.oriented(piece.master))
         live = optimizer.piece_state(piece)
         live.clear()
-        group = group_of.get(id(piece.master), {})
+        group = group_of.get(id(piece.stepped), {})
         live.update({k: _placed(k, v, piece.master, group) for k, v in state.items()})
     if steps is not None and step_count(optimizer) is not None:
         optimizer.steps = steps  # type: ignore[attr-defined]  # the optional attribute
@@ -185,6 +195,14 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
     params = owned.param.reshape(-1, rows, cols).unbind()
     grads = owned.grad.reshape(-1, rows, cols).unbind()
     stacked = len(full_shape) > 2
+    if is_dtensor(route.param):
+        if bounds or route.transposed or len(full_shape) > 2:
+            raise NotImplementedError(
+                f"{route.name}: row blocks (ns_split), weights stored (in, out) and stacked "
+                f"matrices are not supported with tensor parallelism yet"
+            )
+        piece = _piece(route.name, MUON, full_shape, owned.offset, owned.param, owned.grad)
+        return [tensor_parallel(piece, route.param)]
     blocks = list(zip(bounds[:-1], bounds[1:], strict=True)) if bounds else [None]
     pieces = []
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
@@ -210,6 +228,21 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
     return pieces
 
 
+def tensor_parallel(piece: OwnedPiece, param: torch.Tensor) -> OwnedPiece:
+    """`piece` (one rank's slice of a DTensor `param`) with a DTensor over its master and one
+    over the master's grad, laid out like `param`."""
+    from torch.distributed.tensor import DTensor
+
+    def over(t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(
+            t, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+
+    piece.tp_param = over(piece.master)
+    piece.tp_param.grad = over(piece.master.grad)
+    return piece
+
+
 def _piece(
     name: str,
     kind: str,
@@ -232,3 +265,11 @@ def _piece(
     direct = grad.dtype == torch.float32 and not transposed
     master.grad = grad if direct else torch.zeros_like(master)
     return OwnedPiece(name, kind, full_shape, offset, param, grad, master, matrix, transposed, rows)
+
+
+def restored(value: Any, master: torch.Tensor) -> Any:
+    """A private copy of one saved state value; tensors shaped like the param go to its device."""
+    if not torch.is_tensor(value):
+        return value
+    value = value.detach().clone()
+    return value.to(master.device) if value.shape == master.shape else value

@@ -5,7 +5,7 @@ Every rule steps each owned matrix from that matrix, its gradient and its own st
 `LayerwiseOptimizer(ddp, muon=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs it
 distributed with no communication of its own. `muon` with the fixed quintic is
 `torch.optim.Muon` itself; with another Newton-Schulz schedule or algorithm,
-`wholeshard.optim.Muon`.
+`wholeshard.optim.Muon`. `tensor_parallel_rule`: the rule that steps tensor-parallel matrices.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ..distributed.dtensor import is_dtensor
+from .tensor_parallel import check_tp_mode
 
 MATRIX_RULES = ("muon", "normuon", "soap")
 """The rules' names, in the order `--help` lists them."""
@@ -71,3 +74,26 @@ def matrix_kwargs(
     if name == "muon":
         kwargs.update(adjust_lr_fn="match_rms_adamw", momentum=0.95)
     return kwargs | ns_kwargs(name, ns_coefficients, ns_algorithm)
+
+
+def tensor_parallel_rule(
+    rule: type[torch.optim.Optimizer], kwargs: dict | None, mode: str, routes: list
+) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The matrix rule `LayerwiseOptimizer` steps with, and its keyword arguments: as given,
+    unless some Muon-routed param is a DTensor (tensor parallel); then `wholeshard.optim.Muon`
+    (torch's Muon's maths and state, which orthogonalizes logical matrices) for torch's Muon,
+    with `tp_mode`. Other rules raise: they do not handle slices yet."""
+    from .normuon import Muon
+
+    mode = check_tp_mode(mode)
+    kwargs = dict(kwargs or {})
+    if not any(r.muon and is_dtensor(r.param) for r in routes):
+        return rule, kwargs
+    rule = Muon if rule is torch.optim.Muon else rule
+    if not (isinstance(rule, type) and issubclass(rule, Muon)):
+        raise NotImplementedError(
+            f"{getattr(rule, '__name__', rule)} on tensor-parallel (DTensor) matrices: use "
+            f"torch.optim.Muon or wholeshard.optim.Muon (tp_mode='duplicated' or "
+            f"'distributed'), or route those params to AdamW"
+        )
+    return rule, {**kwargs, "tp_mode": mode}

@@ -67,6 +67,21 @@ def tp_shard(t: Tensor) -> TpShard | None:
     return TpShard(mesh.get_group(mesh_dim), dim, mesh.get_local_rank(mesh_dim), size)
 
 
+def tp_slices(routes: list) -> tuple[dist.ProcessGroup | None, set[str]]:
+    """(the tensor-parallel group, the names of the params sliced over it), from the routes'
+    DTensor params of any rank (a ColwiseParallel bias is 1-D); (None, empty) without any."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    group, names = None, set()
+    for r in routes:
+        if isinstance(r.param, DTensor):
+            for mesh_dim, placement in enumerate(r.param.placements):
+                if isinstance(placement, Shard):
+                    group = r.param.device_mesh.get_group(mesh_dim)
+                    names.add(r.name)
+    return group, names
+
+
 def check_tp_mode(mode: str) -> TpMode:
     if mode not in TP_MODES:
         raise ValueError(f"tp_mode must be one of {TP_MODES}, got {mode!r}")

@@ -63,8 +63,10 @@ _COMPILE_WRAPPER = "_orig_mod"  # torch.compile(m) registers m under this name
 
 @dataclass(frozen=True)
 class Route:
-    """One trainable parameter, under its first registered name. `shape` is the param's shape
-    as built: it stays valid while a fully sharded wrapper has the param released."""
+    """One trainable parameter, under its first registered name. `shape` is the shape the
+    buffers hold: the param's as built (it stays valid while a fully sharded wrapper has the
+    param released), or for a DTensor param (tensor parallel) its local shard's;
+    `logical_shape` is the param's own (a DTensor's global shape)."""
 
     name: str
     param: nn.Parameter
@@ -72,9 +74,12 @@ class Route:
     tied: bool  # reachable under more than one name (shared between modules)
     transposed: bool = False  # stored (in, out), e.g. transformers' Conv1D
     shape: tuple[int, ...] = field(init=False)
+    logical_shape: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(self.param.shape))
+        local = getattr(self.param, "_local_tensor", self.param)  # a DTensor's shard
+        object.__setattr__(self, "shape", tuple(local.shape))
+        object.__setattr__(self, "logical_shape", tuple(self.param.shape))
 
 
 def route_params(module: nn.Module, use_muon: UseMuon | None = None) -> list[Route]:

@@ -1,0 +1,148 @@
+"""dp x tp: `DataParallel(model, mesh=mesh)` over a model `parallelize_module` made tensor
+parallel on `mesh["tp"]`: each DTensor param's local shard lives in the buffers, and
+`LayerwiseOptimizer` steps Muon on the logical matrices ([Note: tensor-parallel Muon]).
+
+Against one process running `torch.optim.Muon` + `torch.optim.AdamW` on the unsharded model,
+full batch, at dp x tp = 2 x 2 and 1 x 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import ADAMW_KW, MUON_KW, TOL, run
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import wholeshard
+
+STEPS, BATCH = 3, 8
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(16, 32)  # its bias: sliced like the weight's rows (1-D, AdamW)
+        self.down = nn.Linear(32, 16)  # its bias: replicated
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(F.gelu(self.up(x))))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g)
+
+
+def reference(clip: float | None = None) -> dict[str, torch.Tensor]:
+    model = MLP()
+    matrices = [model.up.weight, model.down.weight]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    opts = [torch.optim.Muon(matrices, **MUON_KW), torch.optim.AdamW(others, **ADAMW_KW)]
+    norms = []
+    for step in range(STEPS):
+        x, y = data(step)
+        F.mse_loss(model(x), y).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out | ({"norms": torch.stack(norms)} if norms else {})
+
+
+def tensor_parallel(
+    dp: int, tp_mode: str, ddp_kw: dict, clip: float | None = None
+) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    model = MLP()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, tp_mode=tp_mode)
+    rank = mesh.get_local_rank("dp")
+    rows = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    norms = []
+    for step in range(STEPS):
+        x, y = data(step)
+        F.mse_loss(ddp(x[rows]), y[rows]).backward()
+        if clip is not None:
+            norms.append(opt.clip_grad_norm_(clip))
+        opt.step()
+        opt.zero_grad()
+    with ddp.full_params():
+        out = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+    return out | ({"norms": torch.stack(norms)} if norms else {})
+
+
+MODES = {"zero": {}, "fully_sharded": dict(reshard_after_forward=True, overlap_grad_reduce=True)}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
+@pytest.mark.parametrize("dp", [2, 1])
+def test_dp_x_tp_steps_like_one_process(dp: int, tp_mode: str, mode: str) -> None:
+    ref = reference()
+    outs = run(tensor_parallel, 2 * dp, dp, tp_mode, MODES[mode])
+    worst = 0.0
+    for out in outs:
+        for name, want in ref.items():
+            assert torch.equal(out[name], outs[0][name]), name  # every rank: the same model
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+            worst = max(worst, (out[name] - want).abs().max().item())
+    print(f"dp {dp} x tp 2, {tp_mode}, {mode}: max |param diff| vs one process {worst:.3g}")
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_clipping_counts_each_slice_once(mode: str) -> None:
+    """The global norm sums the slices of sharded params over tp and counts replicated ones
+    once: `clip_grad_norm_` returns torch's total norm and clips (max_norm below it)."""
+    ref = reference(clip=0.5)
+    assert (ref["norms"] > 0.5).all()
+    for out in run(tensor_parallel, 4, 2, "duplicated", MODES[mode], clip=0.5):
+        assert torch.allclose(out["norms"], ref["norms"], rtol=1e-5, atol=0), out["norms"]
+        for name, want in ref.items():
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+
+
+def _refusals(tmp: str) -> list[str]:
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+
+    def parallel() -> MLP:
+        model = MLP()
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        return parallelize_module(model, mesh["tp"], plan)
+
+    def wrapped() -> tuple:
+        ddp = wholeshard.DataParallel(parallel(), mesh=mesh)
+        return ddp, wholeshard.LayerwiseOptimizer(ddp)
+
+    said = []
+    for attempt in (
+        lambda: wholeshard.DataParallel(parallel()),  # no mesh
+        lambda: wholeshard.LayerwiseOptimizer(
+            wholeshard.DataParallel(parallel(), mesh=mesh),
+            matrix_optimizer=wholeshard.optim.NorMuon,
+        ),
+        lambda: wholeshard.save_checkpoint(tmp, *wrapped()),
+    ):
+        try:
+            attempt()
+            said.append("accepted")
+        except (ValueError, NotImplementedError) as e:
+            said.append(f"{type(e).__name__}: {e}")
+    return said
+
+
+def test_what_tensor_parallelism_does_not_support_yet_is_refused(tmp_path) -> None:
+    for said in run(_refusals, 2, str(tmp_path)):
+        assert "ValueError: 'up.weight' is a DTensor" in said[0] and "mesh=mesh" in said[0]
+        assert "NotImplementedError: NorMuon on tensor-parallel" in said[1]
+        assert "NotImplementedError: checkpoints of a tensor-parallel model" in said[2]

@@ -1,0 +1,30 @@
+"""DTensor params (tensor parallel) seen as the local tensors the buffers hold.
+
+A param that `parallelize_module` made a DTensor keeps being one (its module's forward needs
+it); its local tensor (`_local_tensor`) is what `DataParallel`'s buffers hold in place of a
+plain param's `.data`, and its gradient's local tensor is what a bucket accumulates.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s local tensor if it is a DTensor, else `t` (no autograd: a plain tensor)."""
+    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def set_local(param: nn.Parameter, t: torch.Tensor) -> None:
+    """Make `t` the storage of `param` (of its local shard, for a DTensor)."""
+    if is_dtensor(param):
+        param._local_tensor = t  # type: ignore[attr-defined]
+    else:
+        param.data = t
