@@ -11,12 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import ADAMW_KW, MUON_KW, TOL, run
+from support import ADAMW_KW, MUON_KW, TOL, batch, local_batch, run
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import wholeshard
+from wholeshard.models.gpt import GPT, GPTConfig
+from wholeshard.planning.routing import route_params
 
 STEPS, BATCH = 3, 8
 
@@ -57,14 +59,23 @@ def reference(clip: float | None = None) -> dict[str, torch.Tensor]:
 
 
 def tensor_parallel(
-    dp: int, tp_mode: str, ddp_kw: dict, clip: float | None = None
+    dp: int, tp_mode: str, ddp_kw: dict, clip: float | None = None, hybrid: bool = False
 ) -> dict[str, torch.Tensor]:
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    """Train on `dp` data-parallel ranks (`hybrid`: dp_replicate 2 x dp_shard 2) x tp 2."""
+    if hybrid:
+        names = ("dp_replicate", "dp_shard", "tp")
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+    else:
+        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
     model = MLP()
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, tp_mode=tp_mode)
-    rank = mesh.get_local_rank("dp")
+    rank = (
+        mesh["dp_replicate", "dp_shard"]._flatten().get_local_rank()
+        if hybrid
+        else mesh.get_local_rank("dp")
+    )
     rows = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
     norms = []
     for step in range(STEPS):
@@ -98,6 +109,30 @@ def test_dp_x_tp_steps_like_one_process(dp: int, tp_mode: str, mode: str) -> Non
             assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
             worst = max(worst, (out[name] - want).abs().max().item())
     print(f"dp {dp} x tp 2, {tp_mode}, {mode}: max |param diff| vs one process {worst:.3g}")
+
+
+MORE = {
+    "pipelined": dict(pipelined_step=True, overlap_grad_reduce=True),
+    "overlapped_gathers": dict(overlap_grad_reduce=True, overlap_param_gather=True),
+    "owners": dict(strategy="owners", bucket_size=1),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MORE))
+def test_dp_x_tp_in_other_modes(mode: str) -> None:
+    ref = reference()
+    for out in run(tensor_parallel, 4, 2, "duplicated", MORE[mode]):
+        for name, want in ref.items():
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+
+
+def test_hybrid_dp_x_tp_on_8_ranks() -> None:
+    """dp_replicate 2 x dp_shard 2 x tp 2: hybrid sharding of the slices."""
+    ref = reference()
+    kw = dict(reshard_after_forward=True)
+    for out in run(tensor_parallel, 8, 4, "duplicated", kw, hybrid=True):
+        for name, want in ref.items():
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -146,3 +181,68 @@ def test_what_tensor_parallelism_does_not_support_yet_is_refused(tmp_path) -> No
         assert "ValueError: 'up.weight' is a DTensor" in said[0] and "mesh=mesh" in said[0]
         assert "NotImplementedError: NorMuon on tensor-parallel" in said[1]
         assert "NotImplementedError: checkpoints of a tensor-parallel model" in said[2]
+
+
+# -- the byte GPT: attention and MLP in torch's TP styles ----------------------------------------
+
+GPT_CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=8)
+GPT_PLAN = {
+    "attn.q": ColwiseParallel(),
+    "attn.k": ColwiseParallel(),
+    "attn.v": ColwiseParallel(),
+    "attn.o": RowwiseParallel(),
+    "mlp.up": ColwiseParallel(),
+    "mlp.down": RowwiseParallel(),
+}
+
+
+def gpt_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
+
+
+def gpt_reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    routes = route_params(model)
+    opts = [
+        torch.optim.Muon([r.param for r in routes if r.muon], **MUON_KW),
+        torch.optim.AdamW([r.param for r in routes if not r.muon], **ADAMW_KW),
+    ]
+    for step in range(STEPS):
+        gpt_loss(model, *batch(step)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def gpt_tensor_parallel(ddp_kw: dict) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], GPT_PLAN)
+    ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    for step in range(STEPS):
+        gpt_loss(ddp, *local_batch(step, mesh.get_local_rank("dp"), 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    with ddp.full_params():
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_gpt_attention_and_mlp_in_tp_styles(mode: str) -> None:
+    """The byte GPT (rotary attention, tied embedding) at dp 2 x tp 2: each rank computes its
+    heads and its slice of the MLP; the update is one process's."""
+    ref = gpt_reference()
+    for out in run(gpt_tensor_parallel, 4, MODES[mode]):
+        worst = 0.0
+        for name, want in ref.items():
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+            worst = max(worst, (out[name] - want).abs().max().item())
+    print(f"GPT dp 2 x tp 2, {mode}: max |param diff| vs one process {worst:.3g}")

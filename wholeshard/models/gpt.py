@@ -89,8 +89,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
 
-        def heads(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+        def heads(y: torch.Tensor) -> torch.Tensor:  # the heads y holds: all, or this rank's
+            return y.view(b, t, -1, d // self.n_head).transpose(1, 2)  # under ColwiseParallel
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         if self.rotary is not None:
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         if self.record_max_logits and self.training:
             self._record(q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, d))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
     def qk_clip_targets(self) -> list[tuple[nn.Parameter, nn.Parameter, int, int, torch.Tensor]]:
         """(query weight, key weight, heads, head_dim, max_logits): QK-clip's protocol."""
