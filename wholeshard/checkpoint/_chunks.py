@@ -139,11 +139,14 @@ def flat_range_boxes(
     return boxes
 
 
-def piece_parts(piece: OwnedPiece, flat: torch.Tensor) -> list[Part]:
+def piece_parts(
+    piece: OwnedPiece, flat: torch.Tensor, place: tuple[int, int] | None = None
+) -> list[Part]:
     """`flat` (the piece's elements in storage order, any shape) cut into chunks of the full
-    param: views of `flat`, so reading into them fills `flat`."""
+    param: views of `flat`, so reading into them fills `flat`. `place`: where the piece's
+    tensor-parallel shard sits in the logical tensor (`shifted`)."""
     if piece.rows is not None:
-        return [_block_part(piece, flat)]
+        return shifted([_block_part(piece, flat)], place)
     flat = flat.reshape(-1)
     stop = piece.offset + flat.numel()
     parts, at = [], 0
@@ -151,7 +154,19 @@ def piece_parts(piece: OwnedPiece, flat: torch.Tensor) -> list[Part]:
         n = math.prod(sizes)
         parts.append((offsets, flat[at : at + n].view(sizes)))
         at += n
-    return parts
+    return shifted(parts, place)
+
+
+def shifted(parts: list[Part], place: tuple[int, int] | None) -> list[Part]:
+    """`parts` of a tensor-parallel shard moved to where the shard sits in the logical tensor:
+    `place` is (dim, offset) (`distributed.dtensor.shard_place`); None: unmoved."""
+    if place is None:
+        return parts
+    dim, offset = place
+    return [
+        (tuple(o + offset if d == dim else o for d, o in enumerate(offsets)), t)
+        for offsets, t in parts
+    ]
 
 
 def _block_part(piece: OwnedPiece, t: torch.Tensor) -> Part:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..distributed.dtensor import shard_place
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
 from . import _chunks as chunks
@@ -22,7 +23,6 @@ from ._model_table import (
     check_model,
     names,
     other_tensors,
-    refuse_tensor_parallel,
     state_keys,
     trainable_changes,
 )
@@ -53,10 +53,10 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     one trainable now but frozen then starts with fresh optimizer state (its master from the
     loaded value), one frozen now drops its saved state; a warning names them.
     """
-    refuse_tensor_parallel(ddp)
-    group = RankConsensus(ddp.process_group, ddp.dp_size, ddp.rank)
+    ranks = ddp.checkpoint_ranks  # the data-parallel ranks (and tensor-parallel: dp x tp)
+    group = RankConsensus(ranks.group, ranks.size, ranks.rank)
     if group.distributed:  # before anything is read or a collective is entered
-        all_arrive(ddp.process_group, "load_checkpoint")
+        all_arrive(ranks.group, "load_checkpoint")
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while reading
     ckpt = group.on_first(lambda: resolve_checkpoint(path), "cannot find the checkpoint")
 
@@ -74,7 +74,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
 
     trainer, plan = group.all_succeed(prepare, f"cannot load checkpoint {ckpt}")
     try:
-        chunks.read(plan.entries, ckpt, ddp.process_group, group.distributed)
+        chunks.read(plan.entries, ckpt, ranks.group, group.distributed)
     except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
         raise CheckpointError(f"reading checkpoint {ckpt} failed (nothing was changed): {e}") from e
     with torch.no_grad():
@@ -159,18 +159,20 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
     md = metadata.state_dict_metadata
     plan = _LoadPlan({}, [], [])
     entries = plan.entries
+    places = {r.name: (r.logical_shape, shard_place(r.param)) for r in ddp.routes}
     for piece in optimizer.owned_pieces():
-        name, shape = piece.name, piece.full_shape
+        name = piece.name
+        shape, place = places[name]  # a tensor-parallel slice: where it sits in the logical
         key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"
         # Read in the storage orientation; install through the optimizer-orientation view.
         master = piece.param.new_empty(piece.param.shape, dtype=piece.master.dtype)
-        add(entries, key, shape, piece_parts(piece, master))
+        add(entries, key, shape, piece_parts(piece, master, place))
         state, shaped = {}, []
         for k in state_keys(metadata, name):
             key, saved = f"optim/{name}/{k}", md[f"optim/{name}/{k}"]
             if tuple(saved.size) == shape:
                 value = piece.param.new_empty(piece.param.shape, dtype=saved.properties.dtype)
-                add(entries, key, shape, piece_parts(piece, value))
+                add(entries, key, shape, piece_parts(piece, value, place))
                 state[k] = piece.oriented(value)
             else:
                 shaped.append(k)

@@ -50,7 +50,7 @@ def model_table(ddp: DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
     """The manifest's `params` and `others` for `ddp`'s model."""
     params = {
         r.name: {
-            "shape": list(r.shape),
+            "shape": list(r.logical_shape),
             "dtype": str(r.param.dtype).removeprefix("torch."),
             "optimizer": "muon" if r.muon else "adamw",
         }
@@ -61,17 +61,6 @@ def model_table(ddp: DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
         for name, t in other_tensors(ddp).items()
     }
     return params, others
-
-
-def refuse_tensor_parallel(ddp: DataParallel) -> None:
-    """Raise (on every rank alike) for a model with tensor-parallel (DTensor) params: their
-    checkpoints, which span the data- and tensor-parallel ranks, are not supported yet."""
-    if ddp.tensor_parallel:
-        raise NotImplementedError(
-            "checkpoints of a tensor-parallel model (DTensor params) are not supported yet: "
-            "meanwhile save model.state_dict() (DTensors) inside ddp.full_params() with "
-            "torch.distributed.checkpoint (docs/parallelism.md)"
-        )
 
 
 def state_keys(metadata: Metadata, name: str) -> list[str]:

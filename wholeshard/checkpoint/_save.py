@@ -11,13 +11,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ..distributed.dtensor import local, shard_place
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, elementwise, step_count
 from . import _chunks as chunks
 from ._arrival import all_arrive
 from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, whole
 from ._consensus import RankConsensus
-from ._model_table import aliases, model_table, other_tensors, refuse_tensor_parallel
+from ._model_table import aliases, model_table, other_tensors
 from .directory import (
     TRAINER,
     CheckpointError,
@@ -52,13 +53,13 @@ def save_checkpoint(
     older checkpoints (`step-M`, M < N) beyond the K - 1 most recent are deleted after the new
     one is complete. Returns the new checkpoint's directory.
     """
-    refuse_tensor_parallel(ddp)
     if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
     root = Path(path)
-    group = RankConsensus(ddp.process_group, ddp.dp_size, ddp.rank)
+    ranks = ddp.checkpoint_ranks  # the data-parallel ranks (and tensor-parallel: dp x tp)
+    group = RankConsensus(ranks.group, ranks.size, ranks.rank)
     if group.distributed:  # before anything touches the disk or a collective
-        all_arrive(ddp.process_group, "save_checkpoint")
+        all_arrive(ranks.group, "save_checkpoint")
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while writing
 
     def prepare() -> tuple[int, Path]:
@@ -71,7 +72,7 @@ def save_checkpoint(
     step, tmp = group.on_first(prepare, f"cannot start a checkpoint in {root}")
     state = group.all_succeed(lambda: _save_entries(ddp, optimizer, group.rank), "cannot save")
     try:
-        chunks.write(state, tmp, ddp.process_group, group.distributed)
+        chunks.write(state, tmp, ranks.group, group.distributed)
     except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
         if group.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -85,7 +86,11 @@ def save_checkpoint(
             "others": others,
             "aliases": aliases(ddp),
             "files": files,
-            "saved_with": {"world_size": ddp.dp_size, "torch": torch.__version__},
+            "saved_with": {
+                "world_size": ddp.dp_size,
+                "tensor_parallel": ranks.size // ddp.dp_size,
+                "torch": torch.__version__,
+            },
         }
         return commit(root, tmp, step, body, keep_last)
 
@@ -93,30 +98,37 @@ def save_checkpoint(
 
 
 def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> dict[str, Chunks]:
-    """This rank's share: each owned element once, plus (rank 0) buffers and frozen params."""
+    """This rank's share: each owned element once (a tensor-parallel slice at its place in the
+    logical tensor; a param replicated over tensor parallelism from tp rank 0), plus (rank 0)
+    buffers and frozen params."""
     entries: dict[str, Chunks] = {}
+    places = {r.name: (r.logical_shape, shard_place(r.param)) for r in ddp.routes}
     for piece in optimizer.owned_pieces():
-        name, shape = piece.name, piece.full_shape
-        add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach()))
+        name = piece.name
+        shape, place = places[name]
+        if place is None and ddp.checkpoint_ranks.tp_rank != 0:
+            continue  # the same on every tensor-parallel rank: tp rank 0 writes it
+        add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach(), place))
         if piece.separate_master:
             master = piece.oriented(piece.master.detach())
-            add(entries, f"optim/{name}/master", shape, piece_parts(piece, master))
+            add(entries, f"optim/{name}/master", shape, piece_parts(piece, master, place))
         for key, value in optimizer.piece_state(piece).items():
             if not torch.is_tensor(value):
                 raise TypeError(
                     f"optimizer state {name!r}[{key!r}] is a {type(value).__name__}; "
                     f"checkpoints hold tensor state only"
                 )
-            value = value.detach()
+            value = local(value.detach())
             if elementwise(value, piece):
-                parts = piece_parts(piece, piece.oriented(value))
+                parts = piece_parts(piece, piece.oriented(value), place)
                 add(entries, f"optim/{name}/{key}", shape, parts)
                 continue
             entry = f"optim/{name}/{block_key(piece, key)}"
             if piece.matrix is not None:  # a stack's matrix: its own row of a stacked entry
                 add(entries, entry, (piece.matrices, *value.shape), matrix_row(piece, value))
-            elif piece.rows is not None or piece.offset == 0:  # per block, else per param
-                add(entries, entry, value.shape, whole(value))
+            elif piece.rows is not None or (piece.offset == 0 and not (place and place[1])):
+                add(entries, entry, value.shape, whole(value))  # per block; per param: its
+                # first element's owner writes it (of a sliced param: the first slice's)
     if rank == 0:
         for name, t in other_tensors(ddp).items():
             add(entries, f"model/{name}", t.shape, whole(t.detach()))

@@ -28,3 +28,18 @@ def set_local(param: nn.Parameter, t: torch.Tensor) -> None:
         param._local_tensor = t  # type: ignore[attr-defined]
     else:
         param.data = t
+
+
+def shard_place(t: torch.Tensor) -> tuple[int, int] | None:
+    """(dim, offset) of this rank's shard in a DTensor `t` sharded on one mesh dim (torch.chunk
+    layout: the first shards take ceil(n / size) each), or None if `t` is not sharded."""
+    from torch.distributed.tensor import Shard
+
+    if not is_dtensor(t):
+        return None
+    for mesh_dim, placement in enumerate(t.placements):  # type: ignore[attr-defined]
+        if isinstance(placement, Shard):
+            n, size = t.shape[placement.dim], t.device_mesh.size(mesh_dim)  # type: ignore[attr-defined]
+            chunk = -(-n // size)
+            return placement.dim, min(t.device_mesh.get_local_rank(mesh_dim) * chunk, n)  # type: ignore[attr-defined]
+    return None

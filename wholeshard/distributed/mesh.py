@@ -15,7 +15,7 @@ is a block of consecutive data-parallel ranks (the shard groups `shard_group_siz
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -84,3 +84,27 @@ def mesh_data_parallel(
         )
     group = mesh.get_group(dp[0]) if len(dp) == 1 else mesh[tuple(dp)]._flatten().get_group()
     return group, k
+
+
+class CheckpointRanks(NamedTuple):
+    """The ranks a checkpoint spans, and this one's place among them."""
+
+    group: ProcessGroup | None
+    size: int
+    rank: int
+    tp_rank: int  # position in the tensor-parallel group (0 without one): rank 0 writes replicas
+
+
+def checkpoint_ranks(
+    mesh: DeviceMesh | None, group: ProcessGroup | None, size: int, rank: int
+) -> CheckpointRanks:
+    """The data-parallel group (`group`, `size`, `rank`), or with a tensor-parallel model on
+    `mesh` its data-parallel and "tp" dims flattened: every element of a tensor-parallel param
+    has its writer among them. Every rank of the mesh calls it."""
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return CheckpointRanks(group, size, rank, 0)
+    dims = tuple(n for n in mesh.mesh_dim_names if n in (*DP_DIMS, "tp"))
+    flat = mesh[dims]._flatten()
+    return CheckpointRanks(
+        flat.get_group(), flat.size(), flat.get_local_rank(), mesh.get_local_rank("tp")
+    )

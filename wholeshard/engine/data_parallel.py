@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.groups import make_groups, resolve_group
-from ..distributed.mesh import mesh_data_parallel
+from ..distributed.mesh import CheckpointRanks, checkpoint_ranks, mesh_data_parallel
 from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
@@ -99,6 +99,7 @@ class DataParallel(nn.Module):
     shard_group_size: int
     shard_rank: int  # in this rank's shard group
     tensor_parallel: bool  # some params are DTensors, held as their local shards
+    checkpoint_ranks: CheckpointRanks  # the ranks a checkpoint spans: dp, or dp x tp
     reshard_after_forward: bool  # what the config asks, where there is anything to gather
     fp8_param_gather: bool  # likewise
     scheduler: Scheduler
@@ -135,6 +136,9 @@ class DataParallel(nn.Module):
             mesh.mesh_dim_names if mesh is not None else None,
             param_init=cfg.param_init is not None,
             fp8=cfg.fp8_param_gather,
+        )
+        self.checkpoint_ranks = checkpoint_ranks(
+            mesh if self.tensor_parallel else None, self.process_group, self.dp_size, self.rank
         )
         check_model(module, self.routes, self.process_group, self.dp_size, placeholders)
         param_dtype = cfg.param_dtype or common_dtype(self.routes)

@@ -82,6 +82,18 @@ class OwnedPiece:
         over `master.grad` ([Note: tensor-parallel Muon] in `optim.tensor_parallel`)."""
         return self.master if self.tp_param is None else self.tp_param
 
+    def as_stepped(self, value: Any) -> Any:
+        """A state value as the optimizer keeps it: for a slice of a tensor-parallel matrix,
+        one shaped like `master` becomes a DTensor laid out like `tp_param`."""
+        if self.tp_param is None or not torch.is_tensor(value) or value.shape != self.master.shape:
+            return value
+        from torch.distributed.tensor import DTensor
+
+        p = self.tp_param
+        return DTensor.from_local(
+            value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        )
+
     @property
     def separate_master(self) -> bool:
         return self.master is not self.param
@@ -157,7 +169,9 @@ def install_state(
         live = optimizer.piece_state(piece)
         live.clear()
         group = group_of.get(id(piece.stepped), {})
-        live.update({k: _placed(k, v, piece.master, group) for k, v in state.items()})
+        live.update(
+            {k: piece.as_stepped(_placed(k, v, piece.master, group)) for k, v in state.items()}
+        )
     if steps is not None and step_count(optimizer) is not None:
         optimizer.steps = steps  # type: ignore[attr-defined]  # the optional attribute
     ddp.start_param_sync()
@@ -231,16 +245,17 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
 def tensor_parallel(piece: OwnedPiece, param: torch.Tensor) -> OwnedPiece:
     """`piece` (one rank's slice of a DTensor `param`) with a DTensor over its master and one
     over the master's grad, laid out like `param`."""
+    piece.tp_param = _laid_out_like(piece.master, param)
+    piece.tp_param.grad = _laid_out_like(piece.master.grad, param)
+    return piece
+
+
+def _laid_out_like(t: torch.Tensor, dtensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor over `t` (this rank's slice, no copy) laid out like the DTensor `dtensor`."""
     from torch.distributed.tensor import DTensor
 
-    def over(t: torch.Tensor) -> torch.Tensor:
-        return DTensor.from_local(
-            t, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
-
-    piece.tp_param = over(piece.master)
-    piece.tp_param.grad = over(piece.master.grad)
-    return piece
+    d = dtensor
+    return DTensor.from_local(t, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
 
 
 def _piece(

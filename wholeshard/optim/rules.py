@@ -83,13 +83,14 @@ def tensor_parallel_rule(
     unless some Muon-routed param is a DTensor (tensor parallel); then `wholeshard.optim.Muon`
     (torch's Muon's maths and state, which orthogonalizes logical matrices) for torch's Muon,
     with `tp_mode`. Other rules raise: they do not handle slices yet."""
-    from .normuon import Muon
+    from .normuon import QUINTIC, Muon
 
     mode = check_tp_mode(mode)
     kwargs = dict(kwargs or {})
     if not any(r.muon and is_dtensor(r.param) for r in routes):
         return rule, kwargs
-    rule = Muon if rule is torch.optim.Muon else rule
+    if rule is torch.optim.Muon:  # the same maths; its hyperparameters stay torch's
+        rule, kwargs = Muon, {"ns_coefficients": QUINTIC, **kwargs}
     if not (isinstance(rule, type) and issubclass(rule, Muon)):
         raise NotImplementedError(
             f"{getattr(rule, '__name__', rule)} on tensor-parallel (DTensor) matrices: use "
