@@ -46,13 +46,14 @@ MANY = [
     "--no-progress", "--trace", "t.json",
 ]  # fmt: skip
 """Flags that set every job-file key to a value other than its default, except those below."""
-NOT_IN_MANY = {"data.tokenizer", "optim.name", "parallel.scheme"}
+NOT_IN_MANY = {"data.tokenizer", "optim.name", "parallel.scheme", "tp"}
 """(A tokenizer needs a transformers model; `adamw` takes no DataParallel option; `ping_pong`
-cannot be fully sharded.)"""
+cannot be fully sharded; tensor parallelism takes neither FP8 nor QK-clip.)"""
 OTHERS = [
     ["--model", "hf-config:llama.json", "--tokenizer", "tok"],
     ["--optimizer", "adamw", "--bucket-size", "1000"],
     ["--scheme", "ping_pong"],
+    ["--tp", "2"],
 ]
 
 
@@ -106,14 +107,16 @@ def test_every_key_of_many_is_not_its_default() -> None:
             if key.path not in NOT_IN_MANY:
                 assert getattr(obj, name) != key.field.default, key.path
     for path, argv in zip(sorted(NOT_IN_MANY), OTHERS, strict=True):
-        table, name = path.split(".")
-        assert getattr(getattr(_config(*argv), table), name) != getattr(getattr(cfg, table), name)
+        table, _, name = path.rpartition(".")  # a top-level key: no table
+        other = _config(*argv)
+        theirs, ours = (getattr(other, table), getattr(cfg, table)) if table else (other, cfg)
+        assert getattr(theirs, name) != getattr(ours, name)
 
 
 @pytest.mark.parametrize(
     "argv",
     [[], MANY, ["--shard-group-size", "auto", "--lr", "1e-16"], *OTHERS],
-    ids=["default", "many", "auto", "tokenizer", "adamw", "ping_pong"],
+    ids=["default", "many", "auto", "tokenizer", "adamw", "ping_pong", "tp"],
 )
 def test_print_config_round_trips(capsys, tmp_path: Path, argv: list[str]) -> None:
     cfg = _config(*argv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,3 +197,31 @@ class GPT(nn.Module):
 def num_params(model: nn.Module) -> int:
     """Number of distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+BLOCK_TP_STYLES = {
+    "attn.q": "colwise",
+    "attn.k": "colwise",
+    "attn.v": "colwise",
+    "attn.o": "rowwise",
+    "mlp.up": "colwise",
+    "mlp.down": "rowwise",
+}
+"""Each block's layers in torch's tensor-parallel styles (Megatron's split): heads and the MLP's
+hidden units divide over the ranks; the embedding, norms and head stay replicated."""
+
+
+def parallelize_blocks(model: GPT, tp_mesh: Any) -> GPT:
+    """Make every block of `model` tensor parallel on the 1-D mesh `tp_mesh` (in place), by
+    `BLOCK_TP_STYLES`; each rank's attention then computes its own heads."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in BLOCK_TP_STYLES.items()}
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+    return model

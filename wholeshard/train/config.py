@@ -39,6 +39,7 @@ def _at_least(low: float, *, flag: str | None = None, high: float | None = None)
 
 GPT_SIZES = ("micro", "tiny", "small")
 """The byte-level GPT's sizes (`wholeshard.models.gpt.SIZES`), by `model.name`."""
+
 HF_DIR, HF_CONFIG = "hf:", "hf-config:"
 """`model.name` prefixes of a transformers model directory and of a transformers config file."""
 
@@ -195,6 +196,9 @@ class TrainConfig:
     """Seeds the model init and the batch order; same seed and world size give the same losses."""
     threads: int | None = field(default=None, metadata=_at_least(1, high=1024))
     """CPU threads per process; None divides the available cores among the local processes."""
+    tp: int = field(default=1, metadata=_at_least(1, high=1024, flag="tp"))
+    """Tensor-parallel ranks (world = dp x tp): the byte GPT's blocks in torch's TP styles
+    (`models.gpt.BLOCK_TP_STYLES`), Muon on logical matrices (docs/parallelism.md)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -214,6 +218,7 @@ class TrainConfig:
             if name != "parallel":  # DataParallelConfig checks itself (frozen: it cannot change)
                 _check_fields(section, name + ".")
         self._check_model()
+        self._check_tp()
         optim = self.optim
         if optim.qk_clip is not None and not optim.qk_clip > 0:
             raise ConfigError("optim.qk_clip", f"qk_clip must be > 0, got {optim.qk_clip}")
@@ -250,6 +255,18 @@ class TrainConfig:
                 f"resume {self.checkpoint.resume} needs out, the directory of the run to "
                 f"continue (e.g. --out runs/a)",
             )
+
+    def _check_tp(self) -> None:
+        """`tp` > 1: the byte GPT with its heads split evenly, muon, no FP8 or QK-clip."""
+        if self.tp == 1:
+            return
+        from ..models.gpt import SIZES  # (torch: only when asked)
+
+        size = SIZES.get(self.model.name)
+        if size is None or self.optim.name != "muon" or self.model.fp8:
+            raise ConfigError("tp", "tp > 1 needs the byte GPT, --optimizer muon and no --fp8")
+        if size.n_head % self.tp or self.optim.qk_clip is not None:
+            raise ConfigError("tp", f"tp={self.tp} must divide {size.n_head} heads; no --qk-clip")
 
     def _check_model(self) -> None:
         """`model.name` is a GPT size, `hf:DIR` or `hf-config:FILE`; GPT options need the GPT."""
@@ -315,9 +332,8 @@ class TrainConfig:
     def peak_lr(self) -> float:
         """The learning rate after warm-up."""
         optim = self.optim
-        if optim.lr is not None:
-            return optim.lr
-        return DEFAULT_LR[optim.matrix_optimizer if optim.name == "muon" else optim.name]
+        rule = optim.matrix_optimizer if optim.name == "muon" else optim.name
+        return optim.lr if optim.lr is not None else DEFAULT_LR[rule]
 
     @property
     def checkpoint_dir(self) -> str:
@@ -342,12 +358,9 @@ class TrainConfig:
     @property
     def lr_schedule(self) -> dict[str, Any]:
         """The learning-rate schedule's settings (`schedule.lr_factor`'s keyword arguments)."""
-        optim = self.optim
+        o = self.optim
         return dict(
-            steps=optim.steps,
-            warmup=self.warmup_steps,
-            schedule=optim.schedule,
-            min_ratio=optim.min_lr_ratio,
+            steps=o.steps, warmup=self.warmup_steps, schedule=o.schedule, min_ratio=o.min_lr_ratio
         )
 
 

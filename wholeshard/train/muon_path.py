@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,11 +20,12 @@ from .config import TrainConfig
 
 
 def build_wholeshard(
-    model: nn.Module, cfg: TrainConfig, param_dtype: torch.dtype
+    model: nn.Module, cfg: TrainConfig, param_dtype: torch.dtype, mesh: Any = None
 ) -> tuple[DataParallel, LayerwiseOptimizer, Callable[[float], torch.Tensor]]:
-    """(the module to call, the optimizer, the gradient clipper) of `model` as `cfg` says. The
-    planner balances the rule's own cost per matrix (`matrix_cost`; Newton-Schulz's if the rule
-    defines none)."""
+    """(the module to call, the optimizer, the gradient clipper) of `model` as `cfg` says, on
+    `mesh` (a ("dp", "tp") `DeviceMesh` for a tensor-parallel model; None: the default group).
+    The planner balances the rule's own cost per matrix (`matrix_cost`; Newton-Schulz's if the
+    rule defines none)."""
     optim = cfg.optim
     ns = optim.ns_coefficients, optim.ns_algorithm
     rule = matrix_rule(optim.matrix_optimizer, *ns)
@@ -33,7 +35,7 @@ def build_wholeshard(
         fp8_param_gather=cfg.model.fp8 is not None,
         matrix_cost=getattr(rule, "matrix_cost", None),
     )
-    ddp = DataParallel(model, parallel)
+    ddp = DataParallel(model, parallel, mesh=mesh)
     lr, weight_decay = cfg.peak_lr, optim.weight_decay
     opt = LayerwiseOptimizer(
         ddp,

@@ -87,16 +87,20 @@ class Trainer:
         self.start_time = time.perf_counter()
         self.cfg, self.env, self.hooks = cfg, env, hooks
         set_threads(cfg.threads, env)
-        if cfg.data.batch_size % env.world:
+        if env.world % cfg.tp:
+            raise ValueError(f"tp={cfg.tp} does not divide the world of {env.world} ranks")
+        self.data_world = env.world // cfg.tp  # data-parallel ranks: tp ranks share a batch
+        if cfg.data.batch_size % self.data_world:
             raise ValueError(
-                f"batch_size={cfg.data.batch_size} is not divisible by world={env.world}"
+                f"batch_size={cfg.data.batch_size} is not divisible by the "
+                f"{self.data_world} data-parallel ranks"
             )
         self.out = cfg.output.out or report.default_out_dir()
         self._build()
         self.corpus = self._load_data()
         d, evals = cfg.data, cfg.output.eval_batches
         self.val = data.val_batches(
-            self.corpus.val, evals, d.batch_size, d.seq_len, env.rank, env.world
+            self.corpus.val, evals, d.batch_size, d.seq_len, self.data_rank, self.data_world
         )
         self.scheduler = make_scheduler(self.opt, **cfg.lr_schedule)
 
@@ -129,10 +133,21 @@ class Trainer:
             convert(self.model, cfg.model.fp8)
         self.param_dtype = resolve_param_dtype(cfg.model.param_dtype, env.device)
         self.autocast = None
+        self.data_rank, mesh = env.rank, None
+        if cfg.tp > 1:  # ranks (dp, tp) in row-major order: tp peers are consecutive
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from ..models.gpt import parallelize_blocks
+
+            shape = (self.data_world, cfg.tp)
+            mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=("dp", "tp"))
+            parallelize_blocks(self.model, mesh["tp"])
+            self.data_rank = mesh.get_local_rank("dp")
         if cfg.optim.name == "muon":
             from .muon_path import build_wholeshard
 
-            self.module, self.opt, self.clip = build_wholeshard(self.model, cfg, self.param_dtype)
+            built = build_wholeshard(self.model, cfg, self.param_dtype, mesh)
+            self.module, self.opt, self.clip = built
             return
         self.module, self.opt, self.clip = build_ddp_adamw(
             self.model, env, cfg.peak_lr, cfg.optim.weight_decay, cfg.parallel.bucket_size
@@ -165,8 +180,8 @@ class Trainer:
             cfg.data.batch_size,
             cfg.data.seq_len,
             cfg.seed,
-            env.rank,
-            env.world,
+            self.data_rank,
+            self.data_world,
         )
         loss = self.loss(*data.on_device(env.device, x, y))
         mean = GlobalMean(loss, env)  # reduced beside backward, read once backward is queued
