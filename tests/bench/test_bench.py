@@ -71,6 +71,7 @@ def _bench(*flags: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # every row of the quick bench: `make soak`
 def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = _bench("--json", str(out), "--png", str(png))

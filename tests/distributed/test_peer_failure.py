@@ -61,8 +61,15 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize(
     "mode, collective",
-    [([], "grad sync"), (["--overlap", "--reshard-after-forward"], "sync")],
-    ids=["sync", "overlap-fully-sharded"],
+    [
+        pytest.param([], "grad sync", id="sync"),
+        pytest.param(
+            ["--overlap", "--reshard-after-forward"],
+            "sync",
+            id="overlap-fully-sharded",
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_survivors_exit_when_a_rank_is_killed_mid_step(
     tmp_path: Path, mode: list[str], collective: str

@@ -85,7 +85,7 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_meta_construction_matches_one_process_and_trains_alike(nproc: int, mode: str) -> None:
     want = expected()
     ddp_kw = dict(bucket_size=3000, **MODES[mode])

@@ -55,7 +55,7 @@ def _on_and_off(mode: dict) -> dict:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_fp8_param_gather_is_bitwise_equal_to_quantizing_every_forward(
     nproc: int, mode: str
 ) -> None:

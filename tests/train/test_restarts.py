@@ -194,6 +194,7 @@ def test_a_killed_worker_is_restarted_from_the_latest_checkpoint(
     soak(tmp_path, 16, 4, [("step", 7)], ["--data", str(text_file), *SMALL])
 
 
+@pytest.mark.slow
 def test_restarts_stop_after_max_restarts(tmp_path: Path, text_file: Path) -> None:
     argv = ["--data", str(text_file), *SMALL, "--steps", "30", "--checkpoint-every", "4"]
     run = _train(tmp_path / "run", [*argv, "--no-progress", "--max-restarts", "1"])

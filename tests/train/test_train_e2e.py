@@ -163,7 +163,7 @@ def test_torchrun_max_restarts_with_resume_auto_continues_the_run(
     _assert_bitwise_equal(_final_state(straight_out, 4), _final_state(tmp_path, 4))
 
 
-@pytest.mark.parametrize("kind", ["raise", "kill"])
+@pytest.mark.parametrize("kind", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
 def test_crashed_worker_stops_the_run(text_file: Path, tmp_path: Path, kind: str) -> None:
     args = _args(text_file, tmp_path, "--nproc", "2", "--steps", "1000")
     cmd = [sys.executable, str(ROOT / "tests" / "train" / "train_faults.py"), f"1:2:{kind}", *args]
@@ -176,7 +176,7 @@ def test_crashed_worker_stops_the_run(text_file: Path, tmp_path: Path, kind: str
     assert not (tmp_path / report.SUMMARY).exists()
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "parent-killed"])
+@pytest.mark.parametrize("how", ["ctrl-c", pytest.param("parent-killed", marks=pytest.mark.slow)])
 def test_interrupt_stops_every_worker(text_file: Path, tmp_path: Path, how: str) -> None:
     marker = uuid.uuid4().hex
     args = _args(text_file, tmp_path, "--nproc", "2", "--steps", "100000")

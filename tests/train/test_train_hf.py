@@ -90,7 +90,9 @@ def resume_after_a_kill(model_dir: Path, corpus: Path, tmp_path: Path) -> None:
             assert math.isclose(got[r["step"]], r["loss"], rel_tol=1e-5), (r["step"], got)
 
 
-@pytest.mark.parametrize("kind", sorted(MODES))
+@pytest.mark.parametrize(  # one model in the default suite; the others in `make soak`
+    "kind", ["gpt2", *(pytest.param(k, marks=pytest.mark.slow) for k in ("llama", "qwen3_moe"))]
+)
 def test_train_resume_export_load(kind: str, corpus: Path, tmp_path: Path) -> None:
     model_dir = hf_support.model_dir(tmp_path, kind)
     straight = train(f"hf:{model_dir}", corpus, tmp_path / "straight", *MODES[kind])

@@ -25,7 +25,7 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+@pytest.mark.parametrize("optimizer", ["muon", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_skip_logs_the_step_and_counts_it(
     text_file: Path, tmp_path: Path, optimizer: str, capsys
 ) -> None:
@@ -40,7 +40,7 @@ def test_skip_logs_the_step_and_counts_it(
     assert math.isfinite(summary["final_val_loss"])
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+@pytest.mark.parametrize("optimizer", ["muon", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_error_stops_the_job_naming_param_and_step(
     text_file: Path, tmp_path: Path, optimizer: str, capsys
 ) -> None:
