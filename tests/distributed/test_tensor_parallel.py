@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import wholeshard
-from wholeshard.models.gpt import GPT, GPTConfig
+from wholeshard.models.gpt import GPT, GPTConfig, parallelize_blocks
 from wholeshard.planning.routing import route_params
 
 STEPS, BATCH = 3, 8
@@ -38,6 +38,15 @@ class MLP(nn.Module):
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g)
+
+
+def logical_params(ddp: wholeshard.DataParallel) -> dict[str, torch.Tensor]:
+    """Every param of the wrapped model, whole (a DTensor's full tensor: collective over tp)."""
+    with ddp.full_params():
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in ddp.module.named_parameters()
+        }
 
 
 def reference(clip: float | None = None) -> dict[str, torch.Tensor]:
@@ -85,12 +94,7 @@ def tensor_parallel(
             norms.append(opt.clip_grad_norm_(clip))
         opt.step()
         opt.zero_grad()
-    with ddp.full_params():
-        out = {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()
-        }
-    return out | ({"norms": torch.stack(norms)} if norms else {})
+    return logical_params(ddp) | ({"norms": torch.stack(norms)} if norms else {})
 
 
 MODES = {"zero": {}, "fully_sharded": dict(reshard_after_forward=True, overlap_grad_reduce=True)}
@@ -180,14 +184,6 @@ def test_what_tensor_parallelism_does_not_support_yet_is_refused(tmp_path) -> No
 # -- the byte GPT: attention and MLP in torch's TP styles ----------------------------------------
 
 GPT_CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=8)
-GPT_PLAN = {
-    "attn.q": ColwiseParallel(),
-    "attn.k": ColwiseParallel(),
-    "attn.v": ColwiseParallel(),
-    "attn.o": RowwiseParallel(),
-    "mlp.up": ColwiseParallel(),
-    "mlp.down": RowwiseParallel(),
-}
 
 
 def gpt_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -214,19 +210,14 @@ def gpt_tensor_parallel(ddp_kw: dict) -> dict[str, torch.Tensor]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = GPT(GPT_CFG)
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], GPT_PLAN)
+    parallelize_blocks(model, mesh["tp"])  # models.gpt.BLOCK_TP_STYLES
     ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     for step in range(STEPS):
         gpt_loss(ddp, *local_batch(step, mesh.get_local_rank("dp"), 2)).backward()
         opt.step()
         opt.zero_grad()
-    with ddp.full_params():
-        return {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()
-        }
+    return logical_params(ddp)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -270,11 +261,7 @@ def mesh_run(
         F.mse_loss(ddp(x[rows]), y[rows]).backward()
         opt.step()
         opt.zero_grad()
-    with ddp.full_params():
-        return {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()
-        }
+    return logical_params(ddp)
 
 
 @pytest.mark.parametrize(
@@ -294,3 +281,29 @@ def test_checkpoint_loads_at_another_mesh(tmp_path, saved, loaded) -> None:
         straight = run(mesh_run, 4, *saved)
         for name, want in straight[0].items():
             assert torch.equal(outs[0][name], want), name
+
+
+def _skip_on_one_tp_rank() -> tuple[int, int]:
+    """An inf in the averaged gradient of one tensor-parallel slice only (tp rank 0's)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = MLP()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    ddp = wholeshard.DataParallel(model, mesh=mesh)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite="skip")
+    for step in range(2):
+        x, y = data(step)
+        F.mse_loss(ddp(x[:4]), y[:4]).backward()
+        ddp.finish_grad_sync()
+        if step == 0 and mesh.get_local_rank("tp") == 0:
+            for piece in opt.owned_pieces():
+                if piece.name == "up.weight":
+                    piece.grad.view(-1)[0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+    return opt.skipped_steps, opt.steps
+
+
+def test_a_nonfinite_slice_skips_the_step_on_every_tp_rank() -> None:
+    """The step check spans dp x tp: the tp peer whose slice is finite skips too (stepping
+    alone, its Newton–Schulz all-gather would wait for a peer that never comes)."""
+    assert run(_skip_on_one_tp_rank, 4) == [(1, 2)] * 4

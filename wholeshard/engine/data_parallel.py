@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from ..distributed.dtensor import local, set_local
 from ..distributed.groups import make_groups, resolve_group
 from ..distributed.mesh import CheckpointRanks, checkpoint_ranks, mesh_data_parallel
 from ..planning import Plan
@@ -337,7 +338,7 @@ class DataParallel(nn.Module):
         self.scheduler.gather_all()
         for b in self.buckets:
             for param, _ in b.params:
-                param.data = param.data.clone()
+                set_local(param, local(param.data).clone())
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -216,7 +216,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             changed=change is not None,
             received=received,
             group=self._check_group(self.nonfinite is not None),
-            world=self.ddp.dp_size,
+            world=self.ddp.checkpoint_ranks.size,  # dp (x tp: the group below)
             device=self.ddp.device,
         )
         step, self.steps = self.steps, self.steps + 1
@@ -259,8 +259,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _check_group(self, reads_grads: bool):
         """Where the step check runs: the data-parallel group; when it reads no gradient and a
         separate all-gather group spans every rank, that group, where the check does not wait
-        behind the reductions in flight (a pipelined step keeps overlapping them)."""
+        behind the reductions in flight (a pipelined step keeps overlapping them). Tensor
+        parallel: dp x tp, so tp peers skip alike (one stepping alone would hang the other)."""
         ddp = self.ddp
+        if ddp.tensor_parallel:
+            return ddp.checkpoint_ranks.group
         spans = ddp.shard_group_size == ddp.dp_size and ddp.gather_group is not ddp.shard_group
         return ddp.gather_group if spans and not reads_grads else ddp.process_group
 
