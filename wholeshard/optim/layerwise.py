@@ -37,7 +37,7 @@ from ._step_check import (
 from .ns_split import NsSplit, row_blocks
 from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
 from .rules import tensor_parallel_rule
-from .tensor_parallel import TpMode, tp_slices
+from .tensor_parallel import TpMode, combined_norms, tp_slices
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -62,6 +62,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         ns_split: `fn(name, param) -> list[int] | None`: sizes of the row blocks of a Muon
             param's (out, in) matrix stepped as separate matrices, the layout unchanged
             (`wholeshard.split_qkv`, `split_heads`; [Note: row blocks], `optim/ns_split.py`).
+        tp_mode: how Newton–Schulz sees a tensor-parallel (DTensor) matrix whole: "duplicated"
+            or "distributed" ([Note: tensor-parallel Muon] in `optim/tensor_parallel.py`).
 
     `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
     LR schedulers work unchanged. `zero_grad()` zeros the grad buffer. A param that got no
@@ -285,18 +287,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         grads = [o.grad for o in self._owned]
         norms = list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
         self._piece_norms = torch.stack(norms) if norms else None
-        inf = math.isinf(norm_type)
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-
-        def combined(ns: list[torch.Tensor]) -> torch.Tensor:
-            t = torch.stack(ns) if ns else torch.zeros(1, device=device)
-            return (t.max() if inf else t.pow(norm_type).sum()).float().reshape(1)
-
-        local = combined([n for n, s in zip(norms, self._sliced, strict=True) if not s])
-        if self._tp_group is not None:  # slices of tensor-parallel params: summed over tp too
-            sliced = combined([n for n, s in zip(norms, self._sliced, strict=True) if s])
-            collectives.all_reduce(sliced, self._tp_group, op=op)
-            local = torch.maximum(local, sliced) if inf else local + sliced
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        local = combined_norms(norms, self._sliced, norm_type, self._tp_group, device)
         if self.ddp.shard_group_size > 1:  # shard groups own everything; replicas agree
             collectives.all_reduce(local, self.ddp.shard_group, op=op)
         total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)

@@ -87,12 +87,7 @@ class OwnedPiece:
         one shaped like `master` becomes a DTensor laid out like `tp_param`."""
         if self.tp_param is None or not torch.is_tensor(value) or value.shape != self.master.shape:
             return value
-        from torch.distributed.tensor import DTensor
-
-        p = self.tp_param
-        return DTensor.from_local(
-            value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-        )
+        return _laid_out_like(value, self.tp_param)
 
     @property
     def separate_master(self) -> bool:

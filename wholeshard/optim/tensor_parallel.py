@@ -19,11 +19,14 @@ sharded on exactly one mesh dim, on dim 0 or 1 of a 2-D param, replicated on any
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..distributed import collectives
 
 TpMode = Literal["duplicated", "distributed"]
 TP_MODES = ("duplicated", "distributed")
@@ -80,6 +83,31 @@ def tp_slices(routes: list) -> tuple[dist.ProcessGroup | None, set[str]]:
                     group = r.param.device_mesh.get_group(mesh_dim)
                     names.add(r.name)
     return group, names
+
+
+def combined_norms(
+    norms: list[Tensor],
+    sliced: list[bool],
+    norm_type: float,
+    tp_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Tensor:
+    """This rank's part of a global norm from its pieces' `norms`: the sum of their
+    `norm_type`-th powers (the max, for inf), float32, shape (1,); the pieces of params sliced
+    by tensor parallelism (`sliced`) first combined over `tp_group`, so each element counts once
+    across the tp ranks and a replicated param once, not tp times."""
+    inf = math.isinf(norm_type)
+
+    def combined(ns: list[Tensor]) -> Tensor:
+        t = torch.stack(ns) if ns else torch.zeros(1, device=device)
+        return (t.max() if inf else t.pow(norm_type).sum()).float().reshape(1)
+
+    local = combined([n for n, s in zip(norms, sliced, strict=True) if not s])
+    if tp_group is None:
+        return local
+    parts = combined([n for n, s in zip(norms, sliced, strict=True) if s])
+    collectives.all_reduce(parts, tp_group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    return torch.maximum(local, parts) if inf else local + parts
 
 
 def check_tp_mode(mode: str) -> TpMode:
