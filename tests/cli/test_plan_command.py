@@ -399,3 +399,48 @@ def test_standalone_module_entry_point(tmp_path: Path) -> None:
     )
     assert result.returncode == 2 and result.stdout == ""
     assert "wholeshard plan: error:" in result.stderr and "negative size" in result.stderr
+
+
+def test_tp_plans_each_ranks_slices_and_reports_newton_schulz_traffic(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--tp 2`: Megatron's split by name (q, k, v, gate, up by rows; o, down by columns), the
+    plan of one rank's slices, and what each tp mode sends per step (the sums of
+    `traffic_bytes`, which tests/optim/test_tensor_parallel_muon.py checks against the bytes
+    really sent)."""
+    from wholeshard.planning.tensor_parallel import local_specs, ns_traffic, traffic_bytes
+
+    code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "2", "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    shapes = {p["name"]: tuple(p["shape"]) for p in doc["params"]}
+    layer = "model.layers.0."
+    assert shapes[layer + "self_attn.q_proj.weight"] == (2048, 4096)
+    assert shapes[layer + "self_attn.o_proj.weight"] == (4096, 2048)
+    assert shapes[layer + "mlp.down_proj.weight"] == (4096, 7168)
+    assert shapes[layer + "input_layernorm.weight"] == (4096,)  # replicated
+    per_layer = {
+        mode: sum(
+            traffic_bytes(shape, dim, 2, mode, 5) * count
+            for shape, dim, count in [
+                ((4096, 4096), 0, 1),
+                ((1024, 4096), 0, 2),
+                ((4096, 4096), 1, 1),
+                ((14336, 4096), 0, 2),
+                ((4096, 14336), 1, 1),
+            ]
+        )  # fmt: skip
+        for mode in ("duplicated", "distributed")
+    }
+    assert doc["tensor_parallel"] == {
+        "tp": 2,
+        "duplicated_bytes": 32 * per_layer["duplicated"],
+        "distributed_bytes": 32 * per_layer["distributed"],
+    }
+    assert per_layer["duplicated"] == 208 * 2**20  # docs/parallelism.md's table
+    specs = preset("llama3-8b")
+    assert ns_traffic(specs, 1, "duplicated") == 0 and local_specs(specs, 1) == specs
+    code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "2"], capsys)
+    assert "Newton-Schulz sends duplicated 6.50 GiB, distributed 70.00 GiB per rank" in out
+    code, _, err = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "3"], capsys)
+    assert code == 2 and "does not split evenly over tp=3" in err

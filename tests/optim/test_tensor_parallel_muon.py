@@ -29,8 +29,8 @@ from wholeshard.optim.tensor_parallel import (
     gather_full,
     own_slice,
     tp_shard,
-    traffic_bytes,
 )
+from wholeshard.planning.tensor_parallel import traffic_bytes
 
 MUON = dict(lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
 SHAPES = [(32, 48), (48, 32)]  # wide and tall: the iterate is turned for the tall one

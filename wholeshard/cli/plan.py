@@ -3,7 +3,8 @@
     wholeshard plan (--shapes FILE.json | --preset NAME) --dp N [--bucket-size N]
                       [--strategy S] [--shard-group-size K] [--reshard-after-forward]
                       [--param-dtype D] [--grad-reduce-dtype D] [--overlap-grad-reduce]
-                      [--overlap-param-gather] [--fabric F [--gpu G]] [--json] [--png FILE]
+                      [--overlap-param-gather] [--fabric F [--gpu G]] [--tp N] [--json]
+                      [--png FILE]
 
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
 ...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
@@ -31,6 +32,7 @@ from ..planning.presets import PRESETS
 from ..planning.projection import FABRICS, GPUS, project
 from ..planning.shapes import load_shapes
 from ..planning.specs import matrices
+from ..planning.tensor_parallel import TP_MODES, local_specs, ns_traffic
 from . import positive_int
 
 MAX_DP = 1 << 20
@@ -265,6 +267,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "intra- and inter-node links: docs/planning.md)",
     )
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="with --fabric")
+    parser.add_argument(
+        "--tp",
+        type=positive_int(),
+        default=1,
+        help="tensor-parallel ranks: plan each rank's slices (Megatron's split, by name) and "
+        "report Muon's Newton-Schulz traffic per step in each tp mode (docs/parallelism.md)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument(
         "--png", metavar="FILE", help="draw each buffer's shards, coloured by owner, to FILE"
@@ -304,6 +313,8 @@ def main(args: argparse.Namespace) -> int:
             specs, source = load_shapes(args.shapes), args.shapes
         else:
             specs, source = PRESETS[args.preset](), args.preset
+        traffic = {m: ns_traffic(specs, args.tp, m) for m in TP_MODES} if args.tp > 1 else None
+        specs = local_specs(specs, args.tp)  # [Note: tensor-parallel shapes]
         start = time.perf_counter()
         plan, choice = plan_for(
             specs,
@@ -331,6 +342,11 @@ def main(args: argparse.Namespace) -> int:
             doc["shard_group_choice"] = choice_json(choice)
         if projected is not None:
             doc["projection"] = projected.as_dict()
+        if traffic is not None:
+            doc["tensor_parallel"] = {
+                "tp": args.tp,
+                **{f"{m}_bytes": b for m, b in traffic.items()},
+            }
         sys.stdout.write(json.dumps(doc, allow_nan=False) + "\n")
     else:
         if choice is not None:
@@ -338,6 +354,12 @@ def main(args: argparse.Namespace) -> int:
         print(plan_table(plan, seconds, source, costs))
         if projected is not None:
             print(projected.describe())
+        if traffic is not None:
+            sent = ", ".join(f"{m} {size(b)}" for m, b in traffic.items())
+            print(
+                f"\ntp {args.tp} (each rank's slices planned): Muon's Newton-Schulz sends {sent} "
+                f"per rank per step, beyond the data-parallel collectives"
+            )
     if args.png is not None:
         try:
             from .plan_picture import draw_png

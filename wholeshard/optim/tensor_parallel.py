@@ -12,7 +12,8 @@ Newton–Schulz needs the other slices, in one of two ways (`tp_mode`):
   squared Frobenius norm, then in each iteration the Gram matrix of the unsharded side (m x m,
   m the unsharded dim's length) in float32. Equal in exact arithmetic (p(X Xᵀ) X = X p(Xᵀ X));
   in bf16 within rounding. Traffic: ns_steps Gram matrices, 2 (tp - 1) / tp of each per rank;
-  less than duplicated when the unsharded side is short, more when it is long.
+  less than duplicated when the unsharded side is short, more when it is long
+  (`planning.tensor_parallel.traffic_bytes`; `wholeshard plan --tp N` sums it over a model).
 Muon's shape scaling (`adjust_lr_fn`) reads the DTensor's logical shape. Supported: a DTensor
 sharded on exactly one mesh dim, on dim 0 or 1 of a 2-D param, replicated on any other dims.
 """
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed import collectives
+from ..planning.tensor_parallel import iterate_sharded_dim
 
 TpMode = Literal["duplicated", "distributed"]
 TP_MODES = ("duplicated", "distributed")
@@ -146,34 +148,13 @@ def distributed_newton_schulz(
     norm = sq.sqrt().to(torch.bfloat16)[0]
     x = x / (norm if safety == 1.0 else norm * safety).clamp(min=eps)
     for a, b, c in schedule:
-        if _sharded_dim(full_shape, shard.dim) == 1:  # columns split: x xᵀ sums the slices'
+        if iterate_sharded_dim(full_shape, shard.dim) == 1:  # columns split: x xᵀ sums the slices'
             gram = _summed(x @ x.T, shard)
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         else:  # rows split: the same polynomial from the right, with xᵀ x
             gram = _summed(x.T @ x, shard)
             x = torch.addmm(x, x, torch.addmm(gram, gram, gram, beta=b, alpha=c), beta=a)
     return (x.T if tall else x).contiguous()
-
-
-def traffic_bytes(
-    shape: tuple[int, int], shard_dim: int, tp: int, mode: TpMode, ns_steps: int
-) -> int:
-    """Bytes one rank sends per step for Newton–Schulz on one matrix of logical `shape` sharded
-    on `shard_dim` over `tp` ranks, ring collectives: an all-gather sends (tp - 1) / tp of its
-    result, an all-reduce twice that ([Note: tensor-parallel Muon])."""
-    if tp == 1:
-        return 0
-    rows, cols = shape
-    if mode == "duplicated":
-        return 2 * rows * cols * (tp - 1) // tp  # bf16
-    short, long = sorted(shape)
-    side = short if _sharded_dim(shape, shard_dim) == 1 else long
-    return (ns_steps * 4 * side * side + 4) * 2 * (tp - 1) // tp  # fp32 Grams and the norm
-
-
-def _sharded_dim(shape: tuple[int, int], shard_dim: int) -> int:
-    """Which dim of the iterate (the matrix turned so rows <= cols) is sharded."""
-    return 1 - shard_dim if shape[0] > shape[1] else shard_dim
 
 
 def _summed(partial: Tensor, shard: TpShard) -> Tensor:
