@@ -307,3 +307,67 @@ def test_a_nonfinite_slice_skips_the_step_on_every_tp_rank() -> None:
     """The step check spans dp x tp: the tp peer whose slice is finite skips too (stepping
     alone, its Newton–Schulz all-gather would wait for a peer that never comes)."""
     assert run(_skip_on_one_tp_rank, 4) == [(1, 2)] * 4
+
+
+# -- row blocks (ns_split) of tensor-parallel matrices --------------------------------------------
+
+
+def blocks_reference() -> dict[str, torch.Tensor]:
+    """One process: `up.weight` stepped as four 8-row matrices (row views of it), the rest as
+    in `reference`."""
+    model = MLP()
+    up = list(model.up.weight.detach().split(8))  # leaf views of the param's rows
+    others = [p for p in model.parameters() if p.ndim < 2]
+    opts = [
+        torch.optim.Muon([*up, model.down.weight], **MUON_KW),
+        torch.optim.AdamW(others, **ADAMW_KW),
+    ]
+    for step in range(STEPS):
+        x, y = data(step)
+        F.mse_loss(model(x), y).backward()
+        for view, grad in zip(up, model.up.weight.grad.split(8), strict=True):
+            view.grad = grad
+        model.up.weight.grad = None
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _blocks(sizes: dict[str, list[int]]) -> dict[str, torch.Tensor] | str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = MLP()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    ddp = wholeshard.DataParallel(model, mesh=mesh)
+    try:
+        opt = wholeshard.LayerwiseOptimizer(
+            ddp, muon=MUON_KW, adamw=ADAMW_KW, ns_split=lambda name, p: sizes.get(name)
+        )
+    except NotImplementedError as e:
+        return str(e)
+    rank = mesh.get_local_rank("dp")
+    for step in range(STEPS):
+        x, y = data(step)
+        F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
+        opt.step()
+        opt.zero_grad()
+    return logical_params(ddp)
+
+
+def test_row_blocks_within_each_ranks_slice_step_alone() -> None:
+    """Per-head style blocks of a ColwiseParallel weight (8-row blocks, 16 rows a rank): each
+    rank steps its own blocks; against one process stepping the blocks as separate params."""
+    ref = blocks_reference()
+    for out in run(_blocks, 4, {"up.weight": [8] * 4}):
+        for name, want in ref.items():
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+    whole = reference()["up.weight"]
+    assert not torch.allclose(ref["up.weight"], whole, atol=TOL[torch.float32]["atol"], rtol=0)
+
+
+@pytest.mark.parametrize(
+    "sizes", [{"up.weight": [12, 20]}, {"down.weight": [8, 8]}], ids=["straddles", "rowwise"]
+)
+def test_row_blocks_across_slices_are_refused_on_every_rank(sizes) -> None:
+    for said in run(_blocks, 4, sizes):
+        assert isinstance(said, str) and "must each lie within one rank's slice of rows" in said

@@ -8,8 +8,9 @@ state see each block alone, exactly as if the model had one projection per block
 block of every row) leaves the param whole. The layout does not change: the fused tensor stays
 whole in its owner's shard, and the owner steps its blocks. `param` is a meta tensor with the
 param's shape and dtype as Muon sees it, (..., out, in): a weight stored (in, out)
-(transformers' `Conv1D`) comes transposed, and fully sharded params, released between steps,
-still have their shape.
+(transformers' `Conv1D`) comes transposed, fully sharded params, released between steps, still
+have their shape, and a tensor-parallel (DTensor) param has its logical shape: each rank steps
+the blocks within its slice of rows (ColwiseParallel; a block may not straddle two slices).
 
 The blocks are fixed when the optimizer is built, on every rank alike, and checked there: sizes
 must be positive ints summing to the matrix's rows, else every rank raises naming the param.
@@ -126,7 +127,8 @@ def row_blocks(routes: Iterable[Route], ns_split: NsSplit | None) -> dict[str, t
     for route in routes:
         if not route.muon:
             continue
-        shape = (*route.shape[:-2], *route.shape[-2:][:: -1 if route.transposed else 1])
+        logical = route.logical_shape  # a tensor-parallel matrix's whole (`pieces.local_blocks`)
+        shape = (*logical[:-2], *logical[-2:][:: -1 if route.transposed else 1])
         sizes = ns_split(route.name, torch.empty(shape, dtype=route.param.dtype, device="meta"))
         if sizes is None:
             continue
@@ -141,8 +143,25 @@ def row_blocks(routes: Iterable[Route], ns_split: NsSplit | None) -> dict[str, t
             bounds = [0]
             for s in sizes:
                 bounds.append(bounds[-1] + s)
+            _check_slices(route, bounds)
             blocks[route.name] = tuple(bounds)
     return blocks
+
+
+def _check_slices(route: Route, bounds: list[int]) -> None:
+    """A tensor-parallel matrix's blocks must lie each within one rank's slice of rows
+    (ColwiseParallel), so that each rank steps its own blocks alone; raised on every rank."""
+    if route.shape == route.logical_shape:  # not sliced
+        return
+    rows, local = route.logical_shape[0], route.shape[0]
+    if route.shape[1:] != route.logical_shape[1:] or not set(range(0, rows + 1, local)) <= set(
+        bounds
+    ):
+        raise NotImplementedError(
+            f"ns_split on {route.name}: row blocks of a tensor-parallel matrix must each lie "
+            f"within one rank's slice of rows (ColwiseParallel: slices of {local} of its {rows} "
+            f"rows), got bounds {_shown(bounds)}"
+        )
 
 
 def _shown(sizes: Sequence[object]) -> str:

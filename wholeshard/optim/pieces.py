@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from ..distributed.dtensor import is_dtensor
+from ..distributed.dtensor import is_dtensor, shard_place
 
 if TYPE_CHECKING:
     from ..engine.data_parallel import DataParallel, OwnedRange
@@ -205,13 +205,16 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
     grads = owned.grad.reshape(-1, rows, cols).unbind()
     stacked = len(full_shape) > 2
     if is_dtensor(route.param):
-        if bounds or route.transposed or len(full_shape) > 2:
+        if route.transposed or len(full_shape) > 2:
             raise NotImplementedError(
-                f"{route.name}: row blocks (ns_split), weights stored (in, out) and stacked "
-                f"matrices are not supported with tensor parallelism yet"
+                f"{route.name}: weights stored (in, out) and stacked matrices are not supported "
+                f"with tensor parallelism yet"
             )
-        piece = _piece(route.name, MUON, full_shape, owned.offset, owned.param, owned.grad)
-        return [tensor_parallel(piece, route.param)]
+        if bounds:  # row blocks within this rank's rows: stepped here alone, as plain matrices
+            bounds = local_blocks(bounds, shard_place(route.param), rows)
+        else:
+            piece = _piece(route.name, MUON, full_shape, owned.offset, owned.param, owned.grad)
+            return [tensor_parallel(piece, route.param)]
     blocks = list(zip(bounds[:-1], bounds[1:], strict=True)) if bounds else [None]
     pieces = []
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
@@ -235,6 +238,13 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
                 )
             )
     return pieces
+
+
+def local_blocks(bounds: tuple[int, ...], place: tuple[int, int] | None, rows: int) -> tuple:
+    """Row-block `bounds` of a logical matrix as bounds within this rank's `rows` rows of it
+    (`place`: (0, first row); `ns_split.row_blocks` checked that blocks do not straddle)."""
+    first = 0 if place is None else place[1]
+    return tuple(b - first for b in bounds if first <= b <= first + rows)
 
 
 def tensor_parallel(piece: OwnedPiece, param: torch.Tensor) -> OwnedPiece:
