@@ -102,7 +102,7 @@ MODES = {"zero": {}, "fully_sharded": dict(reshard_after_forward=True, overlap_g
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
-@pytest.mark.parametrize("dp", [2, 1])
+@pytest.mark.parametrize("dp", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_dp_x_tp_steps_like_one_process(dp: int, tp_mode: str, mode: str) -> None:
     ref = reference()
     outs = run(tensor_parallel, 2 * dp, dp, tp_mode, MODES[mode])

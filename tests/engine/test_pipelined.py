@@ -56,7 +56,7 @@ def _assert_pairs_equal(outs: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_pipelined_is_bitwise_equal_to_unpipelined(nproc: int, dtype: torch.dtype) -> None:
     _assert_pairs_equal(run(_pairs, nproc, GATHER_MODES, param_dtype=dtype))
 

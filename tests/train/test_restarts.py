@@ -188,6 +188,7 @@ SMALL = ["--model", "micro", "--seq-len", "32", "--batch-size", "4", "--eval-eve
 SMALL += ["--eval-batches", "1"]
 
 
+@pytest.mark.slow  # torchrun's restarts stay in the default suite (test_train_e2e.py)
 def test_a_killed_worker_is_restarted_from_the_latest_checkpoint(
     tmp_path: Path, text_file: Path
 ) -> None:

@@ -124,6 +124,7 @@ def test_two_local_ranks_adamw(text_file: Path, tmp_path: Path) -> None:
     _check_run(tmp_path, _summary(proc), "adamw")
 
 
+@pytest.mark.slow  # torchrun itself stays in the default suite (max restarts, below)
 def test_torchrun_gives_the_same_losses(
     text_file: Path, tmp_path: Path, muon_run: tuple[Path, dict]
 ) -> None:

@@ -127,6 +127,7 @@ def test_config_file_model_trains_on_bytes(text_file: Path, tmp_path: Path) -> N
     assert math.isfinite(records[-1]["loss"])
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_changes_no_bit(text_file: Path, tmp_path: Path) -> None:
     """Recomputing the byte GPT's blocks in backward gives the same losses, bitwise."""
     runs = []
