@@ -12,7 +12,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..distributed.dtensor import shard_place
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
 from . import _chunks as chunks
@@ -24,6 +23,7 @@ from ._model_table import (
     names,
     other_tensors,
     state_keys,
+    tensor_places,
     trainable_changes,
 )
 from .directory import (
@@ -53,7 +53,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     one trainable now but frozen then starts with fresh optimizer state (its master from the
     loaded value), one frozen now drops its saved state; a warning names them.
     """
-    ranks = ddp.checkpoint_ranks  # the data-parallel ranks (and tensor-parallel: dp x tp)
+    ranks = ddp.model_ranks  # the data-parallel ranks (and tensor-parallel: dp x tp)
     group = RankConsensus(ranks.group, ranks.size, ranks.rank)
     if group.distributed:  # before anything is read or a collective is entered
         all_arrive(ranks.group, "load_checkpoint")
@@ -159,7 +159,7 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
     md = metadata.state_dict_metadata
     plan = _LoadPlan({}, [], [])
     entries = plan.entries
-    places = {r.name: (r.logical_shape, shard_place(r.param)) for r in ddp.routes}
+    places = tensor_places(ddp)
     for piece in optimizer.owned_pieces():
         name = piece.name
         shape, place = places[name]  # a tensor-parallel slice: where it sits in the logical

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..distributed.dtensor import shard_place
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable
 from ..planning.routing import clean_name
@@ -61,6 +62,12 @@ def model_table(ddp: DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
         for name, t in other_tensors(ddp).items()
     }
     return params, others
+
+
+def tensor_places(ddp: DataParallel) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
+    """Per trainable param: its logical shape and where this rank's tensor-parallel shard sits
+    in it (`distributed.dtensor.shard_place`; None: whole here), for save and load alike."""
+    return {r.name: (r.logical_shape, shard_place(r.param)) for r in ddp.routes}
 
 
 def state_keys(metadata: Metadata, name: str) -> list[str]:

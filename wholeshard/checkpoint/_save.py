@@ -11,14 +11,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..distributed.dtensor import local, shard_place
+from ..distributed.dtensor import local
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, elementwise, step_count
 from . import _chunks as chunks
 from ._arrival import all_arrive
 from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, whole
 from ._consensus import RankConsensus
-from ._model_table import aliases, model_table, other_tensors
+from ._model_table import aliases, model_table, other_tensors, tensor_places
 from .directory import (
     TRAINER,
     CheckpointError,
@@ -56,7 +56,7 @@ def save_checkpoint(
     if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
     root = Path(path)
-    ranks = ddp.checkpoint_ranks  # the data-parallel ranks (and tensor-parallel: dp x tp)
+    ranks = ddp.model_ranks  # the data-parallel ranks (and tensor-parallel: dp x tp)
     group = RankConsensus(ranks.group, ranks.size, ranks.rank)
     if group.distributed:  # before anything touches the disk or a collective
         all_arrive(ranks.group, "save_checkpoint")
@@ -102,11 +102,11 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
     logical tensor; a param replicated over tensor parallelism from tp rank 0), plus (rank 0)
     buffers and frozen params."""
     entries: dict[str, Chunks] = {}
-    places = {r.name: (r.logical_shape, shard_place(r.param)) for r in ddp.routes}
+    places = tensor_places(ddp)
     for piece in optimizer.owned_pieces():
         name = piece.name
         shape, place = places[name]
-        if place is None and ddp.checkpoint_ranks.tp_rank != 0:
+        if place is None and ddp.model_ranks.tp_rank != 0:
             continue  # the same on every tensor-parallel rank: tp rank 0 writes it
         add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach(), place))
         if piece.separate_master:

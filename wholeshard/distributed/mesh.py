@@ -86,8 +86,10 @@ def mesh_data_parallel(
     return group, k
 
 
-class CheckpointRanks(NamedTuple):
-    """The ranks a checkpoint spans, and this one's place among them."""
+class ModelRanks(NamedTuple):
+    """The ranks that together hold one whole model (the data-parallel group, or dp x tp),
+    and this one's place among them: the ranks a checkpoint spans and the step check agrees
+    over."""
 
     group: ProcessGroup | None
     size: int
@@ -95,16 +97,16 @@ class CheckpointRanks(NamedTuple):
     tp_rank: int  # position in the tensor-parallel group (0 without one): rank 0 writes replicas
 
 
-def checkpoint_ranks(
+def model_ranks(
     mesh: DeviceMesh | None, group: ProcessGroup | None, size: int, rank: int
-) -> CheckpointRanks:
+) -> ModelRanks:
     """The data-parallel group (`group`, `size`, `rank`), or with a tensor-parallel model on
     `mesh` its data-parallel and "tp" dims flattened: every element of a tensor-parallel param
-    has its writer among them. Every rank of the mesh calls it."""
+    has its owner among them. Every rank of the mesh calls it."""
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-        return CheckpointRanks(group, size, rank, 0)
+        return ModelRanks(group, size, rank, 0)
     dims = tuple(n for n in mesh.mesh_dim_names if n in (*DP_DIMS, "tp"))
     flat = mesh[dims]._flatten()
-    return CheckpointRanks(
+    return ModelRanks(
         flat.get_group(), flat.size(), flat.get_local_rank(), mesh.get_local_rank("tp")
     )

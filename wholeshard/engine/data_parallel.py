@@ -33,7 +33,7 @@ from torch.distributed import ProcessGroup
 from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
 from ..distributed.groups import make_groups, resolve_group
-from ..distributed.mesh import CheckpointRanks, checkpoint_ranks, mesh_data_parallel
+from ..distributed.mesh import ModelRanks, mesh_data_parallel, model_ranks
 from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
@@ -100,7 +100,7 @@ class DataParallel(nn.Module):
     shard_group_size: int
     shard_rank: int  # in this rank's shard group
     tensor_parallel: bool  # some params are DTensors, held as their local shards
-    checkpoint_ranks: CheckpointRanks  # the ranks a checkpoint spans: dp, or dp x tp
+    model_ranks: ModelRanks  # the ranks holding one whole model: dp, or dp x tp
     reshard_after_forward: bool  # what the config asks, where there is anything to gather
     fp8_param_gather: bool  # likewise
     scheduler: Scheduler
@@ -138,7 +138,7 @@ class DataParallel(nn.Module):
             param_init=cfg.param_init is not None,
             fp8=cfg.fp8_param_gather,
         )
-        self.checkpoint_ranks = checkpoint_ranks(
+        self.model_ranks = model_ranks(
             mesh if self.tensor_parallel else None, self.process_group, self.dp_size, self.rank
         )
         check_model(module, self.routes, self.process_group, self.dp_size, placeholders)

@@ -218,7 +218,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             changed=change is not None,
             received=received,
             group=self._check_group(self.nonfinite is not None),
-            world=self.ddp.checkpoint_ranks.size,  # dp (x tp: the group below)
+            world=self.ddp.model_ranks.size,  # dp (x tp: the group below)
             device=self.ddp.device,
         )
         step, self.steps = self.steps, self.steps + 1
@@ -265,7 +265,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         parallel: dp x tp, so tp peers skip alike (one stepping alone would hang the other)."""
         ddp = self.ddp
         if ddp.tensor_parallel:
-            return ddp.checkpoint_ranks.group
+            return ddp.model_ranks.group
         spans = ddp.shard_group_size == ddp.dp_size and ddp.gather_group is not ddp.shard_group
         return ddp.gather_group if spans and not reads_grads else ddp.process_group
 
