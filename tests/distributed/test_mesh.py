@@ -78,7 +78,7 @@ def test_unusable_meshes_are_refused_on_every_rank() -> None:
     expected = [
         "need names",
         "'data'] are not among",
-        "NotImplementedError: mesh dim 'ep'",
+        "'ep' dim of 2 but no trainable param is an expert's",
         "has no data-parallel dim",
         "in that order",
         "names 'dp' and a hybrid dim",

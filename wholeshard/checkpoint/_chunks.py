@@ -97,10 +97,12 @@ def own_state_keys(piece: OwnedPiece, saved: list[str]) -> dict[str, str]:
 _BLOCK = re.compile(r"(.*)\[(\d+):(\d+)\]")
 
 
-def matrix_row(piece: OwnedPiece, t: torch.Tensor) -> list[Part]:
-    """`t`, one matrix's state not shaped like it, as row `piece.matrix` of an entry stacking
-    every matrix's (shape `(piece.matrices, *t.shape)`)."""
-    return [((piece.matrix, *(0,) * t.ndim), t.unsqueeze(0))]
+def matrix_row(piece: OwnedPiece, t: torch.Tensor, place: tuple[int, int] | None) -> list[Part]:
+    """`t`, one matrix's state not shaped like it, as its matrix's row of an entry stacking
+    every matrix's (shape `(matrices, *t.shape)`): row `piece.matrix`, moved by `place` when
+    the stack is one of experts placed in the whole model's (`dtensor.Place`)."""
+    first = 0 if place is None else place[1] * piece.matrices // piece.full_shape[0]
+    return [((first + piece.matrix, *(0,) * t.ndim), t.unsqueeze(0))]
 
 
 def flat_range_boxes(

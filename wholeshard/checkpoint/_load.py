@@ -3,6 +3,7 @@ and `load_consolidated` (full tensors in one process, for export)."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -16,10 +17,12 @@ from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
 from . import _chunks as chunks
 from ._arrival import all_arrive
-from ._chunks import Chunks, add, matrix_row, own_state_keys, piece_parts, whole
+from ._chunks import Chunks, add, matrix_row, own_state_keys, piece_parts, shifted, whole
 from ._consensus import RankConsensus
 from ._model_table import (
+    Table,
     check_model,
+    model_table,
     names,
     other_tensors,
     state_keys,
@@ -58,6 +61,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     if group.distributed:  # before anything is read or a collective is entered
         all_arrive(ranks.group, "load_checkpoint")
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while reading
+    table = model_table(ddp, group)
     ckpt = group.on_first(lambda: resolve_checkpoint(path), "cannot find the checkpoint")
 
     manifest = group.all_succeed(lambda: read_manifest(ckpt), f"checkpoint {ckpt} is damaged")
@@ -69,7 +73,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     def prepare() -> tuple[dict[str, Any], _LoadPlan]:
         metadata = read_dcp_metadata(ckpt)
         trainer = torch.load(ckpt / TRAINER, weights_only=True)
-        check_model(ckpt, manifest, metadata, ddp, optimizer, trainer)
+        check_model(ckpt, manifest, metadata, table, optimizer, trainer)
         return trainer, _plan_load(metadata, ddp, optimizer)
 
     trainer, plan = group.all_succeed(prepare, f"cannot load checkpoint {ckpt}")
@@ -83,7 +87,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     ddp.zero_grad_buffer()
     pieces = [_private(p) for p in plan.pieces]
     install_state(ddp, optimizer, pieces, trainer["param_groups"], _saved_steps(trainer))
-    _warn_trainable_changes(ckpt, manifest, ddp)
+    _warn_trainable_changes(ckpt, manifest, table)
     return trainer["extra"]
 
 
@@ -96,8 +100,8 @@ def _saved_steps(trainer: dict[str, Any]) -> int | None:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
-def _warn_trainable_changes(ckpt: os.PathLike, manifest: dict[str, Any], ddp: DataParallel) -> None:
-    unfrozen, frozen = trainable_changes(manifest, ddp)
+def _warn_trainable_changes(ckpt: os.PathLike, manifest: dict[str, Any], table: Table) -> None:
+    unfrozen, frozen = trainable_changes(manifest, table)
     said = []
     if unfrozen:
         said.append(
@@ -161,8 +165,7 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
     entries = plan.entries
     places = tensor_places(ddp)
     for piece in optimizer.owned_pieces():
-        name = piece.name
-        shape, place = places[name]  # a tensor-parallel slice: where it sits in the logical
+        name, shape, place = places[piece.name]  # a slice or a stack of experts: its place
         key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"
         # Read in the storage orientation; install through the optimizer-orientation view.
         master = piece.param.new_empty(piece.param.shape, dtype=piece.master.dtype)
@@ -178,9 +181,9 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
                 shaped.append(k)
         for k, own in own_state_keys(piece, shaped).items():  # a row block's own, if split
             key, saved = f"optim/{name}/{k}", md[f"optim/{name}/{k}"]
-            if piece.matrix is not None and tuple(saved.size[:1]) == (piece.matrices,):
+            if piece.matrix is not None and saved.size[0] == math.prod(shape[:-2]):
                 value = torch.empty(tuple(saved.size[1:]), dtype=saved.properties.dtype)
-                add(entries, key, saved.size, matrix_row(piece, value))
+                add(entries, key, saved.size, matrix_row(piece, value, place))
                 state[own] = value  # a stack's matrix: its own row (per-row moments, say)
             else:  # one value per param or block (AdamW's step): each piece reads all of it
                 if key not in entries:
@@ -189,9 +192,10 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
                 state[own] = entries[key].parts[0][1]
         plan.pieces.append(LoadedPiece(piece, piece.oriented(master), state))
     for name, live in other_tensors(ddp).items():  # a param trainable at save: from its master
+        name, shape, place = places[name]
         key = f"optim/{name}/master" if f"optim/{name}/master" in md else f"model/{name}"
         value = torch.empty_like(live, memory_format=torch.contiguous_format)
-        add(entries, key, live.shape, whole(value))
+        add(entries, key, shape, shifted(whole(value), place))
         plan.others.append((live, value))
     return plan
 

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..distributed.dtensor import shard_place
+from ..distributed.dtensor import Place, shard_place
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable
 from ..planning.routing import clean_name
+from ._consensus import RankConsensus
 from .directory import TRAINER, CheckpointError
 
 
@@ -47,27 +48,53 @@ def aliases(ddp: DataParallel) -> dict[str, str]:
     return out
 
 
-def model_table(ddp: DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest's `params` and `others` for `ddp`'s model."""
+Table = tuple[dict[str, Any], dict[str, Any]]  # the manifest's `params` and `others`
+
+
+def model_table(ddp: DataParallel, group: RankConsensus) -> Table:
+    """The manifest's `params` and `others` for `ddp`'s model, by their names in the whole
+    model (`tensor_places`); with experts split over "ep", every rank's together (every rank of
+    `group`, the model ranks, calls it)."""
+    places = tensor_places(ddp)
     params = {
-        r.name: {
-            "shape": list(r.logical_shape),
+        places[r.name][0]: {
+            "shape": list(places[r.name][1]),
             "dtype": str(r.param.dtype).removeprefix("torch."),
             "optimizer": "muon" if r.muon else "adamw",
         }
         for r in ddp.routes
     }
     others = {
-        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        places[name][0]: {"shape": list(places[name][1]), "dtype": _dtype(t)}
         for name, t in other_tensors(ddp).items()
     }
-    return params, others
+    if ddp.expert_layout is None:
+        return params, others
+    tables = group.all_gather((params, others))
+    return {k: v for p, _ in tables for k, v in p.items()}, {
+        k: v for _, o in tables for k, v in o.items()
+    }
 
 
-def tensor_places(ddp: DataParallel) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
-    """Per trainable param: its logical shape and where this rank's tensor-parallel shard sits
-    in it (`distributed.dtensor.shard_place`; None: whole here), for save and load alike."""
-    return {r.name: (r.logical_shape, shard_place(r.param)) for r in ddp.routes}
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def tensor_places(ddp: DataParallel) -> dict[str, Place]:
+    """Every state-dict tensor of `ddp`'s model (trainable params, buffers, frozen params) by
+    its name here: its name, shape and this rank's place (dim, offset) in the whole model, for
+    save and load alike. The place is a tensor-parallel shard's (`distributed.dtensor.
+    shard_place`) or a stack of this rank's experts' (`ExpertLayout`); None: whole here."""
+    out = {r.name: (r.name, r.logical_shape, shard_place(r.param)) for r in ddp.routes}
+    others = other_tensors(ddp)
+    out |= {name: (name, tuple(t.shape), None) for name, t in others.items()}
+    layout = ddp.expert_layout
+    if layout is None:
+        return out
+    tensors = {r.name: r.param for r in ddp.routes} | others
+    return out | layout.places(
+        {name: out[name][1] for name, t in tensors.items() if layout.is_expert(name, t)}
+    )
 
 
 def state_keys(metadata: Metadata, name: str) -> list[str]:
@@ -84,13 +111,13 @@ def check_model(
     ckpt: Path,
     manifest: dict[str, Any],
     metadata: Metadata,
-    ddp: DataParallel,
+    table: Table,
     optimizer: Checkpointable,
     trainer: dict[str, Any],
 ) -> None:
-    """Raise naming every difference between the checkpoint and this model (which params are
-    frozen aside)."""
-    params, others = model_table(ddp)
+    """Raise naming every difference between the checkpoint and this model (its `model_table`;
+    which params are frozen aside)."""
+    params, others = table
     problems = _compare_shapes({**manifest["params"], **manifest["others"]}, {**params, **others})
     for name in sorted(set(manifest["params"]) & set(params)):  # trainable then and now
         want, got = manifest["params"][name]["optimizer"], params[name]["optimizer"]
@@ -126,9 +153,10 @@ def check_model(
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(damaged[:10]))
 
 
-def trainable_changes(manifest: dict[str, Any], ddp: DataParallel) -> tuple[list[str], list[str]]:
-    """Params trainable now but frozen in the checkpoint, and the reverse (sorted names)."""
-    params, others = model_table(ddp)
+def trainable_changes(manifest: dict[str, Any], table: Table) -> tuple[list[str], list[str]]:
+    """Params trainable now but frozen in the checkpoint, and the reverse (sorted names), from
+    this model's `model_table`."""
+    params, others = table
     saved_params, saved_others = manifest["params"], manifest["others"]
     return sorted(set(params) & set(saved_others)), sorted(set(others) & set(saved_params))
 

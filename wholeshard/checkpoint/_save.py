@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, elementwise, step_count
 from . import _chunks as chunks
 from ._arrival import all_arrive
-from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, whole
+from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, shifted, whole
 from ._consensus import RankConsensus
 from ._model_table import aliases, model_table, other_tensors, tensor_places
 from .directory import (
@@ -61,6 +62,7 @@ def save_checkpoint(
     if group.distributed:  # before anything touches the disk or a collective
         all_arrive(ranks.group, "save_checkpoint")
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while writing
+    params, others = model_table(ddp, group)
 
     def prepare() -> tuple[int, Path]:
         step = choose_step(root, extra, step_count(optimizer))
@@ -80,7 +82,6 @@ def save_checkpoint(
     files = _digest_files(group, tmp)
 
     def finish() -> Path:
-        params, others = model_table(ddp)
         body = {
             "params": params,
             "others": others,
@@ -89,6 +90,7 @@ def save_checkpoint(
             "saved_with": {
                 "world_size": ddp.dp_size,
                 "tensor_parallel": ranks.size // ddp.dp_size,
+                "expert_parallel": ddp.expert_layout.size if ddp.expert_layout else 1,
                 "torch": torch.__version__,
             },
         }
@@ -98,14 +100,13 @@ def save_checkpoint(
 
 
 def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> dict[str, Chunks]:
-    """This rank's share: each owned element once (a tensor-parallel slice at its place in the
-    logical tensor; a param replicated over tensor parallelism from tp rank 0), plus (rank 0)
-    buffers and frozen params."""
+    """This rank's share: each owned element once (a tensor-parallel slice or a stack of experts
+    at its place in the logical tensor; a param replicated over tensor parallelism from tp rank
+    0), plus (rank 0; an expert's: each expert group's rank 0) buffers and frozen params."""
     entries: dict[str, Chunks] = {}
     places = tensor_places(ddp)
     for piece in optimizer.owned_pieces():
-        name = piece.name
-        shape, place = places[name]
+        name, shape, place = places[piece.name]
         if place is None and ddp.model_ranks.tp_rank != 0:
             continue  # the same on every tensor-parallel rank: tp rank 0 writes it
         add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach(), place))
@@ -125,13 +126,17 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
                 continue
             entry = f"optim/{name}/{block_key(piece, key)}"
             if piece.matrix is not None:  # a stack's matrix: its own row of a stacked entry
-                add(entries, entry, (piece.matrices, *value.shape), matrix_row(piece, value))
+                rows = math.prod(shape[:-2])
+                add(entries, entry, (rows, *value.shape), matrix_row(piece, value, place))
             elif piece.rows is not None or (piece.offset == 0 and not (place and place[1])):
                 add(entries, entry, value.shape, whole(value))  # per block; per param: its
                 # first element's owner writes it (of a sliced param: the first slice's)
-    if rank == 0:
-        for name, t in other_tensors(ddp).items():
-            add(entries, f"model/{name}", t.shape, whole(t.detach()))
+    layout = ddp.expert_layout
+    for name, t in other_tensors(ddp).items():
+        expert = layout is not None and layout.is_expert(name, t)
+        if (layout.data_rank if expert else rank) == 0:
+            key, shape, place = places[name]
+            add(entries, f"model/{key}", shape, shifted(whole(t.detach()), place))
     return entries
 
 

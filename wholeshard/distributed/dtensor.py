@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+Place = tuple[str, tuple[int, ...], "tuple[int, int] | None"]
+"""A tensor's name, shape and this rank's place in it (dim, offset; None: whole here), in the
+whole model: a tensor-parallel shard (`shard_place`), a stack of this rank's experts."""
+
 
 def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor

@@ -10,6 +10,16 @@ the model parallelized over `mesh["tp"]` are DTensors, held as their local shard
 each data-parallel group holding one tensor-parallel position. `DataParallel` works on this
 rank's data-parallel ranks: its dp dims flattened in row-major order, so each `dp_shard` row
 is a block of consecutive data-parallel ranks (the shard groups `shard_group_size` makes).
+
+[Note: expert parallelism]
+An `"ep"` dim splits a MoE's experts: each of its ranks holds E / ep experts as ordinary
+params (a stack whose dim 0 is its experts, or `experts.<i>` modules) and the model dispatches
+tokens to them itself. Every rank of dp x ep holds the same dense params and sees its own
+batch, so the dense params' group is the data-parallel and "ep" dims flattened; an expert's
+copies lie only along the data-parallel dims (its expert-data-parallel group), which `DataParallel`
+reduces and gathers them over, with a plan and buckets of their own. An expert's gradient on
+one rank already sums what the ep peers' tokens contributed (the dispatch's backward brings
+them back), so its average divides by dp x ep, like the dense params', not by dp.
 """
 
 from __future__ import annotations
@@ -27,12 +37,22 @@ DP_DIMS = ("dp", "dp_replicate", "dp_shard")
 KNOWN_DIMS = (*DP_DIMS, "pp", "tp", "ep")
 
 
+class MeshGroups(NamedTuple):
+    """What a mesh gives `DataParallel`."""
+
+    group: ProcessGroup  # the data-parallel group (with "ep": dp x ep, the dense params')
+    shard_group_size: int | None
+    expert_group: ProcessGroup | None  # with "ep": the expert-data-parallel group
+    ep: int  # the "ep" dim's size (1 without one)
+    ep_rank: int  # this rank's place on it
+
+
 def mesh_data_parallel(
     mesh: DeviceMesh, process_group: ProcessGroup | None, shard_group_size: int | str | None
-) -> tuple[ProcessGroup, int | None]:
-    """(this rank's data-parallel group, the shard group size the mesh says), checked against
-    the `process_group` and `shard_group_size` also given. Every rank raises alike on a mesh it
-    cannot use: the checks read the whole mesh, which every rank holds."""
+) -> MeshGroups:
+    """The groups `mesh` gives, checked against the `process_group` and `shard_group_size` also
+    given. Every rank raises alike on a mesh it cannot use: the checks read the whole mesh,
+    which every rank holds."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -48,11 +68,6 @@ def mesh_data_parallel(
     unknown = [n for n in names if n not in KNOWN_DIMS]
     if unknown:
         raise ValueError(f"mesh dims {unknown} are not among {list(KNOWN_DIMS)}")
-    if "ep" in names:
-        raise NotImplementedError(
-            "mesh dim 'ep': expert-parallel dims are not supported yet; DataParallel runs on "
-            f"the data-parallel dims {list(DP_DIMS)}, beside 'tp' and 'pp'"
-        )
     dp = [n for n in names if n in DP_DIMS]
     if not dp:
         raise ValueError(f"the mesh {names} has no data-parallel dim: name one 'dp'")
@@ -82,8 +97,26 @@ def mesh_data_parallel(
             f"shard_group_size={shard_group_size!r}, but the mesh's dims {sizes} say "
             f"{k}: pass one or the other"
         )
+    if "ep" in names:
+        return _expert_parallel(mesh, names, dp, k)
     group = mesh.get_group(dp[0]) if len(dp) == 1 else mesh[tuple(dp)]._flatten().get_group()
-    return group, k
+    return MeshGroups(group, k, None, 1, 0)
+
+
+def _expert_parallel(
+    mesh: DeviceMesh, names: tuple[str, ...], dp: list[str], k: int | None
+) -> MeshGroups:
+    """The dense group (dp x ep flattened) and the expert-data-parallel one ([Note: expert
+    parallelism])."""
+    if dp != ["dp"] or "tp" in names:
+        raise NotImplementedError(
+            f"the mesh {names}: an 'ep' dim runs beside one 'dp' dim (and 'pp'); hybrid "
+            f"sharding ('dp_replicate', 'dp_shard') and 'tp' with 'ep' are not supported yet"
+        )
+    dense = tuple(n for n in names if n in ("dp", "ep"))
+    group = mesh[dense]._flatten().get_group()
+    ep = names.index("ep")
+    return MeshGroups(group, k, mesh.get_group("dp"), mesh.size(ep), mesh.get_local_rank(ep))
 
 
 class ModelRanks(NamedTuple):

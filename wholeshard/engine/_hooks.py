@@ -85,6 +85,19 @@ def register(
     return handles
 
 
+def grad_hooks(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> list[RemovableHandle]:
+    """A post-accumulate-grad hook on every param of `buckets`, handing its grad to `scheduler`."""
+
+    def hook(bucket: BucketStorage, i: int, name: str) -> Callable[[torch.Tensor], None]:
+        return lambda param: scheduler.grad_arrived(bucket, i, param, name)
+
+    return [
+        param.register_post_accumulate_grad_hook(hook(b, i, p.name))
+        for b in buckets
+        for i, (param, p) in enumerate(b.params)
+    ]
+
+
 def refuse_stale_reads(
     scheduler: Scheduler, root: nn.Module, bucket_of: dict[int, BucketStorage]
 ) -> list[RemovableHandle]:

@@ -150,15 +150,12 @@ def check_device(device: torch.device, group: ProcessGroup | None) -> None:
 
 
 def broadcast_the_rest(
-    module: nn.Module,
-    frozen: Sequence[nn.Parameter],
-    group: ProcessGroup | None,
-    device: torch.device,
+    tensors: Sequence[torch.Tensor], group: ProcessGroup | None, device: torch.device
 ) -> None:
-    """Give every rank rank 0's frozen params and buffers. A tensor kept off the model's
-    `device` (a CPU table in a CUDA model) travels through a copy on it: NCCL moves device
-    tensors only."""
-    for t in [*frozen, *module.buffers()]:
+    """Give every rank rank 0's `tensors` (frozen params and buffers). A tensor kept off the
+    model's `device` (a CPU table in a CUDA model) travels through a copy on it: NCCL moves
+    device tensors only."""
+    for t in tensors:
         data = local(t.data)  # a DTensor's: its shard, the same on its data-parallel peers
         if data.device == device:
             collectives.broadcast_from_first(data, group)

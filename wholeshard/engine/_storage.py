@@ -77,8 +77,8 @@ class InFlight:
 @dataclass(frozen=True)
 class CommGroups:
     """Who a storage unit syncs with: `size` ranks of `group` (the shard group), this one being
-    `rank`; gradients are then averaged across `replica_group` (shard groups), params synced on
-    `gather_group` by `param_sync`."""
+    `rank`; gradients are then summed across `replica_group` (shard groups) and divided by
+    `divide_by`, params synced on `gather_group` by `param_sync`."""
 
     group: ProcessGroup | None
     rank: int
@@ -86,14 +86,13 @@ class CommGroups:
     gather_group: ProcessGroup | None
     replica_group: ProcessGroup | None = None
     param_sync: ParamSync = "allgather"
+    divide_by: int = 0  # 0: the ranks the gradients are summed over (experts': dp x ep)
 
 
 class BucketStorage:
-    """Storage and collectives of one storage unit ([Note: storage units]).
-
-    `params` are the unit's params with their placements; each param's `.data` is a view of
-    `param` (while gathered) and its gradient is added into the same range of `grad`.
-    """
+    """Storage and collectives of one storage unit ([Note: storage units]). `params` are the
+    unit's params with their placements; each param's `.data` is a view of `param` (while
+    gathered) and its gradient is added into the same range of `grad`."""
 
     index: int  # position in reduce (backprop) order among the model's storage units
     kind: str  # the buffer kind ("muon", "stacked", "adamw", "unaligned")
@@ -310,7 +309,9 @@ class BucketStorage:
         `distributed/collectives.py`)."""
         group, replicas = self.groups.group, self.groups.replica_group
         mine = [self._own_shard(self.grad, self.grad_shard, i) for i in range(len(self.buckets))]
-        stage1 = self.groups.size if replicas is None else 1
+        n = 1 if replicas is None else dist.get_world_size(replicas)
+        total = self.groups.divide_by or self.groups.size * n
+        stage1 = total if replicas is None else 1
         handles = []
         for out, b in zip(mine, self.buckets, strict=True):
             if not b.owners:
@@ -323,7 +324,6 @@ class BucketStorage:
                 )
         if replicas is None:
             return InFlight(handles)
-        total = self.groups.size * dist.get_world_size(replicas)
         mine = [m for m in mine if m.numel()]  # the replicas hold the same (empty) shards
         # The second stage reads the first's output, so it starts once that is done.
         return InFlight(

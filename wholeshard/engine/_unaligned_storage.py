@@ -32,7 +32,11 @@ class UnalignedStorage(BucketStorage):
 
     def _reduce(self) -> InFlight:
         return InFlight(
-            [collectives.all_reduce_sum(self.grad, self.groups.group, self.groups.size)]
+            [
+                collectives.all_reduce_sum(
+                    self.grad, self.groups.group, self.groups.divide_by or self.groups.size
+                )
+            ]
         )
 
     def _gather(self) -> InFlight:

@@ -86,6 +86,11 @@ class DataParallelConfig:
     use_muon: UseMuon | None = None
     """`use_muon(name, param) -> bool` replaces the default routing rule's Muon/AdamW decision
     (`wholeshard.planning.routing`)."""
+    expert_params: UseMuon | None = None
+    """`expert_params(name, param) -> bool`: which params are a MoE's experts, split over a
+    mesh's "ep" dim (each ep rank holds its own); used only with one. None: names with an
+    `experts` part (`layers.0.mlp.experts.w1`, `experts.3.up.weight`) ([Note: expert
+    parallelism] in `wholeshard.distributed.mesh`)."""
     param_dtype: torch.dtype | None = None
     """dtype of the params in the buffers, which forward and backward compute with (frozen params
     are cast to it too); the optimizer keeps fp32 masters when it is not float32. None: the
@@ -179,10 +184,11 @@ class DataParallelConfig:
                 raise ConfigError(
                     name, f"{name} must be one of {choices}, got {getattr(self, name)!r}"
                 )
-        if self.use_muon is not None and not callable(self.use_muon):
-            raise ConfigError(
-                "use_muon", f"use_muon must be None or a function, got {self.use_muon!r}"
-            )
+        for name in ("use_muon", "expert_params"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ConfigError(
+                    name, f"{name} must be None or a function, got {getattr(self, name)!r}"
+                )
         if self.matrix_cost is not None and not callable(self.matrix_cost):
             raise ConfigError(
                 "matrix_cost",

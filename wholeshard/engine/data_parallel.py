@@ -15,7 +15,7 @@ The engine's modules: `config` (the options), `_init` (the construction steps; `
 the meta device), `_storage` (a bucket's storage, states and collectives; `_fp8_storage` and
 `_unaligned_storage` are its kinds), `_owned` (what a rank updates), `_schedule` (when
 collectives run; `_waits`: how long waits hold the step up; `_skips`: modules some rank
-skipped), `_hooks` (module hooks), `_guard`.
+skipped), `_hooks` (module hooks), `_guard`, `_memory`, `_experts` (experts over "ep").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
 from ._dtensor import check_tensor_parallel
+from ._experts import ExpertLayout, ExpertPart, split_experts, the_rest, wrap_experts
 from ._fp8_storage import has_fp8_weights
 from ._guard import ParamSignature, claim, unclaim
 from ._init import (
@@ -50,6 +51,7 @@ from ._init import (
     plan_routes,
     storage_factory,
 )
+from ._memory import StateHolder, memory
 from ._meta import fill_frozen, fill_owned, materialise, target_device
 from ._owned import OwnedRange, owned_ranges
 from ._schedule import Scheduler
@@ -58,12 +60,6 @@ from .config import DataParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-
-class StateHolder(Protocol):
-    """What `DataParallel.memory` asks the optimizer attached to it."""
-
-    def state_bytes(self) -> dict[str, int]: ...
 
 
 class DataParallel(nn.Module):
@@ -79,7 +75,8 @@ class DataParallel(nn.Module):
             torch.distributed is not initialised).
         mesh: a `DeviceMesh` whose named dims say what each is, instead of `process_group`:
             `"dp"`, or `"dp_replicate"` x `"dp_shard"` (hybrid sharding, the mesh form of
-            `shard_group_size`) ([Note: mesh dims] in `wholeshard.distributed.mesh`).
+            `shard_group_size`), beside `"pp"`, `"tp"` or `"ep"` (a MoE's experts: [Note:
+            expert parallelism]) ([Note: mesh dims] in `wholeshard.distributed.mesh`).
 
     Muon-routed params live in whole-tensor buffers, the others in element-wise sharded ones
     (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step:
@@ -100,7 +97,8 @@ class DataParallel(nn.Module):
     shard_group_size: int
     shard_rank: int  # in this rank's shard group
     tensor_parallel: bool  # some params are DTensors, held as their local shards
-    model_ranks: ModelRanks  # the ranks holding one whole model: dp, or dp x tp
+    model_ranks: ModelRanks  # the ranks holding one whole model: dp, dp x tp or dp x ep
+    expert_layout: ExpertLayout | None  # with "ep": where this rank's experts sit among all
     reshard_after_forward: bool  # what the config asks, where there is anything to gather
     fp8_param_gather: bool  # likewise
     scheduler: Scheduler
@@ -112,13 +110,16 @@ class DataParallel(nn.Module):
         *,
         process_group: ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
+        _part: ExpertPart | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         cfg = DataParallelConfig.from_options(config, options)
+        meshed = None
         if mesh is not None:  # [Note: mesh dims]
-            process_group, k = mesh_data_parallel(mesh, process_group, cfg.shard_group_size)
-            cfg = dataclasses.replace(cfg, shard_group_size=k)
+            meshed = mesh_data_parallel(mesh, process_group, cfg.shard_group_size)
+            process_group = meshed.group
+            cfg = dataclasses.replace(cfg, shard_group_size=meshed.shard_group_size)
         self.config = cfg
         if cfg.fp8_param_gather and not has_fp8_weights(module):
             raise ValueError(
@@ -131,7 +132,9 @@ class DataParallel(nn.Module):
         if cfg.param_init is not None:  # [Note: meta-device construction]
             placeholders = materialise(module, target_device(module, self.process_group))
             fill_frozen(module, cfg.param_init)
-        self.routes = route_params(module, cfg.use_muon)
+        self.routes = _part.routes if _part else route_params(module, cfg.use_muon)
+        ep = meshed is not None and meshed.expert_group is not None  # [Note: expert parallelism]
+        routes, experts = split_experts(self.routes, cfg, meshed.ep) if ep else (self.routes, [])
         self.tensor_parallel = check_tensor_parallel(
             self.routes,
             mesh.mesh_dim_names if mesh is not None else None,
@@ -141,10 +144,10 @@ class DataParallel(nn.Module):
         self.model_ranks = model_ranks(
             mesh if self.tensor_parallel else None, self.process_group, self.dp_size, self.rank
         )
-        check_model(module, self.routes, self.process_group, self.dp_size, placeholders)
+        check_model(module, routes, self.process_group, self.dp_size, placeholders)
         param_dtype = cfg.param_dtype or common_dtype(self.routes)
         self.frozen = cast_frozen(module, param_dtype)
-        self.plan = plan_routes(self.routes, cfg, self.dp_size)
+        self.plan = plan_routes(routes, cfg, self.dp_size)
         self.shard_group_size = self.plan.shard_group_size
         self.shard_rank = self.plan.shard_rank(self.rank)
         self._fill = cfg.param_init and fill_owned(self.plan, self.shard_rank, cfg.param_init)
@@ -168,10 +171,11 @@ class DataParallel(nn.Module):
             self.gather_group,
             self.replica_group,
             cfg.param_sync,
+            _part.divide_by if _part else 0,
         )
         storages = build_storage(
             self.plan,
-            self.routes,
+            routes,
             storage_factory(self.module, self.fp8_param_gather),
             self._settle,
             groups=groups,
@@ -180,10 +184,13 @@ class DataParallel(nn.Module):
             grad_dtype=cfg.grad_reduce_dtype or torch.float32,
         )
         if self.dp_size > 1:
-            broadcast_the_rest(module, self.frozen, self.process_group, storages[0].param.device)
+            rest = [*self.frozen, *module.buffers()]
+            if ep or _part:  # each side broadcasts its own
+                rest = the_rest(module, self.frozen, cfg.expert_params, _part is not None)
+            broadcast_the_rest(rest, self.process_group, storages[0].param.device)
         self.scheduler = Scheduler(
             storages,
-            forward_order(storages, self.routes),
+            forward_order(storages, routes),
             reduces=self.dp_size > 1,
             gathers=gathers,
             overlap_grad_reduce=cfg.overlap_grad_reduce,
@@ -191,10 +198,13 @@ class DataParallel(nn.Module):
             reshard=self.reshard_after_forward,
             agree_group=self.process_group,
         )
-        self._register_hooks(gathers)
+        self._register_hooks(gathers, cast_inputs=_part is None)
         self._optimizer: weakref.ref[StateHolder] | None = None
         self._signature = ParamSignature(module)
-        claim((r.name, r.param) for r in self.routes)
+        # The experts' wrapper, before claiming ours: its check reads every param's claim.
+        self._experts, self.expert_layout = wrap_experts(type(self), self, experts, meshed)
+        claim((r.name, r.param) for r in routes)
+        self.schedulers = [self.scheduler, *(e.scheduler for e in self._experts)]
         if self.fp8_param_gather or (self._fill and not self.reshard_after_forward):
             self.scheduler.params_updated()  # the owners' values (the first FP8 weights)
             self.scheduler.finish_param_sync()
@@ -210,15 +220,11 @@ class DataParallel(nn.Module):
         if storage.reshard:
             storage.keep_shards()
 
-    def _register_hooks(self, gathers: bool) -> None:
+    def _register_hooks(self, gathers: bool, cast_inputs: bool) -> None:
         """Gradient hooks on every param; module hooks where params are gathered on demand."""
         buckets = self.scheduler.buckets
         self._slot_of = {p.name: (b, i) for b in buckets for i, (_, p) in enumerate(b.params)}
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(self._grad_hook(b, i, p.name))
-            for b in buckets
-            for i, (param, p) in enumerate(b.params)
-        ]
+        self._hooks = hooks.grad_hooks(self.scheduler, buckets)
         bucket_of = {id(param): b for b in buckets for param, _ in b.params}
         reshard, overlap = self.reshard_after_forward, self.config.overlap_param_gather
         if gathers and (overlap or reshard):
@@ -226,7 +232,7 @@ class DataParallel(nn.Module):
         if gathers and (overlap or reshard or self.fp8_param_gather):  # params can be stale
             self._hooks += hooks.refuse_stale_reads(self.scheduler, self.module, bucket_of)
         dtype = self.config.param_dtype
-        if dtype is not None and self.config.cast_forward_inputs:
+        if dtype is not None and self.config.cast_forward_inputs and cast_inputs:
             self._hooks.append(hooks.cast_forward_inputs(self.module, dtype))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -234,8 +240,8 @@ class DataParallel(nn.Module):
 
     @property
     def buckets(self) -> list[BucketStorage]:
-        """Communication buckets in reduce (backprop) order."""
-        return self.scheduler.buckets
+        """Communication buckets in reduce (backprop) order (the experts' after the others')."""
+        return [b for s in self.schedulers for b in s.buckets]
 
     @property
     def device(self) -> torch.device:
@@ -245,7 +251,7 @@ class DataParallel(nn.Module):
     @property
     def comm_wait_s(self) -> float:
         """Seconds held up by collectives since construction (CUDA: read from events)."""
-        return self.scheduler.wait_timer.seconds
+        return sum(s.wait_timer.seconds for s in self.schedulers)
 
     # -- ownership ------------------------------------------------------------------------
 
@@ -253,45 +259,49 @@ class DataParallel(nn.Module):
         """What this rank updates, in registration order: whole params, whole matrices of
         stacked params, or flat slices of element-wise ones. Ownership comes from the plan."""
         buckets = {name: b for name, (b, _) in self._slot_of.items()}
-        return owned_ranges(self.plan, self.routes, self.shard_rank, buckets)
+        yield from owned_ranges(self.plan, self.routes, self.shard_rank, buckets)
+        for e in self._experts:  # its buckets follow ours in `buckets`
+            first = len(self.scheduler.buckets)
+            for o in e.owned():
+                yield dataclasses.replace(o, bucket=first + o.bucket)
 
     # -- gradients ------------------------------------------------------------------------
-
-    def _grad_hook(self, bucket: BucketStorage, i: int, name: str):
-        def hook(param: torch.Tensor) -> None:
-            self.scheduler.grad_arrived(bucket, i, param, name)
-
-        return hook
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces them all."""
-        previous, self.scheduler.sync_grads = self.scheduler.sync_grads, False
+        previous = [s.sync_grads for s in self.schedulers]
+        for s in self.schedulers:
+            s.sync_grads = False
         try:
             yield
         finally:
-            self.scheduler.sync_grads = previous
+            for s, sync in zip(self.schedulers, previous, strict=True):
+                s.sync_grads = sync
 
     def start_grad_sync(self) -> None:
         """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
-        self.scheduler.start_grad_sync()
+        for s in self.schedulers:
+            s.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
         """Wait until this rank's grad shards hold the averaged gradients of its owned params.
 
         Params that got no gradient this step count as zero: readiness is settled here.
         """
-        self.scheduler.finish_grad_sync()
+        for s in self.schedulers:
+            s.finish_grad_sync()
 
     def received_grads(self) -> list[bool]:
         """Per route (in `routes` order): whether this rank got a gradient for the param since
         `zero_grad_buffer()`. A param no rank got one for is not stepped (torch's rule)."""
-        slots = (self._slot_of[r.name] for r in self.routes)
-        return [bucket.received[i] for bucket, i in slots]
+        slots = {n: s for e in (self, *self._experts) for n, s in e._slot_of.items()}
+        return [bucket.received[i] for bucket, i in (slots[r.name] for r in self.routes)]
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient and open the next accumulation window."""
-        self.scheduler.zero_grads()
+        for s in self.schedulers:
+            s.zero_grads()
         for r in self.routes:
             r.param.grad = None
 
@@ -299,7 +309,10 @@ class DataParallel(nn.Module):
         """The pipelined step: yield each bucket's index (in `buckets`) once its grads are
         reduced; when the caller, having written its owned params, comes back, its param sync
         is dispatched. Every rank walks it to the end ([Note: pipelined step] in `_schedule`)."""
-        return self.scheduler.reduced_in_order()
+        first = 0
+        for s in self.schedulers:
+            yield from (first + i for i in s.reduced_in_order())
+            first += len(s.buckets)
 
     # -- parameters -----------------------------------------------------------------------
 
@@ -310,12 +323,14 @@ class DataParallel(nn.Module):
         forward order, the rest as the forward reaches them; fully sharded, nothing until the
         next forward (the buckets are released).
         """
-        self.scheduler.params_updated()
+        for s in self.schedulers:
+            s.params_updated()
 
     def finish_param_sync(self) -> None:
         """Complete every pending param sync: afterwards every param outside a released bucket
         is up to date (in ZeRO-1/2 mode: every param)."""
-        self.scheduler.finish_param_sync()
+        for s in self.schedulers:
+            s.finish_param_sync()
 
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
@@ -323,11 +338,12 @@ class DataParallel(nn.Module):
         outside a forward (comparisons, export, `model.state_dict()`). Fully sharded, what it
         gathered is released on exit (writes to params are not kept); otherwise it completes
         pending gathers. Every rank must enter it."""
-        gathered = self.scheduler.gather_all()
+        gathered = [s.gather_all() for s in self.schedulers]
         try:
             yield
         finally:
-            self.scheduler.release(gathered)
+            for s, g in zip(self.schedulers, gathered, strict=True):
+                s.release(g)
 
     def release(self) -> nn.Module:
         """Take the module back (every rank must call it): each trainable param gets storage of
@@ -335,25 +351,28 @@ class DataParallel(nn.Module):
         again (after freezing or unfreezing params, say). Do not use this wrapper or its
         optimizer afterwards."""
         self.free_overlap_buffers()  # nothing in flight
-        self.scheduler.gather_all()
+        for s in self.schedulers:
+            s.gather_all()
         for b in self.buckets:
             for param, _ in b.params:
                 set_local(param, local(param.data).clone())
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        for e in (self, *self._experts):
+            for handle in e._hooks:
+                handle.remove()
+            e._hooks = []
         unclaim(r.param for r in self.routes)
         return self.module
 
     def free_overlap_buffers(self) -> None:
         """Wait for anything in flight, then drop temporary buffers and (fully sharded) full
         buckets. Safe to repeat; call it before a checkpoint save."""
-        self.scheduler.finish_param_sync()
+        self.finish_param_sync()
         for b in self.buckets:
             b.finish_reduce()
             b.drop_temporaries()
         if self.reshard_after_forward:
-            self.scheduler.release_all()
+            for s in self.schedulers:
+                s.release_all()
 
     def model_changes(self) -> str | None:
         """What changed in the wrapped module's params since wrapping (a param frozen,
@@ -372,24 +391,8 @@ class DataParallel(nn.Module):
         buffers; `transient_bucket`: the largest full param + grad bucket that exists only
         during forward and backward (0 unless fully sharded).
         """
-        params = grads = 0
-        for b in self.buckets:
-            p, g = b.persistent_bytes()
-            params, grads = params + p, grads + g
-        out = {
-            "params": params,
-            "grads": grads,
-            "masters": 0,
-            "optimizer_state": 0,
-            "frozen_params": sum(p.nbytes for p in self.frozen),
-            "transient_bucket": max(b.full_bytes() for b in self.buckets)
-            if self.reshard_after_forward
-            else 0,
-        }
         optimizer = self._optimizer() if self._optimizer is not None else None
-        if optimizer is not None:
-            out.update(optimizer.state_bytes())
-        return out
+        return memory(self.buckets, self.frozen, self.reshard_after_forward, optimizer)
 
     def attach_optimizer(self, optimizer: StateHolder) -> None:
         """Let `memory()` report `optimizer`'s masters and state (held by weak reference)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -210,13 +210,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         elif norms is None and self._owned:  # not clipped this step: one pass
             norms = peak_norms([o.grad for o in self._owned])
         change = self.ddp.model_changes()
-        received = self.ddp.received_grads()
+        received, experts = self.ddp.received_grads(), self.ddp.expert_layout
         pending = issue(
             self.steps,
             indices=self._indices,
             norms=norms,
             changed=change is not None,
-            received=received,
+            received=experts.spread(received) if experts else received,
             group=self._check_group(self.nonfinite is not None),
             world=self.ddp.model_ranks.size,  # dp (x tp: the group below)
             device=self.ddp.device,
@@ -226,8 +226,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             return self._judge(step, change, pending.verdict())
         # Judged at the next step on every rank alike; read now only for what others received.
         self._unread = (step, change, pending.stage())
-        got = pending.verdict().received if not all(received) else received
+        got = self._agreed(pending.verdict().received) if not all(received) else received
         return frozenset(r.name for r, g in zip(self.ddp.routes, got, strict=True) if g)
+
+    def _agreed(self, flags: Sequence[bool]) -> Sequence[bool]:
+        """Per route, from the step check: whether some rank holding it got a gradient."""
+        return self.ddp.expert_layout.pick(flags) if self.ddp.expert_layout else flags
 
     def _settle_check(self) -> None:
         """Read a step check left unread and raise what it found (on every rank alike)."""
@@ -247,7 +251,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 f"number of times and load the same checkpoint"
             )
         if verdict.first_nonfinite is None:
-            received = zip(ddp.routes, verdict.received, strict=True)
+            received = zip(ddp.routes, self._agreed(verdict.received), strict=True)
             return frozenset(r.name for r, got in received if got)
         if self.nonfinite == "skip":
             return None

@@ -47,6 +47,7 @@ _ELSEWHERE = {
     "grad_reduce_dtype": "the job reduces gradients in float32",
     "use_muon": "it is a Python function: pass TrainConfig(...) to train() from Python",
     "param_init": "it is a Python function: pass TrainConfig(...) to train() from Python",
+    "expert_params": "it is a Python function: pass TrainConfig(...) to train() from Python",
 }
 """Why a field of a section is not a job-file key."""
 

@@ -1,0 +1,154 @@
+"""dp x ep: `DataParallel(model, mesh=mesh)` over a MoE whose experts are split over
+`mesh["ep"]` ([Note: expert parallelism] in `wholeshard.distributed.mesh`): dense params
+synced over dp x ep, each expert over its expert-data-parallel ranks, averaged over dp x ep.
+
+Against one process running `torch.optim.Muon` + `torch.optim.AdamW` on the whole MoE, full
+batch, at dp x ep = 2 x 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from moe_support import MoELM, StackedExperts, global_names
+from support import ADAMW_KW, MUON_KW, TOL, full_params, lm_loss, local_batch, reference_run, run
+from torch.distributed.device_mesh import init_device_mesh
+
+import wholeshard
+
+STEPS, CLIP = 3, 0.5  # clipping: the norms see the gradients' scale, which Muon's update hides
+
+
+def expert_parallel(layout: str, ddp_kw: dict, unused: int | None = None) -> dict:
+    """Train at dp 2 x ep 2; this rank's params under their names in the whole MoE."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = MoELM(layout, mesh.get_group("ep"), unused)
+    ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    norms = []
+    for step in range(STEPS):
+        lm_loss(ddp, *local_batch(step, rank, world)).backward()
+        norms.append(opt.clip_grad_norm_(CLIP))
+        opt.step()
+        opt.zero_grad()
+    return held(ddp, model) | {"norms": torch.stack(norms)}
+
+
+def held(ddp: wholeshard.DataParallel, model: MoELM) -> dict[str, torch.Tensor]:
+    """This rank's params by their names in the whole MoE; a stack of experts as
+    `name@first`: its rows of the whole stack from `first`."""
+    with ddp.full_params():
+        params = full_params(model)
+    names = global_names(model)
+    out = {names[n]: p for n, p in params.items()}
+    if isinstance(model.moe.experts, StackedExperts):
+        out = {(f"{n}@{model.moe.first}" if ".experts." in n else n): p for n, p in out.items()}
+    return out
+
+
+def whole(ref: dict[str, torch.Tensor], name: str, local: torch.Tensor) -> torch.Tensor:
+    """The reference's value of `name` (`stack@first`: the rows held from `first`)."""
+    if "@" not in name:
+        return ref[name]
+    stack, first = name.split("@")
+    return ref[stack][int(first) : int(first) + local.shape[0]]
+
+
+MODES = {
+    "zero": {},
+    "overlap": dict(overlap_grad_reduce=True, overlap_param_gather=True),
+    "fully_sharded": dict(reshard_after_forward=True, overlap_grad_reduce=True),
+    "pipelined": dict(pipelined_step=True, overlap_grad_reduce=True),
+}
+
+
+@pytest.mark.parametrize(
+    ("layout", "mode"),
+    [
+        ("stacked", "zero"),
+        pytest.param("stacked", "overlap", marks=pytest.mark.slow),
+        ("modules", "fully_sharded"),
+        ("stacked", "pipelined"),
+    ],
+)  # modules in ZeRO mode: the test below
+def test_dp_x_ep_steps_like_one_process(layout: str, mode: str) -> None:
+    done = reference_run(STEPS, make=lambda: MoELM(layout), clip=CLIP)
+    ref = done["params"] | {"norms": torch.tensor(done["norms"])}
+    outs = run(expert_parallel, 4, layout, MODES[mode])
+    worst, seen = 0.0, set()
+    for out in outs:
+        for name, got in out.items():
+            want = whole(ref, name, got)
+            assert torch.allclose(got, want, atol=TOL[torch.float32]["atol"], rtol=0), name
+            worst = max(worst, (got - want).abs().max().item())
+            seen.add(name.split("@")[0])
+    assert seen == set(ref)  # every param of the whole MoE is held by some rank
+    print(f"dp 2 x ep 2, {layout}, {mode}: max |param diff| vs one process {worst:.3g}")
+
+
+def test_an_expert_no_token_reached_is_not_stepped() -> None:
+    """`experts.<i>` modules, ZeRO: expert 3 (on ep rank 1 as `experts.1`) gets no token;
+    `experts.1` of ep rank 0 (expert 1) does. Torch's rule, per expert: expert 3 keeps its
+    initial values bit for bit; the rest within the reference bounds."""
+    done = reference_run(STEPS, make=lambda: MoELM("modules", unused=3), clip=CLIP)
+    ref = done["params"] | {"norms": torch.tensor(done["norms"])}
+    initial = dict(MoELM("modules").named_parameters())
+    outs = run(expert_parallel, 4, "modules", {}, unused=3)
+    for out in outs:
+        for name, got in out.items():
+            assert torch.allclose(got, ref[name], atol=TOL[torch.float32]["atol"], rtol=0), name
+            if name.startswith("moe.experts.3."):
+                assert torch.equal(got, initial[name]) and torch.equal(ref[name], got), name
+
+
+NORMUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, beta2=0.95)
+
+
+def resumed(layout: str, ep: int, root: str, steps: int, load: bool, save: bool) -> dict:
+    """NorMuon (per-row second moments: state a stack keeps per matrix) at dp 2 x `ep` (ep 1:
+    the whole MoE on 2 ranks); steps `[2 if load else 0, ... + steps)`, loading and saving."""
+    if ep == 2:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        model = MoELM(layout, mesh.get_group("ep"))
+        ddp = wholeshard.DataParallel(model, mesh=mesh)
+    else:
+        model = MoELM(layout)
+        ddp = wholeshard.DataParallel(model)
+    opt = wholeshard.LayerwiseOptimizer(
+        ddp, muon=NORMUON_KW, adamw=ADAMW_KW, matrix_optimizer=wholeshard.optim.NorMuon
+    )
+    start = 2 if load else 0
+    if load:
+        wholeshard.load_checkpoint(root, ddp, opt)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(start, start + steps):
+        lm_loss(ddp, *local_batch(step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    if save:
+        wholeshard.save_checkpoint(root, ddp, opt)
+    return held(ddp, model)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "modules"])
+def test_a_checkpoint_from_ep_2_loads_at_ep_1(tmp_path, layout: str) -> None:
+    """Saved at dp 2 x ep 2 after 2 steps, loaded by the whole MoE on 2 ranks (names and
+    stacks renumbered: `ExpertLayout`), one more step: within the reference bounds of 3 steps
+    at ep 2; and resumed at ep 2, bitwise the uninterrupted run."""
+    root = str(tmp_path / "ckpt")
+    run(resumed, 4, layout, 2, root, 2, load=False, save=True)
+    at_1 = run(resumed, 2, layout, 1, root, 1, load=True, save=False)
+    again = run(resumed, 4, layout, 2, root, 1, load=True, save=False)
+    straight = run(resumed, 4, layout, 2, root, 3, load=False, save=False)
+    for a, b in zip(again, straight, strict=True):
+        for name in b:
+            assert torch.equal(a[name], b[name]), name
+    ref, worst = {n.split("@")[0]: p for n, p in at_1[0].items()}, 0.0
+    for out in straight:
+        for name, got in out.items():
+            want = whole(ref, name, got)
+            assert torch.allclose(got, want, atol=TOL[torch.float32]["atol"], rtol=0), name
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"{layout}: ep 2 -> ep 1 vs ep 2 throughout: max |param diff| {worst:.3g}")

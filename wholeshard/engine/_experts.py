@@ -1,0 +1,165 @@
+"""Expert params under a mesh's "ep" dim: which they are, and what each side broadcasts
+([Note: expert parallelism] in `wholeshard.distributed.mesh`).
+
+`DataParallel` holds the dense params itself (over dp x ep) and the experts in a second
+`DataParallel` over the expert-data-parallel group (`ExpertPart`), with its own plan, buckets
+and schedule; the first drives both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..distributed.dtensor import Place
+from ..planning.routing import Route, clean_name
+
+if TYPE_CHECKING:
+    from ..distributed.mesh import MeshGroups
+    from ..planning.routing import UseMuon
+    from .config import DataParallelConfig
+
+
+class ExpertPart(NamedTuple):
+    """What the experts' `DataParallel` is built from: the expert routes, and what their summed
+    gradients divide by (dp x ep: every rank's batch once)."""
+
+    routes: list[Route]
+    divide_by: int
+
+
+def is_expert(name: str, param: torch.Tensor) -> bool:
+    """The default `expert_params`: a name with an `experts` part (`mlp.experts.w1`,
+    `experts.3.up.weight`; not `shared_experts.w1`)."""
+    return "experts" in name.split(".")
+
+
+def split_experts(
+    routes: list[Route], cfg: DataParallelConfig, ep: int
+) -> tuple[list[Route], list[Route]]:
+    """(dense routes, expert routes), each in registration order. Raises if nothing is an
+    expert (an "ep" dim with no experts is a mistake) or everything is."""
+    if cfg.param_init is not None or cfg.fp8_param_gather:
+        raise NotImplementedError("param_init and fp8_param_gather with an 'ep' mesh dim")
+    fn = cfg.expert_params or is_expert
+    experts = [r for r in routes if fn(r.name, r.param)]
+    dense = [r for r in routes if not fn(r.name, r.param)]
+    if not experts:
+        raise ValueError(
+            f"the mesh has an 'ep' dim of {ep} but no trainable param is an expert's (default: "
+            f"names with an 'experts' part): say which with expert_params=fn(name, param)"
+        )
+    if not dense:
+        raise ValueError(
+            "every trainable param is an expert's: a MoE with an 'ep' dim also has dense params "
+            "(a router, attention, embeddings); check expert_params"
+        )
+    tied = [r.name for r in experts if r.tied]
+    if tied:
+        raise ValueError(f"expert params {tied} are tied to another param: untie them")
+    return dense, experts
+
+
+def wrap_experts(
+    cls: type[nn.Module], dense: Any, experts: list[Route], meshed: MeshGroups | None
+) -> tuple[tuple[Any, ...], ExpertLayout | None]:
+    """The experts' `DataParallel` (over the expert-data-parallel group, its gradients divided
+    by dense's group size) and the layout checkpoints read, for `dense` (the dense params')."""
+    if not experts or meshed is None or meshed.expert_group is None:
+        return (), None
+    part = ExpertPart(experts, dense.dp_size)
+    wrapper = cls(dense.module, dense.config, process_group=meshed.expert_group, _part=part)
+    mine = {id(r) for r in experts}
+    layout = ExpertLayout(
+        meshed.ep_rank,
+        meshed.ep,
+        wrapper.rank,
+        dense.config.expert_params,
+        tuple(id(r) in mine for r in dense.routes),
+    )
+    return (wrapper,), layout
+
+
+def the_rest(
+    module: nn.Module, frozen: list[nn.Parameter], expert_params: UseMuon | None, experts: bool
+) -> list[torch.Tensor]:
+    """Frozen params and buffers of one side (the experts', or the others'): what that side
+    broadcasts from its group's first rank."""
+    fn = expert_params or is_expert
+    frozen_ids = {id(p) for p in frozen}
+    named = [
+        (n, t) for n, t in module.named_parameters(remove_duplicate=True) if id(t) in frozen_ids
+    ]
+    named += list(module.named_buffers())
+    return [t for n, t in named if fn(clean_name(n), t) == experts]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where this rank's experts sit among all of them, this rank being `rank` of an "ep" dim of
+    `size`: of n local experts, its `experts.<i>` modules are experts `rank * n + i`, and a
+    stack's dim 0 (any other expert tensor) holds experts `[rank * n, (rank + 1) * n)`.
+    Checkpoints name and place expert tensors by it, so they load at any ep size."""
+
+    rank: int
+    size: int
+    data_rank: int  # in the expert-data-parallel group: rank 0 writes the experts' buffers
+    expert_params: UseMuon | None
+    expert_routes: tuple[bool, ...]  # per route of the model: an expert's
+
+    def spread(self, flags: Sequence[bool]) -> list[bool]:
+        """Per-route `flags` laid out for a MAX over dp x ep: an expert route's in the slot of
+        this rank's ep place among `size` (the others False), so only ranks holding the same
+        expert agree on it (whether some rank got a gradient for it); `pick` reads them back."""
+        out = [f and not e for f, e in zip(flags, self.expert_routes, strict=True)]
+        for f, e in zip(flags, self.expert_routes, strict=True):
+            out += [f and j == self.rank for j in range(self.size)] if e else []
+        return out
+
+    def pick(self, agreed: Sequence[bool]) -> list[bool]:
+        """Per route: `agreed` (the MAX of `spread`s) at this rank's slots."""
+        slots = iter(range(len(self.expert_routes) + self.rank, len(agreed), self.size))
+        per_route = zip(agreed[: len(self.expert_routes)], self.expert_routes, strict=True)
+        return [agreed[next(slots)] if e else a for a, e in per_route]
+
+    def is_expert(self, name: str, t: torch.Tensor) -> bool:
+        return (self.expert_params or is_expert)(name, t)
+
+    def places(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Place]:
+        """Each of `shapes` (every expert tensor of the model: name -> local shape) placed in
+        the whole model."""
+        counts: dict[tuple[str, ...], set[str]] = {}
+        for name in shapes:
+            parts = name.split(".")
+            i = _module_index(parts)
+            if i is not None:
+                counts.setdefault(tuple(parts[:i]), set()).add(parts[i])
+        out: dict[str, Place] = {}
+        for name, shape in shapes.items():
+            parts = name.split(".")
+            i = _module_index(parts)
+            if i is not None:
+                n = len(counts[tuple(parts[:i])])
+                parts[i] = str(self.rank * n + int(parts[i]))
+                out[name] = (".".join(parts), shape, None)
+            elif not shape:
+                raise ValueError(
+                    f"expert tensor {name!r} is a scalar: an expert tensor is one of an "
+                    f"`experts.<i>` module, or a stack whose dim 0 is the experts"
+                )
+            else:
+                whole = (shape[0] * self.size, *shape[1:])
+                out[name] = (name, whole, (0, self.rank * shape[0]))
+        return out
+
+
+def _module_index(parts: list[str]) -> int | None:
+    """The position of `<i>` in a name `....experts.<i>....`, if it has one."""
+    for i in range(1, len(parts)):
+        if parts[i - 1] == "experts" and parts[i].isdigit():
+            return i
+    return None
