@@ -8,6 +8,8 @@ batch, at dp x ep = 2 x 2.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,9 +22,13 @@ import wholeshard
 STEPS, CLIP = 3, 0.5  # clipping: the norms see the gradients' scale, which Muon's update hides
 
 
-def expert_parallel(layout: str, ddp_kw: dict, unused: int | None = None) -> dict:
-    """Train at dp 2 x ep 2; this rank's params under their names in the whole MoE."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+def expert_parallel(
+    layout: str, ddp_kw: dict, unused: int | None = None, mesh_dims: dict | None = None
+) -> dict:
+    """Train on a mesh of `mesh_dims` (default dp 2 x ep 2); this rank's params under their
+    names in the whole MoE."""
+    dims = mesh_dims or {"dp": 2, "ep": 2}
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
     model = MoELM(layout, mesh.get_group("ep"), unused)
     ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
@@ -56,6 +62,7 @@ def whole(ref: dict[str, torch.Tensor], name: str, local: torch.Tensor) -> torch
     return ref[stack][int(first) : int(first) + local.shape[0]]
 
 
+DP_EP = {"dp": 2, "ep": 2}
 MODES = {
     "zero": {},
     "overlap": dict(overlap_grad_reduce=True, overlap_param_gather=True),
@@ -65,18 +72,21 @@ MODES = {
 
 
 @pytest.mark.parametrize(
-    ("layout", "mode"),
+    ("layout", "mode", "dims"),
     [
-        ("stacked", "zero"),
-        pytest.param("stacked", "overlap", marks=pytest.mark.slow),
-        ("modules", "fully_sharded"),
-        ("stacked", "pipelined"),
+        ("stacked", "zero", DP_EP),
+        pytest.param("stacked", "overlap", DP_EP, marks=pytest.mark.slow),
+        ("modules", "fully_sharded", DP_EP),
+        ("stacked", "pipelined", DP_EP),
+        ("stacked", "zero", {"dp": 1, "ep": 2}),  # one rank per expert, averaged over 2
+        ("modules", "fully_sharded", {"dp_replicate": 2, "dp_shard": 1, "ep": 2}),
     ],
+    ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else v,
 )  # modules in ZeRO mode: the test below
-def test_dp_x_ep_steps_like_one_process(layout: str, mode: str) -> None:
+def test_dp_x_ep_steps_like_one_process(layout: str, mode: str, dims: dict) -> None:
     done = reference_run(STEPS, make=lambda: MoELM(layout), clip=CLIP)
     ref = done["params"] | {"norms": torch.tensor(done["norms"])}
-    outs = run(expert_parallel, 4, layout, MODES[mode])
+    outs = run(expert_parallel, math.prod(dims.values()), layout, MODES[mode], mesh_dims=dims)
     worst, seen = 0.0, set()
     for out in outs:
         for name, got in out.items():
@@ -85,7 +95,7 @@ def test_dp_x_ep_steps_like_one_process(layout: str, mode: str) -> None:
             worst = max(worst, (got - want).abs().max().item())
             seen.add(name.split("@")[0])
     assert seen == set(ref)  # every param of the whole MoE is held by some rank
-    print(f"dp 2 x ep 2, {layout}, {mode}: max |param diff| vs one process {worst:.3g}")
+    print(f"{dims}, {layout}, {mode}: max |param diff| vs one process {worst:.3g}")
 
 
 def test_an_expert_no_token_reached_is_not_stepped() -> None:
@@ -152,3 +162,41 @@ def test_a_checkpoint_from_ep_2_loads_at_ep_1(tmp_path, layout: str) -> None:
             assert torch.allclose(got, want, atol=TOL[torch.float32]["atol"], rtol=0), name
             worst = max(worst, (got - want).abs().max().item())
     print(f"{layout}: ep 2 -> ep 1 vs ep 2 throughout: max |param diff| {worst:.3g}")
+
+
+def _refusals() -> list[str]:
+    dp_ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    cases = [
+        dict(mesh=init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))),
+        dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))),
+        dict(
+            mesh=init_device_mesh(
+                "cpu", (2, 2, 1), mesh_dim_names=("ep", "dp_replicate", "dp_shard")
+            )
+        ),
+        dict(mesh=dp_ep, param_init=lambda name, t: None),
+        dict(mesh=dp_ep, expert_params=lambda name, p: True),
+    ]
+    said = []
+    for case in cases:
+        try:
+            wholeshard.DataParallel(MoELM("stacked", dp_ep.get_group("ep")), **case)
+        except (ValueError, NotImplementedError) as e:
+            said.append(f"{type(e).__name__}: {e}")
+        else:
+            said.append("accepted")
+    return said
+
+
+def test_unusable_expert_meshes_are_refused_on_every_rank() -> None:
+    said = run(_refusals, 4)
+    assert all(s == said[0] for s in said)
+    expected = [
+        "NotImplementedError: the mesh ('dp', 'ep', 'tp'): 'tp' with 'ep' is not supported yet",
+        "ValueError: the mesh ('dp_replicate', 'ep'): with 'ep' name 'dp'",
+        "put 'ep' after 'dp_replicate'",
+        "NotImplementedError: param_init and fp8_param_gather with an 'ep' mesh dim",
+        "every trainable param is an expert's",
+    ]
+    for got, want in zip(said[0], expected, strict=True):
+        assert want in got, (want, got)

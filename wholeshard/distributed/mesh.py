@@ -42,9 +42,10 @@ class MeshGroups(NamedTuple):
 
     group: ProcessGroup  # the data-parallel group (with "ep": dp x ep, the dense params')
     shard_group_size: int | None
-    expert_group: ProcessGroup | None  # with "ep": the expert-data-parallel group
-    ep: int  # the "ep" dim's size (1 without one)
-    ep_rank: int  # this rank's place on it
+    expert_group: ProcessGroup | None = None  # with "ep": the expert-data-parallel group
+    expert_shard_group_size: int | None = None  # and its shard group size
+    ep: int = 1  # the "ep" dim's size
+    ep_rank: int = 0  # this rank's place on it
 
 
 def mesh_data_parallel(
@@ -100,23 +101,35 @@ def mesh_data_parallel(
     if "ep" in names:
         return _expert_parallel(mesh, names, dp, k)
     group = mesh.get_group(dp[0]) if len(dp) == 1 else mesh[tuple(dp)]._flatten().get_group()
-    return MeshGroups(group, k, None, 1, 0)
+    return MeshGroups(group, k)
 
 
 def _expert_parallel(
     mesh: DeviceMesh, names: tuple[str, ...], dp: list[str], k: int | None
 ) -> MeshGroups:
-    """The dense group (dp x ep flattened) and the expert-data-parallel one ([Note: expert
-    parallelism])."""
-    if dp != ["dp"] or "tp" in names:
-        raise NotImplementedError(
-            f"the mesh {names}: an 'ep' dim runs beside one 'dp' dim (and 'pp'); hybrid "
-            f"sharding ('dp_replicate', 'dp_shard') and 'tp' with 'ep' are not supported yet"
+    """The dense group (the dp dims and "ep" flattened) and the expert-data-parallel one (the
+    dp dims), with their shard group sizes: hybrid, dense params are sharded over dp_shard x ep
+    and experts over dp_shard, both replicated over dp_replicate ([Note: expert parallelism])."""
+    if "tp" in names:
+        raise NotImplementedError(f"the mesh {names}: 'tp' with 'ep' is not supported yet")
+    before = "dp_replicate" in dp and names.index("ep") < names.index("dp_replicate")
+    if dp == ["dp_replicate"] or before:
+        raise ValueError(
+            f"the mesh {names}: with 'ep' name 'dp', 'dp_shard' or ('dp_replicate', "
+            f"'dp_shard'), and put 'ep' after 'dp_replicate' (dense params are sharded over "
+            f"dp_shard x ep)"
         )
-    dense = tuple(n for n in names if n in ("dp", "ep"))
-    group = mesh[dense]._flatten().get_group()
     ep = names.index("ep")
-    return MeshGroups(group, k, mesh.get_group("dp"), mesh.size(ep), mesh.get_local_rank(ep))
+    dense = mesh[tuple(n for n in names if n in (*dp, "ep"))]._flatten().get_group()
+    experts = mesh.get_group(dp[0]) if len(dp) == 1 else mesh[tuple(dp)]._flatten().get_group()
+    return MeshGroups(
+        dense,
+        None if k is None else k * mesh.size(ep),
+        experts,
+        k,
+        mesh.size(ep),
+        mesh.get_local_rank(ep),
+    )
 
 
 class ModelRanks(NamedTuple):

@@ -23,6 +23,13 @@ def check_tensor_parallel(
     if not dtensors:
         return False
     first = dtensors[0].name
+    on_ep = [r.name for r in dtensors if "ep" in (r.param.device_mesh.mesh_dim_names or ())]
+    if on_ep:
+        raise ValueError(
+            f"{on_ep[0]!r} is a DTensor on an 'ep' mesh dim: hold each rank's experts as plain "
+            f"params (their local shard, `p.to_local()`), and wrap with the mesh's 'ep' dim "
+            f"([Note: expert parallelism] in wholeshard.distributed.mesh)"
+        )
     if mesh_dims is None or "tp" not in mesh_dims:
         raise ValueError(
             f"{first!r} is a DTensor (tensor parallel): wrap with DataParallel(module, "

@@ -8,6 +8,7 @@ and schedule; the first drives both.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -72,7 +73,8 @@ def wrap_experts(
     if not experts or meshed is None or meshed.expert_group is None:
         return (), None
     part = ExpertPart(experts, dense.dp_size)
-    wrapper = cls(dense.module, dense.config, process_group=meshed.expert_group, _part=part)
+    cfg = dataclasses.replace(dense.config, shard_group_size=meshed.expert_shard_group_size)
+    wrapper = cls(dense.module, cfg, process_group=meshed.expert_group, _part=part)
     mine = {id(r) for r in experts}
     layout = ExpertLayout(
         meshed.ep_rank,

@@ -191,7 +191,7 @@ class DataParallel(nn.Module):
         self.scheduler = Scheduler(
             storages,
             forward_order(storages, routes),
-            reduces=self.dp_size > 1,
+            reduces=self.dp_size > 1 or groups.divide_by > 1,  # experts at dp 1: the average
             gathers=gathers,
             overlap_grad_reduce=cfg.overlap_grad_reduce,
             overlap_param_gather=cfg.overlap_param_gather,
