@@ -56,15 +56,22 @@ class Combine(torch.autograd.Function):
 
 
 class StackedExperts(nn.Module):
-    """Experts as transformers 5 stores them: one (n, out, in) stack per projection."""
+    """Experts as transformers 5 stores them: one (n, out, in) stack per projection; with
+    `ep_mesh`, torchtitan's layout: every expert's stack, a DTensor `Shard(0)` over it."""
 
-    def __init__(self, up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, up: torch.Tensor, down: torch.Tensor, ep_mesh=None) -> None:
         super().__init__()
-        self.up = nn.Parameter(up.clone())
-        self.down = nn.Parameter(down.clone())
+        if ep_mesh is None:
+            self.up, self.down = nn.Parameter(up.clone()), nn.Parameter(down.clone())
+        else:
+            from torch.distributed.tensor import Shard, distribute_tensor
 
-    def expert(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x @ self.up[k].T) @ self.down[k].T
+            self.up = nn.Parameter(distribute_tensor(up, ep_mesh, [Shard(0)]))
+            self.down = nn.Parameter(distribute_tensor(down, ep_mesh, [Shard(0)]))
+
+    def forward(self, k: int, x: torch.Tensor) -> torch.Tensor:  # a forward: fully sharded
+        up, down = (getattr(w, "to_local", lambda w=w: w)() for w in (self.up, self.down))
+        return F.gelu(x @ up[k].T) @ down[k].T
 
 
 class Expert(nn.Module):
@@ -84,13 +91,16 @@ class Expert(nn.Module):
 class ModuleExperts(nn.ModuleList):
     """Experts as separate modules (`experts.<i>.up.weight`), with an AdamW-routed bias each."""
 
-    def expert(self, k: int, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, k: int, x: torch.Tensor) -> torch.Tensor:
         return self[k](x)
 
 
 class MoE(nn.Module):
-    def __init__(self, layout: str, ep_group: dist.ProcessGroup | None, unused: int | None):
+    def __init__(self, layout: str, ep, unused: int | None):
+        """`ep`: the expert-parallel group (a DeviceMesh for the "dtensor" layout) or None."""
         super().__init__()
+        dtensor = layout == "dtensor" and ep is not None
+        ep_mesh, ep_group = (ep, ep.get_group()) if dtensor else (None, ep)
         self.unused = unused  # an expert the router never chooses
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         up = torch.randn(EXPERTS, HIDDEN, DIM) * DIM**-0.5
@@ -103,6 +113,8 @@ class MoE(nn.Module):
         mine = slice(self.first, self.first + n)
         if layout == "stacked":
             self.experts: nn.Module = StackedExperts(up[mine], down[mine])
+        elif layout == "dtensor":
+            self.experts = StackedExperts(up, down, ep_mesh)
         else:
             self.experts = ModuleExperts(
                 Expert(u, d, b) for u, d, b in zip(up[mine], down[mine], bias[mine], strict=True)
@@ -122,7 +134,7 @@ class MoE(nn.Module):
             rows = gates[:, self.first + k].nonzero().squeeze(1)
             if not len(rows):  # no token chose it: no gradient, as with torch's MoEs
                 continue
-            out = self.experts.expert(k, x[rows]) * gates[rows, self.first + k, None]
+            out = self.experts(k, x[rows]) * gates[rows, self.first + k, None]
             y = y.index_add(0, rows, out)
         return y if self.group is None else Combine.apply(y, self.group)
 
@@ -133,9 +145,12 @@ class MoELM(nn.Module):
     def __init__(
         self,
         layout: str = "stacked",
-        ep_group: dist.ProcessGroup | None = None,
+        ep_group=None,
         unused: int | None = None,
     ) -> None:
+        """`layout`: "stacked", "modules" or "dtensor" (stacked, the whole stacks as DTensors
+        over `ep_group`, then a DeviceMesh); without `ep_group` every layout is the one process
+        model with the same values (as "stacked" for "dtensor")."""
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, DIM)

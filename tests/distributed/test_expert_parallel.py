@@ -29,7 +29,7 @@ def expert_parallel(
     names in the whole MoE."""
     dims = mesh_dims or {"dp": 2, "ep": 2}
     mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
-    model = MoELM(layout, mesh.get_group("ep"), unused)
+    model = MoELM(layout, mesh["ep"] if layout == "dtensor" else mesh.get_group("ep"), unused)
     ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,7 +46,7 @@ def held(ddp: wholeshard.DataParallel, model: MoELM) -> dict[str, torch.Tensor]:
     """This rank's params by their names in the whole MoE; a stack of experts as
     `name@first`: its rows of the whole stack from `first`."""
     with ddp.full_params():
-        params = full_params(model)
+        params = {n: getattr(p, "_local_tensor", p) for n, p in full_params(model).items()}
     names = global_names(model)
     out = {names[n]: p for n, p in params.items()}
     if isinstance(model.moe.experts, StackedExperts):
@@ -80,6 +80,7 @@ MODES = {
         ("stacked", "pipelined", DP_EP),
         ("stacked", "zero", {"dp": 1, "ep": 2}),  # one rank per expert, averaged over 2
         ("modules", "fully_sharded", {"dp_replicate": 2, "dp_shard": 1, "ep": 2}),
+        ("dtensor", "fully_sharded", DP_EP),  # torchtitan's experts: DTensors Shard(0) on "ep"
     ],
     ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else v,
 )  # modules in ZeRO mode: the test below
@@ -121,7 +122,7 @@ def resumed(layout: str, ep: int, root: str, steps: int, load: bool, save: bool)
     the whole MoE on 2 ranks); steps `[2 if load else 0, ... + steps)`, loading and saving."""
     if ep == 2:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-        model = MoELM(layout, mesh.get_group("ep"))
+        model = MoELM(layout, mesh["ep"] if layout == "dtensor" else mesh.get_group("ep"))
         ddp = wholeshard.DataParallel(model, mesh=mesh)
     else:
         model = MoELM(layout)
@@ -142,7 +143,7 @@ def resumed(layout: str, ep: int, root: str, steps: int, load: bool, save: bool)
     return held(ddp, model)
 
 
-@pytest.mark.parametrize("layout", ["stacked", "modules"])
+@pytest.mark.parametrize("layout", ["stacked", "modules", "dtensor"])
 def test_a_checkpoint_from_ep_2_loads_at_ep_1(tmp_path, layout: str) -> None:
     """Saved at dp 2 x ep 2 after 2 steps, loaded by the whole MoE on 2 ranks (names and
     stacks renumbered: `ExpertLayout`), one more step: within the reference bounds of 3 steps

@@ -312,22 +312,24 @@ def test_a_nonfinite_slice_skips_the_step_on_every_tp_rank() -> None:
 # -- row blocks (ns_split) of tensor-parallel matrices --------------------------------------------
 
 
-def blocks_reference() -> dict[str, torch.Tensor]:
-    """One process: `up.weight` stepped as four 8-row matrices (row views of it), the rest as
-    in `reference`."""
+def blocks_reference(name: str = "up") -> dict[str, torch.Tensor]:
+    """One process: `<name>.weight` stepped as 8-row matrices (row views of it), the rest as in
+    `reference`."""
     model = MLP()
-    up = list(model.up.weight.detach().split(8))  # leaf views of the param's rows
+    weight = getattr(model, name).weight
+    blocks = list(weight.detach().split(8))  # leaf views of the param's rows
     others = [p for p in model.parameters() if p.ndim < 2]
+    whole = [p for p in (model.up.weight, model.down.weight) if p is not weight]
     opts = [
-        torch.optim.Muon([*up, model.down.weight], **MUON_KW),
+        torch.optim.Muon([*blocks, *whole], **MUON_KW),
         torch.optim.AdamW(others, **ADAMW_KW),
     ]
     for step in range(STEPS):
         x, y = data(step)
         F.mse_loss(model(x), y).backward()
-        for view, grad in zip(up, model.up.weight.grad.split(8), strict=True):
+        for view, grad in zip(blocks, weight.grad.split(8), strict=True):
             view.grad = grad
-        model.up.weight.grad = None
+        weight.grad = None
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -354,20 +356,24 @@ def _blocks(sizes: dict[str, list[int]]) -> dict[str, torch.Tensor] | str:
     return logical_params(ddp)
 
 
-def test_row_blocks_within_each_ranks_slice_step_alone() -> None:
-    """Per-head style blocks of a ColwiseParallel weight (8-row blocks, 16 rows a rank): each
-    rank steps its own blocks; against one process stepping the blocks as separate params."""
-    ref = blocks_reference()
-    for out in run(_blocks, 4, {"up.weight": [8] * 4}):
-        for name, want in ref.items():
-            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
-    whole = reference()["up.weight"]
-    assert not torch.allclose(ref["up.weight"], whole, atol=TOL[torch.float32]["atol"], rtol=0)
+@pytest.mark.parametrize("name", ["up", "down"], ids=["colwise", "rowwise"])
+def test_row_blocks_of_tensor_parallel_matrices(name: str) -> None:
+    """8-row blocks: of a ColwiseParallel weight (16 rows a rank), each rank steps its own
+    blocks alone; of a RowwiseParallel one (all rows, half the columns a rank), each block is
+    a tensor-parallel matrix of its own (a block TP-sharded). Against one process stepping the
+    blocks as separate params."""
+    ref = blocks_reference(name)
+    rows = {"up": 32, "down": 16}[name]
+    worst = 0.0
+    for out in run(_blocks, 4, {f"{name}.weight": [8] * (rows // 8)}):
+        for key, want in ref.items():
+            assert torch.allclose(out[key], want, atol=TOL[torch.float32]["atol"], rtol=0), key
+            worst = max(worst, (out[key] - want).abs().max().item())
+    whole = reference()[f"{name}.weight"]
+    assert not torch.allclose(ref[f"{name}.weight"], whole, atol=TOL[torch.float32]["atol"], rtol=0)
+    print(f"8-row blocks of {name}.weight at dp 2 x tp 2: max |param diff| {worst:.3g}")
 
 
-@pytest.mark.parametrize(
-    "sizes", [{"up.weight": [12, 20]}, {"down.weight": [8, 8]}], ids=["straddles", "rowwise"]
-)
-def test_row_blocks_across_slices_are_refused_on_every_rank(sizes) -> None:
-    for said in run(_blocks, 4, sizes):
+def test_row_blocks_across_slices_are_refused_on_every_rank() -> None:
+    for said in run(_blocks, 4, {"up.weight": [12, 20]}):
         assert isinstance(said, str) and "must each lie within one rank's slice of rows" in said

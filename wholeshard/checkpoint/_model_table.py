@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..distributed.dtensor import Place, shard_place
+from ..distributed.dtensor import Place, is_dtensor, shard_place
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable
 from ..planning.routing import clean_name
@@ -91,7 +91,7 @@ def tensor_places(ddp: DataParallel) -> dict[str, Place]:
     layout = ddp.expert_layout
     if layout is None:
         return out
-    tensors = {r.name: r.param for r in ddp.routes} | others
+    tensors = {r.name: r.param for r in ddp.routes if not is_dtensor(r.param)} | others
     return out | layout.places(
         {name: out[name][1] for name, t in tensors.items() if layout.is_expert(name, t)}
     )

@@ -21,6 +21,18 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def on_experts_dim(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor on a mesh with an "ep" dim: a stack of this rank's experts (as
+    torchtitan's expert parallelism lays them out), held like a plain stack, not a
+    tensor-parallel matrix."""
+    return is_dtensor(t) and "ep" in (t.device_mesh.mesh_dim_names or ())  # type: ignore[attr-defined]
+
+
+def is_tensor_parallel(t: torch.Tensor) -> bool:
+    """Whether `t` is a tensor-parallel param: a DTensor, not one of experts."""
+    return is_dtensor(t) and not on_experts_dim(t)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """`t`'s local tensor if it is a DTensor, else `t` (no autograd: a plain tensor)."""
     return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]

@@ -12,14 +12,15 @@ rank's data-parallel ranks: its dp dims flattened in row-major order, so each `d
 is a block of consecutive data-parallel ranks (the shard groups `shard_group_size` makes).
 
 [Note: expert parallelism]
-An `"ep"` dim splits a MoE's experts: each of its ranks holds E / ep experts as ordinary
-params (a stack whose dim 0 is its experts, or `experts.<i>` modules) and the model dispatches
-tokens to them itself. Every rank of dp x ep holds the same dense params and sees its own
-batch, so the dense params' group is the data-parallel and "ep" dims flattened; an expert's
-copies lie only along the data-parallel dims (its expert-data-parallel group), which `DataParallel`
-reduces and gathers them over, with a plan and buckets of their own. An expert's gradient on
-one rank already sums what the ep peers' tokens contributed (the dispatch's backward brings
-them back), so its average divides by dp x ep, like the dense params', not by dp.
+An `"ep"` dim splits a MoE's experts: each of its ranks holds E / ep experts (a stack whose
+dim 0 is its experts, plain or a DTensor `Shard(0)` on "ep" as torchtitan lays it out, or
+`experts.<i>` modules) and the model dispatches tokens to them itself. Every rank of dp x ep
+holds the same dense params and sees its own batch, so the dense params' group is the
+data-parallel and "ep" dims flattened; an expert's copies lie only along the data-parallel
+dims (its expert-data-parallel group), which `DataParallel` reduces and gathers them over,
+with a plan and buckets of their own. An expert's gradient on one rank already sums what the
+ep peers' tokens contributed (the dispatch's backward brings them back), so its average
+divides by dp x ep, like the dense params', not by dp.
 """
 
 from __future__ import annotations

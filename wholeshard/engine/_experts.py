@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from ..distributed.dtensor import Place
+from ..distributed.dtensor import Place, on_experts_dim
 from ..planning.routing import Route, clean_name
 
 if TYPE_CHECKING:
@@ -39,6 +39,13 @@ def is_expert(name: str, param: torch.Tensor) -> bool:
     return "experts" in name.split(".")
 
 
+def expert_rule(expert_params: UseMuon | None) -> UseMuon:
+    """Which tensors are experts': `expert_params` (default `is_expert`), and every DTensor on
+    an "ep" dim (the one decision; every use of it asks here)."""
+    fn = expert_params or is_expert
+    return lambda name, t: fn(name, t) or on_experts_dim(t)
+
+
 def split_experts(
     routes: list[Route], cfg: DataParallelConfig, ep: int
 ) -> tuple[list[Route], list[Route]]:
@@ -46,9 +53,10 @@ def split_experts(
     expert (an "ep" dim with no experts is a mistake) or everything is."""
     if cfg.param_init is not None or cfg.fp8_param_gather:
         raise NotImplementedError("param_init and fp8_param_gather with an 'ep' mesh dim")
-    fn = cfg.expert_params or is_expert
-    experts = [r for r in routes if fn(r.name, r.param)]
-    dense = [r for r in routes if not fn(r.name, r.param)]
+    fn = expert_rule(cfg.expert_params)
+    mine = {id(r) for r in routes if fn(r.name, r.param)}
+    experts = [r for r in routes if id(r) in mine]
+    dense = [r for r in routes if id(r) not in mine]
     if not experts:
         raise ValueError(
             f"the mesh has an 'ep' dim of {ep} but no trainable param is an expert's (default: "
@@ -91,7 +99,7 @@ def the_rest(
 ) -> list[torch.Tensor]:
     """Frozen params and buffers of one side (the experts', or the others'): what that side
     broadcasts from its group's first rank."""
-    fn = expert_params or is_expert
+    fn = expert_rule(expert_params)
     frozen_ids = {id(p) for p in frozen}
     named = [
         (n, t) for n, t in module.named_parameters(remove_duplicate=True) if id(t) in frozen_ids
@@ -129,11 +137,11 @@ class ExpertLayout:
         return [agreed[next(slots)] if e else a for a, e in per_route]
 
     def is_expert(self, name: str, t: torch.Tensor) -> bool:
-        return (self.expert_params or is_expert)(name, t)
+        return expert_rule(self.expert_params)(name, t)
 
     def places(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Place]:
-        """Each of `shapes` (every expert tensor of the model: name -> local shape) placed in
-        the whole model."""
+        """Each of `shapes` (every plain expert tensor of the model: name -> local shape; a
+        DTensor's own layout places it) placed in the whole model."""
         counts: dict[tuple[str, ...], set[str]] = {}
         for name in shapes:
             parts = name.split(".")

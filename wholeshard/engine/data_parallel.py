@@ -135,7 +135,7 @@ class DataParallel(nn.Module):
         self.routes = _part.routes if _part else route_params(module, cfg.use_muon)
         ep = meshed is not None and meshed.expert_group is not None  # [Note: expert parallelism]
         routes, experts = split_experts(self.routes, cfg, meshed.ep) if ep else (self.routes, [])
-        self.tensor_parallel = check_tensor_parallel(
+        self.tensor_parallel = not _part and check_tensor_parallel(  # experts: checked by dense
             self.routes,
             mesh.mesh_dim_names if mesh is not None else None,
             param_init=cfg.param_init is not None,
@@ -256,8 +256,9 @@ class DataParallel(nn.Module):
     # -- ownership ------------------------------------------------------------------------
 
     def owned(self) -> Iterator[OwnedRange]:
-        """What this rank updates, in registration order: whole params, whole matrices of
-        stacked params, or flat slices of element-wise ones. Ownership comes from the plan."""
+        """What this rank updates, in registration order (experts after the others): whole
+        params, whole matrices of stacked params, or flat slices of element-wise ones.
+        Ownership comes from the plan."""
         buckets = {name: b for name, (b, _) in self._slot_of.items()}
         yield from owned_ranges(self.plan, self.routes, self.shard_rank, buckets)
         for e in self._experts:  # its buckets follow ours in `buckets`

@@ -10,7 +10,8 @@ whole in its owner's shard, and the owner steps its blocks. `param` is a meta te
 param's shape and dtype as Muon sees it, (..., out, in): a weight stored (in, out)
 (transformers' `Conv1D`) comes transposed, fully sharded params, released between steps, still
 have their shape, and a tensor-parallel (DTensor) param has its logical shape: each rank steps
-the blocks within its slice of rows (ColwiseParallel; a block may not straddle two slices).
+the blocks within its slice of rows (ColwiseParallel; a block may not straddle two slices), or
+with the columns sliced (RowwiseParallel) every block, a tensor-parallel matrix of its own.
 
 The blocks are fixed when the optimizer is built, on every rank alike, and checked there: sizes
 must be positive ints summing to the matrix's rows, else every rank raises naming the param.
@@ -150,8 +151,9 @@ def row_blocks(routes: Iterable[Route], ns_split: NsSplit | None) -> dict[str, t
 
 def _check_slices(route: Route, bounds: list[int]) -> None:
     """A tensor-parallel matrix's blocks must lie each within one rank's slice of rows
-    (ColwiseParallel), so that each rank steps its own blocks alone; raised on every rank."""
-    if route.shape == route.logical_shape:  # not sliced
+    (ColwiseParallel), so that each rank steps its own blocks alone; raised on every rank. (With
+    its columns sliced, RowwiseParallel, each block is a tensor-parallel matrix of its own.)"""
+    if route.shape[0] == route.logical_shape[0]:  # all rows here
         return
     rows, local = route.logical_shape[0], route.shape[0]
     if route.shape[1:] != route.logical_shape[1:] or not set(range(0, rows + 1, local)) <= set(

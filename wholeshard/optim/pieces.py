@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from ..distributed.dtensor import is_dtensor, shard_place
+from ..distributed.dtensor import is_tensor_parallel, shard_place
 
 if TYPE_CHECKING:
     from ..engine.data_parallel import DataParallel, OwnedRange
@@ -204,14 +204,25 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
     params = owned.param.reshape(-1, rows, cols).unbind()
     grads = owned.grad.reshape(-1, rows, cols).unbind()
     stacked = len(full_shape) > 2
-    if is_dtensor(route.param):
+    if is_tensor_parallel(route.param):
         if route.transposed or len(full_shape) > 2:
             raise NotImplementedError(
                 f"{route.name}: weights stored (in, out) and stacked matrices are not supported "
                 f"with tensor parallelism yet"
             )
+        place = shard_place(route.param)
+        if bounds and place is not None and place[0] == 1:  # RowwiseParallel: column-sliced
+            return [  # row blocks, each a tensor-parallel matrix of its own
+                tensor_parallel(
+                    _piece(route.name, MUON, full_shape, owned.offset + a * cols,
+                           params[0][a:b], grads[0][a:b], rows=(a, b)),
+                    route.param,
+                    (a, b),
+                )
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            ]  # fmt: skip
         if bounds:  # row blocks within this rank's rows: stepped here alone, as plain matrices
-            bounds = local_blocks(bounds, shard_place(route.param), rows)
+            bounds = local_blocks(bounds, place, rows)
         else:
             piece = _piece(route.name, MUON, full_shape, owned.offset, owned.param, owned.grad)
             return [tensor_parallel(piece, route.param)]
@@ -247,20 +258,30 @@ def local_blocks(bounds: tuple[int, ...], place: tuple[int, int] | None, rows: i
     return tuple(b - first for b in bounds if first <= b <= first + rows)
 
 
-def tensor_parallel(piece: OwnedPiece, param: torch.Tensor) -> OwnedPiece:
-    """`piece` (one rank's slice of a DTensor `param`) with a DTensor over its master and one
-    over the master's grad, laid out like `param`."""
-    piece.tp_param = _laid_out_like(piece.master, param)
-    piece.tp_param.grad = _laid_out_like(piece.master.grad, param)
+def tensor_parallel(
+    piece: OwnedPiece, param: torch.Tensor, rows: tuple[int, int] | None = None
+) -> OwnedPiece:
+    """`piece` (one rank's slice of a DTensor `param`, or of its `rows` when its columns are
+    sliced) with a DTensor over its master and one over the master's grad, laid out like
+    `param` (that matrix of `rows`)."""
+    shape = tuple(param.shape) if rows is None else (rows[1] - rows[0], *param.shape[1:])
+    piece.tp_param = _laid_out_like(piece.master, param, shape)
+    piece.tp_param.grad = _laid_out_like(piece.master.grad, param, shape)
     return piece
 
 
-def _laid_out_like(t: torch.Tensor, dtensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor over `t` (this rank's slice, no copy) laid out like the DTensor `dtensor`."""
+def _laid_out_like(
+    t: torch.Tensor, dtensor: torch.Tensor, shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """A DTensor over `t` (this rank's slice, no copy) laid out like the DTensor `dtensor`, of
+    its `shape` or the given one."""
     from torch.distributed.tensor import DTensor
 
-    d = dtensor
-    return DTensor.from_local(t, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
+    shape = tuple(dtensor.shape) if shape is None else shape
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(
+        t, dtensor.device_mesh, dtensor.placements, shape=shape, stride=stride
+    )
 
 
 def _piece(

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..distributed.dtensor import is_dtensor
+from ..distributed.dtensor import is_tensor_parallel
 from .tensor_parallel import check_tp_mode
 
 MATRIX_RULES = ("muon", "normuon", "soap")
@@ -87,7 +87,7 @@ def tensor_parallel_rule(
 
     mode = check_tp_mode(mode)
     kwargs = dict(kwargs or {})
-    if not any(r.muon and is_dtensor(r.param) for r in routes):
+    if not any(r.muon and is_tensor_parallel(r.param) for r in routes):
         return rule, kwargs
     if rule is torch.optim.Muon:  # the same maths; its hyperparameters stay torch's
         rule, kwargs = Muon, {"ns_coefficients": QUINTIC, **kwargs}

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed import collectives
+from ..distributed.dtensor import is_tensor_parallel
 from ..planning.tensor_parallel import iterate_sharded_dim
 
 TpMode = Literal["duplicated", "distributed"]
@@ -75,11 +76,11 @@ def tp_shard(t: Tensor) -> TpShard | None:
 def tp_slices(routes: list) -> tuple[dist.ProcessGroup | None, set[str]]:
     """(the tensor-parallel group, the names of the params sliced over it), from the routes'
     DTensor params of any rank (a ColwiseParallel bias is 1-D); (None, empty) without any."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     group, names = None, set()
     for r in routes:
-        if isinstance(r.param, DTensor):
+        if is_tensor_parallel(r.param):
             for mesh_dim, placement in enumerate(r.param.placements):
                 if isinstance(placement, Shard):
                     group = r.param.device_mesh.get_group(mesh_dim)
