@@ -61,13 +61,20 @@ def test_pipelined_is_bitwise_equal_to_unpipelined(nproc: int, dtype: torch.dtyp
     _assert_pairs_equal(run(_pairs, nproc, GATHER_MODES, param_dtype=dtype))
 
 
-def test_fully_sharded_and_shard_groups() -> None:
-    modes = {
-        "fully_sharded": dict(reshard_after_forward=True, **OVERLAP),
-        "fully_sharded-sync": dict(reshard_after_forward=True),
-        "shard_groups": dict(shard_group_size=2, **OVERLAP),
-        "shard_groups-fully_sharded": dict(shard_group_size=2, reshard_after_forward=True),
-    }
+SHARDED_MODES = {
+    "fully_sharded": dict(reshard_after_forward=True, **OVERLAP),
+    "shard_groups": dict(shard_group_size=2, **OVERLAP),
+}
+MORE_SHARDED_MODES = {
+    "fully_sharded-sync": dict(reshard_after_forward=True),
+    "shard_groups-fully_sharded": dict(shard_group_size=2, reshard_after_forward=True),
+}
+
+
+@pytest.mark.parametrize(
+    "modes", [SHARDED_MODES, pytest.param(MORE_SHARDED_MODES, marks=pytest.mark.slow)]
+)
+def test_fully_sharded_and_shard_groups(modes: dict) -> None:
     _assert_pairs_equal(run(_pairs, 4, modes))
 
 

@@ -118,6 +118,7 @@ def test_two_local_ranks_muon(muon_run: tuple[Path, dict]) -> None:
     _check_run(*muon_run, "muon")
 
 
+@pytest.mark.slow  # AdamW in the train job: test_train_resume.py trains it with checkpoints
 def test_two_local_ranks_adamw(text_file: Path, tmp_path: Path) -> None:
     args = _args(text_file, tmp_path, "--nproc", "2", "--optimizer", "adamw")
     proc, _ = _run([sys.executable, "-m", "wholeshard", *args])
