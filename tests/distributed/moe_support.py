@@ -77,8 +77,8 @@ class StackedExperts(nn.Module):
 class Expert(nn.Module):
     def __init__(self, up: torch.Tensor, down: torch.Tensor, bias: torch.Tensor) -> None:
         super().__init__()
-        self.up = nn.utils.skip_init(nn.Linear, DIM, HIDDEN, bias=False)
-        self.down = nn.utils.skip_init(nn.Linear, HIDDEN, DIM)
+        self.up = nn.utils.skip_init(nn.Linear, DIM, HIDDEN, bias=False, device=up.device)
+        self.down = nn.utils.skip_init(nn.Linear, HIDDEN, DIM, device=up.device)
         with torch.no_grad():
             self.up.weight.copy_(up)
             self.down.weight.copy_(down)

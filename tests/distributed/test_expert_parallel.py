@@ -18,6 +18,7 @@ from support import ADAMW_KW, MUON_KW, TOL, full_params, lm_loss, local_batch, r
 from torch.distributed.device_mesh import init_device_mesh
 
 import wholeshard
+from wholeshard import fp8
 
 STEPS, CLIP = 3, 0.5  # clipping: the norms see the gradients' scale, which Muon's update hides
 
@@ -114,6 +115,57 @@ def test_an_expert_no_token_reached_is_not_stepped() -> None:
                 assert torch.equal(got, initial[name]) and torch.equal(ref[name], got), name
 
 
+def _fp8(gather: bool) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = fp8.convert(MoELM("modules", mesh.get_group("ep")), "tensorwise")
+    kw = dict(fp8_param_gather=gather, param_dtype=torch.bfloat16)
+    ddp = wholeshard.DataParallel(model, mesh=mesh, **kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    for step in range(STEPS):
+        lm_loss(ddp, *local_batch(step, dist.get_rank(), dist.get_world_size())).backward()
+        opt.step()
+        opt.zero_grad()
+    assert sum(isinstance(m, fp8.Fp8Linear) for m in model.moe.experts.modules()) == 4
+    return held(ddp, model)
+
+
+def test_fp8_param_gather_of_experts_is_bitwise_quantizing_every_forward() -> None:
+    """FP8 linears among the dense params (proj, router) and the experts: gathering them as
+    FP8, each over its own group, gives the bits of quantizing every forward."""
+    for a, b in zip(run(_fp8, 4, True), run(_fp8, 4, False), strict=True):
+        for name in b:
+            assert torch.equal(a[name], b[name]), name
+
+
+def _init(name: str, t: torch.Tensor) -> None:
+    """A `param_init`: torch's global RNG (seeded from the name by `DataParallel`)."""
+    torch.nn.init.normal_(t, std=0.02) if t.ndim > 1 else torch.nn.init.uniform_(t)
+
+
+def _from_meta(layout: str, ddp_kw: dict) -> dict[str, torch.Tensor]:
+    """The MoE built on the meta device and filled by `param_init`: at dp 2 x ep 2 under a
+    process group, else the whole MoE in one process."""
+    if not dist.is_initialized():
+        with torch.device("meta"):
+            model = MoELM(layout)
+        return held(wholeshard.DataParallel(model, param_init=_init), model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    with torch.device("meta"):
+        model = MoELM(layout, mesh.get_group("ep"))
+    return held(wholeshard.DataParallel(model, mesh=mesh, param_init=_init, **ddp_kw), model)
+
+
+@pytest.mark.parametrize(("layout", "mode"), [("stacked", "zero"), ("modules", "fully_sharded")])
+def test_meta_construction_gives_every_expert_the_whole_moes_values(layout, mode) -> None:
+    """`param_init` fills an `experts.<i>` module under its name in the whole MoE and a stack
+    of experts as its rows of the whole stack: the same bits as one process at ep 1."""
+    one = run(_from_meta, 0, layout, {})[0]
+    one = {n.split("@")[0]: p for n, p in one.items()}
+    for out in run(_from_meta, 4, layout, MODES[mode]):
+        for name, got in out.items():
+            assert torch.equal(got, whole(one, name, got)), name
+
+
 NORMUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, beta2=0.95)
 
 
@@ -177,13 +229,15 @@ def _refusals() -> list[str]:
                 "cpu", (2, 1, 1), mesh_dim_names=("ep", "dp_replicate", "dp_shard")
             )
         ),
-        dict(mesh=dp_ep, param_init=lambda name, t: None),
+        dict(mesh=dp_ep, param_init=lambda name, t: None),  # with a frozen expert (below)
         dict(mesh=dp_ep, expert_params=lambda name, p: True),
     ]
     said = []
     for case in cases:
+        model = MoELM("stacked", dp_ep.get_group("ep"))
+        model.moe.experts.down.requires_grad_("param_init" not in case)
         try:
-            wholeshard.DataParallel(MoELM("stacked", dp_ep.get_group("ep")), **case)
+            wholeshard.DataParallel(model, **case)
         except (ValueError, NotImplementedError) as e:
             said.append(f"{type(e).__name__}: {e}")
         else:
@@ -198,7 +252,8 @@ def test_unusable_expert_meshes_are_refused_on_every_rank() -> None:
         "NotImplementedError: the mesh ('dp', 'ep', 'tp'): 'tp' with 'ep' is not supported yet",
         "ValueError: the mesh ('dp_replicate', 'ep'): with 'ep' name 'dp'",
         "put 'ep' after 'dp_replicate'",
-        "NotImplementedError: param_init and fp8_param_gather with an 'ep' mesh dim",
+        "NotImplementedError: param_init (meta-device construction) with experts that are "
+        "DTensors or frozen",
         "every trainable param is an expert's",
     ]
     for got, want in zip(said[0], expected, strict=True):

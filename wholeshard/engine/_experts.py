@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..distributed.dtensor import Place, on_experts_dim
 from ..planning.routing import Route, clean_name
+from ._meta import ParamInit, seeded
 
 if TYPE_CHECKING:
     from ..distributed.mesh import MeshGroups
@@ -47,20 +49,29 @@ def expert_rule(expert_params: UseMuon | None) -> UseMuon:
 
 
 def split_experts(
-    routes: list[Route], cfg: DataParallelConfig, ep: int
+    module: nn.Module, routes: list[Route], cfg: DataParallelConfig, meshed: MeshGroups | None
 ) -> tuple[list[Route], list[Route]]:
-    """(dense routes, expert routes), each in registration order. Raises if nothing is an
-    expert (an "ep" dim with no experts is a mistake) or everything is."""
-    if cfg.param_init is not None or cfg.fp8_param_gather:
-        raise NotImplementedError("param_init and fp8_param_gather with an 'ep' mesh dim")
+    """(dense routes, expert routes), each in registration order; without an "ep" dim (in
+    `meshed`), (routes, []). Raises if nothing is an expert (an "ep" dim with no experts is a
+    mistake) or everything is."""
+    if meshed is None or meshed.expert_group is None:
+        return routes, []
     fn = expert_rule(cfg.expert_params)
     mine = {id(r) for r in routes if fn(r.name, r.param)}
     experts = [r for r in routes if id(r) in mine]
     dense = [r for r in routes if id(r) not in mine]
+    if cfg.param_init is not None and (
+        any(on_experts_dim(r.param) for r in experts)
+        or any(fn(n, p) for n, p in module.named_parameters() if not p.requires_grad)
+    ):
+        raise NotImplementedError(
+            "param_init (meta-device construction) with experts that are DTensors or frozen"
+        )
     if not experts:
         raise ValueError(
-            f"the mesh has an 'ep' dim of {ep} but no trainable param is an expert's (default: "
-            f"names with an 'experts' part): say which with expert_params=fn(name, param)"
+            f"the mesh has an 'ep' dim of {meshed.ep} but no trainable param is an expert's "
+            f"(default: names with an 'experts' part): say which with "
+            f"expert_params=fn(name, param)"
         )
     if not dense:
         raise ValueError(
@@ -80,18 +91,42 @@ def wrap_experts(
     by dense's group size) and the layout checkpoints read, for `dense` (the dense params')."""
     if not experts or meshed is None or meshed.expert_group is None:
         return (), None
-    part = ExpertPart(experts, dense.dp_size)
-    cfg = dataclasses.replace(dense.config, shard_group_size=meshed.expert_shard_group_size)
-    wrapper = cls(dense.module, cfg, process_group=meshed.expert_group, _part=part)
     mine = {id(r) for r in experts}
     layout = ExpertLayout(
         meshed.ep_rank,
         meshed.ep,
-        wrapper.rank,
+        dist.get_rank(meshed.expert_group),
         dense.config.expert_params,
         tuple(id(r) in mine for r in dense.routes),
     )
+    cfg = dataclasses.replace(dense.config, shard_group_size=meshed.expert_shard_group_size)
+    if cfg.param_init is not None:
+        shapes = {r.name: r.shape for r in experts}
+        cfg = dataclasses.replace(cfg, param_init=whole_moe_init(cfg.param_init, layout, shapes))
+    part = ExpertPart(experts, dense.dp_size)
+    wrapper = cls(dense.module, cfg, process_group=meshed.expert_group, _part=part)
     return (wrapper,), layout
+
+
+def whole_moe_init(
+    fn: ParamInit, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]
+) -> ParamInit:
+    """`fn` (a `param_init`) giving this rank's experts the whole MoE's values, so they do not
+    depend on ep either: an `experts.<i>` module's tensors are filled under their name in the
+    whole MoE, a stack of experts as its rows of the whole stack (filled whole: transient
+    memory of one whole stack)."""
+    places = layout.places(shapes)
+
+    def init(name: str, t: torch.Tensor) -> None:
+        whole, shape, place = places[name]
+        if place is None:
+            seeded(fn, whole, t)
+            return
+        full = t.new_empty(shape)
+        seeded(fn, whole, full)
+        t.copy_(full.narrow(place[0], place[1], t.shape[place[0]]))
+
+    return init
 
 
 def the_rest(

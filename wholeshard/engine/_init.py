@@ -45,10 +45,12 @@ def check_model(
     group: ProcessGroup | None,
     dp: int,
     placeholders: Collection[nn.Parameter] = frozenset(),
+    placed: bool = False,
 ) -> None:
     """Raise on every rank if any rank's module cannot be wrapped or ranks built different
-    models, naming the rank and the first difference."""
-    problem = placement_problem(module, placeholders)
+    models, naming the rank and the first difference. `placed`: the module's placement was
+    checked already (the experts' wrapper, built after the dense params are in buffers)."""
+    problem = None if placed else placement_problem(module, placeholders)
     if dp == 1:
         if problem is not None:
             raise ValueError(f"cannot wrap the model: {problem}")

@@ -129,12 +129,12 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
         placeholders: set[nn.Parameter] = set()
-        if cfg.param_init is not None:  # [Note: meta-device construction]
+        if cfg.param_init is not None and not _part:  # [Note: meta-device construction]
             placeholders = materialise(module, target_device(module, self.process_group))
             fill_frozen(module, cfg.param_init)
         self.routes = _part.routes if _part else route_params(module, cfg.use_muon)
-        ep = meshed is not None and meshed.expert_group is not None  # [Note: expert parallelism]
-        routes, experts = split_experts(self.routes, cfg, meshed.ep) if ep else (self.routes, [])
+        routes, experts = split_experts(module, self.routes, cfg, meshed)  # [Note: expert
+        ep = bool(experts)  # parallelism] in `wholeshard.distributed.mesh`
         self.tensor_parallel = not _part and check_tensor_parallel(  # experts: checked by dense
             self.routes,
             mesh.mesh_dim_names if mesh is not None else None,
@@ -144,7 +144,7 @@ class DataParallel(nn.Module):
         self.model_ranks = model_ranks(
             mesh if self.tensor_parallel else None, self.process_group, self.dp_size, self.rank
         )
-        check_model(module, routes, self.process_group, self.dp_size, placeholders)
+        check_model(module, routes, self.process_group, self.dp_size, placeholders, bool(_part))
         param_dtype = cfg.param_dtype or common_dtype(self.routes)
         self.frozen = cast_frozen(module, param_dtype)
         self.plan = plan_routes(routes, cfg, self.dp_size)
@@ -271,14 +271,14 @@ class DataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces them all."""
-        previous = [s.sync_grads for s in self.schedulers]
+        previous = self.scheduler.sync_grads  # every scheduler's: they are set together
         for s in self.schedulers:
             s.sync_grads = False
         try:
             yield
         finally:
-            for s, sync in zip(self.schedulers, previous, strict=True):
-                s.sync_grads = sync
+            for s in self.schedulers:
+                s.sync_grads = previous
 
     def start_grad_sync(self) -> None:
         """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
