@@ -7,6 +7,8 @@ plain param's `.data`, and its gradient's local tensor is what a bucket accumula
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -46,16 +48,27 @@ def set_local(param: nn.Parameter, t: torch.Tensor) -> None:
         param.data = t
 
 
+def sharding(t: torch.Tensor) -> list[tuple[int, Any]]:
+    """(mesh dim, placement) of every placement of a DTensor `t` that is not `Replicate` (a
+    `Shard`, or a `Partial`), in mesh dim order; [] for a plain or replicated tensor. The one
+    reading of placements: shard places, tensor-parallel groups and layouts ask here."""
+    from torch.distributed.tensor import Replicate
+
+    if not is_dtensor(t):
+        return []
+    placements = t.placements  # type: ignore[attr-defined]
+    return [(i, p) for i, p in enumerate(placements) if not isinstance(p, Replicate)]
+
+
 def shard_place(t: torch.Tensor) -> tuple[int, int] | None:
     """(dim, offset) of this rank's shard in a DTensor `t` sharded on one mesh dim (torch.chunk
     layout: the first shards take ceil(n / size) each), or None if `t` is not sharded."""
     from torch.distributed.tensor import Shard
 
-    if not is_dtensor(t):
-        return None
-    for mesh_dim, placement in enumerate(t.placements):  # type: ignore[attr-defined]
+    for mesh_dim, placement in sharding(t):
         if isinstance(placement, Shard):
-            n, size = t.shape[placement.dim], t.device_mesh.size(mesh_dim)  # type: ignore[attr-defined]
+            mesh = t.device_mesh  # type: ignore[attr-defined]
+            n, size = t.shape[placement.dim], mesh.size(mesh_dim)
             chunk = -(-n // size)
-            return placement.dim, min(t.device_mesh.get_local_rank(mesh_dim) * chunk, n)  # type: ignore[attr-defined]
+            return placement.dim, min(mesh.get_local_rank(mesh_dim) * chunk, n)
     return None

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed import collectives
-from ..distributed.dtensor import is_tensor_parallel
+from ..distributed.dtensor import is_tensor_parallel, sharding
 from ..planning.tensor_parallel import iterate_sharded_dim
 
 TpMode = Literal["duplicated", "distributed"]
@@ -49,11 +49,9 @@ class TpShard(NamedTuple):
 def tp_shard(t: Tensor) -> TpShard | None:
     """The shard layout of `t` if it is a DTensor sharded on one mesh dim (None if it is a plain
     tensor or replicated); raises ValueError for layouts Newton–Schulz cannot work on."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Shard
 
-    if not isinstance(t, DTensor):
-        return None
-    sharded = [(i, p) for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    sharded = sharding(t)
     if not sharded:
         return None
     if len(sharded) > 1 or not isinstance(sharded[0][1], Shard) or t.ndim != 2:
@@ -80,11 +78,10 @@ def tp_slices(routes: list) -> tuple[dist.ProcessGroup | None, set[str]]:
 
     group, names = None, set()
     for r in routes:
-        if is_tensor_parallel(r.param):
-            for mesh_dim, placement in enumerate(r.param.placements):
-                if isinstance(placement, Shard):
-                    group = r.param.device_mesh.get_group(mesh_dim)
-                    names.add(r.name)
+        for mesh_dim, placement in sharding(r.param) if is_tensor_parallel(r.param) else ():
+            if isinstance(placement, Shard):
+                group = r.param.device_mesh.get_group(mesh_dim)
+                names.add(r.name)
     return group, names
 
 
