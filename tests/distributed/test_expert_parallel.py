@@ -3,7 +3,9 @@
 synced over dp x ep, each expert over its expert-data-parallel ranks, averaged over dp x ep.
 
 Against one process running `torch.optim.Muon` + `torch.optim.AdamW` on the whole MoE, full
-batch, at dp x ep = 2 x 2.
+batch, at dp x ep = 2 x 2 (and ep alone, and hybrid), for stacked experts, `experts.<i>`
+modules and torchtitan's DTensor stacks; FP8 gather and meta construction bit for bit;
+checkpoints from ep 2 at ep 1; refusals on every rank.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def model_table(ddp: DataParallel, group: RankConsensus) -> Table:
     params = {
         places[r.name][0]: {
             "shape": list(places[r.name][1]),
-            "dtype": str(r.param.dtype).removeprefix("torch."),
+            "dtype": _dtype(r.param),
             "optimizer": "muon" if r.muon else "adamw",
         }
         for r in ddp.routes
@@ -70,10 +70,11 @@ def model_table(ddp: DataParallel, group: RankConsensus) -> Table:
     }
     if ddp.expert_layout is None:
         return params, others
-    tables = group.all_gather((params, others))
-    return {k: v for p, _ in tables for k, v in p.items()}, {
-        k: v for _, o in tables for k, v in o.items()
-    }
+    merged: Table = ({}, {})
+    for rank_params, rank_others in group.all_gather((params, others)):
+        merged[0].update(rank_params)
+        merged[1].update(rank_others)
+    return merged
 
 
 def _dtype(t: torch.Tensor) -> str:

@@ -1,5 +1,7 @@
-"""Expert params under a mesh's "ep" dim: which they are, and what each side broadcasts
-([Note: expert parallelism] in `wholeshard.distributed.mesh`).
+"""Expert params under a mesh's "ep" dim ([Note: expert parallelism] in
+`wholeshard.distributed.mesh`): which they are, what each side broadcasts, where they sit in
+the whole MoE (`ExpertLayout`: checkpoints, the step check's flags) and the whole MoE's values
+from the meta device (`whole_moe_init`).
 
 `DataParallel` holds the dense params itself (over dp x ep) and the experts in a second
 `DataParallel` over the expert-data-parallel group (`ExpertPart`), with its own plan, buckets
@@ -62,7 +64,7 @@ def split_experts(
     dense = [r for r in routes if id(r) not in mine]
     if cfg.param_init is not None and (
         any(on_experts_dim(r.param) for r in experts)
-        or any(fn(n, p) for n, p in module.named_parameters() if not p.requires_grad)
+        or any(fn(clean_name(n), p) for n, p in module.named_parameters() if not p.requires_grad)
     ):
         raise NotImplementedError(
             "param_init (meta-device construction) with experts that are DTensors or frozen"
