@@ -96,6 +96,12 @@ class ModuleExperts(nn.ModuleList):
 
 
 class MoE(nn.Module):
+    """Top-2 of sigmoid scores. Not a softmax: its scores' gradient sums to zero over the
+    experts, so the router's gradient is rank-deficient and bf16 Newton-Schulz fills the null
+    direction with amplified rounding noise; runs that sum gradients in another order (hybrid
+    meshes) then part by ~4e-3 in 3 steps, more than the reference bound, for no fault of theirs.
+    """
+
     def __init__(self, layout: str, ep, unused: int | None):
         """`ep`: the expert-parallel group (a DeviceMesh for the "dtensor" layout) or None."""
         super().__init__()
@@ -122,11 +128,11 @@ class MoE(nn.Module):
         self.local = n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.router(x), dim=-1)
+        scores = torch.sigmoid(self.router(x))  # as DeepSeek-V3 scores: see the docstring
         if self.unused is not None:
-            probs = probs.index_fill(1, torch.tensor([self.unused]), 0.0)
-        top, index = probs.topk(TOP_K, dim=-1)
-        gates = torch.zeros_like(probs).scatter(1, index, top)
+            scores = scores.index_fill(1, torch.tensor([self.unused]), 0.0)
+        top, index = scores.topk(TOP_K, dim=-1)
+        gates = torch.zeros_like(scores).scatter(1, index, top)
         if self.group is not None:
             x, gates = Dispatch.apply(x, self.group), Dispatch.apply(gates, self.group)
         y = torch.zeros_like(x)
