@@ -16,13 +16,51 @@ import pytest
 import torch
 import torch.distributed as dist
 from moe_support import MoELM, StackedExperts, global_names
-from support import ADAMW_KW, MUON_KW, TOL, full_params, lm_loss, local_batch, reference_run, run
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    TOL,
+    full_params,
+    lm_loss,
+    local_batch,
+    rank_world,
+    reference_run,
+    run,
+)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import wholeshard
 from wholeshard import fp8
+from wholeshard.distributed.dtensor import is_tensor_parallel
+from wholeshard.optim import NorMuon
 
 STEPS, CLIP = 3, 0.5  # clipping: the norms see the gradients' scale, which Muon's update hides
+DP_EP, EP_TP = {"dp": 2, "ep": 2}, {"dp": 1, "ep": 2, "tp": 2}
+
+
+TP_STYLES = {  # on a "tp" dim: the dense params sliced, the experts replicated
+    "proj": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "moe.router": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+
+
+def build(layout: str, dims: dict | None, ddp_kw: dict, unused: int | None = None):
+    """(model, ddp, batch rank, batch world): the MoE on a mesh of `dims`, its dense params
+    parallelized over a "tp" dim by `TP_STYLES` (tp peers see the same tokens); `dims` None:
+    the whole MoE on the default group."""
+    if dims is None:
+        model = MoELM(layout, unused=unused)
+        return model, wholeshard.DataParallel(model, **ddp_kw), *rank_world()
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    model = MoELM(layout, mesh["ep"] if layout == "dtensor" else mesh.get_group("ep"), unused)
+    data = (dist.get_rank(), dist.get_world_size())
+    if "tp" in dims:
+        parallelize_module(model, mesh["tp"], {k: style() for k, style in TP_STYLES.items()})
+        flat = mesh[tuple(n for n in dims if n != "tp")]._flatten()
+        data = (flat.get_local_rank(), flat.size())
+    return model, wholeshard.DataParallel(model, mesh=mesh, **ddp_kw), *data
 
 
 def expert_parallel(
@@ -30,12 +68,8 @@ def expert_parallel(
 ) -> dict:
     """Train on a mesh of `mesh_dims` (default dp 2 x ep 2); this rank's params under their
     names in the whole MoE."""
-    dims = mesh_dims or {"dp": 2, "ep": 2}
-    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
-    model = MoELM(layout, mesh["ep"] if layout == "dtensor" else mesh.get_group("ep"), unused)
-    ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
+    model, ddp, rank, world = build(layout, mesh_dims or DP_EP, ddp_kw, unused)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    rank, world = dist.get_rank(), dist.get_world_size()
     norms = []
     for step in range(STEPS):
         lm_loss(ddp, *local_batch(step, rank, world)).backward()
@@ -46,10 +80,13 @@ def expert_parallel(
 
 
 def held(ddp: wholeshard.DataParallel, model: MoELM) -> dict[str, torch.Tensor]:
-    """This rank's params by their names in the whole MoE; a stack of experts as
-    `name@first`: its rows of the whole stack from `first`."""
+    """This rank's params by their names in the whole MoE (a tensor-parallel one whole); a
+    stack of experts as `name@first`: its rows of the whole stack from `first`."""
     with ddp.full_params():
-        params = {n: getattr(p, "_local_tensor", p) for n, p in full_params(model).items()}
+        params = {
+            n: p.full_tensor() if is_tensor_parallel(p) else getattr(p, "_local_tensor", p)
+            for n, p in full_params(model).items()
+        }
     names = global_names(model)
     out = {names[n]: p for n, p in params.items()}
     if isinstance(model.moe.experts, StackedExperts):
@@ -65,7 +102,6 @@ def whole(ref: dict[str, torch.Tensor], name: str, local: torch.Tensor) -> torch
     return ref[stack][int(first) : int(first) + local.shape[0]]
 
 
-DP_EP = {"dp": 2, "ep": 2}
 MODES = {
     "zero": {},
     "overlap": dict(overlap_grad_reduce=True, overlap_param_gather=True),
@@ -84,6 +120,9 @@ MODES = {
         ("stacked", "zero", {"dp": 1, "ep": 2}),  # one rank per expert, averaged over 2
         ("modules", "fully_sharded", {"dp_replicate": 2, "dp_shard": 1, "ep": 2}),
         ("dtensor", "fully_sharded", DP_EP),  # torchtitan's experts: DTensors Shard(0) on "ep"
+        ("stacked", "zero", EP_TP),  # dense params sliced over "tp", experts replicated on it
+        ("dtensor", "pipelined", EP_TP),
+        ("modules", "fully_sharded", {"dp": 2, "ep": 2, "tp": 2}),
     ],
     ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else v,
 )  # modules in ZeRO mode: the test below
@@ -171,23 +210,23 @@ def test_meta_construction_gives_every_expert_the_whole_moes_values(layout, mode
 NORMUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, beta2=0.95)
 
 
-def resumed(layout: str, ep: int, root: str, steps: int, load: bool, save: bool) -> dict:
-    """NorMuon (per-row second moments: state a stack keeps per matrix) at dp 2 x `ep` (ep 1:
-    the whole MoE on 2 ranks); steps `[2 if load else 0, ... + steps)`, loading and saving."""
-    if ep == 2:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-        model = MoELM(layout, mesh["ep"] if layout == "dtensor" else mesh.get_group("ep"))
-        ddp = wholeshard.DataParallel(model, mesh=mesh)
-    else:
-        model = MoELM(layout)
-        ddp = wholeshard.DataParallel(model)
-    opt = wholeshard.LayerwiseOptimizer(
-        ddp, muon=NORMUON_KW, adamw=ADAMW_KW, matrix_optimizer=wholeshard.optim.NorMuon
-    )
+RULES = {  # name: (matrix_optimizer, its kwargs)
+    "normuon": (NorMuon, NORMUON_KW),  # per-row moments: kept per matrix
+    "muon": (torch.optim.Muon, MUON_KW),  # the rule tensor-parallel matrices take
+}
+
+
+def resumed(
+    layout: str, dims: dict | None, rule: str, root: str, steps: int, load: bool, save: bool
+) -> dict:
+    """`RULES[rule]` on a mesh of `dims` (None: the whole MoE on 2 ranks); steps `[2 if load
+    else 0, ... + steps)`, loading and saving."""
+    model, ddp, rank, world = build(layout, dims, {})
+    cls, kw = RULES[rule]
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=cls)
     start = 2 if load else 0
     if load:
         wholeshard.load_checkpoint(root, ddp, opt)
-    rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(start, start + steps):
         lm_loss(ddp, *local_batch(step, rank, world)).backward()
         opt.step()
@@ -198,17 +237,27 @@ def resumed(layout: str, ep: int, root: str, steps: int, load: bool, save: bool)
 
 
 @pytest.mark.parametrize(
-    "layout", ["stacked", "modules", pytest.param("dtensor", marks=pytest.mark.slow)]
+    ("layout", "dims"),
+    [
+        ("stacked", DP_EP),
+        ("modules", DP_EP),
+        pytest.param("dtensor", DP_EP, marks=pytest.mark.slow),
+        ("stacked", EP_TP),  # every expert and replicated param written once, by tp rank 0
+        pytest.param("modules", EP_TP, marks=pytest.mark.slow),
+    ],
+    ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else v,
 )  # a DTensor's place: as tensor parallelism's (tests/distributed/test_tensor_parallel.py)
-def test_a_checkpoint_from_ep_2_loads_at_ep_1(tmp_path, layout: str) -> None:
-    """Saved at dp 2 x ep 2 after 2 steps, loaded by the whole MoE on 2 ranks (names and
-    stacks renumbered: `ExpertLayout`), one more step: within the reference bounds of 3 steps
-    at ep 2; and resumed at ep 2, bitwise the uninterrupted run."""
+def test_a_checkpoint_from_ep_2_loads_at_ep_1(tmp_path, layout: str, dims: dict) -> None:
+    """Saved at `dims` (ep 2; NorMuon, or Muon with "tp") after 2 steps, loaded by the whole
+    MoE on 2 ranks (names and stacks renumbered: `ExpertLayout`; tensor-parallel slices
+    joined), one more step: within the reference bounds of 3 steps at `dims`; and resumed at
+    `dims`, bitwise the uninterrupted run."""
     root = str(tmp_path / "ckpt")
-    run(resumed, 4, layout, 2, root, 2, load=False, save=True)
-    at_1 = run(resumed, 2, layout, 1, root, 1, load=True, save=False)
-    again = run(resumed, 4, layout, 2, root, 1, load=True, save=False)
-    straight = run(resumed, 4, layout, 2, root, 3, load=False, save=False)
+    rule = "muon" if "tp" in dims else "normuon"
+    run(resumed, 4, layout, dims, rule, root, 2, load=False, save=True)
+    at_1 = run(resumed, 2, layout, None, rule, root, 1, load=True, save=False)
+    again = run(resumed, 4, layout, dims, rule, root, 1, load=True, save=False)
+    straight = run(resumed, 4, layout, dims, rule, root, 3, load=False, save=False)
     for a, b in zip(again, straight, strict=True):
         for name in b:
             assert torch.equal(a[name], b[name]), name
@@ -218,13 +267,14 @@ def test_a_checkpoint_from_ep_2_loads_at_ep_1(tmp_path, layout: str) -> None:
             want = whole(ref, name, got)
             assert torch.allclose(got, want, atol=TOL[torch.float32]["atol"], rtol=0), name
             worst = max(worst, (got - want).abs().max().item())
-    print(f"{layout}: ep 2 -> ep 1 vs ep 2 throughout: max |param diff| {worst:.3g}")
+    print(f"{layout}: {dims} -> ep 1 vs {dims} throughout: max |param diff| {worst:.3g}")
 
 
 def _refusals() -> list[str]:
     dp_ep = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+    ep_tp = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("dp", "ep", "tp"))
     cases = [
-        dict(mesh=init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("dp", "ep", "tp"))),
+        dict(mesh=ep_tp),  # an expert sliced by tensor parallelism (below)
         dict(mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "ep"))),
         dict(
             mesh=init_device_mesh(
@@ -236,8 +286,12 @@ def _refusals() -> list[str]:
     ]
     said = []
     for case in cases:
-        model = MoELM("stacked", dp_ep.get_group("ep"))
-        model.moe.experts.down.requires_grad_("param_init" not in case)
+        if case["mesh"] is ep_tp:
+            model = MoELM("modules", ep_tp.get_group("ep"))
+            parallelize_module(model, ep_tp["tp"], {"moe.experts.0.up": ColwiseParallel()})
+        else:
+            model = MoELM("stacked", dp_ep.get_group("ep"))
+            model.moe.experts.down.requires_grad_("param_init" not in case)
         try:
             wholeshard.DataParallel(model, **case)
         except (ValueError, NotImplementedError) as e:
@@ -251,7 +305,8 @@ def test_unusable_expert_meshes_are_refused_on_every_rank() -> None:
     said = run(_refusals, 2)
     assert all(s == said[0] for s in said)
     expected = [
-        "NotImplementedError: the mesh ('dp', 'ep', 'tp'): 'tp' with 'ep' is not supported yet",
+        "NotImplementedError: expert params ['moe.experts.0.up.weight'] are sliced by tensor "
+        "parallelism: experts are split over 'ep' and replicated over 'tp'",
         "ValueError: the mesh ('dp_replicate', 'ep'): with 'ep' name 'dp'",
         "put 'ep' after 'dp_replicate'",
         "NotImplementedError: param_init (meta-device construction) with experts that are "

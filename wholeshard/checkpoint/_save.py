@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from ..distributed.dtensor import local
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, elementwise, step_count
+from ..optim.tensor_parallel import tp_slices
 from . import _chunks as chunks
 from ._arrival import all_arrive
 from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, shifted, whole
@@ -101,14 +102,17 @@ def save_checkpoint(
 
 def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> dict[str, Chunks]:
     """This rank's share: each owned element once (a tensor-parallel slice or a stack of experts
-    at its place in the logical tensor; a param replicated over tensor parallelism from tp rank
-    0), plus (rank 0; an expert's: each expert group's rank 0) buffers and frozen params."""
+    at its place in the logical tensor; what tensor parallelism does not slice, experts too,
+    from tp rank 0), plus (rank 0; an expert's: each expert group's rank 0 at tp rank 0)
+    buffers and frozen params."""
     entries: dict[str, Chunks] = {}
     places = tensor_places(ddp)
+    replica = ddp.model_ranks.tp_rank != 0  # what is not sliced by tp: tp rank 0 writes it
+    _, sliced = tp_slices(ddp.routes)
     for piece in optimizer.owned_pieces():
         name, shape, place = places[piece.name]
-        if place is None and ddp.model_ranks.tp_rank != 0:
-            continue  # the same on every tensor-parallel rank: tp rank 0 writes it
+        if replica and piece.name not in sliced:
+            continue
         add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach(), place))
         if piece.separate_master:
             master = piece.oriented(piece.master.detach())
@@ -134,7 +138,7 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
     layout = ddp.expert_layout
     for name, t in other_tensors(ddp).items():
         expert = layout is not None and layout.is_expert(name, t)
-        if (layout.data_rank if expert else rank) == 0:
+        if (layout.data_rank if expert else rank) == 0 and not (expert and replica):
             key, shape, place = places[name]
             add(entries, f"model/{key}", shape, shifted(whole(t.detach()), place))
     return entries

@@ -20,7 +20,10 @@ data-parallel and "ep" dims flattened; an expert's copies lie only along the dat
 dims (its expert-data-parallel group), which `DataParallel` reduces and gathers them over,
 with a plan and buckets of their own. An expert's gradient on one rank already sums what the
 ep peers' tokens contributed (the dispatch's backward brings them back), so its average
-divides by dp x ep, like the dense params', not by dp.
+divides by dp x ep, like the dense params', not by dp. Beside a "tp" dim the dense params may
+be tensor parallel and the experts are replicated over it (every tp rank runs them on the same
+tokens): each tp position has its own dense and expert groups, and the model's ranks span
+dp x ep x tp. Experts sliced over "tp" (expert tensor parallelism) are refused.
 """
 
 from __future__ import annotations
@@ -111,8 +114,6 @@ def _expert_parallel(
     """The dense group (the dp dims and "ep" flattened) and the expert-data-parallel one (the
     dp dims), with their shard group sizes: hybrid, dense params are sharded over dp_shard x ep
     and experts over dp_shard, both replicated over dp_replicate ([Note: expert parallelism])."""
-    if "tp" in names:
-        raise NotImplementedError(f"the mesh {names}: 'tp' with 'ep' is not supported yet")
     before = "dp_replicate" in dp and names.index("ep") < names.index("dp_replicate")
     if dp == ["dp_replicate"] or before:
         raise ValueError(
@@ -134,7 +135,8 @@ def _expert_parallel(
 
 
 class ModelRanks(NamedTuple):
-    """The ranks that together hold one whole model (the data-parallel group, or dp x tp),
+    """The ranks that together hold one whole model (the data-parallel group: dp, or dp x ep
+    with experts; and with tensor parallelism x tp),
     and this one's place among them: the ranks a checkpoint spans and the step check agrees
     over."""
 
@@ -148,11 +150,11 @@ def model_ranks(
     mesh: DeviceMesh | None, group: ProcessGroup | None, size: int, rank: int
 ) -> ModelRanks:
     """The data-parallel group (`group`, `size`, `rank`), or with a tensor-parallel model on
-    `mesh` its data-parallel and "tp" dims flattened: every element of a tensor-parallel param
-    has its owner among them. Every rank of the mesh calls it."""
+    `mesh` its data-parallel, "ep" and "tp" dims flattened: every element of a tensor-parallel
+    param (and every expert) has its owner among them. Every rank of the mesh calls it."""
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
         return ModelRanks(group, size, rank, 0)
-    dims = tuple(n for n in mesh.mesh_dim_names if n in (*DP_DIMS, "tp"))
+    dims = tuple(n for n in mesh.mesh_dim_names if n in (*DP_DIMS, "ep", "tp"))
     flat = mesh[dims]._flatten()
     return ModelRanks(
         flat.get_group(), flat.size(), flat.get_local_rank(), mesh.get_local_rank("tp")

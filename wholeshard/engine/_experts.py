@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.dtensor import Place, on_experts_dim
+from ..distributed.dtensor import Place, is_tensor_parallel, on_experts_dim
 from ..planning.routing import Route, clean_name
 from ._meta import ParamInit, seeded
 
@@ -83,6 +83,12 @@ def split_experts(
     tied = [r.name for r in experts if r.tied]
     if tied:
         raise ValueError(f"expert params {tied} are tied to another param: untie them")
+    sliced = [r.name for r in experts if is_tensor_parallel(r.param)]
+    if sliced:
+        raise NotImplementedError(
+            f"expert params {sliced[:4]} are sliced by tensor parallelism: experts are split "
+            f"over 'ep' and replicated over 'tp' (leave them out of parallelize_module's plan)"
+        )
     return dense, experts
 
 

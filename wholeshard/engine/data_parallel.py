@@ -97,7 +97,7 @@ class DataParallel(nn.Module):
     shard_group_size: int
     shard_rank: int  # in this rank's shard group
     tensor_parallel: bool  # some params are DTensors, held as their local shards
-    model_ranks: ModelRanks  # the ranks holding one whole model: dp, dp x tp or dp x ep
+    model_ranks: ModelRanks  # the ranks holding one whole model: dp (x ep) (x tp)
     expert_layout: ExpertLayout | None  # with "ep": where this rank's experts sit among all
     reshard_after_forward: bool  # what the config asks, where there is anything to gather
     fp8_param_gather: bool  # likewise
