@@ -123,6 +123,12 @@ MODES = {
         ("stacked", "zero", EP_TP),  # dense params sliced over "tp", experts replicated on it
         ("dtensor", "pipelined", EP_TP),
         ("modules", "fully_sharded", {"dp": 2, "ep": 2, "tp": 2}),
+        pytest.param(
+            "stacked",
+            "overlap",
+            {"dp_replicate": 2, "dp_shard": 1, "ep": 2, "tp": 2},
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else v,
 )  # modules in ZeRO mode: the test below
