@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import wholeshard
 from wholeshard.models.gpt import GPT, GPTConfig, parallelize_blocks
+from wholeshard.optim import SOAP, NorMuon
 from wholeshard.planning.routing import route_params
 
 STEPS, BATCH = 3, 8
@@ -35,9 +36,9 @@ class MLP(nn.Module):
         return self.norm(self.down(F.gelu(self.up(x))))
 
 
-def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(step: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g)
+    return torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g)
 
 
 def logical_params(ddp: wholeshard.DataParallel) -> dict[str, torch.Tensor]:
@@ -49,14 +50,32 @@ def logical_params(ddp: wholeshard.DataParallel) -> dict[str, torch.Tensor]:
         }
 
 
-def reference(clip: float | None = None) -> dict[str, torch.Tensor]:
+class SubclassedMuon(torch.optim.Muon):
+    """torch's Muon under another class: `LayerwiseOptimizer` steps it on replicas."""
+
+
+RULES = {  # matrix rules, each with its kwargs
+    "muon": (torch.optim.Muon, MUON_KW),
+    "subclassed": (SubclassedMuon, MUON_KW),
+    "normuon": (NorMuon, dict(lr=0.02, weight_decay=0.01, beta2=0.95)),  # per-row moments
+    # Kronecker factors, of the 16-long sides only: a factor of rank below its size (a 32-long
+    # side's, or any from fewer than 16 samples) has a degenerate eigenspace whose basis comes
+    # from rounding (tests/optim/test_soap.py), hence SOAP's batch of 32 below
+    "soap": (SOAP, dict(lr=3e-3, precondition_frequency=2, max_precond_dim=16)),
+}
+
+
+def reference(
+    clip: float | None = None, rule: str = "muon", batch: int = BATCH
+) -> dict[str, torch.Tensor]:
     model = MLP()
     matrices = [model.up.weight, model.down.weight]
     others = [p for p in model.parameters() if p.ndim < 2]
-    opts = [torch.optim.Muon(matrices, **MUON_KW), torch.optim.AdamW(others, **ADAMW_KW)]
+    cls, kw = RULES[rule]
+    opts = [cls(matrices, **kw), torch.optim.AdamW(others, **ADAMW_KW)]
     norms = []
     for step in range(STEPS):
-        x, y = data(step)
+        x, y = data(step, batch)
         F.mse_loss(model(x), y).backward()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
@@ -68,9 +87,16 @@ def reference(clip: float | None = None) -> dict[str, torch.Tensor]:
 
 
 def tensor_parallel(
-    dp: int, tp_mode: str, ddp_kw: dict, clip: float | None = None, hybrid: bool = False
+    dp: int,
+    tp_mode: str,
+    ddp_kw: dict,
+    clip: float | None = None,
+    hybrid: bool = False,
+    rule: str = "muon",
+    batch: int = BATCH,
 ) -> dict[str, torch.Tensor]:
-    """Train on `dp` data-parallel ranks (`hybrid`: dp_replicate 2 x dp_shard 2) x tp 2."""
+    """Train on `dp` data-parallel ranks (`hybrid`: dp_replicate 2 x dp_shard 2) x tp 2 with
+    `RULES[rule]`, on global batches of `batch`."""
     if hybrid:
         names = ("dp_replicate", "dp_shard", "tp")
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
@@ -79,16 +105,19 @@ def tensor_parallel(
     model = MLP()
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, tp_mode=tp_mode)
+    cls, kw = RULES[rule]
+    opt = wholeshard.LayerwiseOptimizer(
+        ddp, muon=kw, adamw=ADAMW_KW, tp_mode=tp_mode, matrix_optimizer=cls
+    )
     rank = (
         mesh["dp_replicate", "dp_shard"]._flatten().get_local_rank()
         if hybrid
         else mesh.get_local_rank("dp")
     )
-    rows = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    rows = slice(rank * batch // dp, (rank + 1) * batch // dp)
     norms = []
     for step in range(STEPS):
-        x, y = data(step)
+        x, y = data(step, batch)
         F.mse_loss(ddp(x[rows]), y[rows]).backward()
         if clip is not None:
             norms.append(opt.clip_grad_norm_(clip))
@@ -151,6 +180,26 @@ def test_clipping_counts_each_slice_once(mode: str) -> None:
             assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
 
 
+@pytest.mark.parametrize(
+    ("rule", "mode"),
+    [("normuon", "zero"), ("soap", "fully_sharded"), ("normuon", "pipelined")],
+)
+def test_other_rules_step_replicas_of_the_logical_matrices(rule: str, mode: str) -> None:
+    """NorMuon (per-row moments) and SOAP (Kronecker factors) at dp 2 x tp 2: every tp rank
+    steps a replica of each logical matrix ([Note: replicas of tensor-parallel matrices]); the
+    update is one process's with the same rule, within the reference bounds."""
+    batch = 32 if rule == "soap" else BATCH
+    ref = reference(rule=rule, batch=batch)
+    outs = run(tensor_parallel, 4, 2, "duplicated", (MODES | MORE)[mode], rule=rule, batch=batch)
+    worst = 0.0
+    for out in outs:
+        for name, want in ref.items():
+            assert torch.equal(out[name], outs[0][name]), name  # every rank: the same model
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+            worst = max(worst, (out[name] - want).abs().max().item())
+    print(f"{rule} dp 2 x tp 2, {mode}: max |param diff| vs one process {worst:.3g}")
+
+
 def _refusals(tmp: str) -> list[str]:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
 
@@ -164,7 +213,8 @@ def _refusals(tmp: str) -> list[str]:
         lambda: wholeshard.DataParallel(parallel()),  # no mesh
         lambda: wholeshard.LayerwiseOptimizer(
             wholeshard.DataParallel(parallel(), mesh=mesh),
-            matrix_optimizer=wholeshard.optim.NorMuon,
+            matrix_optimizer=NorMuon,
+            tp_mode="distributed",
         ),
     ):
         try:
@@ -178,7 +228,7 @@ def _refusals(tmp: str) -> list[str]:
 def test_what_tensor_parallelism_does_not_support_yet_is_refused(tmp_path) -> None:
     for said in run(_refusals, 2, str(tmp_path)):
         assert "ValueError: 'up.weight' is a DTensor" in said[0] and "mesh=mesh" in said[0]
-        assert "NotImplementedError: NorMuon on tensor-parallel" in said[1]
+        assert "NotImplementedError: tp_mode='distributed' with NorMuon" in said[1]
 
 
 # -- the byte GPT: attention and MLP in torch's TP styles ----------------------------------------
@@ -237,16 +287,18 @@ def test_gpt_attention_and_mlp_in_tp_styles(mode: str) -> None:
 
 
 def mesh_run(
-    dp: int, tp: int, save: str | None = None, load: str | None = None
+    dp: int, tp: int, save: str | None = None, load: str | None = None, rule: str = "muon"
 ) -> dict[str, torch.Tensor] | None:
-    """The MLP at dp x tp (tp 1: a plain model): with `save`, 2 steps then a checkpoint there
-    (returns None); with `load`, that checkpoint then the last step; else every step."""
+    """The MLP at dp x tp (tp 1: a plain model) with `RULES[rule]`: with `save`, 2 steps then
+    a checkpoint there (returns None); with `load`, that checkpoint then the last step; else
+    every step."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = MLP()
     if tp > 1:
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     ddp = wholeshard.DataParallel(model, mesh=mesh)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    cls, kw = RULES[rule]
+    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=cls)
     start = 0
     if load is not None:
         wholeshard.load_checkpoint(load, ddp, opt)
@@ -281,6 +333,35 @@ def test_checkpoint_loads_at_another_mesh(tmp_path, saved, loaded) -> None:
         straight = run(mesh_run, 4, *saved)
         for name, want in straight[0].items():
             assert torch.equal(outs[0][name], want), name
+
+
+@pytest.mark.parametrize("saved, loaded", [((2, 2), (4, 1)), ((4, 1), (2, 2)), ((2, 2), (2, 2))])
+def test_replica_state_loads_at_another_mesh(tmp_path, saved, loaded) -> None:
+    """NorMuon's per-row moments of a tensor-parallel matrix are the logical matrix's, written
+    once, whole ([Note: replicas of tensor-parallel matrices]): a checkpoint from (2, 2) loads
+    in a plain model and back, within the reference bounds; at (2, 2) bit for bit."""
+    path = str(tmp_path / "ckpt")
+    run(mesh_run, saved[0] * saved[1], *saved, save=path, rule="normuon")
+    outs = run(mesh_run, loaded[0] * loaded[1], *loaded, load=path, rule="normuon")
+    ref = reference(rule="normuon")
+    for out in outs:
+        for name, want in ref.items():
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+    if saved == loaded:
+        straight = run(mesh_run, 4, *saved, rule="normuon")
+        for name, want in straight[0].items():
+            assert torch.equal(outs[0][name], want), name
+
+
+def test_replicas_do_the_sliced_muons_arithmetic() -> None:
+    """torch's Muon stepping replicas of the logical matrices takes the same bits as
+    `wholeshard.optim.Muon` orthogonalizing the gathered slices ("duplicated"): the replicas'
+    gathers, the update and the slices kept back add nothing of their own."""
+    replicas = run(tensor_parallel, 4, 2, "duplicated", {}, rule="subclassed")
+    sliced = run(tensor_parallel, 4, 2, "duplicated", {})
+    for a, b in zip(replicas, sliced, strict=True):
+        for name in b:
+            assert torch.equal(a[name], b[name]), name
 
 
 def _skip_on_one_tp_rank() -> tuple[int, int]:

@@ -16,13 +16,13 @@ from wholeshard.train.config import ModelConfig, OptimConfig, TrainConfig
 from wholeshard.train.trainer import train
 
 
-def _losses(tmp: str, tp: int, ckpt: bool) -> list[float]:
+def _losses(tmp: str, tp: int, ckpt: bool, rule: str = "muon") -> list[float]:
     data = Path(tmp) / "text.txt"
-    out = Path(tmp) / f"run-tp{tp}"
+    out = Path(tmp) / f"run-tp{tp}-{rule}"
     cfg = train_config(
         steps=4, batch_size=4, seq_len=16, data=str(data), out=str(out), eval_every=2,
         eval_batches=1, progress=False, threads=1, param_dtype="float32", model="micro", tp=tp,
-        checkpoint_every=2 if ckpt else None,
+        checkpoint_every=2 if ckpt else None, matrix_optimizer=rule,
     )  # fmt: skip
     train(cfg)
     lines = (out / report.METRICS).read_text().splitlines()
@@ -40,7 +40,16 @@ def test_tp2_trains_like_dp_alone(tmp_path) -> None:
     assert len(tp) == len(plain) == 4
     for a, b in zip(tp, plain, strict=True):
         assert a == pytest.approx(b, rel=2e-3), (tp, plain)
-    assert (tmp_path / "run-tp2" / "checkpoints" / "step-4").is_dir()
+    assert (tmp_path / "run-tp2-muon" / "checkpoints" / "step-4").is_dir()
+
+
+def test_tp2_with_normuon_trains_like_dp_alone(tmp_path) -> None:
+    """Another rule steps replicas of the logical matrices: the same losses as dp 2 alone."""
+    text = (Path(wholeshard.__file__).parent / "train" / "trainer.py").read_bytes()
+    (tmp_path / "text.txt").write_bytes(text)
+    plain = run(_losses, 2, str(tmp_path), 1, False, "normuon")[0]
+    tp = run(_losses, 4, str(tmp_path), 2, False, "normuon")[0]
+    assert tp == pytest.approx(plain, rel=2e-3), (tp, plain)
 
 
 @pytest.mark.parametrize(

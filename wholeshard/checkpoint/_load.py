@@ -173,7 +173,7 @@ def _plan_load(metadata: Metadata, ddp: DataParallel, optimizer: Checkpointable)
         state, shaped = {}, []
         for k in state_keys(metadata, name):
             key, saved = f"optim/{name}/{k}", md[f"optim/{name}/{k}"]
-            if tuple(saved.size) == shape:
+            if tuple(saved.size) == shape and piece.replica is None:  # a replica's: whole
                 value = piece.param.new_empty(piece.param.shape, dtype=saved.properties.dtype)
                 add(entries, key, shape, piece_parts(piece, value, place))
                 state[k] = piece.oriented(value)

@@ -37,7 +37,7 @@ from ._step_check import (
 from .ns_split import NsSplit, row_blocks
 from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
 from .rules import tensor_parallel_rule
-from .tensor_parallel import TpMode, combined_norms, tp_slices
+from .tensor_parallel import TpMode, combined_norms, replicas_stepped, replicate, tp_slices
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -113,18 +113,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
         self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
         blocks = row_blocks(ddp.routes, ns_split)
+        rule, muon, replicas = tensor_parallel_rule(matrix_optimizer, muon, tp_mode, ddp.routes)
         for owned in ddp.owned():
             pieces = pieces_of(owned, blocks.get(owned.route.name))
+            if replicas:  # [Note: replicas of tensor-parallel matrices]
+                replicate(pieces)
             self._owned += pieces
             self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
         index = {r.name: i for i, r in enumerate(ddp.routes)}
         indices = [index[o.name] for o in self._owned]  # each piece's param, for the step check
         self._indices = torch.tensor(indices, dtype=torch.float64, device=ddp.device)
-        matrix_optimizer, muon = tensor_parallel_rule(matrix_optimizer, muon, tp_mode, ddp.routes)
         self._tp_group, sliced = tp_slices(ddp.routes)  # for norms: slices sum over the group
         self._sliced = [o.name in sliced for o in self._owned]
         self._inner = {
-            MUON: matrix_optimizer([{"params": self._masters(MUON)}], **muon),
+            MUON: rule([{"params": self._masters(MUON)}], **muon),
             ADAMW: torch.optim.AdamW([{"params": self._masters(ADAMW)}], **(adamw or {})),
         }
         super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})
@@ -176,11 +178,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_(
                     [o.master.grad for o in cast], [o.oriented(o.grad) for o in cast]
                 )
-            for kind, opt in self._inner.items():
-                masters = [o.stepped for o in pieces if o.kind == kind]
-                if masters:
-                    with _holding(opt.param_groups[0], masters):
-                        opt.step()
+            with replicas_stepped(pieces):
+                for kind, opt in self._inner.items():
+                    masters = [o.stepped for o in pieces if o.kind == kind]
+                    if masters:
+                        with _holding(opt.param_groups[0], masters):
+                            opt.step()
             for hook in self._update_hooks.values():
                 hook(pieces)
             separate = [o for o in pieces if o.separate_master]
@@ -308,8 +311,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return list(self._owned)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of the separate fp32 masters and of the torch optimizers' state tensors."""
+        """Bytes of the fp32 masters (separate ones; tp replicas, with grads) and the state."""
         masters = sum(o.master.nbytes for o in self._owned if o.separate_master)
+        masters += sum(2 * o.replica.nbytes for o in self._owned if o.replica is not None)
         state = sum(
             v.nbytes
             for opt in self._inner.values()

@@ -67,6 +67,7 @@ class OwnedPiece:
     transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
     rows: tuple[int, int] | None = None  # a row block [a, b) of its (out, in) matrix (ns_split)
     tp_param: torch.Tensor | None = None  # tensor parallel: a DTensor over `master` (below)
+    replica: torch.Tensor | None = None  # tensor parallel, any rule: the logical matrix (below)
 
     @property
     def key(self) -> str:
@@ -79,13 +80,19 @@ class OwnedPiece:
     def stepped(self) -> torch.Tensor:
         """What the torch optimizer steps (and keys its state by): `master`, or for a slice of
         a tensor-parallel matrix a DTensor over it with the logical shape, whose `.grad` is one
-        over `master.grad` ([Note: tensor-parallel Muon] in `optim.tensor_parallel`)."""
+        over `master.grad` ([Note: tensor-parallel Muon] in `optim.tensor_parallel`); for a
+        rule that steps only whole matrices, the `replica` of the logical matrix that every
+        tensor-parallel rank steps alike ([Note: replicas of tensor-parallel matrices])."""
+        if self.replica is not None:
+            return self.replica
         return self.master if self.tp_param is None else self.tp_param
 
     def as_stepped(self, value: Any) -> Any:
         """A state value as the optimizer keeps it: for a slice of a tensor-parallel matrix,
         one shaped like `master` becomes a DTensor laid out like `tp_param`."""
-        if self.tp_param is None or not torch.is_tensor(value) or value.shape != self.master.shape:
+        if self.tp_param is None or self.replica is not None:
+            return value
+        if not torch.is_tensor(value) or value.shape != self.master.shape:
             return value
         return _laid_out_like(value, self.tp_param)
 

@@ -78,23 +78,27 @@ def matrix_kwargs(
 
 def tensor_parallel_rule(
     rule: type[torch.optim.Optimizer], kwargs: dict | None, mode: str, routes: list
-) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The matrix rule `LayerwiseOptimizer` steps with, and its keyword arguments: as given,
-    unless some Muon-routed param is a DTensor (tensor parallel); then `wholeshard.optim.Muon`
-    (torch's Muon's maths and state, which orthogonalizes logical matrices) for torch's Muon,
-    with `tp_mode`. Other rules raise: they do not handle slices yet."""
+) -> tuple[type[torch.optim.Optimizer], dict, bool]:
+    """The matrix rule `LayerwiseOptimizer` steps with, its keyword arguments, and whether it
+    steps replicas of tensor-parallel matrices: as given (no replicas) unless some Muon-routed
+    param is a DTensor (tensor parallel). Then torch's Muon becomes `wholeshard.optim.Muon`
+    (torch's maths and state, orthogonalizing logical matrices in `tp_mode`); any other rule
+    steps a replica of each logical matrix on every tensor-parallel rank ([Note: replicas of
+    tensor-parallel matrices] in `optim.tensor_parallel`), "duplicated" only."""
     from .normuon import QUINTIC, Muon
 
     mode = check_tp_mode(mode)
     kwargs = dict(kwargs or {})
     if not any(r.muon and is_tensor_parallel(r.param) for r in routes):
-        return rule, kwargs
+        return rule, kwargs, False
     if rule is torch.optim.Muon:  # the same maths; its hyperparameters stay torch's
         rule, kwargs = Muon, {"ns_coefficients": QUINTIC, **kwargs}
-    if not (isinstance(rule, type) and issubclass(rule, Muon)):
+    if isinstance(rule, type) and issubclass(rule, Muon):
+        return rule, {**kwargs, "tp_mode": mode}, False
+    if mode != "duplicated":
         raise NotImplementedError(
-            f"{getattr(rule, '__name__', rule)} on tensor-parallel (DTensor) matrices: use "
-            f"torch.optim.Muon or wholeshard.optim.Muon (tp_mode='duplicated' or "
-            f"'distributed'), or route those params to AdamW"
+            f"tp_mode={mode!r} with {getattr(rule, '__name__', rule)}: only Muon splits its "
+            f"work over tensor-parallel slices; other rules step each logical matrix whole on "
+            f"every tensor-parallel rank (tp_mode='duplicated')"
         )
-    return rule, {**kwargs, "tp_mode": mode}
+    return rule, kwargs, True

@@ -16,11 +16,25 @@ Newton–Schulz needs the other slices, in one of two ways (`tp_mode`):
   (`planning.tensor_parallel.traffic_bytes`; `wholeshard plan --tp N` sums it over a model).
 Muon's shape scaling (`adjust_lr_fn`) reads the DTensor's logical shape. Supported: a DTensor
 sharded on exactly one mesh dim, on dim 0 or 1 of a 2-D param, replicated on any other dims.
+
+[Note: replicas of tensor-parallel matrices]
+Any other matrix rule (NorMuon, SOAP, one of your own) may keep state that is not element-wise
+(per-row moments, Kronecker factors) and reads the whole matrix, so it cannot step a slice.
+With `tp_mode="duplicated"` every tensor-parallel rank keeps a float32 replica of the logical
+matrix, which the rule steps with the logical matrix's state: before each update the replica
+and its gradient are all-gathered from the slices (the masters, so a load, or a hook's write
+to them, is seen), every tp rank then runs the same update on the same bits, and each keeps
+its own slice. The state is that of one process, the same on every tp rank: a checkpoint
+writes it once (tp rank 0, whole), and it loads at any tp. Cost per matrix and step: the fp32
+matrix and its gradient gathered (8 bytes x (tp - 1) / tp of its elements per rank), the
+rule's work and its state tp times over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import torch
@@ -160,3 +174,33 @@ def _summed(partial: Tensor, shard: TpShard) -> Tensor:
     total = partial.float()
     dist.all_reduce(total, group=shard.group)
     return total.to(torch.bfloat16)
+
+
+def replicate(pieces: list) -> None:
+    """Give each of `pieces` (`OwnedPiece`s) that is a slice of a tensor-parallel matrix a
+    replica of the logical matrix for the rule to step ([Note: replicas of tensor-parallel
+    matrices])."""
+    for piece in pieces:
+        if piece.tp_param is None:
+            continue
+        if piece.rows is not None:
+            raise NotImplementedError(
+                f"{piece.name}: row blocks (ns_split) of a tensor-parallel matrix with a rule "
+                f"other than Muon are not supported yet"
+            )
+        piece.replica = piece.master.new_zeros(piece.tp_param.shape)
+
+
+@contextlib.contextmanager
+def replicas_stepped(pieces: list) -> Iterator[None]:
+    """Around the rule's step of `pieces`: each replica among them and its gradient gathered
+    from the slices before, each replica's slice written back to its master after (collectives
+    over each matrix's tensor-parallel group: every tp rank steps the same pieces)."""
+    replicated = [piece for piece in pieces if piece.replica is not None]
+    for piece in replicated:
+        shard = tp_shard(piece.tp_param)
+        piece.replica.copy_(gather_full(piece.master, shard))
+        piece.replica.grad = gather_full(piece.master.grad, shard)
+    yield
+    for piece in replicated:
+        piece.master.copy_(own_slice(piece.replica, tp_shard(piece.tp_param)))
