@@ -107,11 +107,11 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
     buffers and frozen params."""
     entries: dict[str, Chunks] = {}
     places = tensor_places(ddp)
-    replica = ddp.model_ranks.tp_rank != 0  # what is not sliced by tp: tp rank 0 writes it
+    tp_peer = ddp.model_ranks.tp_rank != 0  # what tp does not slice, tp rank 0 writes
     _, sliced = tp_slices(ddp.routes)
     for piece in optimizer.owned_pieces():
         name, shape, place = places[piece.name]
-        if replica and piece.name not in sliced:
+        if tp_peer and piece.name not in sliced:
             continue
         add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach(), place))
         if piece.separate_master:
@@ -138,7 +138,7 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
     layout = ddp.expert_layout
     for name, t in other_tensors(ddp).items():
         expert = layout is not None and layout.is_expert(name, t)
-        if (layout.data_rank if expert else rank) == 0 and not (expert and replica):
+        if (layout.data_rank if expert else rank) == 0 and not (expert and tp_peer):
             key, shape, place = places[name]
             add(entries, f"model/{key}", shape, shifted(whole(t.detach()), place))
     return entries
