@@ -129,18 +129,25 @@ def tensor_parallel(
 MODES = {"zero": {}, "fully_sharded": dict(reshard_after_forward=True, overlap_grad_reduce=True)}
 
 
+def worst_diff(outs: list[dict], ref: dict[str, torch.Tensor]) -> float:
+    """Every rank's params are the same model, each within the reference bounds of `ref`;
+    returns the largest difference."""
+    worst = 0.0
+    for out in outs:
+        for name, want in ref.items():
+            assert torch.equal(out[name], outs[0][name]), name
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+            worst = max(worst, (out[name] - want).abs().max().item())
+    return worst
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
 @pytest.mark.parametrize("dp", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_dp_x_tp_steps_like_one_process(dp: int, tp_mode: str, mode: str) -> None:
     ref = reference()
     outs = run(tensor_parallel, 2 * dp, dp, tp_mode, MODES[mode])
-    worst = 0.0
-    for out in outs:
-        for name, want in ref.items():
-            assert torch.equal(out[name], outs[0][name]), name  # every rank: the same model
-            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
-            worst = max(worst, (out[name] - want).abs().max().item())
+    worst = worst_diff(outs, ref)
     print(f"dp {dp} x tp 2, {tp_mode}, {mode}: max |param diff| vs one process {worst:.3g}")
 
 
@@ -191,12 +198,7 @@ def test_other_rules_step_replicas_of_the_logical_matrices(rule: str, mode: str)
     batch = 32 if rule == "soap" else BATCH
     ref = reference(rule=rule, batch=batch)
     outs = run(tensor_parallel, 4, 2, "duplicated", (MODES | MORE)[mode], rule=rule, batch=batch)
-    worst = 0.0
-    for out in outs:
-        for name, want in ref.items():
-            assert torch.equal(out[name], outs[0][name]), name  # every rank: the same model
-            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
-            worst = max(worst, (out[name] - want).abs().max().item())
+    worst = worst_diff(outs, ref)
     print(f"{rule} dp 2 x tp 2, {mode}: max |param diff| vs one process {worst:.3g}")
 
 
