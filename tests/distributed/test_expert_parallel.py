@@ -216,20 +216,14 @@ def test_meta_construction_gives_every_expert_the_whole_moes_values(layout, mode
 NORMUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, beta2=0.95)
 
 
-RULES = {  # name: (matrix_optimizer, its kwargs)
-    "normuon": (NorMuon, NORMUON_KW),  # per-row moments: kept per matrix
-    "muon": (torch.optim.Muon, MUON_KW),  # the rule tensor-parallel matrices take
-}
-
-
-def resumed(
-    layout: str, dims: dict | None, rule: str, root: str, steps: int, load: bool, save: bool
-) -> dict:
-    """`RULES[rule]` on a mesh of `dims` (None: the whole MoE on 2 ranks); steps `[2 if load
-    else 0, ... + steps)`, loading and saving."""
+def resumed(layout: str, dims: dict | None, root: str, steps: int, load: bool, save: bool) -> dict:
+    """NorMuon (per-row second moments: state a stack keeps per matrix, and a tensor-parallel
+    matrix's replica whole) on a mesh of `dims` (None: the whole MoE on 2 ranks); steps
+    `[2 if load else 0, ... + steps)`, loading and saving."""
     model, ddp, rank, world = build(layout, dims, {})
-    cls, kw = RULES[rule]
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=cls)
+    opt = wholeshard.LayerwiseOptimizer(
+        ddp, muon=NORMUON_KW, adamw=ADAMW_KW, matrix_optimizer=NorMuon
+    )
     start = 2 if load else 0
     if load:
         wholeshard.load_checkpoint(root, ddp, opt)
@@ -254,16 +248,15 @@ def resumed(
     ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else v,
 )  # a DTensor's place: as tensor parallelism's (tests/distributed/test_tensor_parallel.py)
 def test_a_checkpoint_from_ep_2_loads_at_ep_1(tmp_path, layout: str, dims: dict) -> None:
-    """Saved at `dims` (ep 2; NorMuon, or Muon with "tp") after 2 steps, loaded by the whole
-    MoE on 2 ranks (names and stacks renumbered: `ExpertLayout`; tensor-parallel slices
-    joined), one more step: within the reference bounds of 3 steps at `dims`; and resumed at
-    `dims`, bitwise the uninterrupted run."""
+    """Saved at `dims` (ep 2) after 2 steps, loaded by the whole MoE on 2 ranks (names and
+    stacks renumbered: `ExpertLayout`; tensor-parallel slices joined), one more step: within
+    the reference bounds of 3 steps at `dims`; and resumed at `dims`, bitwise the
+    uninterrupted run."""
     root = str(tmp_path / "ckpt")
-    rule = "muon" if "tp" in dims else "normuon"
-    run(resumed, 4, layout, dims, rule, root, 2, load=False, save=True)
-    at_1 = run(resumed, 2, layout, None, rule, root, 1, load=True, save=False)
-    again = run(resumed, 4, layout, dims, rule, root, 1, load=True, save=False)
-    straight = run(resumed, 4, layout, dims, rule, root, 3, load=False, save=False)
+    run(resumed, 4, layout, dims, root, 2, load=False, save=True)
+    at_1 = run(resumed, 2, layout, None, root, 1, load=True, save=False)
+    again = run(resumed, 4, layout, dims, root, 1, load=True, save=False)
+    straight = run(resumed, 4, layout, dims, root, 3, load=False, save=False)
     for a, b in zip(again, straight, strict=True):
         for name in b:
             assert torch.equal(a[name], b[name]), name
@@ -282,9 +275,9 @@ def test_a_checkpoint_of_the_whole_moe_loads_at_ep_2(tmp_path, layout: str) -> N
     (each rank reads its experts' rows of the whole stacks), one more step: within the
     reference bounds of 3 steps of the whole MoE (measured 6e-8)."""
     root = str(tmp_path / "ckpt")
-    run(resumed, 2, layout, None, "normuon", root, 2, load=False, save=True)
-    at_2 = run(resumed, 4, layout, DP_EP, "normuon", root, 1, load=True, save=False)
-    straight = run(resumed, 2, layout, None, "normuon", root, 3, load=False, save=False)
+    run(resumed, 2, layout, None, root, 2, load=False, save=True)
+    at_2 = run(resumed, 4, layout, DP_EP, root, 1, load=True, save=False)
+    straight = run(resumed, 2, layout, None, root, 3, load=False, save=False)
     ref = {n.split("@")[0]: p for n, p in straight[0].items()}
     for out in at_2:
         for name, got in out.items():
