@@ -146,7 +146,7 @@ def _quantized_on(device: str) -> list[torch.Tensor]:
 
 def test_fp8_quantization_on_cuda_is_bitwise_the_cpu_result() -> None:
     for cpu, gpu in zip(_quantized_on("cpu"), _quantized_on("cuda"), strict=True):
-        assert torch.equal(cpu.view(torch.uint8), gpu.view(torch.uint8))
+        assert torch.equal(cpu.reshape(-1).view(torch.uint8), gpu.reshape(-1).view(torch.uint8))
 
 
 def test_tensorwise_scales_stay_on_the_device() -> None:
@@ -194,7 +194,9 @@ def _syncs_in_steps(nonfinite: str | None, ddp_kw: dict) -> int:
                 opt.zero_grad()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    # Only sync debug mode's own warning: set_sync_debug_mode also warns, once, that the mode is
+    # a prototype that "does not yet detect all synchronizing operations".
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("mode", ["overlap", "pipelined", "fully-sharded"])

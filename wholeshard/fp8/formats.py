@@ -107,7 +107,10 @@ def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3f
         amax = torch.maximum(hi, -lo).float()
     else:
         amax = x.new_zeros((), dtype=torch.float32)
-    scale = torch.where(amax == 0, 1.0, (amax / _TENSORWISE_MAX[dtype]).clamp_min(2.0**-149))
+    # A device tensor, not a Python number: CUDA divides by a host scalar as a multiplication by
+    # its float32 reciprocal, 1 ulp off the CPU's quotient (448 is no power of two).
+    top = torch.full_like(amax, _TENSORWISE_MAX[dtype])
+    scale = torch.where(amax == 0, 1.0, (amax / top).clamp_min(2.0**-149))
     scale = torch.where(torch.isfinite(amax), scale, float("nan"))  # x / NaN: all data NaN
     xf = x.to(torch.float32, copy=True)  # one float32 temporary, divided in place
     return Fp8Tensorwise(xf.div_(scale).to(dtype), scale)
