@@ -7,6 +7,7 @@ Muon-routed params and torch.optim.AdamW on the rest (fp32 masters when params a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,9 +17,11 @@ import torch
 import torch.distributed as dist
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
 from wholeshard.distributed.launch import launch
+from wholeshard.engine.config import Variant
 from wholeshard.planning import Buffer, ParamSpec, validate_specs
 from wholeshard.planning.plan import _group_size, plan_buffer
 from wholeshard.planning.routing import route_params
@@ -198,6 +201,22 @@ def reference_run(
     return {"params": full_params(model), "losses": losses, "norms": norms, "probe": probed}
 
 
+def mp(param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
+    """The tests' mixed precision: compute in `param_dtype`, reduce gradients in float32 (the
+    reference's precision) unless told."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+VARIANT_FIELDS = frozenset(f.name for f in dataclasses.fields(Variant))
+
+
+def data_parallel(module: nn.Module, **kw: Any) -> wholeshard.DataParallel:
+    """`wholeshard.DataParallel(module, **kw)`, where `kw` may also name `Variant` fields (the
+    baselines kept for comparison: scheme, param_sync, strategy, separate_all_gather_group)."""
+    variant = {k: kw.pop(k) for k in [k for k in kw if k in VARIANT_FIELDS]}
+    return wholeshard.DataParallel(module, _variant=Variant(**variant), **kw)
+
+
 def wholeshard_run(
     steps: int,
     *,
@@ -234,9 +253,7 @@ def wholeshard_run(
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
     model.to(device)
-    ddp = wholeshard.DataParallel(
-        model, param_dtype=param_dtype, use_muon=use_muon, **(ddp_kw or {})
-    )
+    ddp = data_parallel(model, mp_policy=mp(param_dtype), use_muon=use_muon, **(ddp_kw or {}))
     opt = wholeshard.LayerwiseOptimizer(
         ddp,
         muon=muon_kw or MUON_KW,
@@ -286,12 +303,14 @@ def wholeshard_run(
 
 
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+SYNC = dict(overlap_grad_reduce=False)
+"""Every collective at the step (the default reduces during backward)."""
 
 
 def assert_overlap_equals_sync(nproc: int, steps: int, ddp_kw: dict, **kw: Any) -> list[dict]:
     """Train synchronously and overlapped on `nproc` ranks; assert every rank's results are
     bitwise equal; return the synchronous run's per-rank results."""
-    sync = run(wholeshard_run, nproc, steps, ddp_kw=ddp_kw, **kw)
+    sync = run(wholeshard_run, nproc, steps, ddp_kw=dict(ddp_kw, **SYNC), **kw)
     overlap = run(wholeshard_run, nproc, steps, ddp_kw=dict(ddp_kw, **OVERLAP), **kw)
     for a, b in zip(sync, overlap, strict=True):
         assert_bitwise_equal(a, b)

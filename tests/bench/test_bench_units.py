@@ -37,6 +37,7 @@ from wholeshard.bench.workloads import get_workload
 from wholeshard.cli.bench import add_parser, flag_overrides, main
 from wholeshard.distributed import collectives
 from wholeshard.distributed.launch import launch
+from wholeshard.engine.config import Variant
 from wholeshard.planning.routing import route_params
 
 MB = torch.zeros(1 << 18)  # 1 MiB of fp32
@@ -281,9 +282,10 @@ def test_pipelined_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong(
     assert CONFIGS["ws_fully_sharded"].parallel == DataParallelConfig(
         reshard_after_forward=True, **overlap
     )
-    assert CONFIGS["ws_fully_sharded_one_group"].parallel == DataParallelConfig(
-        reshard_after_forward=True, separate_all_gather_group=False, **overlap
-    )
+    one_group = CONFIGS["ws_fully_sharded_one_group"]
+    assert one_group.parallel == CONFIGS["ws_fully_sharded"].parallel
+    assert one_group.variant == Variant(separate_all_gather_group=False)
+    assert CONFIGS["ws_ping_pong"].variant == Variant(scheme="ping_pong")
     assert CONFIGS["ddp_torch_muon"].parallel is None
     assert CONFIGS["ws_sync"].parallel.bucket_size is None  # the library's default
 
@@ -296,29 +298,24 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 
 def test_override_flags_parse_to_keywords_only_when_given() -> None:
     assert flag_overrides(_bench_args()) == {}
-    assert flag_overrides(_bench_args("--bucket-size", "4096", "--strategy", "size_match")) == {
+    assert flag_overrides(_bench_args("--bucket-size", "4096", "--shard-group-size", "auto")) == {
         "bucket_size": 4096,
-        "strategy": "size_match",
+        "shard_group_size": "auto",
     }
-    assert flag_overrides(_bench_args("--separate-all-gather-group")) == {
-        "separate_all_gather_group": True
-    }
-    args = _bench_args("--reshard-after-forward", "--no-separate-all-gather-group")
-    assert flag_overrides(args) == {
-        "reshard_after_forward": True,
-        "separate_all_gather_group": False,
-    }
+    assert flag_overrides(_bench_args("--no-overlap-grad-reduce")) == {"overlap_grad_reduce": False}
+    args = _bench_args("--reshard-after-forward", "--overlap-param-gather")
+    assert flag_overrides(args) == {"reshard_after_forward": True, "overlap_param_gather": True}
 
 
 def test_overrides_replace_wholeshard_keywords_only() -> None:
-    one_group = with_overrides("ws_overlap", {"separate_all_gather_group": False})
-    assert one_group.name == "ws_overlap"
-    assert one_group.parallel == DataParallelConfig(
-        overlap_grad_reduce=True, overlap_param_gather=True, separate_all_gather_group=False
+    fine = with_overrides("ws_overlap", {"bucket_size": 4096})
+    assert fine.name == "ws_overlap"
+    assert fine.parallel == DataParallelConfig(
+        overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=4096
     )
-    assert CONFIGS["ws_overlap"].parallel.separate_all_gather_group is None  # not mutated
-    sharded = with_overrides("ws_fully_sharded", {"separate_all_gather_group": False})
-    assert sharded.parallel == CONFIGS["ws_fully_sharded_one_group"].parallel
+    assert CONFIGS["ws_overlap"].parallel.bucket_size is None  # not mutated
+    sharded = with_overrides("ws_fully_sharded_one_group", {"bucket_size": 4096})
+    assert sharded.variant == CONFIGS["ws_fully_sharded_one_group"].variant
     for name in ("ddp_torch_muon", "fsdp2_torch_muon"):
         assert with_overrides(name, {"reshard_after_forward": True}) is CONFIGS[name]
     assert with_overrides("ws_sync", {}) is CONFIGS["ws_sync"]
@@ -343,16 +340,17 @@ def test_overrides_reach_the_data_parallel_call(monkeypatch) -> None:
     seen: dict = {}
 
     class Recorder:
-        def __init__(self, module, config) -> None:
-            seen["config"] = config
+        def __init__(self, module, config, _variant) -> None:
+            seen["config"], seen["variant"] = config, _variant
             raise _Stop
 
     monkeypatch.setattr(builders, "DataParallel", Recorder)
-    config = with_overrides("ws_overlap", {"bucket_size": 4096, "strategy": "size_match"})
+    config = with_overrides("ws_fully_sharded_one_group", {"bucket_size": 4096})
     with pytest.raises(_Stop):
         build(config, get_workload("mlp", quick=True), WaitClock())
     got = seen["config"]
-    assert (got.bucket_size, got.strategy, got.overlap_grad_reduce) == (4096, "size_match", True)
+    assert (got.bucket_size, got.reshard_after_forward) == (4096, True)
+    assert seen["variant"] == Variant(separate_all_gather_group=False)
 
 
 def test_footer_names_the_overrides_in_effect() -> None:
@@ -367,15 +365,15 @@ def test_footer_names_the_overrides_in_effect() -> None:
     plain = footer(machine, 2, 3, 1, 1)
     assert plain.startswith("2 gloo ranks x 1 thread(s) on cpu (2 cores)")
     assert "overrid" not in plain
-    line = footer(machine, 2, 3, 1, 1, {"separate_all_gather_group": False})
-    assert line.startswith(plain) and "separate_all_gather_group=False" in line
+    line = footer(machine, 2, 3, 1, 1, {"overlap_grad_reduce": False})
+    assert line.startswith(plain) and "overlap_grad_reduce=False" in line
 
 
 def test_a_configuration_rejecting_an_override_gets_an_error_row(
     monkeypatch, tmp_path, capfd
 ) -> None:
-    """`DataParallelConfig` rejects ping-pong with resharding: the row carries the error, no
-    worker starts for it, the run goes on and its footer names the override."""
+    """The ping-pong baseline rejects resharding: the row carries the error, no worker starts
+    for it, the run goes on and its footer names the override."""
     out = tmp_path / "bench.json"
     argv = "--quick --workload mlp --config ws_ping_pong --reshard-after-forward --json".split()
     assert main(_bench_args(*argv, str(out))) == 0
@@ -383,7 +381,7 @@ def test_a_configuration_rejecting_an_override_gets_an_error_row(
     doc = json.loads(out.read_text())
     assert doc["overrides"] == {"reshard_after_forward": True}
     (row,) = doc["results"]
-    assert "cannot be fully sharded" in row["error"]
+    assert "cannot take reshard_after_forward" in row["error"]
 
 
 def test_registers_as_a_subcommand() -> None:
@@ -406,9 +404,9 @@ def test_rejects_bad_input_without_starting_workers(capsys) -> None:
             parser.parse_args(["bench", flag, value])
         assert exit_info.value.code == 2
         assert f"argument {flag}: expected an integer" in capsys.readouterr().err
-    no_ws = ["bench", "--config", "ddp_torch_muon", "--no-separate-all-gather-group"]
+    no_ws = ["bench", "--config", "ddp_torch_muon", "--no-overlap-grad-reduce"]
     assert main(parser.parse_args(no_ws)) == 2
-    assert "--no-separate-all-gather-group" in capsys.readouterr().err
+    assert "--no-overlap-grad-reduce" in capsys.readouterr().err
 
 
 def test_wait_clock_counts_nested_blocks_once_and_restores_patches() -> None:

@@ -16,9 +16,11 @@ from support import (
     MUON_KW,
     assert_matches,
     batch,
+    data_parallel,
     full_params,
     lm_loss,
     make_model,
+    mp,
     reference_run,
     run,
     train_steps,
@@ -42,7 +44,7 @@ SAVE_AT, MORE = 4, 3
 
 def setup(seed: int = 0, dtype=torch.float32, ddp_kw=None, muon_lr=None, model=None):
     model = model if model is not None else make_model(seed)
-    ddp = wholeshard.DataParallel(model, param_dtype=dtype, **(ddp_kw or {}))
+    ddp = data_parallel(model, mp_policy=mp(dtype), **(ddp_kw or {}))
     muon = dict(MUON_KW, lr=muon_lr) if muon_lr is not None else MUON_KW
     return model, ddp, wholeshard.LayerwiseOptimizer(ddp, muon=muon, adamw=ADAMW_KW)
 

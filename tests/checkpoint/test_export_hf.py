@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import ADAMW_KW, MUON_KW, make_model, run
+from support import ADAMW_KW, MUON_KW, data_parallel, make_model, mp, run
 
 import wholeshard
 from wholeshard import cli
@@ -74,7 +74,7 @@ def _train_and_save(dirs: dict[str, Path], root: Path) -> dict[str, torch.Tensor
     for kind, directory in dirs.items():
         model = load(directory, dtype=torch.float32)
         tok = transformers.AutoTokenizer.from_pretrained(directory)
-        ddp = wholeshard.DataParallel(model, param_dtype=torch.float32, **DDP_KW[kind])
+        ddp = data_parallel(model, mp_policy=mp(torch.float32), **DDP_KW[kind])
         opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
         for step in range(STEPS):
             data = tokens(step).tensor_split(world)[rank]

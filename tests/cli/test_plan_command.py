@@ -107,7 +107,7 @@ def test_json_has_every_field_with_its_type(
         "param_dtype": "float32",
         "grad_reduce_dtype": "float32",
         "shard_group_size": 2,
-        "overlap_grad_reduce": False,
+        "overlap_grad_reduce": True,
         "overlap_param_gather": False,
         "param_sync": "allgather",
         "clip_grad_norm": True,

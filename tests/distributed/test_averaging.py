@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import lm_loss, local_batch, make_model, run
+from support import data_parallel, lm_loss, local_batch, make_model, mp, run
 
-import wholeshard
 from wholeshard.distributed import collectives
 
 
@@ -66,7 +65,7 @@ def _ops_issued(ddp_kw: dict) -> dict:
         setattr(dist, name, recording(fn))
     collectives._Finish.__init__ = recording_finish
     try:
-        ddp = wholeshard.DataParallel(make_model(), bucket_size=3000, **ddp_kw)
+        ddp = data_parallel(make_model(), bucket_size=3000, **ddp_kw)
         ops.clear()
         divisions.clear()
         lm_loss(ddp, *local_batch(0, rank, world)).backward()
@@ -81,7 +80,7 @@ def _ops_issued(ddp_kw: dict) -> dict:
 @pytest.mark.parametrize(
     ("nproc", "ddp_kw", "divisor"),
     [
-        (3, {"grad_reduce_dtype": torch.bfloat16}, 3),
+        (3, {"mp_policy": mp(None, torch.bfloat16)}, 3),
         (4, {"shard_group_size": 2}, 4),  # hybrid: one division by 2 x 2, after both sums
     ],
 )

@@ -20,9 +20,11 @@ from support import (
     ADAMW_KW,
     MUON_KW,
     TOL,
+    data_parallel,
     full_params,
     lm_loss,
     local_batch,
+    mp,
     rank_world,
     reference_run,
     run,
@@ -52,7 +54,7 @@ def build(layout: str, dims: dict | None, ddp_kw: dict, unused: int | None = Non
     the whole MoE on the default group."""
     if dims is None:
         model = MoELM(layout, unused=unused)
-        return model, wholeshard.DataParallel(model, **ddp_kw), *rank_world()
+        return model, data_parallel(model, **ddp_kw), *rank_world()
     mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
     model = MoELM(layout, mesh["ep"] if layout == "dtensor" else mesh.get_group("ep"), unused)
     data = (dist.get_rank(), dist.get_world_size())
@@ -60,7 +62,7 @@ def build(layout: str, dims: dict | None, ddp_kw: dict, unused: int | None = Non
         parallelize_module(model, mesh["tp"], {k: style() for k, style in TP_STYLES.items()})
         flat = mesh[tuple(n for n in dims if n != "tp")]._flatten()
         data = (flat.get_local_rank(), flat.size())
-    return model, wholeshard.DataParallel(model, mesh=mesh, **ddp_kw), *data
+    return model, data_parallel(model, mesh=mesh, **ddp_kw), *data
 
 
 def expert_parallel(
@@ -165,8 +167,8 @@ def test_an_expert_no_token_reached_is_not_stepped() -> None:
 def _fp8(gather: bool) -> dict[str, torch.Tensor]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     model = fp8.convert(MoELM("modules", mesh.get_group("ep")), "tensorwise")
-    kw = dict(fp8_param_gather=gather, param_dtype=torch.bfloat16)
-    ddp = wholeshard.DataParallel(model, mesh=mesh, **kw)
+    kw = dict(fp8_param_gather=gather, mp_policy=mp(torch.bfloat16))
+    ddp = data_parallel(model, mesh=mesh, **kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     for step in range(STEPS):
         lm_loss(ddp, *local_batch(step, dist.get_rank(), dist.get_world_size())).backward()
@@ -199,7 +201,7 @@ def _from_meta(layout: str, ddp_kw: dict) -> dict[str, torch.Tensor]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     with torch.device("meta"):
         model = MoELM(layout, mesh.get_group("ep"))
-    return held(wholeshard.DataParallel(model, mesh=mesh, param_init=_init, **ddp_kw), model)
+    return held(data_parallel(model, mesh=mesh, param_init=_init, **ddp_kw), model)
 
 
 @pytest.mark.parametrize(("layout", "mode"), [("stacked", "zero"), ("modules", "fully_sharded")])
@@ -308,7 +310,7 @@ def _refusals() -> list[str]:
             model = MoELM("stacked", dp_ep.get_group("ep"))
             model.moe.experts.down.requires_grad_("param_init" not in case)
         try:
-            wholeshard.DataParallel(model, **case)
+            data_parallel(model, **case)
         except (ValueError, NotImplementedError) as e:
             said.append(f"{type(e).__name__}: {e}")
         else:

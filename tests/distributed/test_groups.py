@@ -13,7 +13,16 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, MUON_KW, TOL, lm_loss, local_batch, make_model, reference_run
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    TOL,
+    data_parallel,
+    lm_loss,
+    local_batch,
+    make_model,
+    reference_run,
+)
 
 import wholeshard
 from wholeshard.distributed import groups
@@ -53,7 +62,7 @@ def _train(ddp_kw: dict, members: list[int] | None, eager: bool = False) -> dict
         if eager:
             groups.comms_split_from_world = lambda: True
             dist.split_group = _split_group_on_gloo
-    ddp = wholeshard.DataParallel(make_model(), process_group=group, **ddp_kw)
+    ddp = data_parallel(make_model(), process_group=group, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     for step in range(3):  # each rank's slice of the batch, by its rank in the group
         lm_loss(ddp, *local_batch(step, ddp.rank, ddp.dp_size)).backward()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import assert_bitwise_equal, make_model, run, wholeshard_run
+from support import assert_bitwise_equal, data_parallel, make_model, run, wholeshard_run
 from torch.distributed.device_mesh import init_device_mesh
 
 import wholeshard
@@ -64,7 +64,7 @@ def _refusals() -> list[str]:
     said = []
     for case in cases:
         try:
-            wholeshard.DataParallel(make_model(), **case())
+            data_parallel(make_model(), **case())
         except (ValueError, TypeError, NotImplementedError) as e:
             said.append(f"{type(e).__name__}: {e}")
         else:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from support import lm_loss, local_batch, make_model
+from support import data_parallel, lm_loss, local_batch, make_model
 
 import wholeshard
 from wholeshard.distributed.groups import group_timeout
@@ -139,16 +139,9 @@ def _stop_in_backward(module, args, out) -> None:
 def _stall_rank_three_mid_backward() -> None:
     """World 4, shard groups of 2: every collective of a step runs on a subgroup."""
     model = make_model(layers=4)
-    ddp = wholeshard.DataParallel(model, shard_group_size=2, separate_all_gather_group=True)
+    ddp = data_parallel(model, shard_group_size=2, separate_all_gather_group=True)
     for g in (ddp.shard_group, ddp.replica_group, ddp.gather_group):
         assert group_timeout(g) == timedelta(seconds=STALL_S)  # inherited from the world group
-    explicit = wholeshard.DataParallel(
-        make_model(),
-        shard_group_size=2,
-        separate_all_gather_group=True,
-        timeout=timedelta(seconds=7),
-    )
-    assert group_timeout(explicit.replica_group) == timedelta(seconds=7)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=dict(lr=0.01), adamw=dict(lr=0.01))
     rank = dist.get_rank()
     for step in range(3):

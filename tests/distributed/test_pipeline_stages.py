@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import ADAMW_KW, MUON_KW, TOL
+from support import ADAMW_KW, MUON_KW, TOL, data_parallel
 from support import run as launch_run
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -60,7 +60,7 @@ def pipelined(schedule_cls, ddp_kw: dict) -> dict[str, torch.Tensor]:
     stage_index, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     model = make_mlp()
     stage_module = model[:SPLIT] if stage_index == 0 else model[SPLIT:]  # keeps the names
-    ddp = wholeshard.DataParallel(stage_module, mesh=mesh, use_muon=matrices, **ddp_kw)
+    ddp = data_parallel(stage_module, mesh=mesh, use_muon=matrices, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     stage = PipelineStage(ddp, stage_index, 2, torch.device("cpu"), group=mesh.get_group("pp"))
 

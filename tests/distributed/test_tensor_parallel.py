@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import ADAMW_KW, MUON_KW, TOL, batch, local_batch, run
+from support import ADAMW_KW, MUON_KW, TOL, batch, data_parallel, local_batch, run
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -104,7 +104,7 @@ def tensor_parallel(
         mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
     model = MLP()
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
+    ddp = data_parallel(model, mesh=mesh, **ddp_kw)
     cls, kw = RULES[rule]
     opt = wholeshard.LayerwiseOptimizer(
         ddp, muon=kw, adamw=ADAMW_KW, tp_mode=tp_mode, matrix_optimizer=cls
@@ -263,7 +263,7 @@ def gpt_tensor_parallel(ddp_kw: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(GPT_CFG)
     parallelize_blocks(model, mesh["tp"])  # models.gpt.BLOCK_TP_STYLES
-    ddp = wholeshard.DataParallel(model, mesh=mesh, **ddp_kw)
+    ddp = data_parallel(model, mesh=mesh, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     for step in range(STEPS):
         gpt_loss(ddp, *local_batch(step, mesh.get_local_rank("dp"), 2)).backward()

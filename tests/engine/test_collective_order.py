@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, DIM, MUON_KW, OVERLAP, VOCAB, Block, local_batch
+from support import ADAMW_KW, DIM, MUON_KW, OVERLAP, VOCAB, Block, data_parallel, local_batch, mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -93,7 +93,7 @@ def _steps(ddp_kw: dict, recipe: str | None) -> list[Call]:
     if recipe is not None:
         model = fp8.convert(model, recipe)
     calls = _recording()
-    ddp = wholeshard.DataParallel(model, bucket_size=3000, **ddp_kw)
+    ddp = data_parallel(model, bucket_size=3000, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     for step in range(4):
         model.skip = step in (1, 3) and rank == 1  # the middle block: rank 0 only
@@ -117,13 +117,13 @@ MODES = {
     "fully-sharded-overlap": (dict(FULLY_SHARDED, **OVERLAP), None),
     "pipelined-fully-sharded": (dict(pipelined_step=True, **FULLY_SHARDED, **OVERLAP), None),
     "shard-groups": (dict(shard_group_size=2, **OVERLAP), None),
-    "fp8-gather": (dict(fp8_param_gather=True, param_dtype=torch.bfloat16, **OVERLAP), "mxfp8"),
+    "fp8-gather": (dict(fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP), "mxfp8"),
     "owners-pipelined-fully-sharded": (
         dict(strategy="owners", pipelined_step=True, **FULLY_SHARDED, **OVERLAP),
         None,
     ),
     "owners-fp8-gather": (
-        dict(strategy="owners", fp8_param_gather=True, param_dtype=torch.bfloat16, **OVERLAP),
+        dict(strategy="owners", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
         "tensorwise",
     ),
 }

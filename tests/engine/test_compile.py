@@ -24,8 +24,10 @@ from support import (
     ADAMW_KW,
     MUON_KW,
     OVERLAP,
+    SYNC,
     assert_bitwise_equal,
     assert_matches,
+    data_parallel,
     lm_loss,
     local_batch,
     make_model,
@@ -42,7 +44,7 @@ if not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
 
 STEPS = 3
 MODES = {
-    "sync": {},
+    "sync": SYNC,
     "overlap": OVERLAP,
     "broadcast-overlap": dict(param_sync="broadcast", **OVERLAP),
     "ping_pong": dict(scheme="ping_pong"),
@@ -81,7 +83,7 @@ def _hooks_fire(kind: str) -> dict:
     next forward, and that forward's pre-hook completes them before the compiled graph runs."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch._dynamo.reset()
-    ddp = wholeshard.DataParallel(compiled(kind), **SMALL_BUCKETS, **OVERLAP)
+    ddp = data_parallel(compiled(kind), **SMALL_BUCKETS, **OVERLAP)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
     reduced_in_backward = sum(b.reducing is not None for b in ddp.buckets)

@@ -7,13 +7,14 @@ import dataclasses
 
 import pytest
 import torch
-from support import make_model
+from support import make_model, mp
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
 from wholeshard import DataParallelConfig
 from wholeshard.cli.flags import field_docs
 from wholeshard.engine._storage import BucketState
-from wholeshard.engine.config import ConfigError
+from wholeshard.engine.config import ConfigError, Variant
 
 
 def test_every_field_has_a_docstring_and_a_default() -> None:
@@ -24,14 +25,22 @@ def test_every_field_has_a_docstring_and_a_default() -> None:
 
 
 def test_keywords_build_the_same_config_as_the_object() -> None:
-    cfg = DataParallelConfig(bucket_size=4096, strategy="size_match", overlap_grad_reduce=True)
+    cfg = DataParallelConfig(bucket_size=4096, shard_group_size=1, overlap_grad_reduce=False)
     by_keywords = wholeshard.DataParallel(
-        make_model(), bucket_size=4096, strategy="size_match", overlap_grad_reduce=True
+        make_model(), bucket_size=4096, shard_group_size=1, overlap_grad_reduce=False
     )
     by_object = wholeshard.DataParallel(make_model(), cfg)
-    assert by_keywords.config == by_object.config == cfg
+    assert by_keywords.dp_config == by_object.dp_config == cfg
     assert by_keywords.plan == by_object.plan
-    assert wholeshard.DataParallel(make_model()).config == DataParallelConfig()
+    assert wholeshard.DataParallel(make_model()).dp_config == DataParallelConfig()
+
+
+def test_at_most_twelve_options_and_the_baselines_are_not_among_them() -> None:
+    names = {f.name for f in dataclasses.fields(DataParallelConfig)}
+    assert len(names) <= 12, sorted(names)
+    assert not names & {f.name for f in dataclasses.fields(Variant)}
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['scheme'\]"):
+        wholeshard.DataParallel(make_model(), scheme="ping_pong")
 
 
 def test_config_and_keywords_together_or_unknown_keywords_are_refused() -> None:
@@ -50,23 +59,40 @@ def test_config_and_keywords_together_or_unknown_keywords_are_refused() -> None:
         (dict(bucket_size=True), "bucket_size", "int >= 1"),
         (dict(shard_group_size=-2), "shard_group_size", "int >= 1 or 'auto'"),
         (dict(shard_group_size="max"), "shard_group_size", "int >= 1 or 'auto'"),
-        (dict(shard_group_size="auto", scheme="ping_pong"), "shard_group_size", "scheme='whole'"),
-        (dict(strategy="zigzag"), "strategy", "strategy must be one of"),
-        (dict(scheme="aligned"), "scheme", "scheme must be one of"),
-        (dict(param_sync="scatter"), "param_sync", "param_sync must be one of"),
-        (dict(param_dtype=torch.int8), "param_dtype", "floating-point"),
-        (dict(grad_reduce_dtype="float32"), "grad_reduce_dtype", "floating-point"),
+        (dict(mp_policy=torch.bfloat16), "mp_policy", "MixedPrecisionPolicy"),
+        (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8)), "mp_policy", "floating"),
+        (dict(mp_policy=MixedPrecisionPolicy(reduce_dtype="fp32")), "mp_policy", "reduce_dtype"),
         (dict(overlap_grad_reduce=1), "overlap_grad_reduce", "True or False"),
-        (dict(separate_all_gather_group="yes"), "separate_all_gather_group", "None, True"),
-        (dict(timeout=30), "timeout", "timedelta"),
         (dict(use_muon="fc"), "use_muon", "a function"),
-        (dict(scheme="ping_pong", reshard_after_forward=True), "reshard_after_forward", "ping_p"),
-        (dict(scheme="ping_pong", fp8_param_gather=True), "fp8_param_gather", "scheme='whole'"),
+        (dict(matrix_cost=3), "matrix_cost", "a function"),
     ],
 )
 def test_bad_values_name_their_field(options: dict, field: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         DataParallelConfig(**options)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    "variant, options, field, message",
+    [
+        (dict(strategy="zigzag"), {}, "strategy", "strategy must be one of"),
+        (dict(scheme="aligned"), {}, "scheme", "scheme must be one of"),
+        (dict(param_sync="scatter"), {}, "param_sync", "param_sync must be one of"),
+        (dict(separate_all_gather_group="yes"), {}, "separate_all_gather_group", "None, True"),
+        (dict(scheme="ping_pong"), dict(shard_group_size="auto"), "shard_group_size", "equal"),
+        (
+            dict(scheme="ping_pong"),
+            dict(reshard_after_forward=True),
+            "reshard_after_forward",
+            "equal",
+        ),
+        (dict(scheme="ping_pong"), dict(fp8_param_gather=True), "fp8_param_gather", "no shards"),
+    ],
+)
+def test_bad_variants_name_their_field(variant: dict, options: dict, field: str, message: str):
+    with pytest.raises(ConfigError, match=message) as e:
+        Variant(**variant).check(DataParallelConfig(**options))
     assert e.value.field == field
 
 
@@ -77,19 +103,43 @@ def test_a_config_cannot_change() -> None:
     assert dataclasses.replace(cfg, bucket_size=4096).bucket_size == 4096
 
 
-def test_param_dtype_none_keeps_the_models_dtype_as_fsdp2_does() -> None:
+def test_mp_policy_has_fsdp2s_meanings() -> None:
     model = make_model().to(torch.bfloat16)
-    ddp = wholeshard.DataParallel(model)
+    ddp = wholeshard.DataParallel(model)  # no policy: the model's own dtype, reduced in it
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert ddp.buckets[0].param.dtype == ddp.buckets[0].grad.dtype == torch.bfloat16
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ddp = wholeshard.DataParallel(make_model(), mp_policy=policy)
     assert ddp.buckets[0].param.dtype == torch.bfloat16
-    assert ddp.buckets[0].grad.dtype == torch.float32  # grads reduce in fp32 unless told
+    assert ddp.buckets[0].grad.dtype == torch.float32
+    compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce_dtype None: compute's
+    assert wholeshard.DataParallel(make_model(), mp_policy=compute).buckets[0].grad.dtype == (
+        torch.bfloat16
+    )
     mixed = make_model()
     mixed.head.to(torch.bfloat16)
-    with pytest.raises(ValueError, match="pass param_dtype"):
+    with pytest.raises(ValueError, match="pass mp_policy=MixedPrecisionPolicy"):
         wholeshard.DataParallel(mixed)
-    assert wholeshard.DataParallel(mixed, param_dtype=torch.float32).buckets[0].param.dtype == (
-        torch.float32
-    )
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
+    assert wholeshard.DataParallel(mixed, mp_policy=fp32).buckets[0].param.dtype == torch.float32
+
+
+def test_output_dtype_casts_the_forward_outputs() -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    ddp = wholeshard.DataParallel(make_model(), mp_policy=policy)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    assert ddp(tokens).dtype == torch.float32
+    plain = wholeshard.DataParallel(make_model(), mp_policy=mp(torch.bfloat16))
+    assert plain(tokens).dtype == torch.bfloat16
+
+
+def test_the_wrapped_models_attributes_show_through() -> None:
+    model = make_model()
+    model.config = {"hidden_size": 32}  # a transformers model's config, say
+    ddp = wholeshard.DataParallel(model)
+    assert ddp.config is model.config
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        ddp.no_such_thing  # noqa: B018
 
 
 def test_bucket_state_transitions_are_asserted() -> None:

@@ -14,6 +14,7 @@ from support import (
     lm_loss,
     local_batch,
     make_model,
+    mp,
     reference_run,
     run,
     wholeshard_run,
@@ -108,7 +109,7 @@ def test_owner_from_the_plan_receives_the_reduced_gradient() -> None:
 
 def _state_report() -> dict:
     model = make_model()
-    ddp = wholeshard.DataParallel(model, param_dtype=torch.bfloat16)
+    ddp = wholeshard.DataParallel(model, mp_policy=mp(torch.bfloat16))
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     rank, world = dist.get_rank(), dist.get_world_size()
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
@@ -161,7 +162,7 @@ def test_clip_grad_norm_matches_reference() -> None:
 def _round_trip(steps_before: int, steps_after: int, resume: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    ddp = wholeshard.DataParallel(model, param_dtype=torch.bfloat16)
+    ddp = wholeshard.DataParallel(model, mp_policy=mp(torch.bfloat16))
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
 
     def train(steps: range) -> None:
@@ -181,7 +182,7 @@ def _round_trip(steps_before: int, steps_after: int, resume: bool) -> dict:
             "param_groups": [dict(g) for g in saved_opt["param_groups"]],
         }
         model = make_model(seed=123)  # different init: everything must come from the save
-        ddp = wholeshard.DataParallel(model, param_dtype=torch.bfloat16)
+        ddp = wholeshard.DataParallel(model, mp_policy=mp(torch.bfloat16))
         opt = wholeshard.LayerwiseOptimizer(ddp, muon=dict(MUON_KW, lr=1.0), adamw=ADAMW_KW)
         model.load_state_dict(saved_model)
         opt.load_state_dict(saved_opt)

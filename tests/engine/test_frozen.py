@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from support import assert_overlap_equals_sync, make_model
+from support import assert_overlap_equals_sync, make_model, mp
 from torch import nn
 
 import wholeshard
@@ -37,7 +37,7 @@ def test_frozen_params_are_cast_kept_out_and_never_stepped() -> None:
     model = make_adapted()
     frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     before = {n: p.detach().to(torch.bfloat16).clone() for n, p in frozen.items()}
-    ddp = wholeshard.DataParallel(model, param_dtype=torch.bfloat16)
+    ddp = wholeshard.DataParallel(model, mp_policy=mp(torch.bfloat16))
     routed = {r.name for r in ddp.routes}
     assert routed.isdisjoint(frozen)
     assert {n for n, p in model.named_parameters()} == routed | set(frozen)

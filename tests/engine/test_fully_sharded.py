@@ -18,6 +18,7 @@ from support import (
     assert_bitwise_equal,
     assert_matches,
     batch,
+    data_parallel,
     lm_loss,
     local_batch,
     make_model,
@@ -106,7 +107,7 @@ def test_clipping_and_broadcast_param_sync() -> None:
 def _lifecycle() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    ddp = wholeshard.DataParallel(model, **SMALL_BUCKETS, **FS, **OVERLAP)
+    ddp = data_parallel(model, **SMALL_BUCKETS, **FS, **OVERLAP)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     buckets = ddp.buckets
 
@@ -183,7 +184,7 @@ def test_only_shards_persist_and_full_buckets_are_released() -> None:
 
 
 def _zero_memory() -> dict:
-    ddp = wholeshard.DataParallel(make_model(), **SMALL_BUCKETS)
+    ddp = data_parallel(make_model(), **SMALL_BUCKETS)
     return {"memory": ddp.memory(), "numel": ddp.plan.numel}
 
 
@@ -195,8 +196,8 @@ def test_zero_mode_memory_is_the_full_buffers() -> None:
 
 
 def test_ping_pong_cannot_be_fully_sharded() -> None:
-    with pytest.raises(ValueError, match="ping_pong.*cannot be fully sharded"):
-        wholeshard.DataParallel(make_model(), scheme="ping_pong", **FS)
+    with pytest.raises(ValueError, match="ping_pong.*cannot take reshard_after_forward"):
+        data_parallel(make_model(), scheme="ping_pong", **FS)
 
 
 # -- the separate all-gather group -------------------------------------------------------------
@@ -263,7 +264,7 @@ def test_separate_group_carries_every_gather_and_nothing_else(ddp_kw: dict) -> N
 def _trace() -> list[tuple[str, float]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Buckets of about one matrix each: the last block's complete early in backward.
-    ddp = wholeshard.DataParallel(make_model(), bucket_size=1000, **FS, **OVERLAP)
+    ddp = data_parallel(make_model(), bucket_size=1000, **FS, **OVERLAP)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         lm_loss(ddp, *local_batch(0, rank, world)).backward()

@@ -8,7 +8,17 @@ import zlib
 
 import pytest
 import torch
-from support import ADAMW_KW, MUON_KW, OVERLAP, full_params, make_model, run, train_steps
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    OVERLAP,
+    SYNC,
+    data_parallel,
+    full_params,
+    make_model,
+    run,
+    train_steps,
+)
 from torch import nn
 
 import wholeshard
@@ -53,13 +63,13 @@ def expected() -> dict[str, torch.Tensor]:
 def _train(meta: bool, ddp_kw: dict) -> dict:
     fp8 = ddp_kw.get("fp8_param_gather", False)
     if meta:
-        ddp = wholeshard.DataParallel(_model(meta=True, fp8=fp8), param_init=init, **ddp_kw)
+        ddp = data_parallel(_model(meta=True, fp8=fp8), param_init=init, **ddp_kw)
     else:
         model = _model(meta=False, fp8=fp8)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(expected()[name])
-        ddp = wholeshard.DataParallel(model, **ddp_kw)
+        ddp = data_parallel(model, **ddp_kw)
     module = ddp.module
     with ddp.full_params():
         built = full_params(module)
@@ -73,7 +83,7 @@ def _train(meta: bool, ddp_kw: dict) -> dict:
 
 
 MODES = {
-    "sync": {},
+    "sync": SYNC,
     "overlap": OVERLAP,
     "fully-sharded": dict(reshard_after_forward=True, **OVERLAP),
     "pipelined": dict(pipelined_step=True, **OVERLAP),
@@ -126,7 +136,7 @@ def _full_units_alive_while_building(ddp_kw: dict) -> list[int]:
 
     _storage.BucketStorage.__init__ = init_and_count
     try:
-        wholeshard.DataParallel(_model(meta=True), param_init=init, **ddp_kw)
+        data_parallel(_model(meta=True), param_init=init, **ddp_kw)
     finally:
         _storage.BucketStorage.__init__ = original
     return [*alive, sum(_storage._allocated(b.param) for b in built)]

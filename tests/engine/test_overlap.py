@@ -9,8 +9,10 @@ from support import (
     ADAMW_KW,
     MUON_KW,
     OVERLAP,
+    SYNC,
     assert_bitwise_equal,
     assert_matches,
+    data_parallel,
     lm_loss,
     local_batch,
     make_model,
@@ -93,7 +95,7 @@ def test_param_unused_in_forward(mode: str) -> None:
 
 def _dispatch_points(mode: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = wholeshard.DataParallel(make_model(), **SMALL_BUCKETS, **mode)
+    ddp = data_parallel(make_model(), **SMALL_BUCKETS, **mode)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
     during_backward = sum(b.reducing is not None for b in ddp.buckets)
@@ -103,7 +105,7 @@ def _dispatch_points(mode: dict) -> dict:
 
 
 def test_overlap_dispatches_during_backward_and_defers_gathers() -> None:
-    sync = run(_dispatch_points, 2, {})[0]
+    sync = run(_dispatch_points, 2, SYNC)[0]
     overlap = run(_dispatch_points, 2, OVERLAP)[0]
     assert sync["buckets"] > 2
     assert sync["rs"] == 0 and sync["ag"] == 0
@@ -114,7 +116,7 @@ def test_overlap_dispatches_during_backward_and_defers_gathers() -> None:
 def _in_flight_protocol(mode: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    ddp = wholeshard.DataParallel(model, **SMALL_BUCKETS, **mode)
+    ddp = data_parallel(model, **SMALL_BUCKETS, **mode)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
     opt.step()
@@ -143,11 +145,9 @@ def test_second_step_with_gather_in_flight(scheme: str) -> None:
 
 def test_bad_mode_names() -> None:
     with pytest.raises(ValueError, match="scheme must be"):
-        wholeshard.DataParallel(make_model(), scheme="zigzag")
-    assert wholeshard.DataParallel(make_model(), scheme="ping_pong").plan.buffers[0].kind == (
-        "unaligned"
-    )
+        data_parallel(make_model(), scheme="zigzag")
+    assert data_parallel(make_model(), scheme="ping_pong").plan.buffers[0].kind == "unaligned"
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         wholeshard.DataParallel(make_model(), layout="ping_pong")  # no such option
     with pytest.raises(ValueError, match="param_sync must be"):
-        wholeshard.DataParallel(make_model(), param_sync="scatter")
+        data_parallel(make_model(), param_sync="scatter")

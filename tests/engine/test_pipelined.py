@@ -11,7 +11,9 @@ from support import (
     ADAMW_KW,
     MUON_KW,
     OVERLAP,
+    SYNC,
     assert_bitwise_equal,
+    data_parallel,
     fp8_model,
     lm_loss,
     local_batch,
@@ -28,7 +30,7 @@ STEPS = 4
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so there is something to pipeline
 PIPELINED = dict(pipelined_step=True)
 GATHER_MODES = {
-    "sync": {},
+    "sync": SYNC,
     "grad-overlap": dict(overlap_grad_reduce=True),
     "overlap": OVERLAP,
 }
@@ -112,7 +114,7 @@ def _step_events(ddp_kw: dict) -> dict:
     """The trace of one optimizer step: (start, end, name) of wholeshard's labels and of the
     inner optimizers' steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = wholeshard.DataParallel(make_model(), **SMALL_BUCKETS, **ddp_kw)
+    ddp = data_parallel(make_model(), **SMALL_BUCKETS, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -20,9 +20,23 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, MUON_KW, OVERLAP, lm_loss, local_batch, make_model, run
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    OVERLAP,
+    SYNC,
+    VARIANT_FIELDS,
+    data_parallel,
+    lm_loss,
+    local_batch,
+    make_model,
+    mp,
+    run,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
+from wholeshard import DataParallelConfig
 from wholeshard.distributed import collectives
 from wholeshard.engine import _storage
 from wholeshard.planning import ParamSpec, plan_buffers
@@ -117,7 +131,7 @@ def _step(ddp: wholeshard.DataParallel, opt: wholeshard.LayerwiseOptimizer, step
 
 
 def _train(bucket_size: int, ddp_kw: dict) -> dict:
-    ddp = wholeshard.DataParallel(make_model(), bucket_size=bucket_size, **ddp_kw)
+    ddp = data_parallel(make_model(), bucket_size=bucket_size, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     _step(ddp, opt, 0)  # makes the optimizer state
     with _recording() as (engine, torch_calls), _peak(ddp) as peak:
@@ -138,16 +152,16 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
 BF16 = torch.bfloat16
 FULLY = dict(reshard_after_forward=True)
 MODES = {  # name: (ranks, bucket size, DataParallel options)
-    "zero": (2, BUCKET, {}),
-    "zero-overlap-bf16": (3, BUCKET, dict(param_dtype=BF16, grad_reduce_dtype=BF16, **OVERLAP)),
+    "zero": (2, BUCKET, SYNC),
+    "zero-overlap-bf16": (3, BUCKET, dict(mp_policy=mp(BF16, BF16), **OVERLAP)),
     "fully-sharded": (2, BUCKET, FULLY),
-    "fully-sharded-overlap-bf16": (3, BUCKET, dict(FULLY, param_dtype=BF16, **OVERLAP)),
+    "fully-sharded-overlap-bf16": (3, BUCKET, dict(FULLY, mp_policy=mp(BF16), **OVERLAP)),
     "fully-sharded-fine": (2, FINE, FULLY),
     "fully-sharded-fine-overlap": (2, FINE, dict(FULLY, **OVERLAP)),
-    "fully-sharded-fine-overlap-grads": (2, FINE, dict(FULLY, overlap_grad_reduce=True)),
-    "hybrid-bf16-grads": (4, BUCKET, dict(shard_group_size=2, grad_reduce_dtype=BF16)),
+    "fully-sharded-fine-sync-grads": (2, FINE, dict(FULLY, overlap_grad_reduce=False)),
+    "hybrid-bf16-grads": (4, BUCKET, dict(shard_group_size=2, mp_policy=mp(None, BF16))),
     "hybrid-fully-sharded": (4, BUCKET, dict(FULLY, shard_group_size=2, **OVERLAP)),
-    "replicated": (2, BUCKET, dict(shard_group_size=1, param_dtype=BF16)),
+    "replicated": (2, BUCKET, dict(shard_group_size=1, mp_policy=mp(BF16))),
     "broadcast-sync": (2, BUCKET, dict(param_sync="broadcast")),
     "owners": (3, BUCKET, dict(strategy="owners")),
     "owners-fully-sharded-fine-overlap": (3, FINE, dict(FULLY, strategy="owners", **OVERLAP)),
@@ -156,7 +170,7 @@ MODES = {  # name: (ranks, bucket size, DataParallel options)
 PEAK_WITHIN = {
     "fully-sharded-fine": 0.01,
     "fully-sharded-fine-overlap": 0.02,
-    "fully-sharded-fine-overlap-grads": 0.02,
+    "fully-sharded-fine-sync-grads": 0.02,
     "owners-fully-sharded-fine-overlap": 0.02,
     "owners-hybrid-fully-sharded": 0.01,
 }
@@ -168,11 +182,18 @@ Elsewhere it is exact."""
 
 
 def _mode(ddp_kw: dict) -> Mode:
-    """The plan's mode for a DataParallel made with `ddp_kw` (its dtypes: float32 defaults)."""
-    fields = ("reshard_after_forward", "param_dtype", "grad_reduce_dtype", "overlap_grad_reduce",
-              "overlap_param_gather", "param_sync")  # fmt: skip
-    given = {k: v for k, v in ddp_kw.items() if k in fields}
-    return Mode(**given)
+    """The plan's mode for a DataParallel made with `ddp_kw` (float32 where no dtype is given)."""
+    cfg = DataParallelConfig(**{k: v for k, v in ddp_kw.items() if k not in VARIANT_FIELDS})
+    policy = cfg.mp_policy or MixedPrecisionPolicy()
+    param_dtype = policy.param_dtype or torch.float32
+    return Mode(
+        reshard_after_forward=cfg.reshard_after_forward,
+        param_dtype=param_dtype,
+        grad_reduce_dtype=policy.reduce_dtype or param_dtype,
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather,
+        param_sync=ddp_kw.get("param_sync", "allgather"),
+    )
 
 
 @pytest.mark.parametrize("name", list(MODES))

@@ -19,6 +19,7 @@ from support import (
     assert_bitwise_equal,
     assert_matches,
     assert_overlap_equals_sync,
+    mp,
     reference_run,
     run,
     wholeshard_run,
@@ -233,7 +234,7 @@ def _train_part(path: str, steps: range, load: bool, dtype: torch.dtype) -> dict
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = make_moe()
-    ddp = wholeshard.DataParallel(model, bucket_size=1500, param_dtype=dtype)
+    ddp = wholeshard.DataParallel(model, bucket_size=1500, mp_policy=mp(dtype))
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     if load:
         wholeshard.load_checkpoint(path, ddp, opt)

@@ -6,15 +6,27 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, MUON_KW, OVERLAP, lm_loss, local_batch, make_model, run, train_steps
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    OVERLAP,
+    data_parallel,
+    lm_loss,
+    local_batch,
+    make_model,
+    mp,
+    run,
+    train_steps,
+)
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
 
 
 def _state_dict_after_overlapped_step() -> dict:
     rank = dist.get_rank()
-    ddp = wholeshard.DataParallel(make_model(), bucket_size=3000, **OVERLAP)
+    ddp = data_parallel(make_model(), bucket_size=3000, **OVERLAP)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     train_steps(ddp, opt, range(2))
     with pytest.raises(RuntimeError, match="finish_param_sync"):
@@ -71,15 +83,14 @@ class Regressor(nn.Module):
 
 
 def test_param_dtype_casts_floating_forward_inputs() -> None:
-    ddp = wholeshard.DataParallel(Regressor(), param_dtype=torch.bfloat16)
+    ddp = wholeshard.DataParallel(Regressor(), mp_policy=mp(torch.bfloat16))
     x, scale = torch.randn(4, 8), torch.tensor(2.0)
     y = ddp(x, scale=scale)  # float32 inputs, bf16 model: cast, as FSDP2 does
     assert y.dtype == torch.bfloat16
-    lm = wholeshard.DataParallel(make_model(), param_dtype=torch.bfloat16)
+    lm = wholeshard.DataParallel(make_model(), mp_policy=mp(torch.bfloat16))
     assert lm(local_batch(0, 0, 1)[0]).dtype == torch.bfloat16  # token ids are left alone
-    plain = wholeshard.DataParallel(
-        Regressor(), param_dtype=torch.bfloat16, cast_forward_inputs=False
-    )
+    uncast = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)
+    plain = wholeshard.DataParallel(Regressor(), mp_policy=uncast)
     with pytest.raises(RuntimeError, match="dtype"):
         plain(x, scale=scale)
 

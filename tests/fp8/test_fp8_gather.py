@@ -11,10 +11,12 @@ from support import (
     MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
+    data_parallel,
     fp8_model,
     lm_loss,
     local_batch,
     make_model,
+    mp,
     run,
     train_steps,
     wholeshard_run,
@@ -70,7 +72,7 @@ def _gathered_vs_local(recipe: str) -> list[bool]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = fp8_model(recipe)()
     ddp = wholeshard.DataParallel(
-        model, **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=True
+        model, **BUCKETS, mp_policy=mp(torch.bfloat16), fp8_param_gather=True
     )
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, rank, world)).backward()
@@ -109,7 +111,7 @@ def _gather_bytes(fp8_param_gather: bool) -> int:
     torch.manual_seed(0)
     model = fp8.convert(Deep(), "tensorwise", use_muon=lambda name, p: True)
     ddp = wholeshard.DataParallel(
-        model, bucket_size=8192, param_dtype=torch.bfloat16, fp8_param_gather=fp8_param_gather
+        model, bucket_size=8192, mp_policy=mp(torch.bfloat16), fp8_param_gather=fp8_param_gather
     )
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW)
     sent = []
@@ -198,8 +200,8 @@ def test_staging_at_the_step_would_ship_zeros_and_staging_at_dispatch_does_not()
 def test_fp8_param_gather_needs_fp8_layers_and_the_whole_scheme() -> None:
     with pytest.raises(ValueError, match="convert it first"):
         wholeshard.DataParallel(make_model(), fp8_param_gather=True)
-    with pytest.raises(ValueError, match="scheme='whole'"):
-        wholeshard.DataParallel(fp8_model("mxfp8")(), scheme="ping_pong", fp8_param_gather=True)
+    with pytest.raises(ValueError, match="scheme='ping_pong' cannot take fp8_param_gather"):
+        data_parallel(fp8_model("mxfp8")(), scheme="ping_pong", fp8_param_gather=True)
 
 
 def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[float]]:
@@ -208,7 +210,7 @@ def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[fl
 
     def setup(on: bool):
         ddp = wholeshard.DataParallel(
-            fp8_model("mxfp8")(), **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=on
+            fp8_model("mxfp8")(), **BUCKETS, mp_policy=mp(torch.bfloat16), fp8_param_gather=on
         )
         return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
 

@@ -18,12 +18,15 @@ from support import (
     ADAMW_KW,
     MUON_KW,
     OVERLAP,
+    SYNC,
     assert_bitwise_equal,
     assert_matches,
     cuda_deterministic,
+    data_parallel,
     lm_loss,
     local_batch,
     make_model,
+    mp,
     reference_run,
     run_cuda,
     train_steps,
@@ -40,7 +43,7 @@ pytestmark = [
 ]
 
 MODES = {
-    "sync": {},
+    "sync": SYNC,
     "overlap": OVERLAP,
     "fully-sharded": dict(reshard_after_forward=True, **OVERLAP),
     "pipelined": dict(pipelined_step=True, **OVERLAP),
@@ -83,7 +86,7 @@ def _adamw_across_a_checkpoint(adamw: dict, path: str, via: str) -> dict:
     cuda_deterministic()
 
     def build():
-        ddp = wholeshard.DataParallel(make_model().cuda(), param_dtype=torch.bfloat16)
+        ddp = wholeshard.DataParallel(make_model().cuda(), mp_policy=mp(torch.bfloat16))
         return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW | adamw)
 
     ddp, opt = build()
@@ -104,7 +107,7 @@ def _adamw_across_a_checkpoint(adamw: dict, path: str, via: str) -> dict:
 
 def _adamw_uninterrupted(adamw: dict) -> dict:
     cuda_deterministic()
-    ddp = wholeshard.DataParallel(make_model().cuda(), param_dtype=torch.bfloat16)
+    ddp = wholeshard.DataParallel(make_model().cuda(), mp_policy=mp(torch.bfloat16))
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW | adamw)
     train_steps(ddp, opt, range(4))
     return {n: p.detach().float().cpu() for n, p in ddp.module.named_parameters()}
@@ -179,7 +182,7 @@ def _syncs_in_steps(nonfinite: str | None, ddp_kw: dict) -> int:
     torch's sync debug mode; the batches are on the GPU before."""
     import warnings
 
-    ddp = wholeshard.DataParallel(make_model().cuda(), param_dtype=torch.bfloat16, **ddp_kw)
+    ddp = data_parallel(make_model().cuda(), mp_policy=mp(torch.bfloat16), **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     train_steps(ddp, opt, range(2))  # warm: optimizer state exists
     batches = [[t.cuda() for t in local_batch(step, 0, 1)] for step in (2, 3)]

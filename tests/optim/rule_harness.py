@@ -14,6 +14,7 @@ from support import (
     ADAMW_KW,
     _global_mean,
     batch,
+    data_parallel,
     full_params,
     lm_loss,
     make_model,
@@ -49,7 +50,7 @@ def setup(rule: type, kw: dict, ddp_kw: dict | None = None, seed: int = 0):
     """(model, ddp, opt) on this rank, planned with the rule's own `matrix_cost`."""
     model = make_model(seed)
     cost = getattr(rule, "matrix_cost", None)
-    ddp = wholeshard.DataParallel(model, **({"matrix_cost": cost} | (ddp_kw or {})))
+    ddp = data_parallel(model, **({"matrix_cost": cost} | (ddp_kw or {})))
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
     return model, ddp, opt
 

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import support
 import torch
-from support import ADAMW_KW, MUON_KW, full_params, make_model, train_steps
+from support import ADAMW_KW, MUON_KW, full_params, make_model, mp, train_steps
 from torch.profiler import ProfilerActivity, profile
 
 import wholeshard
@@ -240,7 +240,7 @@ def test_rejects_bad_settings() -> None:
 
 
 def _layerwise(matrix_optimizer: type[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
-    ddp = wholeshard.DataParallel(make_model(layers=3), param_dtype=torch.bfloat16)
+    ddp = wholeshard.DataParallel(make_model(layers=3), mp_policy=mp(torch.bfloat16))
     opt = wholeshard.LayerwiseOptimizer(
         ddp, muon=MUON_KW, adamw=ADAMW_KW, matrix_optimizer=matrix_optimizer
     )

@@ -14,7 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, MUON_KW, OVERLAP, lm_loss, local_batch, make_model, run
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    OVERLAP,
+    SYNC,
+    data_parallel,
+    lm_loss,
+    local_batch,
+    make_model,
+    run,
+)
 
 import wholeshard
 from wholeshard.optim import _step_check
@@ -60,7 +70,7 @@ class CountReads:
 
 def _reads_per_step(nonfinite: str | None, ddp_kw: dict, clip: bool) -> list[list[str]]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = wholeshard.DataParallel(make_model(), **ddp_kw)
+    ddp = data_parallel(make_model(), **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     host: list[torch.Tensor] = []
     stage = _step_check.PendingCheck.stage
@@ -88,7 +98,7 @@ def _reads_per_step(nonfinite: str | None, ddp_kw: dict, clip: bool) -> list[lis
 
 
 MODES = {
-    "sync": {},
+    "sync": SYNC,
     "overlap": OVERLAP,
     "fully-sharded": dict(reshard_after_forward=True, **OVERLAP),
     "pipelined": dict(pipelined_step=True, **OVERLAP),

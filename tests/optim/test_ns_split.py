@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import run
+from support import data_parallel, mp, run
 from torch import nn
 
 import wholeshard
@@ -102,7 +102,7 @@ def train(
     whose average is G_step at any world size); returns the trained (..., out, in) weight.
     With `ckpt`: saved there halfway and reloaded into a fresh optimizer (`stop_after_save`:
     return None once saved; `load`: loaded from there halfway, without saving)."""
-    ddp = wholeshard.DataParallel(model, **config)
+    ddp = data_parallel(model, **config)
 
     def optimizer_():
         kw = dict(muon=muon, ns_split=ns_split, matrix_optimizer=optimizer)
@@ -140,9 +140,9 @@ def _separate(blocks, experts=0, **kw):
 @pytest.mark.parametrize("nproc", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_qkv_steps_like_three_projections(nproc: int, dtype: torch.dtype) -> None:
-    fused = run(_fused, nproc, "qkv_proj", QKV, SPLIT, param_dtype=dtype)[0]
-    separate = run(_separate, nproc, QKV, param_dtype=dtype)[0]
-    whole = run(_fused, nproc, "qkv_proj", QKV, None, param_dtype=dtype)[0]
+    fused = run(_fused, nproc, "qkv_proj", QKV, SPLIT, mp_policy=mp(dtype))[0]
+    separate = run(_separate, nproc, QKV, mp_policy=mp(dtype))[0]
+    whole = run(_fused, nproc, "qkv_proj", QKV, None, mp_policy=mp(dtype))[0]
     assert torch.equal(fused, separate)
     assert not torch.equal(fused, whole)  # the split changed the update
 
@@ -151,8 +151,8 @@ def test_conv1d_fused_qkv_steps_like_three_linear_projections() -> None:
     """GPT-2's `c_attn`: stored (in, out), its (out, in) rows q | k | v (bf16, fp32 masters)."""
     blocks = [HEADS * HEAD_DIM] * 3
     split = wholeshard.split_qkv(HEADS, HEADS, HEAD_DIM)
-    fused = run(_fused, 2, "c_attn", blocks, split, stored="in_out", param_dtype=torch.bfloat16)
-    assert torch.equal(fused[0], run(_separate, 2, blocks, param_dtype=torch.bfloat16)[0])
+    fused = run(_fused, 2, "c_attn", blocks, split, stored="in_out", mp_policy=mp(torch.bfloat16))
+    assert torch.equal(fused[0], run(_separate, 2, blocks, mp_policy=mp(torch.bfloat16))[0])
 
 
 @pytest.mark.parametrize("experts", [0, 3])
@@ -177,7 +177,7 @@ MODES = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_mode_steps_blocks_like_separate_matrices(mode: str) -> None:
     nproc = 4 if mode == "shard_groups" else 3
-    kw = dict(param_dtype=torch.bfloat16, **MODES[mode])
+    kw = dict(mp_policy=mp(torch.bfloat16), **MODES[mode])
     fused = run(_fused, nproc, "qkv_proj", QKV, SPLIT, **kw)
     separate = run(_separate, nproc, QKV, **kw)
     for got in fused:

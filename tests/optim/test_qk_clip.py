@@ -19,7 +19,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import ADAMW_KW, MUON_KW, OVERLAP, assert_matches, batch, local_batch, rank_world
+from support import (
+    ADAMW_KW,
+    MUON_KW,
+    OVERLAP,
+    SYNC,
+    assert_matches,
+    batch,
+    data_parallel,
+    local_batch,
+    mp,
+    rank_world,
+)
 from support import run as launch_run
 
 import wholeshard
@@ -234,7 +245,7 @@ def distributed(
 ) -> dict:
     rank, world = rank_world()
     model = make_gpt()
-    ddp = wholeshard.DataParallel(model, param_dtype=param_dtype, use_muon=use_muon, **ddp_kw)
+    ddp = data_parallel(model, mp_policy=mp(param_dtype), use_muon=use_muon, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, ns_split=ns_split)
     clip = QKClip(ddp, TAU).attach(opt)
     losses, peaks = [], []
@@ -256,7 +267,7 @@ def distributed(
 
 
 MODES = {
-    "sync": {},
+    "sync": SYNC,
     "overlap": OVERLAP,
     "fully_sharded": dict(reshard_after_forward=True),
     "pipelined": dict(pipelined_step=True, **OVERLAP),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import run
+from support import mp, run
 from torch import nn
 
 import wholeshard
@@ -39,7 +39,7 @@ def make(conv: bool) -> nn.Module:
 
 def train(conv: bool, dtype: torch.dtype, ckpt: str | None = None) -> dict[str, torch.Tensor]:
     model = make(conv)
-    ddp = wholeshard.DataParallel(model, param_dtype=dtype)
+    ddp = wholeshard.DataParallel(model, mp_policy=mp(dtype))
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON)
     routes = {r.name: r for r in ddp.routes}
     assert routes["layer.weight"].muon and routes["layer.weight"].transposed == conv
@@ -47,7 +47,7 @@ def train(conv: bool, dtype: torch.dtype, ckpt: str | None = None) -> dict[str, 
     for step in range(STEPS):
         if ckpt is not None and step == STEPS // 2:
             wholeshard.save_checkpoint(ckpt, ddp, opt, extra={"step": step})
-            ddp = wholeshard.DataParallel(make(conv), param_dtype=dtype)
+            ddp = wholeshard.DataParallel(make(conv), mp_policy=mp(dtype))
             model = ddp.module
             opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON)
             wholeshard.load_checkpoint(ckpt, ddp, opt)

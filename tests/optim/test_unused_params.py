@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, MUON_KW, OVERLAP, run
+from support import ADAMW_KW, MUON_KW, OVERLAP, data_parallel, run
 from torch import nn
 
 import wholeshard
@@ -66,7 +66,7 @@ def reference() -> list[dict[str, torch.Tensor]]:
 def worker(ddp_kw: dict, nonfinite: str | None) -> list[dict[str, torch.Tensor]]:
     rank = dist.get_rank()
     model = TwoLinear()
-    ddp = wholeshard.DataParallel(model, **ddp_kw)
+    ddp = data_parallel(model, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     after = []
     for step in range(STEPS):

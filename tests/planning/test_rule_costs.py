@@ -8,7 +8,7 @@ import dataclasses
 import warnings
 
 import pytest
-from support import make_model
+from support import data_parallel, make_model
 
 import wholeshard
 from wholeshard import DataParallelConfig
@@ -82,7 +82,7 @@ def test_config_takes_a_cost_function_and_no_flag() -> None:
 
 
 def make_ddp(**kw) -> wholeshard.DataParallel:
-    return wholeshard.DataParallel(make_model(), **kw)
+    return data_parallel(make_model(), **kw)
 
 
 def test_layerwise_warns_when_planned_for_another_rule() -> None:

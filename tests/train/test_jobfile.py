@@ -5,10 +5,10 @@ file exits 2 naming the file and the key, before any worker starts."""
 from __future__ import annotations
 
 import re
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard.distributed.launch
 from wholeshard import DataParallelConfig
@@ -37,22 +37,20 @@ MANY = [
     "--schedule", "wsd", "--min-lr-ratio", "0.1", "--clip-grad", "0.5", "--on-nonfinite", "skip",
     "--matrix-optimizer", "normuon", "--ns-coefficients", "polar_express", "--qk-clip", "50",
     "--ns-algorithm", "gram",
-    "--bucket-size", "123456", "--strategy", "size_match", "--shard-group-size", "2",
-    "--no-cast-forward-inputs", "--overlap", "--reshard-after-forward",
-    "--no-separate-all-gather-group", "--pipelined-step", "--param-sync", "broadcast",
+    "--bucket-size", "123456", "--shard-group-size", "2", "--no-overlap-grad-reduce",
+    "--overlap-param-gather", "--reshard-after-forward", "--pipelined-step",
     "--checkpoint-every", "30", "--keep-last", "1", "--resume", "auto",
     "--collective-timeout", "12.25", "--max-restarts", "2",
     "--out", "runs/x", "--eval-every", "5", "--eval-batches", "2", "--log-every", "3",
     "--no-progress", "--trace", "t.json",
 ]  # fmt: skip
 """Flags that set every job-file key to a value other than its default, except those below."""
-NOT_IN_MANY = {"data.tokenizer", "optim.name", "parallel.scheme", "tp"}
-"""(A tokenizer needs a transformers model; `adamw` takes no DataParallel option; `ping_pong`
-cannot be fully sharded; tensor parallelism takes neither FP8 nor QK-clip.)"""
+NOT_IN_MANY = {"data.tokenizer", "optim.name", "tp"}
+"""(A tokenizer needs a transformers model; `adamw` takes no DataParallel option; tensor
+parallelism takes neither FP8 nor QK-clip.)"""
 OTHERS = [
     ["--model", "hf-config:llama.json", "--tokenizer", "tok"],
     ["--optimizer", "adamw", "--bucket-size", "1000"],
-    ["--scheme", "ping_pong"],
     ["--tp", "2"],
 ]
 
@@ -116,7 +114,7 @@ def test_every_key_of_many_is_not_its_default() -> None:
 @pytest.mark.parametrize(
     "argv",
     [[], MANY, ["--shard-group-size", "auto", "--lr", "1e-16"], *OTHERS],
-    ids=["default", "many", "auto", "tokenizer", "adamw", "ping_pong", "tp"],
+    ids=["default", "many", "auto", "tokenizer", "adamw", "tp"],
 )
 def test_print_config_round_trips(capsys, tmp_path: Path, argv: list[str]) -> None:
     cfg = _config(*argv)
@@ -138,7 +136,7 @@ def test_many_reads_back_as_its_values(tmp_path: Path) -> None:
     assert cfg.model.param_dtype == "bfloat16" and cfg.parallel.shard_group_size == 2
     assert cfg.data.path == 'dir with "quotes"\\back\tslash/ü'
     assert cfg.optim.lr == 3.5e-4 and cfg.reliability.collective_timeout == 12.25
-    assert cfg.parallel.overlap_param_gather and cfg.parallel.separate_all_gather_group is False
+    assert cfg.parallel.overlap_param_gather and not cfg.parallel.overlap_grad_reduce
 
 
 def test_flags_given_override_the_file_and_only_they(tmp_path: Path) -> None:
@@ -152,6 +150,7 @@ def test_flags_given_override_the_file_and_only_they(tmp_path: Path) -> None:
         data=DataConfig(batch_size=64, seq_len=64),
         optim=OptimConfig(steps=40),
         output=OutputConfig(progress=False),
+        parallel=DataParallelConfig(overlap_grad_reduce=False),
     )
     cfg = _config("--config", str(job), "--batch-size", "32", "--progress", "--overlap")
     assert cfg.data.batch_size == 32  # given, though it is the flag's default
@@ -176,8 +175,8 @@ BAD = [
     ("[optim]\nlr = \"fast\"\n", "optim.lr", "expected float"),
     ("[model]\nname = \"huge\"\n", "model.name", "hf-config:FILE.json"),
     ("[parallel]\nshard_group_size = \"most\"\n", "parallel.shard_group_size", '"auto"'),
-    ("[parallel]\nparam_dtype = \"bfloat16\"\n", "parallel.param_dtype", "model.param_dtype"),
-    ("[parallel]\ntimeout = 30\n", "parallel.timeout", "reliability.collective_timeout"),
+    ("[parallel]\nmp_policy = \"bfloat16\"\n", "parallel.mp_policy", "model.param_dtype"),
+    ("[parallel]\ntimeout = 30\n", "parallel.timeout", "unknown key"),
     ("[parallel]\nuse_muon = \"f\"\n", "parallel.use_muon", "Python function"),
     ("data = 3\n", "data", "must be a table"),
     ("[checkpoint]\nresume = 2026-01-01\n", "checkpoint.resume", "got a date"),
@@ -224,8 +223,8 @@ def test_what_no_key_holds_is_not_written() -> None:
         jobfile.dumps(TrainConfig(parallel=DataParallelConfig(use_muon=lambda n, p: True)))
     assert exc.value.field == "parallel.use_muon"
     with pytest.raises(ConfigError, match="cannot be written") as exc:
-        jobfile.dumps(TrainConfig(parallel=DataParallelConfig(timeout=timedelta(seconds=3))))
-    assert exc.value.field == "parallel.timeout"
+        jobfile.dumps(TrainConfig(parallel=DataParallelConfig(mp_policy=MixedPrecisionPolicy())))
+    assert exc.value.field == "parallel.mp_policy"
     with pytest.raises(ConfigError, match="TOML has no null") as exc:
         jobfile.dumps(TrainConfig(checkpoint=CheckpointConfig(keep_last=None)))
     assert exc.value.field == "checkpoint.keep_last"

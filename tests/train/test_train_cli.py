@@ -72,7 +72,7 @@ def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
         (["--weight-decay", "inf"], "--weight-decay"),
         (["--checkpoint-every", "-1"], "--checkpoint-every"),
         (["--fp8", "e5m2"], "--fp8"),
-        (["--optimizer", "adamw", "--no-separate-all-gather-group"], "--separate-all-gather-group"),
+        (["--optimizer", "adamw", "--no-overlap-grad-reduce"], "--overlap-grad-reduce"),
         (["--optimizer", "adamw", "--resume", "latest"], "--resume"),
         (["--resume", "auto"], "--resume"),  # needs --out
     ],
@@ -135,8 +135,8 @@ def test_every_config_field_is_a_documented_flag() -> None:
             assert f.name in SECTIONS or documented.get(f.name), f"{cls.__name__}.{f.name}"
     cfg = _config(
         "--steps", "7", "--lr", "0.5", "--pos", "learned", "--tie", "--no-progress", "--overlap",
-        "--no-separate-all-gather-group", "--data", "x.txt", "--keep-last", "2", "--seed", "3",
-        "--strategy", "size_match", "--shard-group-size", "1", "--pipelined-step",
+        "--data", "x.txt", "--keep-last", "2", "--seed", "3", "--shard-group-size", "1",
+        "--pipelined-step",
     )  # fmt: skip
     assert cfg == TrainConfig(
         seed=3,
@@ -146,8 +146,6 @@ def test_every_config_field_is_a_documented_flag() -> None:
         parallel=DataParallelConfig(
             overlap_grad_reduce=True,
             overlap_param_gather=True,
-            separate_all_gather_group=False,
-            strategy="size_match",
             shard_group_size=1,
             pipelined_step=True,
         ),

@@ -236,7 +236,7 @@ def _build_wholeshard(
             convert(model, config.fp8, use_muon=workload.use_muon)
         return model
 
-    ddp = DataParallel(make_model(), parallel)
+    ddp = DataParallel(make_model(), parallel, _variant=config.variant)
     cls, kwargs = rule_optimizer(rule, config.matrix_optimizer)
     opt = LayerwiseOptimizer(
         ddp,

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.config import DataParallelConfig
+from ..engine.config import DataParallelConfig, Variant
 
 MUON_KW: dict[str, Any] = dict(lr=0.02, momentum=0.95, weight_decay=0.0)
 ADAMW_KW: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
@@ -97,6 +97,8 @@ class BenchConfig:
     """Convert the model's Muon-routed linears to this FP8 recipe first (wholeshard only)."""
     matrix_optimizer: str = "torch"
     """Which `MATRIX_OPTIMIZERS` entry steps the owned Muon matrices (wholeshard only)."""
+    variant: Variant = Variant()
+    """The engine's variant (wholeshard only): a baseline kept for comparison, or the default."""
 
 
 def rule_sensitive(config: BenchConfig) -> bool:
@@ -111,9 +113,13 @@ def wholeshard(
     matrix_optimizer: str = "torch",
     **options: Any,
 ) -> BenchConfig:
+    """A wholeshard configuration: `options` are `DataParallelConfig` fields or `Variant` ones."""
     if matrix_optimizer not in MATRIX_OPTIMIZERS:
         raise ValueError(f"unknown matrix optimizer {matrix_optimizer!r}")
-    return BenchConfig(name, description, DataParallelConfig(**options), fp8, matrix_optimizer)
+    variant_fields = {f.name for f in dataclasses.fields(Variant)}
+    variant = Variant(**{k: v for k, v in options.items() if k in variant_fields})
+    parallel = DataParallelConfig(**{k: v for k, v in options.items() if k not in variant_fields})
+    return BenchConfig(name, description, parallel, fp8, matrix_optimizer, variant)
 
 
 def with_overrides(name: str, overrides: Mapping[str, Any]) -> BenchConfig:
@@ -122,7 +128,9 @@ def with_overrides(name: str, overrides: Mapping[str, Any]) -> BenchConfig:
     config = CONFIGS[name]
     if config.parallel is None or not overrides:
         return config
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **overrides))
+    parallel = dataclasses.replace(config.parallel, **overrides)
+    config.variant.check(parallel)  # a ConfigError (ValueError) names what it cannot take
+    return dataclasses.replace(config, parallel=parallel)
 
 
 # -- the registry: benchmarks run in this order ----------------------------------------------
@@ -147,7 +155,16 @@ CONFIGS: dict[str, BenchConfig] = {
             "fsdp2_torch_muon",
             "torch FSDP2 fully_shard per layer + torch.optim.Muon/AdamW on DTensors",
         ),
-        wholeshard("ws_sync", "wholeshard DataParallel + LayerwiseOptimizer, synchronous"),
+        wholeshard(
+            "ws_sync",
+            "wholeshard DataParallel + LayerwiseOptimizer, synchronous",
+            overlap_grad_reduce=False,
+        ),
+        wholeshard(
+            "ws_default",
+            "wholeshard with DataParallelConfig()'s defaults: each bucket reduced during backward, "
+            "params gathered at the step",
+        ),
         wholeshard(
             "ws_overlap",
             "wholeshard with grad-reduce and param-gather overlap",
@@ -193,7 +210,12 @@ CONFIGS: dict[str, BenchConfig] = {
             overlap_grad_reduce=True,
             overlap_param_gather=True,
         ),
-        wholeshard("ws_ping_pong", "wholeshard, the ping-pong baseline", scheme="ping_pong"),
+        wholeshard(
+            "ws_ping_pong",
+            "wholeshard, the ping-pong baseline",
+            scheme="ping_pong",
+            overlap_grad_reduce=False,
+        ),
         wholeshard(
             "ws_batched_muon",
             "ws_overlap with BatchedMuon: same-shape matrices orthogonalized as one batch",

@@ -4,7 +4,7 @@ Each configuration runs in its own `launch` (fresh processes, a fresh gloo group
 model init, data, seed and world size. Workers are spawned (a clean interpreter each, so memory
 figures are the worker's own); `--quick` forks them instead, to start in milliseconds. Progress
 goes to stderr; stdout carries the markdown table. The `DataParallelConfig` flags
-(`--reshard-after-forward`, `--[no-]separate-all-gather-group`, `--bucket-size`, ...) set that
+(`--reshard-after-forward`, `--[no-]overlap-grad-reduce`, `--bucket-size`, ...) set that
 field on every wholeshard (ws_*) configuration of the run; the line under the table names them.
 
 `--device cuda` runs every rank on a GPU (rank r on GPU r mod the GPU count), spawned even with
@@ -142,11 +142,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 OVERRIDE = "override."
-NOT_OVERRIDABLE = frozenset(
-    {"use_muon", "param_dtype", "grad_reduce_dtype", "fp8_param_gather", "timeout"}
-)
+NOT_OVERRIDABLE = frozenset({"use_muon", "mp_policy", "fp8_param_gather", "matrix_cost"})
 """Fields each configuration decides for itself: the workload's routing, its dtypes, FP8 with
-its recipe."""
+its recipe, the rule's cost."""
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
     wholeshard plan (--shapes FILE.json | --preset NAME) --dp N [--bucket-size N]
                       [--strategy S] [--shard-group-size K] [--reshard-after-forward]
-                      [--param-dtype D] [--grad-reduce-dtype D] [--overlap-grad-reduce]
+                      [--param-dtype D] [--grad-reduce-dtype D] [--no-overlap-grad-reduce]
                       [--overlap-param-gather] [--fabric F [--gpu G]] [--tp N] [--json]
                       [--png FILE]
 
@@ -257,9 +257,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag, choices=DTYPES, default="float32", help=f"dtype of {what} (default float32)"
         )
-    for flag, what in (("--overlap-grad-reduce", "reduce buckets during backward"),
-                       ("--overlap-param-gather", "gather buckets ahead of forward")):  # fmt: skip
-        parser.add_argument(flag, action="store_true", help=f"{what} (the fully sharded peak)")
+    parser.add_argument(
+        "--overlap-grad-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reduce buckets during backward, as DataParallel does by default (the fully "
+        "sharded peak; default on)",
+    )
+    parser.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="gather buckets ahead of forward (the fully sharded peak)",
+    )
     parser.add_argument(
         "--fabric",
         choices=sorted(FABRICS),

@@ -104,15 +104,16 @@ def wrap_experts(
         meshed.ep_rank,
         meshed.ep,
         dist.get_rank(meshed.expert_group),
-        dense.config.expert_params,
+        dense.dp_config.expert_params,
         tuple(id(r) in mine for r in dense.routes),
     )
-    cfg = dataclasses.replace(dense.config, shard_group_size=meshed.expert_shard_group_size)
+    cfg = dataclasses.replace(dense.dp_config, shard_group_size=meshed.expert_shard_group_size)
     if cfg.param_init is not None:
         shapes = {r.name: r.shape for r in experts}
         cfg = dataclasses.replace(cfg, param_init=whole_moe_init(cfg.param_init, layout, shapes))
     part = ExpertPart(experts, dense.dp_size)
-    wrapper = cls(dense.module, cfg, process_group=meshed.expert_group, _part=part)
+    group = meshed.expert_group
+    wrapper = cls(dense.module, cfg, process_group=group, _part=part, _variant=dense._variant)
     return (wrapper,), layout
 
 

@@ -13,7 +13,7 @@ caller graph-breaks around them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ._schedule import Scheduler
 from ._storage import BucketStorage
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -116,17 +119,54 @@ def refuse_stale_reads(
     return handles
 
 
-def cast_forward_inputs(root: nn.Module, dtype: torch.dtype) -> RemovableHandle:
-    """Cast the floating-point tensors among the root's forward inputs to `dtype`, as FSDP2's
-    `MixedPrecisionPolicy(cast_forward_inputs=True)` does."""
+def install(
+    scheduler: Scheduler,
+    root: nn.Module,
+    gathers: bool,
+    overlap_param_gather: bool,
+    fp8_param_gather: bool,
+    policy: MixedPrecisionPolicy | None,
+) -> list[RemovableHandle]:
+    """Every hook a `DataParallel` needs: gradient hooks on every param; module hooks where
+    params are gathered on demand (overlapped or fully sharded) and refusals to read stale
+    ones; the root's casts of `policy`."""
+    buckets = scheduler.buckets
+    handles = grad_hooks(scheduler, buckets)
+    bucket_of = {id(param): b for b in buckets for param, _ in b.params}
+    reshard = scheduler.reshard
+    if gathers and (overlap_param_gather or reshard):
+        handles += register(scheduler, root, bucket_of, reshard=reshard)
+    if gathers and (overlap_param_gather or reshard or fp8_param_gather):  # params can be stale
+        handles += refuse_stale_reads(scheduler, root, bucket_of)
+    if policy is not None:
+        handles += cast_forward(root, policy)
+    return handles
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+def cast_forward(root: nn.Module, policy: MixedPrecisionPolicy) -> list[RemovableHandle]:
+    """The casts FSDP2's `MixedPrecisionPolicy` asks of the root's forward: its floating-point
+    inputs to `param_dtype` (with `cast_forward_inputs`), its floating-point outputs to
+    `output_dtype`."""
 
-    return root.register_forward_pre_hook(hook, with_kwargs=True)
+    def caster(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    handles = []
+    if policy.param_dtype is not None and policy.cast_forward_inputs:
+        to_param = caster(policy.param_dtype)
+
+        def inputs(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            return tree_map_only(torch.Tensor, to_param, (args, kwargs))
+
+        handles.append(root.register_forward_pre_hook(inputs, with_kwargs=True))
+    if policy.output_dtype is not None:
+        to_output = caster(policy.output_dtype)
+
+        def outputs(module: nn.Module, args: Any, output: Any) -> Any:
+            return tree_map_only(torch.Tensor, to_output, output)
+
+        handles.append(root.register_forward_hook(outputs))
+    return handles
 
 
 def _pre_forward(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> Callable:

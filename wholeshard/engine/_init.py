@@ -33,7 +33,7 @@ from ._fp8_storage import fp8_storage_factory
 from ._guard import device_problem, placement_problem
 from ._storage import BucketStorage
 from ._unaligned_storage import UnalignedStorage
-from .config import DataParallelConfig
+from .config import DataParallelConfig, Variant
 
 StorageFactory = Callable[..., BucketStorage]
 """`factory(index, kind, buckets, params, groups, *, reshard, param_dtype, grad_dtype)`."""
@@ -175,7 +175,9 @@ def forward_order(storages: Sequence[BucketStorage], routes: list[Route]) -> lis
     return sorted(range(len(storages)), key=first.__getitem__)
 
 
-def plan_routes(routes: list[Route], cfg: DataParallelConfig, dp_size: int) -> Plan:
+def plan_routes(
+    routes: list[Route], cfg: DataParallelConfig, variant: Variant, dp_size: int
+) -> Plan:
     """The plan of the routed params (`planning.auto.plan_for`: the config's bucket size or
     the default for the shard group, its shard group size or the automatic choice)."""
     specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
@@ -183,9 +185,9 @@ def plan_routes(routes: list[Route], cfg: DataParallelConfig, dp_size: int) -> P
         specs,
         dp_size,
         bucket_size=cfg.bucket_size,
-        strategy=cfg.strategy,
+        strategy=variant.strategy,
         shard_group_size=cfg.shard_group_size,
-        scheme=cfg.scheme,
+        scheme=variant.scheme,
         matrix_cost=cfg.matrix_cost,
     )
     return plan
@@ -197,6 +199,7 @@ def common_dtype(routes: list[Route]) -> torch.dtype:
     if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
         raise ValueError(
             f"the trainable params have dtypes {sorted(map(str, dtypes))}, but the buffers hold "
-            f"one floating dtype: pass param_dtype=... (e.g. torch.bfloat16 or torch.float32)"
+            f"one floating dtype: pass mp_policy=MixedPrecisionPolicy(param_dtype=...) (e.g. "
+            f"torch.bfloat16 or torch.float32)"
         )
     return dtypes.pop()

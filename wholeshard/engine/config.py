@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..planning import SCHEMES, STRATEGIES
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ..planning.specs import MatrixCost
 
@@ -61,92 +61,66 @@ class DataParallelConfig:
     `DataParallel(module, reshard_after_forward=True)` builds `DataParallelConfig(
     reshard_after_forward=True)`. Whatever the options, every rank computes the same model as
     one process would (overlap, the pipelined step and fully sharded mode bitwise the same).
+    The defaults are what a GPU user should run; each field says why one would change it.
     """
 
     bucket_size: int | None = None
     """Elements per bucket, at least; None takes `wholeshard.planning.default_bucket_size`
     (about 1/8 of the params, from 65,536 up to max(40M, 1M x k) for equal shards over k ranks,
     up to 40M for owner buckets). More, smaller buckets overlap more; each costs collectives."""
-    strategy: Strategy = "auto"
-    """How Muon matrices are dealt to ranks: `balanced` (equal shards, reduce-scattered and
-    all-gathered, the matrix rule's cost, `matrix_cost`, even across ranks, padding low),
-    `owners` (owner buckets of any size, no padding: each shard reduced to its owner and
-    broadcast back, for dp past a few dozen), `size_match` (equal shards in rows of same-size
-    matrices, Megatron's rule), or `auto`: balanced where it meets the plan targets (bucket
-    bound, 1% padding, 1.10 imbalance), else owners (`wholeshard plan` says why)."""
-    matrix_cost: MatrixCost | None = None
-    """`cost(rows, cols) -> int`, the per-step work of the matrix rule on one matrix, which
-    `balanced` evens out across ranks (and `shard_group_size="auto"` measures): the rule's own
-    `matrix_cost`, e.g. `wholeshard.optim.SOAP.matrix_cost`. None: Newton-Schulz cost (Muon's)."""
     shard_group_size: int | Literal["auto"] | None = None
     """Shard params within groups of this many consecutive ranks and replicate them across the
     dp / k groups (hybrid sharding); must divide the data-parallel size. None: one group.
     `auto`: the largest k whose plan keeps buckets bounded, padding under 1% and Newton-Schulz
-    balanced (`wholeshard.planning.auto`; `wholeshard plan --shard-group-size auto` shows why)."""
+    balanced (`wholeshard.planning.auto`; `wholeshard plan --shard-group-size auto` shows why).
+    Set it past a few dozen ranks, where one group has more ranks than matrices to deal."""
     use_muon: UseMuon | None = None
-    """`use_muon(name, param) -> bool` replaces the default routing rule's Muon/AdamW decision
-    (`wholeshard.planning.routing`)."""
+    """`use_muon(name, param) -> bool` replaces the default routing rule's decision of which
+    params the matrix rule steps (the rest: AdamW) (`wholeshard.planning.routing`)."""
     expert_params: UseMuon | None = None
     """`expert_params(name, param) -> bool`: which params are a MoE's experts, split over a
     mesh's "ep" dim (each ep rank holds its own); used only with one. None: names with an
     `experts` part (`layers.0.mlp.experts.w1`, `experts.3.up.weight`) ([Note: expert
     parallelism] in `wholeshard.distributed.mesh`)."""
-    param_dtype: torch.dtype | None = None
-    """dtype of the params in the buffers, which forward and backward compute with (frozen params
-    are cast to it too); the optimizer keeps fp32 masters when it is not float32. None: the
-    trainable params' own dtype, as FSDP2's `MixedPrecisionPolicy` (float32 for a model built in
-    float32)."""
-    cast_forward_inputs: bool = True
-    """With `param_dtype` given, cast the floating-point tensors among the forward inputs to it
-    (FSDP2's `MixedPrecisionPolicy` default), so a float32 batch feeds a bfloat16 model."""
-    grad_reduce_dtype: torch.dtype | None = None
-    """dtype gradients are accumulated and reduced in. None: torch.float32."""
-    overlap_grad_reduce: bool = False
-    """Reduce each bucket during backward, as soon as all its gradients are in."""
+    mp_policy: MixedPrecisionPolicy | None = None
+    """torch's `torch.distributed.fsdp.MixedPrecisionPolicy`, with FSDP2's meanings:
+    `param_dtype` the buffers' dtype, which forward and backward compute with (frozen params
+    are cast to it too; the optimizer keeps fp32 masters when it is not float32; None: the
+    trainable params' own dtype); `reduce_dtype` the dtype gradients are accumulated and
+    reduced in (None: the compute dtype; `torch.float32` keeps bf16 gradients' sums exact to
+    fp32); `output_dtype` the dtype floating-point outputs of the wrapped module's forward are
+    cast to (None: left as computed); `cast_forward_inputs` casts the floating-point forward
+    inputs to `param_dtype` when that is given. None: `MixedPrecisionPolicy()`, all off."""
+    reshard_after_forward: bool = False
+    """Fully sharded: between steps each rank keeps only its own shards; a module's params are
+    gathered before its forward and again before its backward, and released after each. For
+    models whose params, gradients and state do not fit replicated."""
+    overlap_grad_reduce: bool = True
+    """Reduce each bucket during backward, as soon as all its gradients are in (FSDP2 always
+    does). Off: every bucket is reduced at the step, so every full gradient bucket lives until
+    then (fully sharded, that is the whole model's gradients); the same bits either way."""
     overlap_param_gather: bool = False
     """Gather the updated params during the next forward, each bucket just ahead of the modules
     that use it, instead of at the end of `optimizer.step()`."""
-    reshard_after_forward: bool = False
-    """Fully sharded: between steps each rank keeps only its own shards; a module's params are
-    gathered before its forward and again before its backward, and released after each."""
-    separate_all_gather_group: bool | None = None
-    """Sync params on a second process group, so gathers do not queue behind reductions.
-    None: on when fully sharded or pipelined."""
     pipelined_step: bool = False
     """`optimizer.step()` updates each bucket as soon as its reduction lands and dispatches its
-    gather at once (`DataParallel.reduced_buckets`); the same bits as the unpipelined step."""
+    gather at once; the same bits as the unpipelined step."""
     fp8_param_gather: bool = False
     """Sync the weights of FP8 layers as FP8 (convert the model with `wholeshard.fp8.convert`
     before wrapping)."""
-    scheme: Scheme = "whole"
-    """`whole`: every Muon matrix whole inside one rank's shard (the design). `ping_pong`: the
-    legacy baseline (one unaligned buffer, all-reduced gradients, owners dealt by size)."""
-    param_sync: ParamSync = "allgather"
-    """How updated params reach every rank: one `allgather` per bucket, or one `broadcast` per
-    owner (the legacy baseline's)."""
     param_init: ParamInit | None = None
     """`fn(name, tensor)` filling one param in place: build from a model on the meta device.
     Each rank materialises only what it holds and calls `fn` for the params it owns (and every
     frozen one), under torch's RNG seeded from the name, so values do not depend on the world
     size or mode; buffers are left for the model's own init after wrapping ([Note: meta-device
     construction] in `engine/_meta.py`)."""
-    timeout: timedelta | None = None
-    """Collective timeout of the process groups `DataParallel` creates (shard, replica,
-    all-gather). None: the timeout of the group it is given."""
+    matrix_cost: MatrixCost | None = None
+    """`cost(rows, cols) -> int`, the per-step work of the matrix rule on one matrix, which the
+    planner evens out across ranks (and `shard_group_size="auto"` measures): the rule's own
+    `matrix_cost`, e.g. `wholeshard.optim.SOAP.matrix_cost`. None: Newton-Schulz cost (Muon's).
+    Set it with a rule other than Muon whose cost grows otherwise with the matrix's sides."""
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "grad_reduce_dtype"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            import torch  # a dtype was given, so torch is imported already
-
-            if not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise ConfigError(
-                    name,
-                    f"{name} must be a floating-point torch.dtype (e.g. torch.bfloat16), "
-                    f"got {value!r}",
-                )
         if self.bucket_size is not None and not (
             is_int(self.bucket_size) and self.bucket_size >= 1
         ):
@@ -159,62 +133,24 @@ class DataParallelConfig:
                 "shard_group_size",
                 f"shard_group_size must be None, an int >= 1 or 'auto', got {k!r}",
             )
-        if k == "auto" and self.scheme != "whole":
-            raise ConfigError(
-                "shard_group_size", "shard_group_size='auto' needs the default scheme='whole'"
-            )
+        if self.mp_policy is not None:
+            _check_policy(self.mp_policy)
         for name in ("overlap_grad_reduce", "overlap_param_gather", "reshard_after_forward",
                      "pipelined_step", "fp8_param_gather"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     name, f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
-        if self.separate_all_gather_group not in (None, True, False):
-            raise ConfigError(
-                "separate_all_gather_group",
-                f"separate_all_gather_group must be None, True or False, got "
-                f"{self.separate_all_gather_group!r}",
-            )
-        for name, choices in (
-            ("strategy", STRATEGIES),
-            ("scheme", SCHEMES),
-            ("param_sync", PARAM_SYNCS),
+        for name, what in (
+            ("use_muon", "a function use_muon(name, param) -> bool"),
+            ("expert_params", "a function expert_params(name, param) -> bool"),
+            ("param_init", "a function fn(name, tensor)"),
+            ("matrix_cost", "a function cost(rows, cols) -> int (e.g. SOAP.matrix_cost)"),
         ):
-            if getattr(self, name) not in choices:
-                raise ConfigError(
-                    name, f"{name} must be one of {choices}, got {getattr(self, name)!r}"
-                )
-        for name in ("use_muon", "expert_params"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ConfigError(
-                    name, f"{name} must be None or a function, got {getattr(self, name)!r}"
+                    name, f"{name} must be None or {what}, got {getattr(self, name)!r}"
                 )
-        if self.matrix_cost is not None and not callable(self.matrix_cost):
-            raise ConfigError(
-                "matrix_cost",
-                f"matrix_cost must be None or a function cost(rows, cols) -> int (a rule's "
-                f"matrix_cost, e.g. SOAP.matrix_cost), got {self.matrix_cost!r}",
-            )
-        if self.param_init is not None and not callable(self.param_init):
-            raise ConfigError(
-                "param_init",
-                f"param_init must be None or a function fn(name, tensor), got {self.param_init!r}",
-            )
-        if self.timeout is not None and not isinstance(self.timeout, timedelta):
-            raise ConfigError(
-                "timeout", f"timeout must be None or a datetime.timedelta, got {self.timeout!r}"
-            )
-        if self.scheme == "ping_pong" and self.reshard_after_forward:
-            raise ConfigError(
-                "reshard_after_forward",
-                "scheme='ping_pong' cannot be fully sharded (its owners' params are not in "
-                "equal shards): use the default scheme='whole' with reshard_after_forward=True",
-            )
-        if self.scheme == "ping_pong" and self.fp8_param_gather:
-            raise ConfigError(
-                "fp8_param_gather",
-                "fp8_param_gather needs scheme='whole' (ping_pong has no shards)",
-            )
 
     @classmethod
     def from_options(
@@ -239,3 +175,79 @@ class DataParallelConfig:
                 f"fields of DataParallelConfig: {sorted(names)}"
             )
         return cls(**options)
+
+
+def _check_policy(policy: Any) -> None:
+    import torch  # a policy was given, so torch is imported already
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise ConfigError(
+            "mp_policy",
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy (e.g. "
+            f"MixedPrecisionPolicy(param_dtype=torch.bfloat16)), got {policy!r}",
+        )
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(policy, name)
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ConfigError(
+                "mp_policy",
+                f"mp_policy.{name} must be None or a floating-point torch.dtype (e.g. "
+                f"torch.bfloat16), got {value!r}",
+            )
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The engine's other ways of doing what `DataParallelConfig`'s defaults do, kept for
+    comparison (`wholeshard bench`, the tests), not for training: `DataParallel(...,
+    _variant=Variant(...))`. Each default is the design's; the others are the seeds' baselines
+    and the planner's alternatives, which a user has no reason to pick."""
+
+    scheme: Scheme = "whole"
+    """`whole`: every matrix whole inside one rank's shard (the design). `ping_pong`: the
+    legacy baseline (one unaligned buffer, all-reduced gradients, owners dealt by size)."""
+    param_sync: ParamSync = "allgather"
+    """How updated params reach every rank: one `allgather` per bucket, or one `broadcast` per
+    owner (the legacy baseline's)."""
+    strategy: Strategy = "auto"
+    """How matrices are dealt to ranks: `balanced` (equal shards, the matrix rule's cost even),
+    `owners` (owner buckets of any size: each shard reduced to its owner and broadcast back),
+    `size_match` (equal shards in rows of same-size matrices, Megatron's rule), or `auto`:
+    balanced where it meets the plan targets (bucket bound, 1% padding, 1.10 imbalance), else
+    owners."""
+    separate_all_gather_group: bool | None = None
+    """Sync params on a second process group, so gathers do not queue behind reductions.
+    None: on when fully sharded or pipelined (where gathers run beside reductions)."""
+
+    def __post_init__(self) -> None:
+        for name, choices in (
+            ("strategy", STRATEGIES),
+            ("scheme", SCHEMES),
+            ("param_sync", PARAM_SYNCS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    name, f"{name} must be one of {choices}, got {getattr(self, name)!r}"
+                )
+        if self.separate_all_gather_group not in (None, True, False):
+            raise ConfigError(
+                "separate_all_gather_group",
+                f"separate_all_gather_group must be None, True or False, got "
+                f"{self.separate_all_gather_group!r}",
+            )
+
+    def check(self, config: DataParallelConfig) -> None:
+        """Raise `ConfigError` if `config` cannot run under this variant."""
+        if self.scheme == "whole":
+            return
+        for name, why in (
+            ("shard_group_size", "'auto' plans equal shards"),
+            ("reshard_after_forward", "its owners' params are not in equal shards"),
+            ("fp8_param_gather", "it has no shards"),
+        ):
+            value = getattr(config, name)
+            if value is True or value == "auto":
+                raise ConfigError(
+                    name, f"scheme={self.scheme!r} cannot take {name}={value!r}: {why}"
+                )

@@ -10,12 +10,7 @@ Step protocol (the optimizer drives it; `_schedule.Scheduler` decides when colle
    the next forward reaches them (`overlap_param_gather`), or around each module's forward and
    backward, released after (fully sharded: `reshard_after_forward=True`).
 `pipelined_step`: 2-4 bucket by bucket (`reduced_buckets()`), each updated once reduced.
-
-The engine's modules: `config` (the options), `_init` (the construction steps; `_meta`: from
-the meta device), `_storage` (a bucket's storage, states and collectives; `_fp8_storage` and
-`_unaligned_storage` are its kinds), `_owned` (what a rank updates), `_schedule` (when
-collectives run; `_waits`: how long waits hold the step up; `_skips`: modules some rank
-skipped), `_hooks` (module hooks), `_guard`, `_memory`, `_experts` (experts over "ep").
+The engine's other modules: the package's docstring.
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
@@ -56,7 +52,7 @@ from ._meta import fill_frozen, fill_owned, materialise, target_device
 from ._owned import OwnedRange, owned_ranges
 from ._schedule import Scheduler
 from ._storage import BucketStorage, CommGroups
-from .config import DataParallelConfig
+from .config import DataParallelConfig, Variant
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -86,7 +82,7 @@ class DataParallel(nn.Module):
     wrapped once; `release()` gives it back.
     """
 
-    config: DataParallelConfig
+    dp_config: DataParallelConfig  # not `config`: that name is the wrapped model's (transformers)
     module: nn.Module
     routes: list[Route]  # every trainable param, in registration order
     frozen: list[nn.Parameter]  # params with requires_grad=False, outside the buffers
@@ -111,16 +107,20 @@ class DataParallel(nn.Module):
         process_group: ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
         _part: ExpertPart | None = None,
+        _variant: Variant | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         cfg = DataParallelConfig.from_options(config, options)
+        self._variant = variant = _variant or Variant()
+        variant.check(cfg)
+        policy = cfg.mp_policy or MixedPrecisionPolicy()
         meshed = None
         if mesh is not None:  # [Note: mesh dims]
             meshed = mesh_data_parallel(mesh, process_group, cfg.shard_group_size)
             process_group = meshed.group
             cfg = dataclasses.replace(cfg, shard_group_size=meshed.shard_group_size)
-        self.config = cfg
+        self.dp_config = cfg
         if cfg.fp8_param_gather and not has_fp8_weights(module):
             raise ValueError(
                 "fp8_param_gather=True but the model has no FP8 layers: convert it first with "
@@ -145,24 +145,20 @@ class DataParallel(nn.Module):
             mesh if self.tensor_parallel else None, self.process_group, self.dp_size, self.rank
         )
         check_model(module, routes, self.process_group, self.dp_size, placeholders, bool(_part))
-        param_dtype = cfg.param_dtype or common_dtype(self.routes)
+        param_dtype = policy.param_dtype or common_dtype(self.routes)
         self.frozen = cast_frozen(module, param_dtype)
-        self.plan = plan_routes(routes, cfg, self.dp_size)
+        self.plan = plan_routes(routes, cfg, variant, self.dp_size)
         self.shard_group_size = self.plan.shard_group_size
         self.shard_rank = self.plan.shard_rank(self.rank)
         self._fill = cfg.param_init and fill_owned(self.plan, self.shard_rank, cfg.param_init)
         gathers = self.dp_size > 1 and self.shard_group_size > 1
         self.reshard_after_forward = cfg.reshard_after_forward and gathers
         self.fp8_param_gather = cfg.fp8_param_gather and gathers
-        separate = cfg.separate_all_gather_group
+        separate = variant.separate_all_gather_group
         if separate is None:
             separate = cfg.reshard_after_forward or cfg.pipelined_step
         self.shard_group, self.replica_group, self.gather_group = make_groups(
-            self.process_group,
-            self.dp_size,
-            self.shard_group_size,
-            separate and gathers,
-            cfg.timeout,
+            self.process_group, self.dp_size, self.shard_group_size, separate and gathers
         )
         groups = CommGroups(
             self.shard_group,
@@ -170,7 +166,7 @@ class DataParallel(nn.Module):
             self.shard_group_size,
             self.gather_group,
             self.replica_group,
-            cfg.param_sync,
+            variant.param_sync,
             _part.divide_by if _part else 0,
         )
         storages = build_storage(
@@ -181,7 +177,7 @@ class DataParallel(nn.Module):
             groups=groups,
             reshard=self.reshard_after_forward,
             param_dtype=param_dtype,
-            grad_dtype=cfg.grad_reduce_dtype or torch.float32,
+            grad_dtype=policy.reduce_dtype or param_dtype,
         )
         if self.dp_size > 1:
             rest = [*self.frozen, *module.buffers()]
@@ -198,7 +194,16 @@ class DataParallel(nn.Module):
             reshard=self.reshard_after_forward,
             agree_group=self.process_group,
         )
-        self._register_hooks(gathers, cast_inputs=_part is None)
+        buckets = self.scheduler.buckets
+        self._slot_of = {p.name: (b, i) for b in buckets for i, (_, p) in enumerate(b.params)}
+        self._hooks = hooks.install(  # the experts' wrapper casts nothing: the dense one does
+            self.scheduler,
+            module,
+            gathers,
+            cfg.overlap_param_gather,
+            self.fp8_param_gather,
+            None if _part else policy,
+        )
         self._optimizer: weakref.ref[StateHolder] | None = None
         self._signature = ParamSignature(module)
         # The experts' wrapper, before claiming ours: its check reads every param's claim.
@@ -220,23 +225,18 @@ class DataParallel(nn.Module):
         if storage.reshard:
             storage.keep_shards()
 
-    def _register_hooks(self, gathers: bool, cast_inputs: bool) -> None:
-        """Gradient hooks on every param; module hooks where params are gathered on demand."""
-        buckets = self.scheduler.buckets
-        self._slot_of = {p.name: (b, i) for b in buckets for i, (_, p) in enumerate(b.params)}
-        self._hooks = hooks.grad_hooks(self.scheduler, buckets)
-        bucket_of = {id(param): b for b in buckets for param, _ in b.params}
-        reshard, overlap = self.reshard_after_forward, self.config.overlap_param_gather
-        if gathers and (overlap or reshard):
-            self._hooks += hooks.register(self.scheduler, self.module, bucket_of, reshard=reshard)
-        if gathers and (overlap or reshard or self.fp8_param_gather):  # params can be stale
-            self._hooks += hooks.refuse_stale_reads(self.scheduler, self.module, bucket_of)
-        dtype = self.config.param_dtype
-        if dtype is not None and self.config.cast_forward_inputs and cast_inputs:
-            self._hooks.append(hooks.cast_forward_inputs(self.module, dtype))
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped module's attribute where the wrapper has none (its `config`, say), as
+        FSDP1 and accelerate's wrappers do, so code written for the model reads it here."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module" or "module" not in self._modules:
+                raise
+            return getattr(self._modules["module"], name)
 
     @property
     def buckets(self) -> list[BucketStorage]:

@@ -103,7 +103,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
         self.ddp = ddp
-        check_cost(ddp.config.matrix_cost, matrix_optimizer)
+        check_cost(ddp.dp_config.matrix_cost, matrix_optimizer)
         self.nonfinite = nonfinite
         self.steps = 0  # step() calls taken (skipped ones included)
         self.skipped_steps = 0
@@ -146,7 +146,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pipelined = self.ddp.config.pipelined_step
+        pipelined = self.ddp.dp_config.pipelined_step
         if not (pipelined and self.nonfinite is None):  # else the check reads no gradient
             self.ddp.finish_grad_sync()
         stepped = self._check_step()
@@ -161,7 +161,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self.ddp.finish_param_sync()  # a gather in flight must land before we write params
             self._update(self._owned, stepped)
             self.ddp.start_param_sync()
-        if not self.ddp.config.overlap_param_gather:
+        if not self.ddp.dp_config.overlap_param_gather:
             self.ddp.finish_param_sync()
         return loss
 

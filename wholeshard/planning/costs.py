@@ -86,7 +86,7 @@ class Mode:
     reshard_after_forward: bool = False
     param_dtype: str = "float32"
     grad_reduce_dtype: str = "float32"
-    overlap_grad_reduce: bool = False
+    overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     param_sync: ParamSync = "allgather"
     clip_grad_norm: bool = True

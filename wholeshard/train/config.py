@@ -180,11 +180,9 @@ class OutputConfig:
     """Write a Chrome trace (torch.profiler) of a few steps to this file (rank 0)."""
 
 
-PARALLEL_SET_BY_THE_JOB = frozenset(
-    {"use_muon", "param_dtype", "grad_reduce_dtype", "fp8_param_gather", "timeout", "matrix_cost"}
-)
+PARALLEL_SET_BY_THE_JOB = frozenset({"use_muon", "mp_policy", "fp8_param_gather", "matrix_cost"})
 """`DataParallelConfig` fields the job sets itself (from `model.param_dtype`, `model.fp8`,
-`reliability.collective_timeout`, `optim.matrix_optimizer`), so they are not flags."""
+`optim.matrix_optimizer`), so they are not flags."""
 
 
 @dataclass

@@ -41,10 +41,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
         tomllib = None
 
 _ELSEWHERE = {
-    "param_dtype": "it is set by the job from model.param_dtype",
+    "mp_policy": "it is set by the job from model.param_dtype (gradients reduced in float32)",
     "fp8_param_gather": "it is set by the job from model.fp8",
-    "timeout": "it is set by the job from reliability.collective_timeout (seconds)",
-    "grad_reduce_dtype": "the job reduces gradients in float32",
     "use_muon": "it is a Python function: pass TrainConfig(...) to train() from Python",
     "param_init": "it is a Python function: pass TrainConfig(...) to train() from Python",
     "expert_params": "it is a Python function: pass TrainConfig(...) to train() from Python",

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..engine.data_parallel import DataParallel
 from ..optim import LayerwiseOptimizer, QKClip
@@ -31,7 +32,7 @@ def build_wholeshard(
     rule = matrix_rule(optim.matrix_optimizer, *ns)
     parallel = dataclasses.replace(
         cfg.parallel,
-        param_dtype=param_dtype,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         fp8_param_gather=cfg.model.fp8 is not None,
         matrix_cost=getattr(rule, "matrix_cost", None),
     )
