@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: test test-gpu soak train bench lint format venv
+.PHONY: test test-core test-gpu soak train bench lint format venv
 
 venv: $(VENV)/.installed
 
@@ -19,6 +19,9 @@ test: venv
 	$(BIN)/ruff check wholeshard tests examples tools
 	$(BIN)/ruff format --check wholeshard tests examples tools
 	$(BIN)/python -m pytest -q
+
+test-core: venv
+	$(BIN)/python -m pytest -q -m core --durations=10
 
 test-gpu: venv
 	$(BIN)/python -m pytest -q -rs -m cuda

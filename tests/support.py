@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import pytest
@@ -29,6 +30,28 @@ from wholeshard.planning.routing import route_params
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 64, 32, 8, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
 MUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adjust_lr_fn="match_rms_adamw")
 ADAMW_KW = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.01)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def grid(
+    *axes: dict[str, Any], core: str | Collection[str] = (), slow: Collection[str] = ()
+) -> list[Any]:
+    """The cases of stacked `parametrize` decorators as one list, so that single cases can carry
+    a mark: each axis maps ids to values; a case's id joins its values' ids with "-" (as stacked
+    decorators do, the first axis first); the cases named in `core` carry the `core` mark (the
+    fast tier, `pytest -m core`), those in `slow` the `slow` mark."""
+    marked = [
+        (pytest.mark.core, {core} if isinstance(core, str) else set(core)),
+        (pytest.mark.slow, set(slow)),
+    ]
+    cases = []
+    for combo in itertools.product(*(axis.items() for axis in axes)):
+        case_id = "-".join(str(i) for i, _ in combo)
+        marks = [mark for mark, ids in marked if case_id in ids]
+        cases.append(pytest.param(*(v for _, v in combo), id=case_id, marks=marks))
+    unknown = set().union(*(ids for _, ids in marked)) - {case.id for case in cases}
+    assert not unknown, f"no such case: {sorted(unknown)}"
+    return cases
 
 
 class Block(nn.Module):

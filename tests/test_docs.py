@@ -17,6 +17,7 @@ FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 
 
+@pytest.mark.core
 def test_generated_blocks_are_fresh() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "make_docs.py"), "--check"],
@@ -27,6 +28,7 @@ def test_generated_blocks_are_fresh() -> None:
     assert done.returncode == 0, done.stderr + done.stdout
 
 
+@pytest.mark.core
 def test_readme_is_short_and_starts_with_the_two_commands() -> None:
     readme = (ROOT / "README.md").read_bytes()
     assert len(readme) < 16_000, f"README.md is {len(readme):,} bytes; move detail to docs/"
@@ -61,7 +63,11 @@ def _links(page: Path) -> list[str]:
     return LINK.findall(text)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.core) if p.parent == ROOT else p for p in PAGES],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_relative_links_resolve(page: Path) -> None:
     broken = []
     for target in _links(page):

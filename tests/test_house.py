@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.core  # every house rule is in the fast tier
+
 ROOT = Path(__file__).resolve().parent.parent / "wholeshard"
 LAYERS = {
     "planning": 0,

@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 from support import (
     ADAMW_KW,
+    DTYPES,
     MUON_KW,
     assert_matches,
     batch,
     data_parallel,
     full_params,
+    grid,
     lm_loss,
     make_model,
     mp,
@@ -178,22 +180,16 @@ def _resume_bitwise(root: str, ddp_kw: dict, dtype: torch.dtype) -> dict:
     }
 
 
-MODES = [
-    pytest.param({}, id="sync"),
-    pytest.param(dict(overlap_grad_reduce=True, overlap_param_gather=True), id="overlap"),
-    pytest.param(dict(reshard_after_forward=True, bucket_size=3000), id="fully_sharded"),
-    pytest.param(
-        dict(overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True),
-        id="pipelined",
-    ),
-    pytest.param(
-        dict(strategy="owners", reshard_after_forward=True, bucket_size=3000), id="owners"
-    ),
-]
+MODES = {
+    "sync": {},
+    "overlap": dict(overlap_grad_reduce=True, overlap_param_gather=True),
+    "fully_sharded": dict(reshard_after_forward=True, bucket_size=3000),
+    "pipelined": dict(overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True),
+    "owners": dict(strategy="owners", reshard_after_forward=True, bucket_size=3000),
+}
 
 
-@pytest.mark.parametrize("ddp_kw", MODES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("dtype", "ddp_kw"), grid(DTYPES, MODES, core="fp32-sync"))
 def test_resume_at_same_world_size_is_bitwise(tmp_path: Path, ddp_kw: dict, dtype) -> None:
     outs = run(_resume_bitwise, 2, str(tmp_path), ddp_kw, dtype)
     assert all(out["owned"] for out in outs), "both ranks own state, so both write some"
@@ -252,7 +248,7 @@ FULLY_SHARDED = {"reshard_after_forward": True, "bucket_size": 3000}
     "nproc,ddp_kw",
     [
         (1, {}),
-        (3, {}),
+        pytest.param(3, {}, marks=pytest.mark.core),
         (3, {"bucket_size": 3000}),
         (4, {}),
         (3, FULLY_SHARDED),
@@ -294,6 +290,7 @@ def _load_state(root: str) -> dict:
     return owned_state(opt)
 
 
+@pytest.mark.core
 def test_one_process_load_gets_every_owners_values(saved_at_2: dict) -> None:
     """Each value comes from its owner on either rank (not only rank 0's: DCP silently keeps one
     of several same-key chunks, so a shared key would lose the others)."""

@@ -129,7 +129,12 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+CORE = ("pipelined-fully-sharded", "shard-groups")  # the fast tier (`pytest -m core`)
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=pytest.mark.core) if m in CORE else m for m in MODES]
+)
 def test_every_rank_issues_the_same_collectives_in_the_same_order(mode: str) -> None:
     ddp_kw, recipe = MODES[mode]
     world = 4 if "shard_group_size" in ddp_kw else 2

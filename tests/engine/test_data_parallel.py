@@ -7,10 +7,12 @@ import torch
 import torch.distributed as dist
 from support import (
     ADAMW_KW,
+    DTYPES,
     MUON_KW,
     OVERLAP,
     assert_matches,
     batch,
+    grid,
     lm_loss,
     local_batch,
     make_model,
@@ -26,8 +28,9 @@ from wholeshard.distributed import collectives
 STEPS = 5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("nproc", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    ("nproc", "dtype"), grid({n: n for n in (1, 2, 3, 4)}, DTYPES, core="2-fp32")
+)
 def test_matches_reference(nproc: int, dtype: torch.dtype) -> None:
     ref = reference_run(STEPS, param_dtype=dtype)
     outs = run(wholeshard_run, nproc, STEPS, param_dtype=dtype)
@@ -37,7 +40,11 @@ def test_matches_reference(nproc: int, dtype: torch.dtype) -> None:
         assert all(torch.equal(out["params"][k], v) for k, v in outs[0]["params"].items())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.float32, id="fp32", marks=pytest.mark.core), torch.bfloat16],
+    ids=["fp32", "bf16"],
+)
 def test_single_process_is_the_reference_bitwise(dtype: torch.dtype) -> None:
     """Without a process group (and at one rank) the arithmetic is the reference's own."""
     ref = reference_run(STEPS, param_dtype=dtype)
@@ -84,6 +91,7 @@ def _grads_after_sync() -> dict:
     }
 
 
+@pytest.mark.core
 def test_owner_from_the_plan_receives_the_reduced_gradient() -> None:
     model = make_model()
     lm_loss(model, *batch(0)).backward()
@@ -126,6 +134,7 @@ def _state_report() -> dict:
     }
 
 
+@pytest.mark.core
 def test_optimizer_state_covers_only_owned_params() -> None:
     outs = run(_state_report, 3)
     owned_elements = dict.fromkeys(outs[0]["numel"], 0)
@@ -151,6 +160,7 @@ def test_optimizer_state_covers_only_owned_params() -> None:
     assert total_bytes < 3.2 * 4 * full, "state is split, not replicated"
 
 
+@pytest.mark.core
 def test_clip_grad_norm_matches_reference() -> None:
     ref = reference_run(STEPS, clip=0.3)
     assert max(ref["norms"]) > 0.3, "clipping must be active for the test to mean anything"
@@ -217,7 +227,7 @@ def test_lr_scheduler_drives_both_groups() -> None:
         dict(shard_group_size=2, overlap_grad_reduce=True, overlap_param_gather=True),
         dict(shard_group_size=1),
         dict(strategy="size_match"),
-        dict(strategy="owners"),
+        pytest.param(dict(strategy="owners"), marks=pytest.mark.core),
         dict(strategy="owners", shard_group_size=2, reshard_after_forward=True, **OVERLAP),
     ],
     ids=["k2", "k2-overlap", "k1", "size_match", "owners", "owners-k2-fully-sharded-overlap"],

@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 from support import (
     ADAMW_KW,
+    DTYPES,
     MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
     assert_matches,
     batch,
     data_parallel,
+    grid,
     lm_loss,
     local_batch,
     make_model,
@@ -53,9 +55,15 @@ def _assert_fs_equals_zero(nproc: int, ddp_kw: dict, dtype: torch.dtype, **kw) -
         assert_matches(out["fs"], ref, dtype)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize(
+    ("nproc", "dtype", "overlap"),
+    grid(
+        {2: 2, 3: 3},
+        DTYPES,
+        {"sync": False, "overlap": True},
+        core=("2-fp32-sync", "2-fp32-overlap"),
+    ),
+)
 def test_fully_sharded_is_bitwise_equal_to_zero(nproc: int, dtype, overlap: bool) -> None:
     _assert_fs_equals_zero(nproc, OVERLAP if overlap else {}, dtype)
 
@@ -67,7 +75,9 @@ def test_owner_buckets_fully_sharded_are_bitwise_equal_to_zero(nproc: int) -> No
     _assert_fs_equals_zero(nproc, dict(strategy="owners", **OVERLAP), torch.bfloat16)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize(
+    "overlap", [pytest.param(False, marks=pytest.mark.core), True], ids=["sync", "overlap"]
+)
 def test_hybrid_sharding_in_shard_groups(overlap: bool) -> None:
     mode = dict(shard_group_size=2, **(OVERLAP if overlap else {}))
     _assert_fs_equals_zero(4, mode, torch.float32)
@@ -152,6 +162,7 @@ def _lifecycle() -> dict:
     return out
 
 
+@pytest.mark.core
 def test_only_shards_persist_and_full_buckets_are_released() -> None:
     outs = run(_lifecycle, 2)
     for out in outs:

@@ -134,7 +134,7 @@ INJECTED = "blocks.0.fc.weight"
 CASES = pytest.mark.parametrize(
     "overlap, micro, clip",
     [
-        (False, 1, False),
+        pytest.param(False, 1, False, marks=pytest.mark.core),
         (False, 2, False),
         (False, 1, True),
         (True, 1, False),

@@ -7,12 +7,14 @@ import torch
 import torch.distributed as dist
 from support import (
     ADAMW_KW,
+    DTYPES,
     MUON_KW,
     OVERLAP,
     SYNC,
     assert_bitwise_equal,
     assert_matches,
     data_parallel,
+    grid,
     lm_loss,
     local_batch,
     make_model,
@@ -40,8 +42,10 @@ def _run(nproc: int, mode: dict, steps: int = 3, **kw) -> list[dict]:
     return run(wholeshard_run, nproc, steps, ddp_kw=dict(SMALL_BUCKETS, **mode), **kw)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("scheme", ["whole", "ping_pong"])
+@pytest.mark.parametrize(
+    ("scheme", "dtype"),
+    grid({s: s for s in ("whole", "ping_pong")}, DTYPES, core="whole-fp32"),
+)
 def test_overlap_is_bitwise_equal_to_sync(scheme: str, dtype: torch.dtype) -> None:
     sync = _run(3, dict(scheme=scheme), param_dtype=dtype, evaluate=True)
     overlap = _run(3, dict(scheme=scheme, **OVERLAP), param_dtype=dtype, evaluate=True)
@@ -58,7 +62,9 @@ def test_broadcast_is_bitwise_equal_to_allgather(scheme: str) -> None:
         assert_bitwise_equal(a, b)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=pytest.mark.core) if m == "whole-overlap" else m for m in MODES]
+)
 def test_every_mode_matches_reference(mode: str) -> None:
     ref = reference_run(3)
     for out in _run(2, MODES[mode]):

@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 from support import (
     ADAMW_KW,
+    DTYPES,
     MUON_KW,
     OVERLAP,
     SYNC,
     assert_bitwise_equal,
     data_parallel,
     fp8_model,
+    grid,
     lm_loss,
     local_batch,
     make_model,
@@ -57,8 +59,10 @@ def _assert_pairs_equal(outs: list[dict]) -> None:
             assert plain["evals"] == pipelined["evals"], f"{key}: forwards between steps"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize(
+    ("nproc", "dtype"),
+    grid({2: 2, 3: 3}, DTYPES, core="3-fp32", slow=("2-fp32", "2-bf16")),
+)
 def test_pipelined_is_bitwise_equal_to_unpipelined(nproc: int, dtype: torch.dtype) -> None:
     _assert_pairs_equal(run(_pairs, nproc, GATHER_MODES, param_dtype=dtype))
 

@@ -227,6 +227,7 @@ def test_no_params_and_one_rank() -> None:
 # ---------------------------------------------------------------- property-based
 
 
+@pytest.mark.core
 @settings(max_examples=80, deadline=None)
 @given(
     specs=spec_lists(max_params=40, tied_one_in=16),

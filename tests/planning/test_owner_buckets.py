@@ -64,6 +64,7 @@ def test_stacks_in_owner_buckets_run_contiguously_and_balance(
     assert max(costs) <= sum(costs) / k + widest
 
 
+@pytest.mark.core
 @settings(max_examples=60, deadline=None)
 @given(
     shapes=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), min_size=1, max_size=60),

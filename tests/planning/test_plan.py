@@ -162,6 +162,7 @@ def test_owned_range_of_whole_tensor_buffer_and_bad_rank() -> None:
 # ---------------------------------------------------------------- shard groups
 
 
+@pytest.mark.core
 def test_shard_groups_plan_over_k_ranks() -> None:
     specs = [spec(f"w{i}", 128, 128) for i in range(16)] + [spec("ln", 256)]
     plan = plan_buffers(specs, 8, shard_group_size=4)
@@ -229,6 +230,7 @@ def models(draw: st.DrawFn) -> list[ParamSpec]:
     return specs
 
 
+@pytest.mark.core
 @settings(max_examples=120, deadline=None)
 @given(
     specs=models(),

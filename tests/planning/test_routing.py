@@ -150,6 +150,7 @@ def test_name_rule_agrees_with_the_module_rule(name: str) -> None:
         assert muon_by_name(n, tuple(p.shape), tied[n]) is muon[n], n
 
 
+@pytest.mark.core
 def test_tinylm_head_and_root_params_are_adamw() -> None:
     """The test model: untied `head` (named like a head) and the bare position table `pos`,
     registered on the root module, are not weights of hidden layers."""
@@ -214,6 +215,7 @@ def test_get_output_embeddings_names_the_head() -> None:
     assert muon_names(routes) == {"body.weight"}
 
 
+@pytest.mark.core
 def test_use_muon_overrides_the_decision_not_transposed() -> None:
     model = gpt2()
     only_head = route_params(model, use_muon=lambda name, p: name == "transformer.wte.weight")
@@ -229,6 +231,7 @@ def test_a_1d_param_routed_to_muon_raises() -> None:
         route_params(make_model(), use_muon=lambda name, p: name == "ln.weight" or p.ndim == 2)
 
 
+@pytest.mark.core
 def test_nothing_routed_to_muon_raises_with_the_table() -> None:
     class OnlyRoot(nn.Module):
         def __init__(self) -> None:

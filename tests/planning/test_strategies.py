@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import round_up, shape_lists, spec_lists, verify_whole_buffer, whole_buffer
@@ -32,6 +33,7 @@ def imbalance(buffer: Buffer, specs: list[ParamSpec]) -> float:
 # ---------------------------------------------------------------- property-based
 
 
+@pytest.mark.core
 @settings(max_examples=150, deadline=None)
 @given(
     specs=spec_lists(max_params=50, tied_one_in=16),

@@ -309,6 +309,7 @@ def test_placement_fields() -> None:
 # ---------------------------------------------------------------- property-based
 
 
+@pytest.mark.core
 @settings(max_examples=150, deadline=None)
 @given(
     specs=spec_lists(),
