@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from support import (
-    ADAMW_KW,
     MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
     fp8_model,
-    lm_loss,
-    local_batch,
+    local_loss,
     make_model,
     run,
     train_steps,
     wholeshard_run,
+    wrapped,
 )
 from torch import nn
 
@@ -67,13 +65,9 @@ def test_fp8_param_gather_is_bitwise_equal_to_quantizing_every_forward(
 
 
 def _gathered_vs_local(recipe: str) -> list[bool]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = fp8_model(recipe)()
-    ddp = wholeshard.DataParallel(
-        model, **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=True
-    )
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    ddp, opt = wrapped(model, **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=True)
+    local_loss(ddp).backward()
     opt.step()
     held = {name: m.fp8_weight for name, m in fp8.fp8_modules(model)}
     same = []
@@ -207,10 +201,8 @@ def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[fl
     on) and go on: the same losses."""
 
     def setup(on: bool):
-        ddp = wholeshard.DataParallel(
-            fp8_model("mxfp8")(), **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=on
-        )
-        return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+        model = fp8_model("mxfp8")()
+        return wrapped(model, **BUCKETS, param_dtype=torch.bfloat16, fp8_param_gather=on)
 
     ddp, opt = setup(save_on)
     train_steps(ddp, opt, range(3))
