@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import wholeshard.distributed.launch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Forked workers run with one thread (OpenMP does not survive fork); the in-process reference
@@ -18,3 +20,17 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data") / "text.py"
     path.write_bytes((ROOT / "wholeshard" / "train" / "trainer.py").read_bytes() * 2)
     return path
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail a test that starts workers, and keep it out of any torchrun job (no RANK, WORLD_SIZE,
+    LOCAL_RANK): for tests of what `wholeshard train` does before it launches, which take it with
+    `pytestmark = pytest.mark.usefixtures("no_launch")`."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(wholeshard.distributed.launch, "launch", refuse)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)

@@ -46,15 +46,16 @@ def train_tokenizer(out: Path, text: str = TEXT, vocab: int = VOCAB) -> None:
     fast.save_pretrained(out)
 
 
-def config(kind: str, vocab: int = VOCAB, seq: int = 64):
-    """A tiny config of `kind` (`llama`, `gpt2`, `qwen3_moe`): hidden 32, 2 layers."""
+def config(kind: str, vocab: int = VOCAB, seq: int = 64, heads: int = 4):
+    """A tiny config of `kind` (`llama`, `gpt2`, `qwen3_moe`): hidden 32, 2 layers, `heads`
+    attention heads (as many key/value heads)."""
     common = dict(vocab_size=vocab, attn_implementation="eager", eos_token_id=0, bos_token_id=0)
     if kind == "gpt2":
         return transformers.GPT2Config(
             n_positions=seq,
             n_embd=32,
             n_layer=2,
-            n_head=4,
+            n_head=heads,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
@@ -64,8 +65,8 @@ def config(kind: str, vocab: int = VOCAB, seq: int = 64):
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=seq,
         tie_word_embeddings=False,
         attention_dropout=0.0,

@@ -328,6 +328,14 @@ def wholeshard_run(
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
 SYNC = dict(overlap_grad_reduce=False)
 """Every collective at the step (the default reduces during backward)."""
+MAIN_MODES = {
+    "sync": SYNC,
+    "overlap": OVERLAP,
+    "fully-sharded": dict(reshard_after_forward=True, **OVERLAP),
+    "pipelined": dict(pipelined_step=True, **OVERLAP),
+    "shard-groups": dict(shard_group_size=1),
+}
+"""The main `DataParallel` modes by name, for tests that run every one of them."""
 
 
 def assert_overlap_equals_sync(nproc: int, steps: int, ddp_kw: dict, **kw: Any) -> list[dict]:
@@ -352,15 +360,28 @@ def rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def local_loss(model: nn.Module, step: int = 0) -> torch.Tensor:
+    """`lm_loss` of `model` on this rank's slice of `step`'s batch."""
+    return lm_loss(model, *local_batch(step, *rank_world()))
+
+
+def wrapped(
+    model: nn.Module | None = None, **ddp_kw: Any
+) -> tuple[wholeshard.DataParallel, wholeshard.LayerwiseOptimizer]:
+    """`data_parallel(model, **ddp_kw)` (`model` by default `make_model()`) and a
+    `LayerwiseOptimizer` over it with `MUON_KW` and `ADAMW_KW`."""
+    ddp = data_parallel(make_model() if model is None else model, **ddp_kw)
+    return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+
+
 def train_steps(
     ddp: nn.Module, opt: torch.optim.Optimizer, steps: Iterable[int]
 ) -> list[torch.Tensor]:
     """One optimizer step per step of `steps` on this rank's slice of its batch; returns this
     rank's losses (detached tensors)."""
-    rank, world = rank_world()
     losses = []
     for step in steps:
-        loss = lm_loss(ddp, *local_batch(step, rank, world))
+        loss = local_loss(ddp, step)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -437,6 +458,13 @@ def assert_matches(out: dict, ref: dict, dtype: torch.dtype = torch.float32) -> 
     assert out["losses"] == pytest.approx(ref["losses"], rel=tol["loss_rtol"])
 
 
+def assert_same_params(outs: list[dict]) -> None:
+    """Every rank's result holds the first rank's params, bit for bit."""
+    for out in outs[1:]:
+        for k, v in out["params"].items():
+            assert torch.equal(v, outs[0]["params"][k]), k
+
+
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     """Params, optimizer state and losses identical to the bit."""
     assert a["params"].keys() == b["params"].keys()
@@ -466,6 +494,30 @@ def train_config(**flags: Any) -> Any:
         elif value is not None:
             argv += [flag, str(value)]
     return config_from_args(build_parser().parse_args(argv))
+
+
+# -- bench report inputs ---------------------------------------------------------------------
+
+
+def bench_rank(**figures: Any) -> dict[str, Any]:
+    """One rank's figures as a bench worker returns them (what `report.from_ranks` combines),
+    with `figures` replacing the defaults; no launch counts."""
+    from wholeshard.bench import launches
+
+    seconds = dict(step_s=1.0, optimizer_s=0.5, comm_wait_s=0.1, torch_muon_owned_s=0.4)
+    floors = dict(floor_forward_backward_s=0.2, floor_optimizer_s=0.3)
+    sent = dict(bytes_sent_per_rank=8, gather_bytes_per_rank=2)
+    memory = dict(peak_rss_bytes=300, peak_rss_delta_bytes=30, optimizer_state_bytes=4)
+    unknown = dict.fromkeys(("persistent_bytes", "max_memory_allocated_bytes", *launches.FIELDS))
+    rest = dict(final_loss=0.5, ns_flops_per_step=100)
+    return seconds | floors | sent | memory | unknown | rest | figures
+
+
+def bench_machine(**info: Any) -> dict[str, Any]:
+    """What the bench's `machine()` reports, as `report.footer` reads it: one thread a rank on a
+    2-core "cpu", torch "2.x", load average 0.5 -> 0.7; `info` adds or replaces entries."""
+    load = dict(load_average_start=[0.5], load_average_end=[0.7])
+    return dict(threads_per_rank=1, cpu="cpu", cores=2, torch="2.x", **load) | info
 
 
 # -- planning (shapes only) ------------------------------------------------------------------

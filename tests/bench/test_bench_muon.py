@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import bench_machine, bench_rank
 from torch.utils.flop_counter import FlopCounterMode
 
 from wholeshard.bench import launches, machine
@@ -289,41 +290,19 @@ def test_fill_ratios_adds_share_yardstick_ratio_and_ns_rate() -> None:
     assert rows[0].ns_tflops == 2.0 and rows[0].ns_peak_fraction is None
 
 
-def _rank(**figures) -> dict:
-    base = dict(
-        step_s=1.0,
-        optimizer_s=0.5,
-        comm_wait_s=0.1,
-        bytes_sent_per_rank=8,
-        gather_bytes_per_rank=2,
-        peak_rss_bytes=300,
-        peak_rss_delta_bytes=30,
-        optimizer_state_bytes=4,
-        persistent_bytes=None,
-        final_loss=0.5,
-        floor_forward_backward_s=0.2,
-        floor_optimizer_s=0.3,
-        torch_muon_owned_s=0.4,
-        ns_flops_per_step=100,
-        max_memory_allocated_bytes=None,
-        **dict.fromkeys(launches.FIELDS),
-    )
-    return base | figures
-
-
 def test_new_figures_take_the_busiest_rank_and_the_largest_over_rounds() -> None:
     counted = dict(launches_per_step=50, optimizer_launches_per_step=20)
-    a = _rank(
+    a = bench_rank(
         torch_muon_owned_s=0.4, ns_flops_per_step=100, max_memory_allocated_bytes=7, **counted
     )
-    b = _rank(torch_muon_owned_s=0.6, ns_flops_per_step=90, max_memory_allocated_bytes=9)
+    b = bench_rank(torch_muon_owned_s=0.6, ns_flops_per_step=90, max_memory_allocated_bytes=9)
     b |= dict(launches_per_step=60, optimizer_launches_per_step=25)
     row = from_ranks("m", "ws_a", [a, b])
     assert (row.torch_muon_owned_s, row.ns_flops_per_step) == (0.6, 100)
     assert (row.max_memory_allocated_bytes, row.launches_per_step) == (9, 60)
     assert row.optimizer_launches_per_step == 25 and row.cuda_launches_per_step is None
     rounds = [
-        from_ranks("m", "ws_a", [_rank(torch_muon_owned_s=t, launches_per_step=n)])
+        from_ranks("m", "ws_a", [bench_rank(torch_muon_owned_s=t, launches_per_step=n)])
         for t, n in ((0.3, 5), (0.1, 7), (0.2, 6))
     ]
     merged = merge_rounds(rounds)
@@ -362,13 +341,8 @@ def test_markdown_adds_gpu_and_launch_columns_only_when_they_apply() -> None:
 
 
 def test_footer_names_the_gpu_backend_and_peak() -> None:
-    info = dict(
-        threads_per_rank=1,
-        cpu="cpu",
+    info = bench_machine(
         cores=16,
-        torch="2.x",
-        load_average_start=[0.5],
-        load_average_end=[0.7],
         device="cuda",
         backend="nccl",
         gpu="NVIDIA H100 80GB HBM3",

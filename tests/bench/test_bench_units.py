@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support import bench_machine, bench_rank
 
 from wholeshard import DataParallelConfig
-from wholeshard.bench import builders, launches
+from wholeshard.bench import builders
 from wholeshard.bench.builders import build, every_param, unavailable
 from wholeshard.bench.configs import CONFIGS, with_overrides
 from wholeshard.bench.memory import (
@@ -150,23 +151,12 @@ def test_ratios_and_loss_agreement() -> None:
 
 
 def _rank(persistent: int | None, delta: int, gather: int = 2, floor=(0.2, 0.3)) -> dict:
-    return dict(
+    return bench_rank(
+        persistent_bytes=persistent,
+        peak_rss_delta_bytes=delta,
+        gather_bytes_per_rank=gather,
         floor_forward_backward_s=floor[0],
         floor_optimizer_s=floor[1],
-        step_s=1.0,
-        optimizer_s=0.5,
-        comm_wait_s=0.1,
-        bytes_sent_per_rank=8,
-        gather_bytes_per_rank=gather,
-        peak_rss_bytes=300,
-        peak_rss_delta_bytes=delta,
-        optimizer_state_bytes=4,
-        persistent_bytes=persistent,
-        final_loss=0.5,
-        torch_muon_owned_s=0.4,
-        ns_flops_per_step=100,
-        max_memory_allocated_bytes=None,
-        **dict.fromkeys(launches.FIELDS),
     )
 
 
@@ -354,14 +344,7 @@ def test_overrides_reach_the_data_parallel_call(monkeypatch) -> None:
 
 
 def test_footer_names_the_overrides_in_effect() -> None:
-    machine = dict(
-        threads_per_rank=1,
-        cpu="cpu",
-        cores=2,
-        torch="2.x",
-        load_average_start=[0.5],
-        load_average_end=[0.7],
-    )
+    machine = bench_machine()
     plain = footer(machine, 2, 3, 1, 1)
     assert plain.startswith("2 gloo ranks x 1 thread(s) on cpu (2 cores)")
     assert "overrid" not in plain

@@ -19,20 +19,16 @@ import shutil
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from support import (
-    ADAMW_KW,
-    MUON_KW,
     OVERLAP,
     SYNC,
     assert_bitwise_equal,
     assert_matches,
-    data_parallel,
-    lm_loss,
-    local_batch,
+    local_loss,
     make_model,
     run,
     wholeshard_run,
+    wrapped,
 )
 from torch import nn
 
@@ -81,16 +77,14 @@ def _train(kind: str | None, mode: dict) -> dict:
 def _hooks_fire(kind: str) -> dict:
     """Overlap with a compiled model: grads reduced during backward, gathers deferred to the
     next forward, and that forward's pre-hook completes them before the compiled graph runs."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch._dynamo.reset()
-    ddp = data_parallel(compiled(kind), **SMALL_BUCKETS, **OVERLAP)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    ddp, opt = wrapped(compiled(kind), **SMALL_BUCKETS, **OVERLAP)
+    local_loss(ddp).backward()
     reduced_in_backward = sum(b.reducing is not None for b in ddp.buckets)
     opt.step()
     opt.zero_grad()
     deferred = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
-    lm_loss(ddp, *local_batch(1, rank, world)).backward()
+    local_loss(ddp, 1).backward()
     left_after_forward = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
     return {
         "buckets": len(ddp.buckets),
@@ -173,7 +167,6 @@ def test_names_of_a_compiled_model(results: list[dict]) -> None:
 
 
 def test_checkpoint_of_a_compiled_model_loads_into_an_eager_one(tmp_path) -> None:
-    import wholeshard
 
     compiled_model = torch.compile(make_model(seed=1))  # compiled lazily: nothing is traced here
     ddp = wholeshard.DataParallel(compiled_model)

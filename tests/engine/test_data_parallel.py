@@ -14,12 +14,13 @@ from support import (
     batch,
     grid,
     lm_loss,
-    local_batch,
+    local_loss,
     make_model,
     mp,
     reference_run,
     run,
     wholeshard_run,
+    wrapped,
 )
 
 import wholeshard
@@ -74,13 +75,12 @@ def test_one_rank_issues_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _grads_after_sync() -> dict:
     """After one backward and grad sync: what this rank owns and the gradients it holds."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     ddp = wholeshard.DataParallel(make_model(), bucket_size=3000)
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    local_loss(ddp).backward()
     ddp.finish_grad_sync()
     muon = next(b for b in ddp.plan.buffers if b.kind == "muon")
     return {
-        "rank": rank,
+        "rank": dist.get_rank(),
         "buckets": len(muon.buckets),
         # the one ownership rule of whole-tensor buffers, evaluated independently here
         "owner": {
@@ -116,11 +116,8 @@ def test_owner_from_the_plan_receives_the_reduced_gradient() -> None:
 
 
 def _state_report() -> dict:
-    model = make_model()
-    ddp = wholeshard.DataParallel(model, mp_policy=mp(torch.bfloat16))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    ddp, opt = wrapped(mp_policy=mp(torch.bfloat16))
+    local_loss(ddp).backward()
     opt.step()
     state = opt.state_dict()["state"]
     return {
@@ -170,14 +167,12 @@ def test_clip_grad_norm_matches_reference() -> None:
 
 
 def _round_trip(steps_before: int, steps_after: int, resume: bool) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    ddp = wholeshard.DataParallel(model, mp_policy=mp(torch.bfloat16))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    ddp, opt = wrapped(model, mp_policy=mp(torch.bfloat16))
 
     def train(steps: range) -> None:
         for step in steps:
-            lm_loss(ddp, *local_batch(step, rank, world)).backward()
+            local_loss(ddp, step).backward()
             opt.step()
             opt.zero_grad()
 
@@ -209,9 +204,7 @@ def test_state_dict_round_trip_is_bitwise() -> None:
 
 def test_lr_scheduler_drives_both_groups() -> None:
     model = make_model()
-    opt = wholeshard.LayerwiseOptimizer(
-        wholeshard.DataParallel(model), muon=MUON_KW, adamw=ADAMW_KW
-    )
+    _, opt = wrapped(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     lm_loss(model, *batch(0)).backward()
     opt.step()

@@ -10,11 +10,8 @@ import inspect
 
 import pytest
 import torch
-import torch.distributed as dist
 from support import (
-    ADAMW_KW,
     DTYPES,
-    MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
     assert_matches,
@@ -22,15 +19,15 @@ from support import (
     data_parallel,
     grid,
     lm_loss,
-    local_batch,
+    local_loss,
     make_model,
     reference_run,
     run,
     wholeshard_run,
+    wrapped,
 )
 from test_frozen import make_adapted
 
-import wholeshard
 from wholeshard.distributed import collectives
 
 FS = dict(reshard_after_forward=True)
@@ -115,10 +112,8 @@ def test_clipping_and_broadcast_param_sync() -> None:
 
 
 def _lifecycle() -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    ddp = data_parallel(model, **SMALL_BUCKETS, **FS, **OVERLAP)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    ddp, opt = wrapped(model, **SMALL_BUCKETS, **FS, **OVERLAP)
     buckets = ddp.buckets
 
     def params() -> list[int]:  # bytes of each bucket's full param storage
@@ -129,7 +124,7 @@ def _lifecycle() -> dict:
 
     out = {"n": len(buckets), "full": [b.param.numel() * 4 for b in buckets], "init": params()}
     out["root"] = [i for i, b in enumerate(buckets) if any(p is model.pos for p, _ in b.params)]
-    loss = lm_loss(ddp, *local_batch(0, rank, world))
+    loss = local_loss(ddp)
     out["after_forward"] = params()
     loss.backward()
     out["after_backward"] = params()
@@ -273,12 +268,10 @@ def test_separate_group_carries_every_gather_and_nothing_else(ddp_kw: dict) -> N
 
 
 def _trace() -> list[tuple[str, float]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     # Buckets of about one matrix each: the last block's complete early in backward.
-    ddp = data_parallel(make_model(), bucket_size=1000, **FS, **OVERLAP)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    ddp, opt = wrapped(bucket_size=1000, **FS, **OVERLAP)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        lm_loss(ddp, *local_batch(0, rank, world)).backward()
+        local_loss(ddp).backward()
         opt.step()
     events = [(e.name, e.time_range.start) for e in prof.events() if "wholeshard." in e.name]
     return sorted(events, key=lambda e: e[1])

@@ -10,9 +10,9 @@ import pytest
 import torch
 from support import (
     ADAMW_KW,
+    MAIN_MODES,
     MUON_KW,
     OVERLAP,
-    SYNC,
     data_parallel,
     full_params,
     make_model,
@@ -82,12 +82,7 @@ def _train(meta: bool, ddp_kw: dict) -> dict:
     return {"built": built, "trained": trained, "tied": tied, "on_meta": on_meta}
 
 
-MODES = {
-    "sync": SYNC,
-    "overlap": OVERLAP,
-    "fully-sharded": dict(reshard_after_forward=True, **OVERLAP),
-    "pipelined": dict(pipelined_step=True, **OVERLAP),
-    "shard-groups": dict(shard_group_size=1),
+MODES = MAIN_MODES | {
     "ping-pong": dict(scheme="ping_pong", param_sync="broadcast"),
     "fp8-gather": dict(fp8_param_gather=True, **OVERLAP),
     "owners-fully-sharded": dict(strategy="owners", reshard_after_forward=True, **OVERLAP),

@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from support import (
-    ADAMW_KW,
     DTYPES,
-    MUON_KW,
     OVERLAP,
     SYNC,
     assert_bitwise_equal,
     assert_matches,
-    data_parallel,
     grid,
-    lm_loss,
-    local_batch,
-    make_model,
+    local_loss,
     reference_run,
     run,
     wholeshard_run,
+    wrapped,
 )
 
-import wholeshard
 from wholeshard.engine._storage import BucketState
 
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has something to overlap
@@ -100,10 +94,8 @@ def test_param_unused_in_forward(mode: str) -> None:
 
 
 def _dispatch_points(mode: dict) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = data_parallel(make_model(), **SMALL_BUCKETS, **mode)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    ddp, opt = wrapped(**SMALL_BUCKETS, **mode)
+    local_loss(ddp).backward()
     during_backward = sum(b.reducing is not None for b in ddp.buckets)
     opt.step()
     after_step = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
@@ -120,11 +112,8 @@ def test_overlap_dispatches_during_backward_and_defers_gathers() -> None:
 
 
 def _in_flight_protocol(mode: dict) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
-    ddp = data_parallel(model, **SMALL_BUCKETS, **mode)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    ddp, opt = wrapped(**SMALL_BUCKETS, **mode)
+    local_loss(ddp).backward()
     opt.step()
     opt.zero_grad()
     opt.step()  # a second step while the first step's all-gathers may still be in flight
@@ -133,9 +122,9 @@ def _in_flight_protocol(mode: dict) -> dict:
     ddp.free_overlap_buffers()
     ddp.free_overlap_buffers()  # idempotent, safe with nothing pending
     with torch.no_grad():
-        evaluation = lm_loss(ddp, *local_batch(1, rank, world)).item()
+        evaluation = local_loss(ddp, 1).item()
     return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
         "eval": evaluation,
     }
 
@@ -151,9 +140,10 @@ def test_second_step_with_gather_in_flight(scheme: str) -> None:
 
 def test_bad_mode_names() -> None:
     with pytest.raises(ValueError, match="scheme must be"):
-        data_parallel(make_model(), scheme="zigzag")
-    assert data_parallel(make_model(), scheme="ping_pong").plan.buffers[0].kind == "unaligned"
+        wrapped(scheme="zigzag")
+    ddp, _ = wrapped(scheme="ping_pong")
+    assert ddp.plan.buffers[0].kind == "unaligned"
     with pytest.raises(TypeError, match="unexpected keyword argument"):
-        wholeshard.DataParallel(make_model(), layout="ping_pong")  # no such option
+        wrapped(layout="ping_pong")  # no such option
     with pytest.raises(ValueError, match="param_sync must be"):
-        data_parallel(make_model(), param_sync="scatter")
+        wrapped(param_sync="scatter")

@@ -6,26 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from support import (
-    ADAMW_KW,
     DTYPES,
-    MUON_KW,
     OVERLAP,
     SYNC,
     assert_bitwise_equal,
-    data_parallel,
     fp8_model,
     grid,
-    lm_loss,
-    local_batch,
-    make_model,
+    local_loss,
     run,
     wholeshard_run,
+    wrapped,
 )
 from torch.profiler import ProfilerActivity, profile
 
-import wholeshard
 from wholeshard import fp8
 
 STEPS = 4
@@ -117,10 +111,8 @@ UPDATES = ("Optimizer.step#Muon.step", "Optimizer.step#AdamW.step")  # torch's o
 def _step_events(ddp_kw: dict) -> dict:
     """The trace of one optimizer step: (start, end, name) of wholeshard's labels and of the
     inner optimizers' steps."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = data_parallel(make_model(), **SMALL_BUCKETS, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    ddp, opt = wrapped(**SMALL_BUCKETS, **ddp_kw)
+    local_loss(ddp).backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         opt.step()
     events = [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import hf_support
 import pytest
 import torch
 from support import (
@@ -43,19 +44,7 @@ FS = dict(reshard_after_forward=True)
 
 
 def gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=2 * SEQ,
-        n_embd=HIDDEN,
-        n_layer=LAYERS,
-        n_head=HEADS,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
+    cfg = hf_support.config("gpt2", VOCAB, 2 * SEQ, heads=HEADS)  # HIDDEN wide, LAYERS deep
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)  # Conv1D layers, head tied to the embedding
 

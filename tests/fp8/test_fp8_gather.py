@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from support import (
-    ADAMW_KW,
     MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
     data_parallel,
     fp8_model,
-    lm_loss,
-    local_batch,
+    local_loss,
     make_model,
     mp,
     run,
     train_steps,
     wholeshard_run,
+    wrapped,
 )
 from torch import nn
 
@@ -69,13 +67,9 @@ def test_fp8_param_gather_is_bitwise_equal_to_quantizing_every_forward(
 
 
 def _gathered_vs_local(recipe: str) -> list[bool]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = fp8_model(recipe)()
-    ddp = wholeshard.DataParallel(
-        model, **BUCKETS, mp_policy=mp(torch.bfloat16), fp8_param_gather=True
-    )
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
-    lm_loss(ddp, *local_batch(0, rank, world)).backward()
+    ddp, opt = wrapped(model, **BUCKETS, mp_policy=mp(torch.bfloat16), fp8_param_gather=True)
+    local_loss(ddp).backward()
     opt.step()
     held = {name: m.fp8_weight for name, m in fp8.fp8_modules(model)}
     same = []
@@ -209,10 +203,8 @@ def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[fl
     on) and go on: the same losses."""
 
     def setup(on: bool):
-        ddp = wholeshard.DataParallel(
-            fp8_model("mxfp8")(), **BUCKETS, mp_policy=mp(torch.bfloat16), fp8_param_gather=on
-        )
-        return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+        model = fp8_model("mxfp8")()
+        return wrapped(model, **BUCKETS, mp_policy=mp(torch.bfloat16), fp8_param_gather=on)
 
     ddp, opt = setup(save_on)
     train_steps(ddp, opt, range(3))

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from support import (
     ADAMW_KW,
+    MAIN_MODES,
     MUON_KW,
     OVERLAP,
-    SYNC,
     assert_bitwise_equal,
     assert_matches,
     cuda_deterministic,
@@ -42,14 +42,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-MODES = {
-    "sync": SYNC,
-    "overlap": OVERLAP,
-    "fully-sharded": dict(reshard_after_forward=True, **OVERLAP),
-    "pipelined": dict(pipelined_step=True, **OVERLAP),
-    "shard-groups": dict(shard_group_size=1),
-}
-
 
 def _run(steps: int, **kw) -> dict:
     cuda_deterministic()
@@ -62,9 +54,9 @@ def test_nccl_at_world_size_1_matches_the_reference() -> None:
     assert_matches(out, reference_run(3, device="cuda"))
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(MAIN_MODES))
 def test_gloo_on_cuda_matches_the_reference(mode: str) -> None:
-    outs = run_cuda(_run, 2, 3, ddp_kw=dict(bucket_size=3000, **MODES[mode]))
+    outs = run_cuda(_run, 2, 3, ddp_kw=dict(bucket_size=3000, **MAIN_MODES[mode]))
     cuda_deterministic()
     ref = reference_run(3, device="cuda")
     for out in outs:
@@ -76,7 +68,7 @@ def test_overlap_and_fully_sharded_are_bitwise_sync_on_cuda(dtype: torch.dtype) 
     kw = dict(param_dtype=dtype, evaluate=True)
     sync = run_cuda(_run, 2, 3, ddp_kw=dict(bucket_size=3000), **kw)
     for mode in ("overlap", "fully-sharded", "pipelined"):
-        other = run_cuda(_run, 2, 3, ddp_kw=dict(bucket_size=3000, **MODES[mode]), **kw)
+        other = run_cuda(_run, 2, 3, ddp_kw=dict(bucket_size=3000, **MAIN_MODES[mode]), **kw)
         for a, b in zip(sync, other, strict=True):
             assert_bitwise_equal(a, b)
 
@@ -207,7 +199,7 @@ def _syncs_in_steps(nonfinite: str | None, ddp_kw: dict) -> int:
 def test_steps_sync_the_host_once_or_never(nonfinite: str | None, syncs: int, mode: str) -> None:
     # With nonfinite set, the step check is read at once: one sync a step; with None, its
     # result is staged and read a step later: none ([Note: host syncs in a step]).
-    [got] = run_cuda(_syncs_in_steps, 1, nonfinite, MODES[mode], backend="nccl")
+    [got] = run_cuda(_syncs_in_steps, 1, nonfinite, MAIN_MODES[mode], backend="nccl")
     assert got == syncs
 
 

@@ -9,6 +9,9 @@ training through `DataParallel(**ddp_kw)` on this rank's slice of every batch; a
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from support import (
     ADAMW_KW,
@@ -121,7 +124,7 @@ def saved_and_loaded(
 def stacked_round_trip(root: str, rule: type, kw: dict) -> dict[str, bool]:
     """Fused experts ((E, out, in) Muon stacks) trained 2 steps, saved to `root` and loaded
     back: for each owned matrix, whether every state tensor came back to the bit."""
-    from test_stacks import make_moe  # tests/engine (on sys.path: see the callers)
+    from test_stacks import make_moe  # tests/engine (on sys.path: see stacked_state_survives)
 
     cost = getattr(rule, "matrix_cost", None)
     ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, matrix_cost=cost)
@@ -135,3 +138,12 @@ def stacked_round_trip(root: str, rule: type, kw: dict) -> dict[str, bool]:
         k: v.keys() == after[k].keys() and all(torch.equal(t, after[k][n]) for n, t in v.items())
         for k, v in before.items()
     }
+
+
+def stacked_state_survives(root: str, rule: type, kw: dict) -> dict[str, bool]:
+    """`stacked_round_trip` at 2 ranks: every rank's answers, merged."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # test_stacks
+    same: dict[str, bool] = {}
+    for part in run(stacked_round_trip, 2, root, rule, kw):
+        same.update(part)
+    return same

@@ -27,7 +27,6 @@ matrices: the first Polar Express polynomials lift singular values down to 1e-3 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import support
@@ -36,11 +35,12 @@ from rule_harness import (
     distributed,
     one_process,
     saved_and_loaded,
-    stacked_round_trip,
+    stacked_state_survives,
 )
 from support import (
     assert_bitwise_equal,
     assert_matches,
+    assert_same_params,
     run,
 )
 
@@ -368,9 +368,7 @@ def test_n_ranks_equal_one_process(nproc: int) -> None:
         assert_matches(out, ref)
         second = [v for e in out["opt_state"].values() for k, v in e.items() if "second" in k]
         assert second and all(v.shape[-1] == 1 for v in second)
-    for out in outs[1:]:
-        for k, v in out["params"].items():
-            assert torch.equal(v, outs[0]["params"][k]), k
+    assert_same_params(outs)
 
 
 MODES = {
@@ -396,8 +394,7 @@ def test_shard_groups_match_one_process() -> None:
     outs = run(distributed, 2, 4, *RULE, dict(shard_group_size=1))
     for out in outs:
         assert_matches(out, ref)
-    for k, v in outs[1]["params"].items():
-        assert torch.equal(v, outs[0]["params"][k]), k
+    assert_same_params(outs)
 
 
 # -- checkpoints: the per-row second moment travels whole with its matrix --------------------------
@@ -428,11 +425,6 @@ def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int) -> No
 
 
 def test_stacked_matrices_keep_their_own_second_moment_through_a_checkpoint(tmp_path) -> None:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
-    same = {}
-    for part in run(stacked_round_trip, 2, str(tmp_path), *RULE):
-        same.update(part)
+    same = stacked_state_survives(str(tmp_path), *RULE)
     assert same["routers.0"] and same["experts.0.down_proj[0]"]  # whole matrices do travel
     assert all(same.values()), sorted(k for k, ok in same.items() if not ok)

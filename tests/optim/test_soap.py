@@ -16,9 +16,6 @@ within about lr of the one-process run (measured figures at each test).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import support
 import torch
@@ -26,10 +23,11 @@ from rule_harness import (
     distributed,
     one_process,
     saved_and_loaded,
-    stacked_round_trip,
+    stacked_state_survives,
 )
 from support import (
     assert_bitwise_equal,
+    assert_same_params,
     run,
 )
 
@@ -149,12 +147,7 @@ def test_steps_are_the_reference_equations(kw: dict) -> None:
     state = opt.state[next(iter(opt.state))]
     assert {k: tuple(v.shape) for k, v in state.items()} == {
         "step": (),
-        "exp_avg": (24, 24),
-        "exp_avg_sq": (24, 24),
-        "GG0": (24, 24),
-        "GG1": (24, 24),
-        "Q0": (24, 24),
-        "Q1": (24, 24),
+        **dict.fromkeys(("exp_avg", "exp_avg_sq", "GG0", "GG1", "Q0", "Q1"), (24, 24)),
     }
     tall = opt.state[opt.param_groups[0]["params"][3]]
     assert "GG0" not in tall and "Q0" not in tall and tall["Q1"].shape == (6, 6)
@@ -219,9 +212,7 @@ def test_n_ranks_match_one_process(reference: dict, sync2: list[dict], nproc: in
     outs = sync2 if nproc == 2 else run(distributed, nproc, 5, *RULE)
     for out in outs:
         assert_close(out, reference)
-    for out in outs[1:]:
-        for k, v in out["params"].items():
-            assert torch.equal(v, outs[0]["params"][k]), k
+    assert_same_params(outs)
 
 
 def test_degenerate_factors_keep_the_loss() -> None:
@@ -260,8 +251,7 @@ def test_shard_groups_match_one_process(reference: dict) -> None:
     outs = run(distributed, 2, 5, *RULE, dict(shard_group_size=1))
     for out in outs:
         assert_close(out, reference)
-    for k, v in outs[1]["params"].items():
-        assert torch.equal(v, outs[0]["params"][k]), k
+    assert_same_params(outs)
 
 
 # -- checkpoints: GG and Q travel whole with their matrix ----------------------------------------
@@ -298,9 +288,6 @@ def test_checkpoint_at_2_ranks_loads_and_continues(tmp_path, load_at: int, strai
 
 
 def test_stacked_matrices_keep_their_own_factors_through_a_checkpoint(tmp_path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
-    same = {}
-    for part in run(stacked_round_trip, 2, str(tmp_path), *RULE):
-        same.update(part)
+    same = stacked_state_survives(str(tmp_path), *RULE)
     assert same["routers.0"] and same["experts.0.down_proj[0]"]  # whole matrices do travel
     assert all(same.values()), sorted(k for k, ok in same.items() if not ok)

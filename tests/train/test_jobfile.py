@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import wholeshard.distributed.launch
 from wholeshard import DataParallelConfig
 from wholeshard.cli import build_parser, main
 from wholeshard.cli.train import config_from_args
@@ -55,14 +54,7 @@ OTHERS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args, **kwargs):
-        raise AssertionError("workers were started")
-
-    monkeypatch.setattr(wholeshard.distributed.launch, "launch", refuse)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_launch")
 
 
 def _config(*argv: str) -> TrainConfig:

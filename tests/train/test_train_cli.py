@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import wholeshard.distributed.launch
 from wholeshard import DataParallelConfig
 from wholeshard.cli import build_parser, main
 from wholeshard.cli.flags import field_docs
@@ -23,15 +22,7 @@ from wholeshard.train.config import (
     TrainConfig,
 )
 
-
-@pytest.fixture(autouse=True)
-def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args, **kwargs):
-        raise AssertionError("workers were started")
-
-    monkeypatch.setattr(wholeshard.distributed.launch, "launch", refuse)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_launch")
 
 
 @pytest.fixture

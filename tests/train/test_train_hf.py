@@ -5,7 +5,6 @@ a crash and a bitwise resume, `wholeshard export --format hf`, and the exported 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support import train_config
-from train_faults import Fault, run_train
+from train_faults import Fault, metrics, train_job
 
 from wholeshard import cli
 from wholeshard.train import data
@@ -38,13 +37,7 @@ def train(model: str, corpus: Path, out: Path, *extra: str, fault: Fault | None 
         "--eval-batches", "2", "--no-progress", "--param-dtype", "float32",
         "--checkpoint-every", "3", "--cache-dir", str(out.parent / "token-cache"), *extra,
     ]  # fmt: skip
-    code = cli.main(argv) if fault is None else run_train(argv, fault)
-    summary = json.loads((out / "summary.json").read_text()) if code == 0 else None
-    return {"code": code, "summary": summary}
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_job(argv, out, fault)
 
 
 def val_loss_of(model: torch.nn.Module, tokenizer, corpus: Path, cache: Path) -> float:

@@ -8,21 +8,12 @@ import math
 from pathlib import Path
 
 import pytest
-from train_faults import Poison, run_train
+from train_faults import Poison, metrics, micro_argv, run_train
 
 
 def train(text_file: Path, out: Path, poison: Poison, *extra: str) -> int:
-    argv = [
-        "train", "--model", "micro", "--data", str(text_file), "--out", str(out), "--steps", "5",
-        "--batch-size",
-        "4", "--seq-len", "16", "--eval-every", "5", "--eval-batches", "1", "--no-progress",
-        "--log-every", "100", *extra,
-    ]  # fmt: skip
+    argv = micro_argv(text_file, out, 5, 5, "--no-progress", "--log-every", "100", *extra)
     return run_train(argv, poison)
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("optimizer", ["muon", pytest.param("adamw", marks=pytest.mark.slow)])
@@ -32,7 +23,7 @@ def test_skip_logs_the_step_and_counts_it(
     out = tmp_path / "run"
     code = train(text_file, out, Poison(1, 3), "--on-nonfinite", "skip", "--optimizer", optimizer)
     assert code == 0, capsys.readouterr().err
-    skipped = [r for r in records(out) if r.get("skipped")]
+    skipped = [r for r in metrics(out) if r.get("skipped")]
     assert [r["step"] for r in skipped] == [3]
     assert skipped[0]["grad_norm"] is None  # non-finite: JSON null
     summary = json.loads((out / "summary.json").read_text())

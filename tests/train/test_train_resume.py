@@ -6,27 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from train_faults import Fault, run_train
-
-from wholeshard import cli
+from train_faults import Fault, metrics, micro_argv, train_job
 
 SOAK = pytest.mark.slow  # `make soak`: the suite stays under 12 minutes on 2 cores
 
 
 def train(text_file: Path, out: Path, *extra: str, fault: Fault | None = None) -> dict:
-    argv = [
-        "train", "--model", "micro", "--data", str(text_file), "--out", str(out), "--steps", "6",
-        "--batch-size",
-        "4", "--seq-len", "16", "--eval-every", "3", "--eval-batches", "1", "--no-progress",
-        "--param-dtype", "float32", *extra,
-    ]  # fmt: skip
-    code = cli.main(argv) if fault is None else run_train(argv, fault)
-    summary = json.loads((out / "summary.json").read_text()) if code == 0 else None
-    return {"code": code, "summary": summary}
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    argv = micro_argv(text_file, out, 6, 3, "--no-progress", "--param-dtype", "float32", *extra)
+    return train_job(argv, out, fault)
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,25 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
 starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
 checkpoint on disk, the other ranks blocked in or past the save). Under torchrun a fault fires
 on the first attempt only (`TORCHELASTIC_RESTART_COUNT` 0), so that a relaunch runs clean.
+
+The train tests also share from here how they run a job and read its output: `micro_argv`,
+`train_job` and `metrics`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
+from wholeshard import cli
 from wholeshard.cli import build_parser
 from wholeshard.train import trainer
 from wholeshard.train.config import TrainConfig
@@ -122,6 +128,29 @@ def run_train(argv: list[str], fault: Fault | Poison) -> int:
     if isinstance(fault, Poison):
         return args.run(args, worker=functools.partial(poisoned_train, poison=fault))
     return args.run(args, worker=functools.partial(faulty_train, fault=fault))
+
+
+def micro_argv(data: Path, out: Path, steps: int, eval_every: int, *extra: str) -> list[str]:
+    """`wholeshard train` of the micro model on `data` into `out`: `steps` steps of 4 x 16
+    tokens, one validation batch every `eval_every` steps, then `extra`."""
+    return [
+        "train", "--model", "micro", "--data", str(data), "--out", str(out),
+        "--steps", str(steps), "--batch-size", "4", "--seq-len", "16",
+        "--eval-every", str(eval_every), "--eval-batches", "1", *extra,
+    ]  # fmt: skip
+
+
+def train_job(argv: list[str], out: Path, fault: Fault | None = None) -> dict:
+    """Run the command line `argv` in process (through `run_train` with a `fault`): its exit
+    "code" and, if that is 0, the "summary" it wrote to `out`."""
+    code = cli.main(argv) if fault is None else run_train(argv, fault)
+    summary = json.loads((out / "summary.json").read_text()) if code == 0 else None
+    return {"code": code, "summary": summary}
+
+
+def metrics(out: Path) -> list[dict]:
+    """The records of a run's `metrics.jsonl` in `out`."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 if __name__ == "__main__":
