@@ -558,12 +558,12 @@ def whole_buffer(
     specs: list[ParamSpec],
     dp: int,
     *,
+    strategy: str = "size_match",
     bucket_size: int | None = None,
     align: int = 64,
-    strategy: str = "size_match",
 ) -> Buffer:
-    """The whole-tensor planner (the machinery `plan_buffers` runs on 2-D Muon specs) on every
-    spec, as one checked "muon" buffer."""
+    """The whole-tensor planner by `strategy` (the machinery `plan_buffers` runs on 2-D Muon
+    specs) on every spec, as one checked "muon" buffer."""
     specs = tuple(specs)
     _group_size(dp, None, bucket_size, align, strategy, "whole")
     validate_specs(specs)

@@ -244,13 +244,8 @@ def test_choice_is_a_divisor_with_its_plans_figures(
     strategy: str,
 ) -> None:
     specs_t = tuple(specs)
-    choice = auto_shard_group_size(
-        specs_t,
-        dp,
-        bucket_size=bucket_size,
-        strategy=strategy,
-        bucket_limit=bucket_limit,  # type: ignore[arg-type]
-    )
+    limits = dict(bucket_size=bucket_size, bucket_limit=bucket_limit)
+    choice = auto_shard_group_size(specs_t, dp, strategy=strategy, **limits)  # type: ignore[arg-type]
     assert dp % choice.k == 0 and choice.k in ladder(dp)
     numel = sum(s.numel for s in specs)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,32 +49,40 @@ def preload() -> None:
     from ..engine import data_parallel  # noqa: F401
 
 
-def run_rank(
-    workload_name: str,
-    config_name: str,
-    steps: int,
-    warmup: int,
-    quick: bool,
-    overrides: dict[str, Any] | None = None,
-    device: str = "cpu",
-    count_launches: bool = False,
-    rule: dict[str, str] | None = None,
-) -> dict:
-    """Benchmark one configuration (its wholeshard keywords replaced by `overrides`, its
-    matrices under `rules.Rule(**rule)`) on this rank's `device`; returns this rank's figures
-    (medians in s, sizes in bytes, None where unknown)."""
+@dataclass(frozen=True)
+class Job:
+    """One configuration for every rank to benchmark: `workload` (`quick`: its small version)
+    under `config`, its wholeshard keywords replaced by `overrides` and its matrices under
+    `rules.Rule(**rule)`; `warmup` untimed and `steps` timed steps on `device`, and with
+    `count_launches` one more under the profiler."""
+
+    workload: str
+    config: str
+    steps: int
+    warmup: int
+    quick: bool
+    overrides: dict[str, Any] | None = None
+    device: str = "cpu"
+    count_launches: bool = False
+    rule: dict[str, str] | None = None
+
+
+def run_rank(job: Job) -> dict:
+    """Benchmark `job` on this rank's `job.device`; returns this rank's figures (medians in s,
+    sizes in bytes, None where unknown)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device(device)
+    steps, warmup = job.steps, job.warmup
+    dev = torch.device(job.device)
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())  # launch set it
-    workload = get_workload(workload_name, quick).on(dev)
-    config = with_overrides(config_name, overrides or {})
+    workload = get_workload(job.workload, job.quick).on(dev)
+    config = with_overrides(job.config, job.overrides or {})
     timer = Timer(dev)
     clock = WaitClock()
     batches = [workload.local_batch(s, rank, world) for s in range(warmup + 1 + steps)]
     preload()
     rss_before_build = rss_bytes()
-    setup = build(config, workload, clock, Rule(**(rule or {})))
+    setup = build(config, workload, clock, Rule(**(job.rule or {})))
     counter = TrafficCounter()
     step_s: list[float] = []
     optimizer_s: list[float] = []
@@ -101,7 +110,7 @@ def run_rank(
     peak = peak_rss_bytes()
     max_allocated = max_memory_allocated(dev)
     launches = dict.fromkeys(FIELDS)
-    if count_launches:
+    if job.count_launches:
         x, y = batches[-1]
         with StepProfile(dev) as profiled:
             workload.loss(setup.model(x), y).backward()

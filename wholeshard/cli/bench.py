@@ -183,7 +183,7 @@ def _run_one(
     fresh workers: its row, and any collectives the traffic model could not charge. A
     configuration that cannot run or fails gets a row carrying the reason."""
     from ..bench.builders import unavailable
-    from ..bench.worker import run_rank
+    from ..bench.worker import Job, run_rank
     from ..bench.workloads import get_workload
     from ..distributed.launch import WorkerFailed, launch
 
@@ -197,11 +197,12 @@ def _run_one(
     if reason is not None:
         return report.Row(workload, config, error=reason, rule=label), []
     timeout = 120 + 30 * (warmup + 1 + steps)
+    job = Job(workload, config, steps, warmup, quick, overrides, device, count_launches, vars(rule))
     try:
         ranks = launch(
             run_rank,
             nproc,
-            (workload, config, steps, warmup, quick, overrides, device, count_launches, vars(rule)),
+            (job,),
             start_method="fork" if quick and device == "cpu" else "spawn",
             timeout=timeout,
             collective_timeout_s=timeout,

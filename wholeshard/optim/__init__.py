@@ -10,7 +10,7 @@ of Shampoo's factors, whose `matrix_cost` the planner balances
 train job and the bench; `gram_ns` is the Gram form of Newton-Schulz (`ns_algorithm="gram"`);
 `tensor_parallel` is Newton-Schulz on DTensor matrices sharded by tensor parallelism
 (`Muon(tp_mode=)`); `ns_split` the row blocks stepped as separate matrices
-(`LayerwiseOptimizer(ns_split=)`).
+(`LayerwiseOptimizer(ns_split=)`); `matrix_rule` the skeleton the rules share (`MatrixRule`).
 Bringing your own rule: docs/optimizers.md."""
 
 from ._step_check import first_nonfinite

@@ -27,29 +27,22 @@ bit for bit the above; `matmul_dtype` unused) instead of the quintic loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim._muon import (
-    DEFAULT_A,
-    DEFAULT_B,
-    DEFAULT_C,
-    DEFAULT_NS_STEPS,
-    EPS,
-    _adjust_lr,
-)
+from torch.optim._muon import _adjust_lr
 from torch.optim.optimizer import ParamsT, _to_scalar
 
-from .gram_ns import NsAlgorithm, check_ns_algorithm, gram_newton_schulz
+from .gram_ns import NsAlgorithm, gram_newton_schulz
+from .matrix_rule import Group, MuonRule
 
 DEFAULT_BATCH_NUMEL = 1 << 25
 """Elements per Newton-Schulz batch: a step's temporaries stay under 320 MiB (512 MiB with
 `matmul_dtype=torch.float32`) unless a single matrix is larger."""
 
 
-class BatchedMuon(torch.optim.Muon):
+class BatchedMuon(MuonRule):
     """`torch.optim.Muon` with a batched step; see the module docstring.
 
     Args: those of `torch.optim.Muon`, and
@@ -65,59 +58,21 @@ class BatchedMuon(torch.optim.Muon):
     def __init__(
         self,
         params: ParamsT,
-        lr: float | Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
-        eps: float = EPS,
-        ns_steps: int = DEFAULT_NS_STEPS,
-        adjust_lr_fn: str | None = None,
-        *,
+        *args: Any,
         batch_numel: int = DEFAULT_BATCH_NUMEL,
         matmul_dtype: torch.dtype = torch.bfloat16,
-        ns_algorithm: NsAlgorithm = "standard",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            params,
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        super().__init__(params, *args, **kwargs)
         if batch_numel < 1:
             raise ValueError(f"batch_numel must be positive, got {batch_numel}")
         if matmul_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"matmul_dtype must be torch.bfloat16 or float32, not {matmul_dtype}")
         self.batch_numel = batch_numel
         self.matmul_dtype = matmul_dtype
-        self.ns_algorithm = check_ns_algorithm(ns_algorithm)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            bufs: list[Tensor] = []
-            self._init_group(group, params, grads, bufs)  # torch's: skips None grads, makes state
-            if params:
-                self._step_group(group, params, grads, bufs)
-        return loss
 
     def _step_group(
-        self,
-        group: MutableMapping[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        bufs: list[Tensor],
+        self, group: Group, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor]
     ) -> None:
         """Per param, the operations of torch's `_single_tensor_muon`, issued for many at once
         (weight decay of every param before any update: each param sees the same sequence)."""
@@ -140,7 +95,7 @@ class BatchedMuon(torch.optim.Muon):
 
 
 def _update_batch(
-    group: MutableMapping[str, Any],
+    group: Group,
     lr: float | Tensor,
     params: list[Tensor],
     grads: list[Tensor],

@@ -34,6 +34,7 @@ from ._step_check import (
     issue,
     peak_norms,
 )
+from .matrix_rule import closure_loss
 from .ns_split import NsSplit, row_blocks
 from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
 from .rules import tensor_parallel_rule
@@ -142,10 +143,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         pipelined = self.ddp.dp_config.pipelined_step
         if not (pipelined and self.nonfinite is None):  # else the check reads no gradient
             self.ddp.finish_grad_sync()

@@ -46,7 +46,8 @@ second moment whole with its matrix (one value per row, not per element).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,6 +56,7 @@ from torch.optim.optimizer import ParamsT, _to_scalar
 
 from ..planning.specs import newton_schulz_cost
 from .gram_ns import NsAlgorithm, check_ns_algorithm, gram_newton_schulz
+from .matrix_rule import Group, MatrixRule, MuonRule
 from .tensor_parallel import (
     TpMode,
     TpShard,
@@ -151,32 +153,29 @@ def normuon_update(
     grad: Tensor,
     momentum_buffer: Tensor,
     second_momentum: Tensor,
-    *,
-    momentum: float = 0.95,
-    beta2: float = 0.95,
-    nesterov: bool = True,
-    ns_coefficients: Schedule = "quintic",
-    ns_steps: int = 5,
-    eps: float = 1e-10,
+    settings: Mapping[str, Any],
     ns_algorithm: NsAlgorithm = "standard",
 ) -> Tensor:
     """One NorMuon update direction (bf16, shaped like `grad`), advancing both buffers in
-    place; `grad` is not written. 4-D grads (conv filters) are orthogonalized as
-    (out, in * kh * kw), as in the reference."""
+    place; `grad` is not written. `settings`: a `NorMuon` param group (its `momentum`, `beta2`,
+    `nesterov`, `ns_coefficients`, `ns_steps` and `eps`). 4-D grads (conv filters) are
+    orthogonalized as (out, in * kh * kw), as in the reference."""
+    momentum = settings["momentum"]
     momentum_buffer.lerp_(grad, 1 - momentum)
-    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    update = grad.lerp(momentum_buffer, momentum) if settings["nesterov"] else momentum_buffer
     matrices = update.reshape(update.size(0), -1) if update.ndim == 4 else update
-    update = orthogonalize(matrices, ns_coefficients, ns_steps, ns_algorithm).reshape(grad.shape)
+    schedule, steps = settings["ns_coefficients"], settings["ns_steps"]
+    update = orthogonalize(matrices, schedule, steps, ns_algorithm).reshape(grad.shape)
     norm = update.norm(dim=(-2, -1), keepdim=True)
     row_mean_sq = torch.mean(update * update, dim=-1, keepdim=True)
-    second_momentum.lerp_(row_mean_sq.to(second_momentum.dtype), 1 - beta2)
-    update.mul_(1 / second_momentum.sqrt().add_(eps))
-    update.mul_(norm / update.norm(dim=(-2, -1), keepdim=True).add_(eps))
+    second_momentum.lerp_(row_mean_sq.to(second_momentum.dtype), 1 - settings["beta2"])
+    update.mul_(1 / second_momentum.sqrt().add_(settings["eps"]))
+    update.mul_(norm / update.norm(dim=(-2, -1), keepdim=True).add_(settings["eps"]))
     update *= max(1, grad.size(-2) / grad.size(-1)) ** 0.5
     return update
 
 
-class NorMuon(torch.optim.Optimizer):
+class NorMuon(MatrixRule):
     """NorMuon on each param of its groups, independently; see the module docstring.
 
     Args (defaults: the reference's):
@@ -193,6 +192,8 @@ class NorMuon(torch.optim.Optimizer):
     """
 
     matrix_cost = staticmethod(newton_schulz_cost)  # the planner's default cost
+    stacks = True  # a conv filter as (out, in * kh * kw), a stack per matrix
+    steps_gradless = True  # the reference's: on a zero grad, without weight decay
 
     def __init__(
         self,
@@ -216,63 +217,39 @@ class NorMuon(torch.optim.Optimizer):
         if weight_decay < 0.0 or eps < 0.0:
             raise ValueError(f"weight_decay and eps must be >= 0, got {weight_decay}, {eps}")
         ns_schedule(ns_coefficients, ns_steps)  # validates
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            beta2=beta2,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            ns_steps=ns_steps,
-            eps=eps,
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                beta2=beta2,
+                nesterov=nesterov,
+                ns_coefficients=ns_coefficients,
+                ns_steps=ns_steps,
+                eps=eps,
+            ),
         )
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim < 2:
-                    raise ValueError(
-                        f"NorMuon steps matrices (2-D or more), got a param of shape "
-                        f"{tuple(p.shape)}: give vectors and scalars to another optimizer"
-                    )
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr = group["lr"]
-            lr = lr.item() if torch.is_tensor(lr) else lr
-            for p in group["params"]:
-                had_grad = p.grad is not None
-                if not had_grad:
-                    p.grad = torch.zeros_like(p)
-                if p.grad.is_sparse:
-                    raise RuntimeError("NorMuon does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    state["second_momentum_buffer"] = torch.zeros_like(p[..., 0:1])
-                update = normuon_update(
-                    p.grad,
-                    state["momentum_buffer"],
-                    state["second_momentum_buffer"],
-                    momentum=group["momentum"],
-                    beta2=group["beta2"],
-                    nesterov=group["nesterov"],
-                    ns_coefficients=group["ns_coefficients"],
-                    ns_steps=group["ns_steps"],
-                    eps=group["eps"],
-                    ns_algorithm=self.ns_algorithm,
-                )
-                if group["weight_decay"] and had_grad:
-                    p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.reshape(p.shape), alpha=-lr)
-        return loss
+    def _step_group(
+        self, group: Group, params: list[Tensor], grads: list[Tensor | None], kept: list[dict]
+    ) -> None:
+        lr = group["lr"]
+        lr = lr.item() if torch.is_tensor(lr) else lr
+        for p, grad, state in zip(params, grads, kept, strict=True):
+            if grad is None:  # the reference's: stepped on zeros, without weight decay
+                p.grad = torch.zeros_like(p)
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+                state["second_momentum_buffer"] = torch.zeros_like(p[..., 0:1])
+            momentum, second = state["momentum_buffer"], state["second_momentum_buffer"]
+            update = normuon_update(p.grad, momentum, second, group, self.ns_algorithm)
+            if group["weight_decay"] and grad is not None:
+                p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update.reshape(p.shape), alpha=-lr)
 
 
-class Muon(torch.optim.Muon):
+class Muon(MuonRule):
     """`torch.optim.Muon` whose `ns_coefficients` may also name a schedule: "quintic" (torch's
     default (a, b, c): the same steps as torch's Muon, bit for bit), "polar_express", or a
     sequence of (a, b, c) triples (one per iteration, the last repeated). An (a, b, c) tuple is
@@ -306,7 +283,6 @@ class Muon(torch.optim.Muon):
         tp_mode: TpMode = "duplicated",
     ) -> None:
         ns_schedule(ns_coefficients, ns_steps)  # validates
-        self.ns_algorithm = check_ns_algorithm(ns_algorithm)
         self.tp_mode = check_tp_mode(tp_mode)
         super().__init__(
             params,
@@ -314,38 +290,28 @@ class Muon(torch.optim.Muon):
             weight_decay=weight_decay,
             momentum=momentum,
             nesterov=nesterov,
-            ns_coefficients=ns_coefficients,  # type: ignore[arg-type]
+            ns_coefficients=ns_coefficients,
             eps=eps,
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
+            ns_algorithm=ns_algorithm,
         )
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            bufs: list[Tensor] = []
-            self._init_group(group, params, grads, bufs)  # torch's: skips None grads
-            lr = _to_scalar(group["lr"])
-            schedule, safety = ns_schedule(group["ns_coefficients"], group["ns_steps"])
-            for p, grad, buf in zip(params, grads, bufs, strict=True):
-                buf.lerp_(grad, 1 - group["momentum"])
-                update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                shard = tp_shard(update)
-                if shard is None:
-                    update = _torch_form_ns(
-                        update, schedule, safety, group["eps"], self.ns_algorithm
-                    )
-                else:  # [Note: tensor-parallel Muon]
-                    update = self._tp_ns(update, shard, schedule, safety, group["eps"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-        return loss
+    def _step_group(
+        self, group: Group, params: list[Tensor], grads: list[Tensor], kept: list[Tensor]
+    ) -> None:
+        lr = _to_scalar(group["lr"])
+        schedule, safety = ns_schedule(group["ns_coefficients"], group["ns_steps"])
+        for p, grad, buf in zip(params, grads, kept, strict=True):
+            buf.lerp_(grad, 1 - group["momentum"])
+            update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            shard = tp_shard(update)
+            if shard is None:
+                update = _torch_form_ns(update, schedule, safety, group["eps"], self.ns_algorithm)
+            else:  # [Note: tensor-parallel Muon]
+                update = self._tp_ns(update, shard, schedule, safety, group["eps"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
     def _tp_ns(
         self,

@@ -47,11 +47,11 @@ balances SOAP's work rather than Newton-Schulz's. A checkpoint reshards `exp_avg
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
+
+from .matrix_rule import Group, MatrixRule
 
 MAX_PRECOND_DIM = 10000
 """The reference's default: a side longer than this has no factor (its rotation is identity)."""
@@ -61,7 +61,7 @@ REFRESH_FLOPS = 9
 """Flops of one refresh per cube of a side d: Qᵀ F Q (4 d³), F Q (2 d³), a d x d QR (~8/3 d³)."""
 
 
-class SOAP(torch.optim.Optimizer):
+class SOAP(MatrixRule):
     """SOAP on each matrix of its groups, independently; see the module docstring.
 
     Args (defaults: the reference's):
@@ -108,27 +108,22 @@ class SOAP(torch.optim.Optimizer):
             raise ValueError(
                 "SOAP here steps matrices only: merge_dims and precondition_1d must be False"
             )
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            shampoo_beta=shampoo_beta,
-            eps=eps,
-            weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency,
-            max_precond_dim=max_precond_dim,
-            merge_dims=merge_dims,
-            precondition_1d=precondition_1d,
-            normalize_grads=normalize_grads,
-            correct_bias=correct_bias,
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                betas=tuple(betas),
+                shampoo_beta=shampoo_beta,
+                eps=eps,
+                weight_decay=weight_decay,
+                precondition_frequency=precondition_frequency,
+                max_precond_dim=max_precond_dim,
+                merge_dims=merge_dims,
+                precondition_1d=precondition_1d,
+                normalize_grads=normalize_grads,
+                correct_bias=correct_bias,
+            ),
         )
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(
-                        f"SOAP steps matrices (2-D), got a param of shape {tuple(p.shape)}: give "
-                        f"vectors and scalars to another optimizer, one matrix of a stack per param"
-                    )
 
     @staticmethod
     def matrix_cost(rows: int, cols: int) -> int:
@@ -140,20 +135,11 @@ class SOAP(torch.optim.Optimizer):
         rotations = 5 * 2 * rows * cols * sum(sides)
         return rotations + sum(REFRESH_FLOPS * d**3 for d in sides) // PRECONDITION_FREQUENCY
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("SOAP does not support sparse gradients")
-                self._step_one(p, p.grad, self.state[p], group)
-        return loss
+    def _step_group(
+        self, group: Group, params: list[Tensor], grads: list[Tensor], kept: list[dict]
+    ) -> None:
+        for p, grad, state in zip(params, grads, kept, strict=True):
+            self._step_one(p, grad, state, group)
 
     def _step_one(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         beta1, beta2 = group["betas"]

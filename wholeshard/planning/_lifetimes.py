@@ -25,17 +25,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .specs import ParamSpec
-
-
-class UnitLike(Protocol):
-    """A storage unit as `costs.Unit` describes one."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def numel(self) -> int: ...
-    @property
-    def names(self) -> tuple[str, ...]: ...
+from .units import Unit
 
 
 class Overlap(Protocol):
@@ -52,7 +42,7 @@ def module_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def kept_units(units: Sequence[UnitLike]) -> set[int]:
+def kept_units(units: Sequence[Unit]) -> set[int]:
     """Units kept gathered from forward to backward: the first in reduce order, and those
     holding root params (the root's output gradient cannot announce its backward)."""
     return {0} | {u.index for u in units if any(module_of(n) == "" for n in u.names)}
@@ -79,7 +69,7 @@ def _events(specs: Sequence[ParamSpec]) -> list[tuple[str, str]]:
 class _Replay:
     """The engine's fully sharded scheduler over units, tracking allocations only."""
 
-    def __init__(self, units: Sequence[UnitLike], specs: Sequence[ParamSpec], mode: Overlap,
+    def __init__(self, units: Sequence[Unit], specs: Sequence[ParamSpec], mode: Overlap,
                  param_bytes: int, grad_bytes: int) -> None:  # fmt: skip
         n = len(units)
         self.full = [(u.numel * param_bytes, u.numel * grad_bytes) for u in units]
@@ -253,7 +243,7 @@ class _Replay:
 
 
 def peak_bytes(
-    units: Sequence[UnitLike],
+    units: Sequence[Unit],
     specs: Sequence[ParamSpec],
     param_bytes: int,
     grad_bytes: int,

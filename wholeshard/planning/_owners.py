@@ -40,18 +40,27 @@ from .specs import (
 )
 
 
-def plan_owned_whole(
+def plan_owned(
+    kind: str,
     specs: Sequence[ParamSpec],
     k: int,
     bucket_size: int | None,
     align: int,
     matrix_cost: MatrixCost | None = None,
 ) -> Buffer:
-    """The `"muon"` buffer of validated `specs` (registration order) over `k` ranks in owner
-    buckets ([Note: owners strategy]); not yet checked."""
+    """The `kind` buffer ("muon" or "stacked") of validated `specs` (registration order) over
+    `k` ranks in owner buckets ([Note: owners strategy]); not yet checked."""
     order = list(reversed(specs))  # backprop order = buffer order
-    owners = _deal(order, k, matrix_cost)
     limit = math.inf if bucket_size is None else bucket_size
+    plan = _whole if kind == "muon" else _stacked
+    return plan(order, k, limit, align, matrix_cost)
+
+
+def _whole(
+    order: list[ParamSpec], k: int, limit: float, align: int, matrix_cost: MatrixCost | None
+) -> Buffer:
+    """The "muon" buffer of params in buffer `order`, buckets closing at `limit` elements."""
+    owners = _deal(order, k, matrix_cost)
     groups: list[list[int]] = []  # backprop positions of each bucket's params
     current: list[int] = []
     size = 0
@@ -101,16 +110,10 @@ def _deal(order: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None) ->
     return owners
 
 
-def plan_owned_stacked(
-    specs: Sequence[ParamSpec],
-    k: int,
-    bucket_size: int | None,
-    align: int,
-    matrix_cost: MatrixCost | None = None,
+def _stacked(
+    order: list[ParamSpec], k: int, limit: float, align: int, matrix_cost: MatrixCost | None
 ) -> Buffer:
-    """The `"stacked"` buffer of validated `specs` (registration order) over `k` ranks in owner
-    buckets ([Note: owners strategy]); not yet checked."""
-    order = list(reversed(specs))
+    """The "stacked" buffer of params in buffer `order`, buckets closing at `limit` elements."""
     starts, at = [], 0
     for s in order:
         starts.append(at)
@@ -126,7 +129,6 @@ def plan_owned_stacked(
 
     # Bucket cuts: every stack's start, and aligned matrix starts where the bucket so far holds
     # >= bucket_size, so a storage unit (the buckets a stack joins) is one stack.
-    limit = math.inf if bucket_size is None else bucket_size
     stack_starts = set(starts)
     cuts = [0]
     for lo, _, _ in mats[1:]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._elementwise import plan_elementwise
-from ._owners import plan_owned_stacked, plan_owned_whole
+from ._owners import plan_owned
 from ._stacked import plan_stacked
 from ._unaligned import plan_unaligned
 from ._whole import plan_whole
@@ -195,8 +195,7 @@ def plan_buffer(
     if kind == "adamw":
         return plan_elementwise(specs, k, bucket_size, align)
     if strategy == "owners":
-        plan = plan_owned_whole if kind == "muon" else plan_owned_stacked
-        return plan(specs, k, bucket_size, align, matrix_cost)
+        return plan_owned(kind, specs, k, bucket_size, align, matrix_cost)
     if kind == "stacked":
         return plan_stacked(specs, k, bucket_size, align)
     return plan_whole(specs, k, bucket_size, align, strategy, matrix_cost)
