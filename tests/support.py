@@ -25,7 +25,7 @@ from wholeshard.distributed.launch import launch
 from wholeshard.engine.config import Variant
 from wholeshard.planning import Buffer, ParamSpec, validate_specs
 from wholeshard.planning.plan import _group_size, plan_buffer
-from wholeshard.planning.routing import route_params
+from wholeshard.planning.routing import Route, route_params
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 64, 32, 8, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
 MUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adjust_lr_fn="match_rms_adamw")
@@ -138,7 +138,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
-def matrices_of(route: wholeshard.Route, t: torch.Tensor) -> list[torch.Tensor]:
+def matrices_of(route: Route, t: torch.Tensor) -> list[torch.Tensor]:
     """`t` (shaped like the route's param) as the fp32 tensors the reference steps: one (out, in)
     matrix per matrix of a Muon stack, the transpose of a weight stored (in, out), else `t`."""
     t = t.detach().float()
@@ -149,7 +149,7 @@ def matrices_of(route: wholeshard.Route, t: torch.Tensor) -> list[torch.Tensor]:
     return [t.clone()]
 
 
-def from_matrices(route: wholeshard.Route, masters: list[torch.Tensor]) -> torch.Tensor:
+def from_matrices(route: Route, masters: list[torch.Tensor]) -> torch.Tensor:
     """The inverse of `matrices_of`: the param's values in its own shape."""
     if len(masters) > 1 or route.param.ndim > 2:
         return torch.stack(masters).view(route.param.shape)

@@ -69,7 +69,7 @@ def _ops_issued(ddp_kw: dict) -> dict:
         ops.clear()
         divisions.clear()
         lm_loss(ddp, *local_batch(0, rank, world)).backward()
-        ddp.finish_grad_sync()
+        ddp.step_protocol.finish_grad_sync()
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)

@@ -376,7 +376,7 @@ def _skip_on_one_tp_rank() -> tuple[int, int]:
     for step in range(2):
         x, y = data(step)
         F.mse_loss(ddp(x[:4]), y[:4]).backward()
-        ddp.finish_grad_sync()
+        ddp.step_protocol.finish_grad_sync()
         if step == 0 and mesh.get_local_rank("tp") == 0:
             for piece in opt.owned_pieces():
                 if piece.name == "up.weight":

@@ -110,7 +110,7 @@ def _backward_twice_without_zero_grad() -> None:
     model = make_model()
     ddp = wholeshard.DataParallel(model)
     lm_loss(ddp, *local_batch(0, dist.get_rank(), 2)).backward()
-    ddp.finish_grad_sync()
+    ddp.step_protocol.finish_grad_sync()
     lm_loss(ddp, *local_batch(1, dist.get_rank(), 2)).backward()
 
 

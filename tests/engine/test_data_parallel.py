@@ -25,6 +25,7 @@ from support import (
 
 import wholeshard
 from wholeshard.distributed import collectives
+from wholeshard.planning import ParamSpec, plan_buffers
 
 STEPS = 5
 
@@ -77,7 +78,7 @@ def _grads_after_sync() -> dict:
     """After one backward and grad sync: what this rank owns and the gradients it holds."""
     ddp = wholeshard.DataParallel(make_model(), bucket_size=3000)
     local_loss(ddp).backward()
-    ddp.finish_grad_sync()
+    ddp.step_protocol.finish_grad_sync()
     muon = next(b for b in ddp.plan.buffers if b.kind == "muon")
     return {
         "rank": dist.get_rank(),
@@ -87,7 +88,7 @@ def _grads_after_sync() -> dict:
             p.name: (p.start - muon.buckets[p.bucket].start) // muon.buckets[p.bucket].shard_numel
             for p in muon.placements
         },
-        "owned": [(s.route.name, s.offset, s.grad.clone()) for s in ddp.owned()],
+        "owned": [(s.route.name, s.offset, s.grad.clone()) for s in ddp.step_protocol.owned()],
     }
 
 
@@ -121,7 +122,7 @@ def _state_report() -> dict:
     opt.step()
     state = opt.state_dict()["state"]
     return {
-        "owned": {s.route.name: s.param.numel() for s in ddp.owned()},
+        "owned": {s.route.name: s.param.numel() for s in ddp.step_protocol.owned()},
         "numel": {r.name: r.param.numel() for r in ddp.routes},
         "muon": {r.name for r in ddp.routes if r.muon},
         "state": {
@@ -239,11 +240,11 @@ def test_shard_groups_and_strategies_match_reference(ddp_kw: dict) -> None:
 
 def test_tied_embedding_costs_no_padding() -> None:
     specs = [
-        wholeshard.ParamSpec("emb", (50257, 768), muon=False, tied=True),
-        *(wholeshard.ParamSpec(f"l{i}.w", (768, 768), muon=True) for i in range(8)),
-        *(wholeshard.ParamSpec(f"l{i}.b", (768,), muon=False) for i in range(8)),
+        ParamSpec("emb", (50257, 768), muon=False, tied=True),
+        *(ParamSpec(f"l{i}.w", (768, 768), muon=True) for i in range(8)),
+        *(ParamSpec(f"l{i}.b", (768,), muon=False) for i in range(8)),
     ]
-    plan = wholeshard.plan_buffers(specs, 8)
+    plan = plan_buffers(specs, 8)
     adamw = next(b for b in plan.buffers if b.kind == "adamw")
     assert adamw.numel - adamw.used < 8 * 64 * len(adamw.buckets) + 64 * len(adamw.placements)
     assert plan.padding_fraction < 0.001

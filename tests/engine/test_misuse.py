@@ -90,7 +90,7 @@ def test_backward_twice_inside_no_sync_accumulates() -> None:
         lm_loss(ddp, *local_batch(0, 0, 1)).backward()
         lm_loss(ddp, *local_batch(1, 0, 1)).backward()
     lm_loss(ddp, *local_batch(2, 0, 1)).backward()
-    ddp.finish_grad_sync()
+    ddp.step_protocol.finish_grad_sync()
 
 
 def _head_frozen(model: nn.Module) -> None:
@@ -121,9 +121,9 @@ def _module_removed(model: nn.Module) -> None:
 def test_model_changes_after_wrapping_are_named(change, what: str) -> None:
     model = make_model()
     ddp = wholeshard.DataParallel(model)
-    assert ddp.model_changes() is None
+    assert ddp.step_protocol.model_changes() is None
     change(model)
-    message = ddp.model_changes()
+    message = ddp.step_protocol.model_changes()
     assert message is not None and what in message, message
     assert "before wrapping" in message
 

@@ -26,8 +26,7 @@ from support import (
 )
 from torch import nn
 
-from wholeshard import ParamSpec, plan_buffers
-from wholeshard.planning import Buffer
+from wholeshard.planning import Buffer, ParamSpec, plan_buffers
 from wholeshard.planning.specs import Bucket, Placement, matrices, ns_cost
 
 EXPERTS, HIDDEN = 4, 16

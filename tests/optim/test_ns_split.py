@@ -15,14 +15,14 @@ from support import data_parallel, mp, run
 from torch import nn
 
 import wholeshard
-from wholeshard.optim import NorMuon
+from wholeshard.optim import NorMuon, split_heads, split_qkv
 from wholeshard.optim.ns_split import row_blocks
 from wholeshard.planning.routing import route_params
 
 IN, HEADS, KV_HEADS, HEAD_DIM, STEPS = 32, 4, 2, 8, 4
 QKV = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]  # GQA: q, k, v rows
 MUON = dict(lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
-SPLIT = wholeshard.split_qkv(HEADS, KV_HEADS, HEAD_DIM)
+SPLIT = split_qkv(HEADS, KV_HEADS, HEAD_DIM)
 
 
 def conv1d():
@@ -150,7 +150,7 @@ def test_fused_qkv_steps_like_three_projections(nproc: int, dtype: torch.dtype) 
 def test_conv1d_fused_qkv_steps_like_three_linear_projections() -> None:
     """GPT-2's `c_attn`: stored (in, out), its (out, in) rows q | k | v (bf16, fp32 masters)."""
     blocks = [HEADS * HEAD_DIM] * 3
-    split = wholeshard.split_qkv(HEADS, HEADS, HEAD_DIM)
+    split = split_qkv(HEADS, HEADS, HEAD_DIM)
     fused = run(_fused, 2, "c_attn", blocks, split, stored="in_out", mp_policy=mp(torch.bfloat16))
     assert torch.equal(fused[0], run(_separate, 2, blocks, mp_policy=mp(torch.bfloat16))[0])
 
@@ -159,7 +159,7 @@ def test_conv1d_fused_qkv_steps_like_three_linear_projections() -> None:
 def test_per_head_steps_like_separate_heads(experts: int) -> None:
     """`split_heads` on a q projection, alone and as a stack of expert matrices (E, out, in)."""
     blocks = [HEAD_DIM] * HEADS
-    split = wholeshard.split_heads(HEAD_DIM)
+    split = split_heads(HEAD_DIM)
     fused = run(_fused, 2, "q", blocks, split, experts=experts)[0]
     assert torch.equal(fused, run(_separate, 2, blocks, experts=experts)[0])
 
@@ -208,7 +208,7 @@ def test_checkpoint_saved_with_blocks_needs_the_same_split(tmp_path) -> None:
     with pytest.raises(wholeshard.CheckpointError, match="saved with row blocks"):
         _resumed(2, str(tmp_path / "ckpt"), split=None)
     with pytest.raises(wholeshard.CheckpointError, match="saved with other row blocks"):
-        _resumed(2, str(tmp_path / "ckpt2"), split=wholeshard.split_heads(HEAD_DIM))
+        _resumed(2, str(tmp_path / "ckpt2"), split=split_heads(HEAD_DIM))
 
 
 def _momentum(path: str, split) -> dict[str, torch.Tensor]:
@@ -233,35 +233,35 @@ def test_muon_state_is_elementwise_and_loads_with_or_without_the_split(tmp_path)
 
 def test_split_qkv_layouts() -> None:
     meta = torch.empty((4 + 2 * 2) * 8, 16, device="meta")
-    qkv = wholeshard.split_qkv(4, 2, 8)
+    qkv = split_qkv(4, 2, 8)
     assert qkv("h.0.attn.c_attn.weight", meta) == [32, 16, 16]
     assert qkv("layers.0.attention.query_key_value.weight", meta) == [16, 8, 8] * 2  # grouped
     assert qkv("h.0.mlp.c_fc.weight", meta) is None
-    grouped = wholeshard.split_qkv(4, 2, 8, layout="grouped")
+    grouped = split_qkv(4, 2, 8, layout="grouped")
     assert grouped("x.qkv_proj.weight", meta) == [16, 8, 8, 16, 8, 8]
-    neox = wholeshard.split_qkv(4, 4, 8)  # one query head per group: per-head q, k and v
+    neox = split_qkv(4, 4, 8)  # one query head per group: per-head q, k and v
     assert (
         neox(
             "gpt_neox.layers.0.attention.query_key_value.weight", torch.empty(96, 16, device="meta")
         )
         == [8] * 12
     )
-    assert wholeshard.split_heads(8)("blocks.0.attn.q.weight", meta) == [8] * 8
-    assert wholeshard.split_heads(8)("blocks.0.mlp.up.weight", meta) is None
+    assert split_heads(8)("blocks.0.attn.q.weight", meta) == [8] * 8
+    assert split_heads(8)("blocks.0.mlp.up.weight", meta) is None
 
 
 def test_split_helpers_refuse_wrong_shapes_and_arguments() -> None:
     meta = torch.empty(50, 16, device="meta")
     with pytest.raises(ValueError, match="has 50 rows"):
-        wholeshard.split_qkv(4, 2, 8)("attn.qkv_proj.weight", meta)
+        split_qkv(4, 2, 8)("attn.qkv_proj.weight", meta)
     with pytest.raises(ValueError, match="not a multiple of head_dim 8"):
-        wholeshard.split_heads(8)("attn.q.weight", meta)
+        split_heads(8)("attn.q.weight", meta)
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
-        wholeshard.split_qkv(4, 3, 8)
+        split_qkv(4, 3, 8)
     with pytest.raises(ValueError, match="head_dim must be a positive int"):
-        wholeshard.split_heads(0)
+        split_heads(0)
     with pytest.raises(ValueError, match="layout"):
-        wholeshard.split_qkv(4, 2, 8, layout="interleaved")
+        split_qkv(4, 2, 8, layout="interleaved")
 
 
 def test_row_blocks_are_checked_and_see_the_out_in_shape() -> None:

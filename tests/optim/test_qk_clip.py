@@ -35,7 +35,7 @@ from support import run as launch_run
 
 import wholeshard
 from wholeshard.models.gpt import GPT, GPTConfig
-from wholeshard.optim import OwnedPiece, QKClip
+from wholeshard.optim import OwnedPiece, QKClip, split_heads
 from wholeshard.optim.qk_clip import head_scales, qk_clip_targets
 from wholeshard.planning.routing import route_params
 
@@ -307,7 +307,7 @@ def test_per_head_blocks_clip_their_own_rows() -> None:
     """`split_heads` on q and k: each owner clips the rows of the head blocks it steps; one
     process is the per-head reference to the bit, two ranks match it."""
     ref = reference(STEPS, per_head=True)
-    split = wholeshard.split_heads(CFG.d_model // CFG.n_head, names=("q", "k"))
+    split = split_heads(CFG.d_model // CFG.n_head, names=("q", "k"))
     (one,) = launch_run(distributed, 0, STEPS, {}, ns_split=split)
     for name, want in ref["params"].items():
         assert torch.equal(one["params"][name], want), name

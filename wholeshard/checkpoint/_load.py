@@ -84,7 +84,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     with torch.no_grad():
         for live, value in plan.others:
             live.copy_(value)
-    ddp.zero_grad_buffer()
+    ddp.step_protocol.zero_grad_buffer()
     pieces = [_private(p) for p in plan.pieces]
     install_state(ddp, optimizer, pieces, trainer["param_groups"], _saved_steps(trainer))
     _warn_trainable_changes(ckpt, manifest, table)

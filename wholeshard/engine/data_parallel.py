@@ -1,23 +1,15 @@
 """`DataParallel`: whole-tensor sharded gradient and parameter sync for one module.
 
-Step protocol (the optimizer drives it; `_schedule.Scheduler` decides when collectives run):
-1. backward: each param's post-accumulate-grad hook adds its grad into its bucket's grad buffer;
-   with `overlap_grad_reduce` a bucket whose params are all in starts its reduction;
-2. `finish_grad_sync()`: every bucket reduced (averaged), so this rank's grad shards hold the
-   full averaged gradient of every param it owns;
-3. the optimizer writes its owned params (`owned()`: views of this rank's param shards);
-4. `start_param_sync()`: each bucket's gather restores every param on every rank: at once, as
-   the next forward reaches them (`overlap_param_gather`), or around each module's forward and
-   backward, released after (fully sharded: `reshard_after_forward=True`).
-`pipelined_step`: 2-4 bucket by bucket (`reduced_buckets()`), each updated once reduced.
-The engine's other modules: the package's docstring.
+What a training script calls is here: `forward`, `no_sync()`, `full_params()`,
+`finish_param_sync()`, `free_overlap_buffers()`, `release()`, `memory()`. The optimizer drives
+the step through `ddp.step_protocol` (`step_protocol.StepProtocol`: the step protocol, stated
+there). The engine's other modules: the package's docstring.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -47,12 +39,12 @@ from ._init import (
     plan_routes,
     storage_factory,
 )
-from ._memory import StateHolder, memory
+from ._memory import memory
 from ._meta import fill_frozen, fill_owned, materialise, target_device
-from ._owned import OwnedRange, owned_ranges
 from ._schedule import Scheduler
 from ._storage import BucketStorage, CommGroups
 from .config import DataParallelConfig, Variant
+from .step_protocol import StepProtocol
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -75,11 +67,11 @@ class DataParallel(nn.Module):
             expert parallelism]) ([Note: mesh dims] in `wholeshard.distributed.mesh`).
 
     Muon-routed params live in whole-tensor buffers, the others in element-wise sharded ones
-    (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step:
-    the wrapped params' `.grad` stays None (gradients go to the buckets), so clip with
-    `optimizer.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_` (it would see no
-    gradient); a torch optimizer over `ddp.parameters()` raises at its step. A module is
-    wrapped once; `release()` gives it back.
+    (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step
+    (driving it through `step_protocol`): the wrapped params' `.grad` stays None (gradients go
+    to the buckets), so clip with `optimizer.clip_grad_norm_`, not
+    `torch.nn.utils.clip_grad_norm_` (it would see no gradient); a torch optimizer over
+    `ddp.parameters()` raises at its step. A module is wrapped once; `release()` gives it back.
     """
 
     dp_config: DataParallelConfig  # not `config`: that name is the wrapped model's (transformers)
@@ -97,7 +89,7 @@ class DataParallel(nn.Module):
     expert_layout: ExpertLayout | None  # with "ep": where this rank's experts sit among all
     reshard_after_forward: bool  # what the config asks, where there is anything to gather
     fp8_param_gather: bool  # likewise
-    scheduler: Scheduler
+    step_protocol: StepProtocol  # what the optimizer drives the step with
 
     def __init__(
         self,
@@ -184,7 +176,7 @@ class DataParallel(nn.Module):
             if ep or _part:  # each side broadcasts its own
                 rest = the_rest(module, self.frozen, cfg.expert_params, _part is not None)
             broadcast_the_rest(rest, self.process_group, storages[0].param.device)
-        self.scheduler = Scheduler(
+        self._scheduler = Scheduler(
             storages,
             forward_order(storages, routes),
             reduces=self.dp_size > 1 or groups.divide_by > 1,  # experts at dp 1: the average
@@ -194,25 +186,30 @@ class DataParallel(nn.Module):
             reshard=self.reshard_after_forward,
             agree_group=self.process_group,
         )
-        buckets = self.scheduler.buckets
-        self._slot_of = {p.name: (b, i) for b in buckets for i, (_, p) in enumerate(b.params)}
         self._hooks = hooks.install(  # the experts' wrapper casts nothing: the dense one does
-            self.scheduler,
+            self._scheduler,
             module,
             gathers,
             cfg.overlap_param_gather,
             self.fp8_param_gather,
             None if _part else policy,
         )
-        self._optimizer: weakref.ref[StateHolder] | None = None
-        self._signature = ParamSignature(module)
+        signature = ParamSignature(module)
         # The experts' wrapper, before claiming ours: its check reads every param's claim.
         self._experts, self.expert_layout = wrap_experts(type(self), self, experts, meshed)
         claim((r.name, r.param) for r in routes)
-        self.schedulers = [self.scheduler, *(e.scheduler for e in self._experts)]
+        self.step_protocol = StepProtocol(
+            self._scheduler,
+            self.plan,
+            self.shard_rank,
+            self.routes,
+            module,
+            signature,
+            [e.step_protocol for e in self._experts],
+        )
         if self.fp8_param_gather or (self._fill and not self.reshard_after_forward):
-            self.scheduler.params_updated()  # the owners' values (the first FP8 weights)
-            self.scheduler.finish_param_sync()
+            self._scheduler.params_updated()  # the owners' values (the first FP8 weights)
+            self._scheduler.finish_param_sync()
 
     def _settle(self, storage: BucketStorage) -> None:
         """Give a new storage unit rank 0's values (or, from `param_init`, its owned ones) and,
@@ -241,7 +238,7 @@ class DataParallel(nn.Module):
     @property
     def buckets(self) -> list[BucketStorage]:
         """Communication buckets in reduce (backprop) order (the experts' after the others')."""
-        return [b for s in self.schedulers for b in s.buckets]
+        return [b for s in self.step_protocol.schedulers for b in s.buckets]
 
     @property
     def device(self) -> torch.device:
@@ -251,87 +248,29 @@ class DataParallel(nn.Module):
     @property
     def comm_wait_s(self) -> float:
         """Seconds held up by collectives since construction (CUDA: read from events)."""
-        return sum(s.wait_timer.seconds for s in self.schedulers)
-
-    # -- ownership ------------------------------------------------------------------------
-
-    def owned(self) -> Iterator[OwnedRange]:
-        """What this rank updates, in registration order (experts after the others): whole
-        params, whole matrices of stacked params, or flat slices of element-wise ones.
-        Ownership comes from the plan."""
-        buckets = {name: b for name, (b, _) in self._slot_of.items()}
-        yield from owned_ranges(self.plan, self.routes, self.shard_rank, buckets)
-        for e in self._experts:  # its buckets follow ours in `buckets`
-            first = len(self.scheduler.buckets)
-            for o in e.owned():
-                yield dataclasses.replace(o, bucket=first + o.bucket)
+        return sum(s.wait_timer.seconds for s in self.step_protocol.schedulers)
 
     # -- gradients ------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces them all."""
-        previous = self.scheduler.sync_grads  # every scheduler's: they are set together
-        for s in self.schedulers:
+        previous = self._scheduler.sync_grads  # every scheduler's: they are set together
+        for s in self.step_protocol.schedulers:
             s.sync_grads = False
         try:
             yield
         finally:
-            for s in self.schedulers:
+            for s in self.step_protocol.schedulers:
                 s.sync_grads = previous
-
-    def start_grad_sync(self) -> None:
-        """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
-        for s in self.schedulers:
-            s.start_grad_sync()
-
-    def finish_grad_sync(self) -> None:
-        """Wait until this rank's grad shards hold the averaged gradients of its owned params.
-
-        Params that got no gradient this step count as zero: readiness is settled here.
-        """
-        for s in self.schedulers:
-            s.finish_grad_sync()
-
-    def received_grads(self) -> list[bool]:
-        """Per route (in `routes` order): whether this rank got a gradient for the param since
-        `zero_grad_buffer()`. A param no rank got one for is not stepped (torch's rule)."""
-        slots = {n: s for e in (self, *self._experts) for n, s in e._slot_of.items()}
-        return [bucket.received[i] for bucket, i in (slots[r.name] for r in self.routes)]
-
-    def zero_grad_buffer(self) -> None:
-        """Zero every gradient and open the next accumulation window."""
-        for s in self.schedulers:
-            s.zero_grads()
-        for r in self.routes:
-            r.param.grad = None
-
-    def reduced_buckets(self) -> Iterator[int]:
-        """The pipelined step: yield each bucket's index (in `buckets`) once its grads are
-        reduced; when the caller, having written its owned params, comes back, its param sync
-        is dispatched. Every rank walks it to the end ([Note: pipelined step] in `_schedule`)."""
-        first = 0
-        for s in self.schedulers:
-            yield from (first + i for i in s.reduced_in_order())
-            first += len(s.buckets)
 
     # -- parameters -----------------------------------------------------------------------
 
-    def start_param_sync(self) -> None:
-        """Begin restoring every param from its owner (after the optimizer wrote its own).
-
-        Synchronous mode dispatches every bucket; with `overlap_param_gather` only the first in
-        forward order, the rest as the forward reaches them; fully sharded, nothing until the
-        next forward (the buckets are released).
-        """
-        for s in self.schedulers:
-            s.params_updated()
-
     def finish_param_sync(self) -> None:
         """Complete every pending param sync: afterwards every param outside a released bucket
-        is up to date (in ZeRO-1/2 mode: every param)."""
-        for s in self.schedulers:
-            s.finish_param_sync()
+        is up to date (in ZeRO-1/2 mode: every param). Call it before reading params outside
+        a forward, `model.state_dict()` say (fully sharded: `full_params()`)."""
+        self.step_protocol.finish_param_sync()
 
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
@@ -339,11 +278,11 @@ class DataParallel(nn.Module):
         outside a forward (comparisons, export, `model.state_dict()`). Fully sharded, what it
         gathered is released on exit (writes to params are not kept); otherwise it completes
         pending gathers. Every rank must enter it."""
-        gathered = [s.gather_all() for s in self.schedulers]
+        gathered = [s.gather_all() for s in self.step_protocol.schedulers]
         try:
             yield
         finally:
-            for s, g in zip(self.schedulers, gathered, strict=True):
+            for s, g in zip(self.step_protocol.schedulers, gathered, strict=True):
                 s.release(g)
 
     def release(self) -> nn.Module:
@@ -352,7 +291,7 @@ class DataParallel(nn.Module):
         again (after freezing or unfreezing params, say). Do not use this wrapper or its
         optimizer afterwards."""
         self.free_overlap_buffers()  # nothing in flight
-        for s in self.schedulers:
+        for s in self.step_protocol.schedulers:
             s.gather_all()
         for b in self.buckets:
             for param, _ in b.params:
@@ -372,14 +311,8 @@ class DataParallel(nn.Module):
             b.finish_reduce()
             b.drop_temporaries()
         if self.reshard_after_forward:
-            for s in self.schedulers:
+            for s in self.step_protocol.schedulers:
                 s.release_all()
-
-    def model_changes(self) -> str | None:
-        """What changed in the wrapped module's params since wrapping (a param frozen,
-        unfrozen, replaced, added or removed), or None. `LayerwiseOptimizer.step` raises on
-        every rank when any rank's answer is not None."""
-        return self._signature.changes(self.module)
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -392,9 +325,5 @@ class DataParallel(nn.Module):
         buffers; `transient_bucket`: the largest full param + grad bucket that exists only
         during forward and backward (0 unless fully sharded).
         """
-        optimizer = self._optimizer() if self._optimizer is not None else None
+        optimizer = self.step_protocol.optimizer
         return memory(self.buckets, self.frozen, self.reshard_after_forward, optimizer)
-
-    def attach_optimizer(self, optimizer: StateHolder) -> None:
-        """Let `memory()` report `optimizer`'s masters and state (held by weak reference)."""
-        self._optimizer = weakref.ref(optimizer)

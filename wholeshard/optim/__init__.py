@@ -10,13 +10,15 @@ of Shampoo's factors, whose `matrix_cost` the planner balances
 train job and the bench; `gram_ns` is the Gram form of Newton-Schulz (`ns_algorithm="gram"`);
 `tensor_parallel` is Newton-Schulz on DTensor matrices sharded by tensor parallelism
 (`Muon(tp_mode=)`); `ns_split` the row blocks stepped as separate matrices
-(`LayerwiseOptimizer(ns_split=)`); `matrix_rule` the skeleton the rules share (`MatrixRule`).
+(`LayerwiseOptimizer(ns_split=split_qkv(...))`, `split_heads`); `matrix_rule` the skeleton the
+rules share (`MatrixRule`).
 Bringing your own rule: docs/optimizers.md."""
 
 from ._step_check import first_nonfinite
 from .batched_muon import BatchedMuon
 from .layerwise import LayerwiseOptimizer
 from .normuon import Muon, NorMuon
+from .ns_split import split_heads, split_qkv
 from .pieces import Checkpointable, OwnedPiece
 from .qk_clip import QKClip
 from .soap import SOAP
@@ -31,4 +33,6 @@ __all__ = [
     "QKClip",
     "SOAP",
     "first_nonfinite",
+    "split_heads",
+    "split_qkv",
 ]

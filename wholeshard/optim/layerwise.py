@@ -12,10 +12,9 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..distributed import collectives
 from ..engine.data_parallel import DataParallel
+from ._inner import States, holding
 from ._rule_cost import check_cost
 from ._step_check import (
     NONFINITE_POLICIES,
@@ -62,7 +62,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             None does not look.
         ns_split: `fn(name, param) -> list[int] | None`: sizes of the row blocks of a Muon
             param's (out, in) matrix stepped as separate matrices, the layout unchanged
-            (`wholeshard.split_qkv`, `split_heads`; [Note: row blocks], `optim/ns_split.py`).
+            (`wholeshard.optim.split_qkv`, `split_heads`; [Note: row blocks], `optim/ns_split.py`).
         tp_mode: how Newton–Schulz sees a tensor-parallel (DTensor) matrix whole: "duplicated"
             or "distributed" ([Note: tensor-parallel Muon] in `optim/tensor_parallel.py`).
 
@@ -72,12 +72,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     untouched), as torch's optimizers skip a param whose `.grad` is None; one used on some ranks
     only is stepped on the average, the others counting zeros (as torch DDP). With
     `DataParallelConfig(pipelined_step=True)`,
-    `step()` updates bucket by bucket as the reductions land (`DataParallel.reduced_buckets`):
+    `step()` updates bucket by bucket as the reductions land (`StepProtocol.reduced_buckets`):
     the same per-param arithmetic, so the same bits.
 
     Before any update, every rank takes the step check, one small all-reduce (`_step_check`):
     `step()` raises on every rank if some rank's model changed after wrapping
-    (`DataParallel.model_changes`), ranks are at different steps, or (policy "error") an
+    (`StepProtocol.model_changes`), ranks are at different steps, or (policy "error") an
     averaged gradient is not finite. It reuses the per-param norms `clip_grad_norm_` computed in
     the same step, else it takes one max-norm pass over the owned grads. It reads every reduced
     grad, so a pipelined step then overlaps only the gathers with the updates (as after
@@ -104,6 +104,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
         self.ddp = ddp
+        self._protocol = ddp.step_protocol  # the step's verbs (`engine.step_protocol`)
         check_cost(ddp.dp_config.matrix_cost, matrix_optimizer)
         self.nonfinite = nonfinite
         self.steps = 0  # step() calls taken (skipped ones included)
@@ -115,7 +116,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
         blocks = row_blocks(ddp.routes, ns_split)
         rule, muon, replicas = tensor_parallel_rule(matrix_optimizer, muon, tp_mode, ddp.routes)
-        for owned in ddp.owned():
+        for owned in self._protocol.owned():
             pieces = pieces_of(owned, blocks.get(owned.route.name))
             if replicas:  # [Note: replicas of tensor-parallel matrices]
                 replicate(pieces)
@@ -133,8 +134,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})
         # Share the inner optimizers' group dicts so schedulers and users edit the real thing.
         self.param_groups = [self._inner[MUON].param_groups[0], self._inner[ADAMW].param_groups[0]]
-        self.state = _States(self._inner[MUON].state, self._inner[ADAMW].state)  # type: ignore[assignment]
-        ddp.attach_optimizer(self)
+        self.state = States(self._inner[MUON].state, self._inner[ADAMW].state)  # type: ignore[assignment]
+        self._protocol.attach_optimizer(self)
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
         return [o.stepped for o in self._owned if o.kind == kind]
@@ -146,21 +147,21 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         loss = closure_loss(closure)
         pipelined = self.ddp.dp_config.pipelined_step
         if not (pipelined and self.nonfinite is None):  # else the check reads no gradient
-            self.ddp.finish_grad_sync()
+            self._protocol.finish_grad_sync()
         stepped = self._check_step()
         if stepped is None:
             self.skipped_steps += 1
-            self.ddp.zero_grad_buffer()
+            self._protocol.zero_grad_buffer()
             return loss
         if pipelined:
-            for bucket in self.ddp.reduced_buckets():
+            for bucket in self._protocol.reduced_buckets():
                 self._update(self._by_bucket.get(bucket, []), stepped)
         else:
-            self.ddp.finish_param_sync()  # a gather in flight must land before we write params
+            self._protocol.finish_param_sync()  # a gather in flight lands before we write
             self._update(self._owned, stepped)
-            self.ddp.start_param_sync()
+            self._protocol.start_param_sync()
         if not self.ddp.dp_config.overlap_param_gather:
-            self.ddp.finish_param_sync()
+            self._protocol.finish_param_sync()
         return loss
 
     def _update(self, pieces: list[OwnedPiece], stepped: frozenset[str]) -> None:
@@ -180,7 +181,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 for kind, opt in self._inner.items():
                     masters = [o.stepped for o in pieces if o.kind == kind]
                     if masters:
-                        with _holding(opt.param_groups[0], masters):
+                        with holding(opt.param_groups[0], masters):
                             opt.step()
             for hook in self._update_hooks.values():
                 hook(pieces)
@@ -210,8 +211,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             norms = None
         elif norms is None and self._owned:  # not clipped this step: one pass
             norms = peak_norms([o.grad for o in self._owned])
-        change = self.ddp.model_changes()
-        received, experts = self.ddp.received_grads(), self.ddp.expert_layout
+        change = self._protocol.model_changes()
+        received, experts = self._protocol.received_grads(), self.ddp.expert_layout
         pending = issue(
             self.steps,
             indices=self._indices,
@@ -276,7 +277,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""
-        self.ddp.zero_grad_buffer()
+        self._protocol.zero_grad_buffer()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -286,7 +287,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         averaged gradient; returns the total norm before clipping. Every rank must call it. It
         waits for every reduction, so a pipelined `step()` after it only overlaps the gathers.
         """
-        self.ddp.finish_grad_sync()
+        self._protocol.finish_grad_sync()
         norm_type = float(norm_type)
         device = self.ddp.device
         grads = [o.grad for o in self._owned]
@@ -363,36 +364,3 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             pieces.append(LoadedPiece(o, entry.get("master"), state))
         groups = [{k: v for k, v in g.items() if k != "kind"} for g in state_dict["param_groups"]]
         install_state(self.ddp, self, pieces, groups)
-
-
-class _States(Mapping):
-    """The inner optimizers' per-param state, read-only, as one mapping. (A `ChainMap` would
-    not do: looking up an AdamW master in Muon's `defaultdict` state creates an empty entry.)"""
-
-    def __init__(self, *states: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        self._states = states
-
-    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
-        for states in self._states:
-            if key in states:
-                return states[key]
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        for states in self._states:
-            yield from states
-
-    def __len__(self) -> int:
-        return sum(len(states) for states in self._states)
-
-
-@contextlib.contextmanager
-def _holding(group: dict[str, Any], params: list[torch.Tensor]) -> Iterator[None]:
-    """`group` holds only `params` (a subset of its own) inside the block: a torch optimizer
-    steps what its groups hold; group settings and per-param state are untouched."""
-    every = group["params"]
-    group["params"] = params
-    try:
-        yield
-    finally:
-        group["params"] = every

@@ -38,7 +38,8 @@ import torch
 from ..distributed.dtensor import is_tensor_parallel, shard_place
 
 if TYPE_CHECKING:
-    from ..engine.data_parallel import DataParallel, OwnedRange
+    from ..engine.data_parallel import DataParallel
+    from ..engine.step_protocol import OwnedRange
 
 MUON, ADAMW = "muon", "adamw"
 
@@ -176,8 +177,8 @@ def install_state(
         )
     if steps is not None and step_count(optimizer) is not None:
         optimizer.steps = steps  # type: ignore[attr-defined]  # the optional attribute
-    ddp.start_param_sync()
-    ddp.finish_param_sync()
+    ddp.step_protocol.start_param_sync()
+    ddp.step_protocol.finish_param_sync()
 
 
 def _placed(key: str, value: Any, master: torch.Tensor, group: dict[str, Any]) -> Any:

@@ -28,7 +28,8 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
 - storage unit: the buckets one runtime storage object spans (`engine`'s `BucketStorage`); one
   bucket, or several where a stacked param runs across them.
 - owned range: the elements of one param a rank updates, as the engine hands them to the
-  optimizer (`engine.OwnedRange`): a whole tensor, a whole matrix of a stack, or a flat slice.
+  optimizer (`engine.step_protocol.OwnedRange`): a whole tensor, a whole matrix of a stack,
+  or a flat slice.
 - piece: what the optimizer steps, one owned range or one matrix of it, with its fp32 master
   (`optim.OwnedPiece`).
 - scheme: how params are owned: "whole" (whole tensors in aligned shards: the design) or
