@@ -45,9 +45,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..planning.plan import Plan
+from ..planning.specs import Bucket, ParamSpec, matrices, matrix_shape
 from . import _lifetimes
-from .plan import Plan
-from .specs import Bucket, ParamSpec, matrices, matrix_shape
 
 ELEMENT_BYTES = {
     "float64": 8,

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from .specs import ParamSpec
+from ..planning.specs import ParamSpec
 
 
 class UnitLike(Protocol):
