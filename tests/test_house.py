@@ -26,6 +26,7 @@ LAYERS = {
     "engine": 2,
     "optim": 3,
     "checkpoint": 4,
+    "capacity": 4,
     "train": 5,
     "bench": 5,
     "cli": 6,
@@ -175,7 +176,7 @@ def _imported_by(code: str) -> set[str]:
     [
         "import wholeshard",
         "import wholeshard.cli as c; c.build_parser()",
-        "from wholeshard.planning.presets import PRESETS; from wholeshard.planning import "
+        "from wholeshard.capacity.presets import PRESETS; from wholeshard.planning import "
         "plan_buffers; plan_buffers(PRESETS['gpt2-small'](), 8)",
         "from wholeshard.train.config import TrainConfig; TrainConfig()",
     ],

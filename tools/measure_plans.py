@@ -2,7 +2,7 @@
 
     python tools/measure_plans.py [--json docs/results/plans.json] [--presets NAME ...]
 
-Plans every preset (`wholeshard.planning.presets.PRESETS`) at dp 8, 64, 256 and 1024, with
+Plans every preset (`wholeshard.capacity.presets.PRESETS`) at dp 8, 64, 256 and 1024, with
 every shard-group size k that divides dp and is at least min(dp, max(8, dp / 8)), with both
 strategies, and with two bucket sizes: DataParallel's default (`default_bucket_size(numel, dp)`,
 rule "default") and Megatron's 40M elements (rule "40M"). Each row holds what `wholeshard plan
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from wholeshard.bench.report import machine  # noqa: E402
+from wholeshard.capacity.presets import PRESETS  # noqa: E402
 from wholeshard.planning import default_bucket_size, plan_buffers  # noqa: E402
-from wholeshard.planning.presets import PRESETS  # noqa: E402
 
 DPS = (8, 64, 256, 1024)
 STRATEGIES = ("size_match", "balanced")

@@ -3,14 +3,15 @@
     python tools/measure_scale.py [--json docs/results/scale.json]
 
 For every preset of issue 20 (and gpt2-small) at dp 8, 64, 256 and 1024, two settings, each
-through `plan_for`, the planning entry point of `DataParallel`: the defaults (strategy "auto",
-one shard group: k = dp) and `shard_group_size="auto"`. Each row: the choice (k, strategy,
-whether every target of [Note: plan targets] holds), the figures the targets are about (largest
-bucket and its limit, padding, Newton-Schulz imbalance in flops), the buckets and their
-collectives, and what the plan costs the busiest rank (`planning.costs`): ZeRO-1/2 optimizer
-state in fp32, and fully sharded with bf16 params and fp32 grads, overlapped, its persistent
-bytes and peak of full buckets alive at once. Plan seconds depend on the machine; the rest is
-exact. `python tools/make_docs.py` renders docs/planning.md's table from the file.
+through `capacity.choice.plan_and_choice` (the plan `DataParallel` makes, with its report): the
+defaults (strategy "auto", one shard group: k = dp) and `shard_group_size="auto"`. Each row: the
+choice (k, strategy, whether every target of [Note: plan targets] holds), the figures the
+targets are about (largest bucket and its limit, padding, Newton-Schulz imbalance in the
+planner's cost), the buckets and their collectives, and what the plan costs the busiest rank
+(`capacity.costs`): ZeRO-1/2 optimizer state in fp32, and fully sharded with bf16 params and
+fp32 grads, overlapped, its persistent bytes and peak of full buckets alive at once. Plan
+seconds depend on the machine; the rest is exact. `python tools/make_docs.py` renders
+docs/planning.md's table from the file.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from wholeshard.bench.report import machine  # noqa: E402
-from wholeshard.planning.auto import plan_for  # noqa: E402
-from wholeshard.planning.costs import Mode, plan_costs  # noqa: E402
-from wholeshard.planning.presets import PRESETS  # noqa: E402
+from wholeshard.capacity.choice import plan_and_choice  # noqa: E402
+from wholeshard.capacity.costs import Mode, plan_costs  # noqa: E402
+from wholeshard.capacity.presets import PRESETS  # noqa: E402
 
 DPS = (8, 64, 256, 1024)
 NAMES = ("gpt2-small", "llama3-8b", "llama3-70b", "qwen3-30b-a3b", "moe-256x")
@@ -42,7 +43,7 @@ FULLY = Mode(
 
 def row(name: str, specs: list, dp: int, groups: str | None) -> dict:
     start = time.perf_counter()
-    plan, choice = plan_for(specs, dp, shard_group_size=groups)
+    plan, choice = plan_and_choice(specs, dp, shard_group_size=groups)
     seconds = time.perf_counter() - start
     assert choice is not None  # the automatic strategy always explains itself
     zero, fully = plan_costs(plan, specs), plan_costs(plan, specs, FULLY)

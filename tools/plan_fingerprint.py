@@ -17,8 +17,8 @@ import random
 import sys
 import time
 
+from wholeshard.capacity.presets import PRESETS
 from wholeshard.planning import ParamSpec, default_bucket_size, plan_buffers
-from wholeshard.planning.presets import PRESETS
 
 
 def canonical(plan) -> str:

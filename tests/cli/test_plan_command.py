@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from wholeshard.capacity.costs import OPS, Mode, plan_costs
+from wholeshard.capacity.presets import preset
+from wholeshard.capacity.projection import project
 from wholeshard.cli import plan as plan_tool
 from wholeshard.planning import default_bucket_size, plan_buffers
-from wholeshard.planning.costs import OPS, Mode, plan_costs
-from wholeshard.planning.presets import preset
-from wholeshard.planning.projection import project
 from wholeshard.planning.targets import bucket_size_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -358,7 +358,10 @@ def test_owner_buckets_replace_equal_shards_past_a_few_dozen_ranks(
     assert small["strategy"] == "balanced" and large["strategy"] == "owners"
     choice = large["shard_group_choice"]
     assert "balanced: k x the widest matrix > the bucket limit" in choice["reason"]
-    assert choice["meets_targets"] and choice["ns_imbalance"] <= 1.10
+    # One cost model: the choice measures the imbalance the planner balanced. At k = 64 the owner
+    # buckets' is 1.109, just over the target (`--shard-group-size auto` picks k = 32).
+    assert choice["ns_imbalance"] == large["ns_cost_imbalance"] > 1.10
+    assert not choice["meets_targets"] and "owners: imbalance 1.109" in choice["reason"]
     assert large["padding_fraction"] == 0
     muon = large["buffers"][0]["buckets"]
     assert max(b["end"] - b["start"] for b in muon) < 2 * 218_112_000  # 2 layers
@@ -408,7 +411,7 @@ def test_tp_plans_each_ranks_slices_and_reports_newton_schulz_traffic(
     plan of one rank's slices, and what each tp mode sends per step (the sums of
     `traffic_bytes`, which tests/optim/test_tensor_parallel_muon.py checks against the bytes
     really sent)."""
-    from wholeshard.planning.tensor_parallel import local_specs, ns_traffic, traffic_bytes
+    from wholeshard.capacity.tensor_parallel import local_specs, ns_traffic, traffic_bytes
 
     code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "2", "--json"], capsys)
     assert code == 0

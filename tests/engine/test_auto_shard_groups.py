@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from support import assert_matches, reference_run, run, wholeshard_run
 
+from wholeshard.capacity.choice import auto_shard_group_size
 from wholeshard.planning import ParamSpec
-from wholeshard.planning.auto import auto_shard_group_size
 
 STEPS = 3
 

@@ -1,4 +1,4 @@
-"""What `wholeshard.planning.costs` computes from a plan alone agrees with real runs.
+"""What `wholeshard.capacity.costs` computes from a plan alone agrees with real runs.
 
 Each mode trains the small transformer of `support` at 2-4 gloo ranks. The second step (the
 first makes the optimizer state) runs under a recorder of every collective the engine issues
@@ -6,7 +6,7 @@ first makes the optimizer state) runs under a recorder of every collective the e
 each rank reports `ddp.memory()` and its optimizer's master grads. The plan, re-planned in this
 process from the routes' specs (and equal to the one DataParallel made), must predict each
 rank's persistent bytes, the step's collectives as a multiset, the bytes they send, and the
-peak of full buckets alive at once ([Note: plan costs] in `wholeshard/planning/costs.py`).
+peak of full buckets alive at once ([Note: plan costs] in `wholeshard/capacity/costs.py`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
 from wholeshard import DataParallelConfig
+from wholeshard.capacity.costs import Mode, dtype_name, plan_costs, ring_bytes, step_collectives
 from wholeshard.distributed import collectives
 from wholeshard.engine import _storage
 from wholeshard.planning import ParamSpec, plan_buffers
-from wholeshard.planning.costs import Mode, dtype_name, plan_costs, ring_bytes, step_collectives
 
 BUCKET = 3000  # 4-5 buckets: the AdamW bucket holding `emb` (its grad lands last) is early in
 # reduce order, so the reductions wait for it and every full grad lives until backward ends

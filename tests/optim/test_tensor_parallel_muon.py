@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.optim._muon import _zeropower_via_newtonschulz
 
+from wholeshard.capacity.tensor_parallel import traffic_bytes
 from wholeshard.optim import Muon
 from wholeshard.optim.normuon import QUINTIC
 from wholeshard.optim.tensor_parallel import (
@@ -30,7 +31,6 @@ from wholeshard.optim.tensor_parallel import (
     own_slice,
     tp_shard,
 )
-from wholeshard.planning.tensor_parallel import traffic_bytes
 
 MUON = dict(lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
 SHAPES = [(32, 48), (48, 32)]  # wide and tall: the iterate is turned for the tall one

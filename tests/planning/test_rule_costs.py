@@ -12,11 +12,12 @@ from support import data_parallel, make_model
 
 import wholeshard
 from wholeshard import DataParallelConfig
+from wholeshard.capacity.choice import auto_shard_group_size
 from wholeshard.cli.flags import field_kind
 from wholeshard.engine.config import ConfigError
 from wholeshard.optim import SOAP, NorMuon
 from wholeshard.planning import ParamSpec, plan_buffers
-from wholeshard.planning.auto import MAX_IMBALANCE, auto_shard_group_size, plan_for
+from wholeshard.planning.auto import MAX_IMBALANCE, plan_for
 from wholeshard.planning.specs import cost_imbalance, newton_schulz_cost, ns_cost, shape_cost
 from wholeshard.train import jobfile
 
@@ -66,7 +67,7 @@ def test_auto_shard_groups_measure_the_rules_cost() -> None:
     choice = auto_shard_group_size(specs, 8, matrix_cost=SOAP.matrix_cost)
     assert choice.plan.matrix_cost is SOAP.matrix_cost
     assert choice.ns_imbalance == soap_imbalance(choice.plan)
-    plan, _ = plan_for(specs, 8, shard_group_size="auto", matrix_cost=SOAP.matrix_cost)
+    plan = plan_for(specs, 8, shard_group_size="auto", matrix_cost=SOAP.matrix_cost)
     assert plan.matrix_cost is SOAP.matrix_cost
 
 

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import round_up, shape_lists, spec_lists, verify_whole_buffer, whole_buffer
 
+from wholeshard.capacity.presets import moe_256x, spec
 from wholeshard.planning import STRATEGIES, Buffer, ParamSpec, plan_buffers
 from wholeshard.planning._packing import FirstFit
-from wholeshard.planning.presets import moe_256x, spec
 from wholeshard.planning.specs import ns_cost, spec_cost
 
 

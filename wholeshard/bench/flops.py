@@ -3,7 +3,7 @@
 `torch.optim.Muon`'s `_zeropower_via_newtonschulz` (and `BatchedMuon`, `MuonWithAuxAdam`) runs
 on an (m, n) matrix with m <= n (a tall one is transposed first), per iteration:
 `G = X X^T` (2 m m n flops), `addmm(G, G, G)` (2 m^3), `addmm(X, G', X)` (2 m m n), so
-`steps * (4 m^2 n + 2 m^3)` in all (`planning.projection.ns_flops`, the one count). Only these
+`steps * (4 m^2 n + 2 m^3)` in all (`capacity.projection.ns_flops`, the one count). Only these
 products count: the scalings, additions and the norm are O(m n) per iteration. No torch here.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..planning.projection import NS_STEPS, ns_flops  # the one count of Newton-Schulz flops
+from ..capacity.projection import NS_STEPS, ns_flops  # the one count of Newton-Schulz flops
 
 BF16_DENSE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),

@@ -9,9 +9,9 @@
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
 ...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
 to `routing.muon_by_name`). Besides the plan it reports what the plan costs each rank in the
-mode the flags name (`wholeshard.planning.costs`): persistent bytes by kind, the peak of
+mode the flags name (`wholeshard.capacity.costs`): persistent bytes by kind, the peak of
 transient full buckets, and one step's collectives and bytes sent; with `--fabric`, a
-projection of the step's communication and optimizer time (`planning.projection`). Exit codes:
+projection of the step's communication and optimizer time (`capacity.projection`). Exit codes:
 0 planned, 2 bad input (argparse errors, an unreadable or malformed shapes file, a model no
 torch process could hold, a model no plan can serve).
 """
@@ -25,14 +25,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..capacity.choice import ShardGroupChoice, plan_and_choice
+from ..capacity.costs import Costs, Mode, fully_sharded, plan_costs
+from ..capacity.presets import PRESETS
+from ..capacity.projection import FABRICS, GPUS, project
+from ..capacity.shapes import load_shapes
+from ..capacity.tensor_parallel import TP_MODES, local_specs, ns_traffic
 from ..planning import DEFAULT_STRATEGY, STRATEGIES, Bucket, ParamSpec, Plan
-from ..planning.auto import ShardGroupChoice, plan_for
-from ..planning.costs import Costs, Mode, fully_sharded, plan_costs
-from ..planning.presets import PRESETS
-from ..planning.projection import FABRICS, GPUS, project
-from ..planning.shapes import load_shapes
 from ..planning.specs import matrices
-from ..planning.tensor_parallel import TP_MODES, local_specs, ns_traffic
 from . import positive_int
 
 MAX_DP = 1 << 20
@@ -325,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
         traffic = {m: ns_traffic(specs, args.tp, m) for m in TP_MODES} if args.tp > 1 else None
         specs = local_specs(specs, args.tp)  # [Note: tensor-parallel shapes]
         start = time.perf_counter()
-        plan, choice = plan_for(
+        plan, choice = plan_and_choice(
             specs,
             args.dp,
             bucket_size=args.bucket_size,

@@ -179,9 +179,10 @@ def plan_routes(
     routes: list[Route], cfg: DataParallelConfig, variant: Variant, dp_size: int
 ) -> Plan:
     """The plan of the routed params (`planning.auto.plan_for`: the config's bucket size or
-    the default for the shard group, its shard group size or the automatic choice)."""
+    the default for the shard group, its shard group size or the automatic choice): the
+    decision alone, no report (that is `wholeshard.capacity.choice`'s)."""
     specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
-    plan, _ = plan_for(
+    return plan_for(
         specs,
         dp_size,
         bucket_size=cfg.bucket_size,
@@ -190,7 +191,6 @@ def plan_routes(
         scheme=variant.scheme,
         matrix_cost=cfg.matrix_cost,
     )
-    return plan
 
 
 def common_dtype(routes: list[Route]) -> torch.dtype:

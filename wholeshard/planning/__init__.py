@@ -5,13 +5,12 @@
 and it imports torch only when it does); `plan_buffers(specs, dp_size, ...)` takes `ParamSpec`s
 (from routes, a shapes file or a preset) and returns a `Plan`, from shapes alone. Modules:
 `routing`, `specs` (the records), `buffer` (one buffer, its owner rule and invariant checks),
-`plan` (the entry point and the one validator), `presets` and `shapes` (specs without a model),
-`costs` (what a plan costs each rank in a mode: memory, collectives, bytes; with `units`, the
-plan's storage units, and `_lifetimes` for the fully sharded peak), `projection` (a step-time
-estimate from those), `targets` (what a good plan is) and `auto` (the automatic strategy and
-shard-group size: `plan_for`, the one entry point of `DataParallel`); the planners are
-private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_owners`, `_stacked`, `_elementwise`,
-`_unaligned`, and `_invariants` checks them.
+`plan` (the entry point and the one validator), `units` (the plan's storage units), `targets`
+(what a good plan is) and `auto` (the automatic strategy and shard-group size: `plan_for`, the
+one entry point of `DataParallel`). What a plan costs (presets, shapes files, memory, traffic,
+the choice's report) is `wholeshard.capacity`'s, above the engine: nothing here imports it.
+The planners are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_owners`,
+`_stacked`, `_elementwise`, `_unaligned`, and `_invariants` checks them.
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):

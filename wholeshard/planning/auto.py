@@ -1,6 +1,9 @@
 """Automatic choices, from shapes: the strategy (equal shards or owner buckets) and the
-shard-group size k a plan should use on dp ranks; `plan_for` is the one planning entry point of
-`DataParallel`, `wholeshard plan` and the train job.
+shard-group size k a plan should use on dp ranks. `plan_for` is the one planning entry point of
+`DataParallel` and the train job; `decide` is the same decision with its record (`Search`),
+from which `wholeshard.capacity.choice` builds the report `wholeshard plan` shows. Nothing
+here computes more than deciding needs: padding, the bucket bound and the planner's own
+Newton-Schulz cost balance.
 
 [Note: automatic strategy]
 `strategy="auto"` (the default) plans the balanced strategy's equal shards, which reduce-scatter
@@ -20,8 +23,8 @@ cannot balance). `shard_group_size="auto"` picks k:
 - candidates: a ladder of divisors of dp: dp, and for each power of two p < dp the largest
   divisor of dp at most p (every power of two dividing dp among them; dp a power of two: its
   powers of two), so at most log2(dp) + 2;
-- a k whose costliest matrix alone is over 1.10 x the mean is passed over unplanned (k = 1, the
-  last, is always planned);
+- a k whose costliest matrix alone is over 1.10 x the mean (of the planner's own cost,
+  `Plan.rank_costs`) is passed over unplanned (k = 1, the last, is always planned);
 - the others are planned from the largest down, each with the strategy asked for ("auto": as
   above) and the bucket size `targets.bucket_size_for` unless one is given; the first that
   meets every target is the choice: the largest such k, since a larger k keeps less optimizer
@@ -37,7 +40,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .plan import (
     DEFAULT_STRATEGY,
@@ -56,41 +59,44 @@ from .targets import (
     bucket_limit_at,
     bucket_size_for,
     bucket_target,
-    optimizer_state,
 )
 
-__all__ = ["MAX_IMBALANCE", "ShardGroupChoice", "auto_shard_group_size", "ladder", "plan_for"]
+__all__ = ["MAX_IMBALANCE", "Attempt", "Search", "decide", "ladder", "plan_for", "search"]
 
 
 @dataclass(frozen=True)
-class ShardGroupChoice:
-    """The shard-group size `k` and strategy (`plan.strategy`) chosen for `dp_size` ranks and
-    the figures of its plan (`plan`, made with `bucket_size`); `reason` says why. Invariants:
-    `k` divides `dp_size`; every figure is the plan's own; `meets_targets` iff `largest_bucket
-    <= bucket_limit`, `padding_fraction <= padding_limit` and `ns_imbalance <= MAX_IMBALANCE`;
-    `tried` lists the candidate k, largest first."""
+class Attempt:
+    """One candidate the search considered, in order: strategy `strategy` at shard-group size
+    `k`, planned (`figures`) or passed over unplanned (`skipped`: why a bound shows it must
+    miss). Invariant: exactly one of `figures` and `skipped` is set."""
 
     k: int
+    strategy: str
+    figures: Figures | None
+    skipped: str | None = None
+
+
+@dataclass(frozen=True)
+class Search:
+    """The record of an automatic choice: every attempt in search order and the one chosen
+    (`chosen`, whose plan is checked) for `dp_size` ranks, the bucket bound `bucket_target`
+    (before the element-wise floor), and whether the ladder was searched (else one k was
+    given). Invariant: `chosen` is the figures of one of `attempts`."""
+
     dp_size: int
-    bucket_size: int
-    buckets: int
-    largest_bucket: int
-    bucket_limit: int  # what the largest bucket was held to at k
-    bucket_target: int  # max(100M, 2 x largest layer), before the element-wise floor
-    padding_fraction: float
-    padding_limit: float  # 1% beyond the alignment padding of the specs
-    ns_imbalance: float  # of the plan's `matrix_cost` when it has one
-    ns_flops: int  # Newton-Schulz flops (or `matrix_cost`) per step of the busiest rank
-    optimizer_state: int  # fp32 values the busiest rank keeps (Muon: 1, AdamW: 2 per element)
-    meets_targets: bool
-    reason: str
-    tried: tuple[int, ...]
-    plan: Plan = field(repr=False, compare=False)
+    bucket_target: int
+    ladder_searched: bool
+    chosen: Figures
+    attempts: tuple[Attempt, ...]
 
     @property
-    def replicas(self) -> int:
-        """Copies of each shard: shard groups in dp."""
-        return self.dp_size // self.k
+    def plan(self) -> Plan:
+        return self.chosen.plan
+
+    @property
+    def planned(self) -> list[Figures]:
+        """The figures of every planned attempt, in search order."""
+        return [a.figures for a in self.attempts if a.figures is not None]
 
 
 def ladder(dp_size: int) -> list[int]:
@@ -116,27 +122,25 @@ def _candidates(
     strategy: str,
     target: int,
     force: bool,
-) -> tuple[list[Figures], list[str]]:
-    """The plans at k by `strategy` ("auto": balanced, then owners unless balanced meets every
-    target), and why each other one was passed over or missed; `force`: plan at least one (the
-    last) even where a bound calls it hopeless."""
-    figures: list[Figures] = []
-    notes: list[str] = []
+) -> list[Attempt]:
+    """The attempts at k by `strategy` ("auto": balanced, then owners unless balanced meets
+    every target); `force`: plan at least one (the last) even where a bound calls it hopeless."""
+    attempts: list[Attempt] = []
     names = ("balanced", "owners") if strategy == "auto" else (strategy,)
     for name in names:
         size = bucket_size_for(shapes.used, k, name) if bucket_size is None else bucket_size
         elementwise = shapes.elementwise(k, size)
         limit = bucket_limit_at(target, elementwise)
         why = shapes.hopeless(k, limit, equal_shards=name != "owners")
-        if why is not None and not (force and not figures and name == names[-1]):
-            notes.append(f"{name}: {why}")
+        planned_none = not any(a.figures for a in attempts)
+        if why is not None and not (force and planned_none and name == names[-1]):
+            attempts.append(Attempt(k, name, None, why))
             continue
         plan = shapes.plan(dp, k, size, name, elementwise)
-        figures.append(Figures(k, size, limit, shapes.padding_limit, plan))
-        if figures[-1].ok:
+        attempts.append(Attempt(k, name, Figures(k, size, limit, shapes.padding_limit, plan)))
+        if attempts[-1].figures.ok:  # type: ignore[union-attr]
             break
-        notes.append(f"{name}: {figures[-1].miss()}")
-    return figures, notes
+    return attempts
 
 
 def _best(planned: list[Figures]) -> Figures:
@@ -145,35 +149,22 @@ def _best(planned: list[Figures]) -> Figures:
     return met[0] if met else min(planned, key=lambda f: f.overshoot)
 
 
-def auto_shard_group_size(
+def search(
     specs: Sequence[ParamSpec],
     dp_size: int,
+    k: int | None = None,
     *,
     bucket_size: int | None = None,
     strategy: Strategy = DEFAULT_STRATEGY,
     align: int = 64,
     bucket_limit: int | None = None,
     matrix_cost: MatrixCost | None = None,
-) -> ShardGroupChoice:
-    """The shard-group size (and, for `strategy="auto"`, the strategy) for `specs`
-    (registration order) on `dp_size` ranks, by [Note: automatic shard groups]. `bucket_size`
+) -> Search:
+    """The automatic choice for `specs` (registration order) on `dp_size` ranks at shard-group
+    size `k`, or over the ladder (k None), by [Note: automatic shard groups]. `bucket_size`
     None: `targets.bucket_size_for` each candidate; `bucket_limit` None: `bucket_target(specs)`;
-    `matrix_cost` given: it, not Newton-Schulz flops, is balanced and measured. Raises
-    ValueError, as `plan_buffers` does, on bad input."""
-    return _choose(specs, dp_size, None, bucket_size, strategy, align, bucket_limit, matrix_cost)
-
-
-def _choose(
-    specs: Sequence[ParamSpec],
-    dp_size: int,
-    k: int | None,
-    bucket_size: int | None,
-    strategy: Strategy,
-    align: int,
-    bucket_limit: int | None,
-    matrix_cost: MatrixCost | None,
-) -> ShardGroupChoice:
-    """The choice at the given k, or over the ladder (k None)."""
+    `matrix_cost` given: it, not `ns_cost`, is balanced and measured. Raises ValueError, as
+    `plan_buffers` does, on bad input."""
     specs = tuple(specs)
     _group_size(dp_size, k, bucket_size, align, strategy, "whole")
     if bucket_limit is not None and (not is_int(bucket_limit) or bucket_limit < 1):
@@ -181,66 +172,19 @@ def _choose(
     validate_specs(specs)
     shapes = Shapes(specs, align, matrix_cost)
     target = bucket_target(specs) if bucket_limit is None else bucket_limit
-    planned: list[Figures] = []
-    notes: dict[int, str] = {}  # candidate k -> why its other plans were passed over or missed
+    attempts: list[Attempt] = []
     for candidate in ladder(dp_size) if k is None else [k]:
         force = candidate == 1 or k is not None
-        found, why = _candidates(shapes, dp_size, candidate, bucket_size, strategy, target, force)
-        planned += found
-        notes[candidate] = "; ".join(why)
-        if found and found[-1].ok:
+        found = _candidates(shapes, dp_size, candidate, bucket_size, strategy, target, force)
+        attempts += found
+        if found[-1].figures is not None and found[-1].figures.ok:
             break
-    chosen = _best(planned)
+    chosen = _best([a.figures for a in attempts if a.figures is not None])
     chosen.plan.check(specs)
-    return _choice(chosen, planned, dp_size, target, notes, k is None)
+    return Search(dp_size, target, k is None, chosen, tuple(attempts))
 
 
-def _choice(
-    f: Figures,
-    planned: list[Figures],
-    dp: int,
-    target: int,
-    notes: dict[int, str],
-    ladder_searched: bool,
-) -> ShardGroupChoice:
-    if not f.ok:
-        why = f"no candidate meets every target; the least overshoot ({f.miss()})"
-    elif ladder_searched:
-        why = "the largest k on the ladder whose plan meets every target"
-    else:
-        why = "its plan meets every target"
-    why = f"strategy {f.plan.strategy}, {why}" + (f" ({notes[f.k]})" if notes[f.k] else "")
-    if f.limit > target:
-        why += f"; bucket limit {f.limit:.3g}, not {target:.3g}: an element-wise param's bucket"
-    groups: list[tuple[list[int], str]] = []  # runs of larger k passed over for one reason
-    for k, miss in notes.items():
-        if k > f.k:
-            if groups and groups[-1][1] == miss:
-                groups[-1][0].append(k)
-            else:
-                groups.append(([k], miss))
-    larger = "; ".join(f"{', '.join(map(str, ks))}: {miss}" for ks, miss in groups)
-    return ShardGroupChoice(
-        k=f.k,
-        dp_size=dp,
-        bucket_size=f.bucket_size,
-        buckets=sum(len(b.buckets) for b in f.plan.buffers),
-        largest_bucket=f.largest,
-        bucket_limit=f.limit,
-        bucket_target=target,
-        padding_fraction=f.padding,
-        padding_limit=f.padding_limit,
-        ns_imbalance=f.imbalance,
-        ns_flops=max(f.flops, default=0),
-        optimizer_state=optimizer_state(f.plan),
-        meets_targets=f.ok,
-        reason=f"k={f.k} of dp {dp}: {why}" + (f" (larger k: {larger})" if larger else ""),
-        tried=tuple(dict.fromkeys(c.k for c in planned)),
-        plan=f.plan,
-    )
-
-
-def plan_for(
+def decide(
     specs: Sequence[ParamSpec],
     dp_size: int,
     *,
@@ -249,11 +193,11 @@ def plan_for(
     shard_group_size: int | str | None = None,
     scheme: Scheme = "whole",
     matrix_cost: MatrixCost | None = None,
-) -> tuple[Plan, ShardGroupChoice | None]:
-    """The plan `DataParallel` makes (and `wholeshard plan` shows) for these settings, with the
-    choice behind it when the strategy or `shard_group_size` is "auto". `bucket_size` None:
-    `targets.bucket_size_for` the shard group size (dp when None) and strategy; `matrix_cost`:
-    the cost balanced (None: Newton-Schulz's)."""
+) -> tuple[Plan, Search | None]:
+    """The plan `DataParallel` makes for these settings, with the search behind it when the
+    strategy or `shard_group_size` is "auto". `bucket_size` None: `targets.bucket_size_for` the
+    shard group size (dp when None) and strategy; `matrix_cost`: the cost balanced (None:
+    `ns_cost`)."""
     auto_k = shard_group_size == "auto"
     if auto_k and scheme != "whole":
         raise ValueError(
@@ -268,8 +212,15 @@ def plan_for(
         )
     if auto_k or strategy == "auto":
         k = None if auto_k else (dp_size if shard_group_size is None else shard_group_size)
-        choice = _choose(specs, dp_size, k, bucket_size, strategy, 64, None, matrix_cost)  # type: ignore[arg-type]
-        return choice.plan, choice
+        found = search(
+            specs,
+            dp_size,
+            k,
+            bucket_size=bucket_size,
+            strategy=strategy,
+            matrix_cost=matrix_cost,  # type: ignore[arg-type]
+        )
+        return found.plan, found
     if bucket_size is None:
         k = shard_group_size if is_int(shard_group_size) and shard_group_size > 0 else dp_size
         bucket_size = bucket_size_for(sum(s.numel for s in specs), k, strategy)  # type: ignore[arg-type]
@@ -283,3 +234,25 @@ def plan_for(
         matrix_cost=matrix_cost,
     )
     return plan, None
+
+
+def plan_for(
+    specs: Sequence[ParamSpec],
+    dp_size: int,
+    *,
+    bucket_size: int | None = None,
+    strategy: Strategy = DEFAULT_STRATEGY,
+    shard_group_size: int | str | None = None,
+    scheme: Scheme = "whole",
+    matrix_cost: MatrixCost | None = None,
+) -> Plan:
+    """The plan `DataParallel` makes for these settings: `decide`'s, without its record."""
+    return decide(
+        specs,
+        dp_size,
+        bucket_size=bucket_size,
+        strategy=strategy,
+        shard_group_size=shard_group_size,
+        scheme=scheme,
+        matrix_cost=matrix_cost,
+    )[0]

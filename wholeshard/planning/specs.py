@@ -166,6 +166,12 @@ def matrices(placement: Placement, buckets: Sequence[Bucket]) -> Iterator[Matrix
         yield Matrix(index, start, start + unit, b, buckets[b].owner(start))
 
 
+def iterate_sharded_dim(shape: tuple[int, ...], shard_dim: int) -> int:
+    """Which dim of Newton–Schulz's iterate (the matrix turned so rows <= cols) is split, for a
+    matrix of logical `shape` split on `shard_dim` (tensor parallel)."""
+    return 1 - shard_dim if shape[0] > shape[1] else shard_dim
+
+
 def ns_cost(shape: Sequence[int]) -> int:
     """Newton-Schulz cost of one matrix, `max(m, n) * min(m, n) ** 2`; 0 for non-2-D shapes."""
     if len(shape) != 2:

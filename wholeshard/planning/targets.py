@@ -10,8 +10,9 @@ shard-group size, in `auto`) holds a plan to, and one planned candidate's figure
   it);
 - padding <= 1% beyond the alignment padding every plan has (each param rounded up to `align`
   elements: none for the presets, a few % for toy models);
-- Newton-Schulz imbalance (max / mean over the shard group of the flops of owned matrices,
-  `projection.ns_flops`, or of the plan's `matrix_cost`) <= 1.10.
+- Newton-Schulz imbalance (max / mean over the shard group of the cost of owned matrices, the
+  very cost the planners balance: `Plan.rank_costs`, `specs.ns_cost` or the plan's
+  `matrix_cost`) <= 1.10.
 A candidate misses by its overshoot, max(largest bucket / bucket limit, (1 - padding limit) /
 (1 - padding), imbalance / 1.10): each the factor by which what its target protects grows
 (bucket bytes, buffer memory, the busiest rank's Newton-Schulz time).
@@ -24,10 +25,17 @@ from collections.abc import Sequence
 
 from ._elementwise import plan_elementwise
 from .buffer import KINDS, Buffer
-from .costs import owned
 from .plan import Plan, default_bucket_size, plan_buffer, specs_by_kind
-from .projection import matrix_flops, rank_ns_flops
-from .specs import MatrixCost, ParamSpec, cost_imbalance, layer_of, matrix_shape, round_up
+from .specs import (
+    MatrixCost,
+    ParamSpec,
+    cost_imbalance,
+    layer_of,
+    matrix_count,
+    matrix_shape,
+    round_up,
+    shape_cost,
+)
 
 MIN_BUCKET_LIMIT = 100_000_000
 """The bucket limit is never below this many elements: smaller buckets cost latency."""
@@ -79,12 +87,6 @@ def largest_unit(plan: Plan) -> int:
     )
 
 
-def optimizer_state(plan: Plan) -> int:
-    """fp32 optimizer values the busiest shard-group rank keeps: a Muon momentum per owned Muon
-    element, two AdamW moments per owned element-wise one."""
-    return max((o.muon + 2 * o.adamw for o in owned(plan)), default=0)
-
-
 def bucket_size_for(used: int, k: int, strategy: str) -> int:
     """The default bucket size of a plan at k: `default_bucket_size(used, k)` for equal shards
     (a bucket is reduce-scattered over k ranks, so it is sized for k); with owner buckets, which
@@ -115,15 +117,13 @@ class Shapes:
             default=0,
         )
         muon = [s for s in specs if s.muon and len(s.shape) >= 2]
+        # the planners' own cost of one matrix (`Plan.rank_costs`), per Muon spec
         cache = {
-            shape: matrix_flops(shape, matrix_cost)
-            for shape in {matrix_shape(s.shape) for s in muon}
+            shape: shape_cost(shape, matrix_cost) for shape in {matrix_shape(s.shape) for s in muon}
         }
-        flops = [cache[matrix_shape(s.shape)] for s in muon]
-        self.total_flops = sum(
-            f * math.prod(s.shape[:-2]) for f, s in zip(flops, muon, strict=True)
-        )
-        self.costliest = max(flops, default=0)
+        costs = [cache[matrix_shape(s.shape)] for s in muon]
+        self.total_cost = sum(c * matrix_count(s.shape) for c, s in zip(costs, muon, strict=True))
+        self.costliest = max(costs, default=0)
 
     def elementwise(self, k: int, bucket_size: int) -> Buffer | None:
         """The element-wise buffer at k (cheap: no search), None without element-wise specs."""
@@ -133,7 +133,7 @@ class Shapes:
     def hopeless(self, k: int, limit: int, equal_shards: bool) -> str | None:
         """Why no plan at k (`equal_shards`: of equal-shard buckets) can meet the targets (a
         lower bound over its limit), or None."""
-        if self.total_flops and self.costliest * k / self.total_flops > MAX_IMBALANCE:
+        if self.total_cost and self.costliest * k / self.total_cost > MAX_IMBALANCE:
             return "the costliest matrix alone > 1.10 x the mean"
         if not equal_shards:
             return None
@@ -161,8 +161,9 @@ class Shapes:
 
 
 class Figures:
-    """A planned candidate and its figures against [Note: plan targets]; the Newton-Schulz flops
-    only when asked (a plan that misses the bucket or padding target fails without them)."""
+    """A planned candidate and its figures against [Note: plan targets]; the per-rank matrix
+    costs only when asked (a plan that misses the bucket or padding target fails without
+    them). Invariant: `imbalance` is `plan.ns_cost_imbalance`, the figure the planner balanced."""
 
     def __init__(
         self, k: int, bucket_size: int, limit: int, padding_limit: float, plan: Plan
@@ -171,18 +172,18 @@ class Figures:
         self.padding_limit = padding_limit
         self.largest = largest_unit(plan)
         self.padding = plan.padding_fraction
-        self._flops: list[int] | None = None
+        self._costs: list[int] | None = None
 
     @property
-    def flops(self) -> list[int]:
-        if self._flops is None:
-            plan = self.plan
-            self._flops = rank_ns_flops(plan) if plan.matrix_cost is None else plan.rank_costs()
-        return self._flops
+    def costs(self) -> list[int]:
+        """`Plan.rank_costs`: each rank's cost of its matrices, as the planner counts it."""
+        if self._costs is None:
+            self._costs = self.plan.rank_costs()
+        return self._costs
 
     @property
     def imbalance(self) -> float:
-        return cost_imbalance(self.flops)
+        return cost_imbalance(self.costs)
 
     @property
     def ok(self) -> bool:
@@ -197,14 +198,3 @@ class Figures:
         """The worst factor by which a figure exceeds its target (<= 1: every target met)."""
         memory = (1 - self.padding_limit) / (1 - self.padding) if self.padding < 1 else math.inf
         return max(self.largest / self.limit, memory, self.imbalance / MAX_IMBALANCE)
-
-    def miss(self) -> str:
-        """The figures that miss their targets."""
-        out = []
-        if self.largest > self.limit:
-            out.append(f"largest bucket {self.largest:.3g} > {self.limit:.3g}")
-        if self.padding > self.padding_limit:
-            out.append(f"padding {self.padding:.2%} > {self.padding_limit:.2%}")
-        if self.imbalance > MAX_IMBALANCE:
-            out.append(f"imbalance {self.imbalance:.3f}")
-        return ", ".join(out)

@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..planning.plan import Plan
+from ..planning.specs import ParamSpec, matrices, matrix_shape
+from ..planning.units import storage_units
 from . import _lifetimes
-from .plan import Plan
-from .specs import ParamSpec, matrices, matrix_shape
-from .units import storage_units
 
 ELEMENT_BYTES = {
     "float64": 8,

@@ -1,4 +1,4 @@
-"""`wholeshard.planning.costs`: what a plan costs each rank, from the plan alone. Pure and fast:
+"""`wholeshard.capacity.costs`: what a plan costs each rank, from the plan alone. Pure and fast:
 invariants over presets, the plan's own ownership API as the reference, and the traffic
 counter's arithmetic (`tests/engine/test_plan_agrees.py` checks the figures against real runs)."""
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from wholeshard.bench import traffic
-from wholeshard.planning import ParamSpec, default_bucket_size, plan_buffers
-from wholeshard.planning._lifetimes import _events, kept_units
-from wholeshard.planning.costs import (
+from wholeshard.capacity._lifetimes import _events, kept_units
+from wholeshard.capacity.costs import (
     ELEMENT_BYTES,
     OPS,
     Collective,
@@ -22,8 +21,8 @@ from wholeshard.planning.costs import (
     ring_bytes,
     storage_units,
 )
-from wholeshard.planning.presets import preset
-from wholeshard.planning.projection import (
+from wholeshard.capacity.presets import preset
+from wholeshard.capacity.projection import (
     FABRICS,
     GPUS,
     collective_seconds,
@@ -31,6 +30,7 @@ from wholeshard.planning.projection import (
     project,
     rank_ns_flops,
 )
+from wholeshard.planning import ParamSpec, default_bucket_size, plan_buffers
 
 CASES = [  # (preset, dp, shard group size)
     ("gpt2-small", 1, None),

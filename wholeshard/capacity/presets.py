@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .routing import muon_by_name
-from .specs import ParamSpec
+from ..planning.routing import muon_by_name
+from ..planning.specs import ParamSpec
 
 
 def spec(name: str, *shape: int, tied: bool = False) -> ParamSpec:

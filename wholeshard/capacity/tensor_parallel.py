@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .specs import ParamSpec
+from ..planning.specs import ParamSpec, iterate_sharded_dim
 
 ROWWISE = frozenset(
     {"o_proj", "down_proj", "o", "down", "c_proj", "out_proj", "wo", "w2", "fc2", "dense_4h_to_h"}
@@ -65,11 +65,6 @@ def traffic_bytes(shape: tuple[int, ...], shard_dim: int, tp: int, mode: str, ns
     short, long = sorted(shape)
     side = short if iterate_sharded_dim(shape, shard_dim) == 1 else long
     return (ns_steps * 4 * side * side + 4) * 2 * (tp - 1) // tp
-
-
-def iterate_sharded_dim(shape: tuple[int, ...], shard_dim: int) -> int:
-    """Which dim of Newton–Schulz's iterate (the matrix turned so rows <= cols) is split."""
-    return 1 - shard_dim if shape[0] > shape[1] else shard_dim
 
 
 def ns_traffic(specs: list[ParamSpec], tp: int, mode: str, ns_steps: int = 5) -> int:

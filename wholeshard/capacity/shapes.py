@@ -13,9 +13,9 @@ import json
 import math
 from typing import Any
 
-from .plan import shape_problem
-from .routing import muon_by_name
-from .specs import ParamSpec, matrix_count
+from ..planning.plan import shape_problem
+from ..planning.routing import muon_by_name
+from ..planning.specs import ParamSpec, matrix_count
 
 MAX_NUMEL = (1 << 63) - 1
 """Elements a param, and the model's buffers, can hold at most: torch counts them in int64."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from wholeshard.capacity.presets import PRESETS, preset, spec
 from wholeshard.planning import ParamSpec, plan_buffers
-from wholeshard.planning.presets import PRESETS, preset, spec
 from wholeshard.planning.routing import muon_by_name
 
 # Published totals (HF configs; DeepSeek-V3's 671B main model, without the 14B MTP module).

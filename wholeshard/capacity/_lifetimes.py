@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from .specs import ParamSpec
-from .units import Unit
+from ..planning.specs import ParamSpec
+from ..planning.units import Unit
 
 
 class Overlap(Protocol):

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..planning.plan import Plan
+from ..planning.specs import matrices, matrix_shape
 from .costs import ELEMENT_BYTES, Collective, Costs, owned
-from .plan import Plan
-from .specs import MatrixCost, matrices, matrix_shape, shape_cost
 
 NS_STEPS = 5
 """Newton-Schulz iterations per Muon update (torch.optim.Muon's default)."""
@@ -82,11 +82,6 @@ def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
         count *= d
     m, n = sorted(matrix_shape(shape))
     return count * steps * (4 * m * m * n + 2 * m**3)
-
-
-def matrix_flops(shape: tuple[int, int], matrix_cost: MatrixCost | None = None) -> int:
-    """Per-step work on one (m, n) matrix: `ns_flops`, or `matrix_cost` (a rule's) if given."""
-    return ns_flops(shape) if matrix_cost is None else shape_cost(shape, matrix_cost)
 
 
 def rank_ns_flops(plan: Plan) -> list[int]:

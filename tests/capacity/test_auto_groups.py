@@ -17,13 +17,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import make_model, spec_lists
 
+from wholeshard.capacity.choice import (
+    ShardGroupChoice,
+    auto_shard_group_size,
+    optimizer_state,
+    plan_and_choice,
+)
+from wholeshard.capacity.costs import owned, storage_units
+from wholeshard.capacity.presets import preset
+from wholeshard.capacity.projection import rank_ns_flops
 from wholeshard.planning import ParamSpec, Plan, plan_buffers
-from wholeshard.planning.auto import ShardGroupChoice, auto_shard_group_size, ladder, plan_for
-from wholeshard.planning.costs import owned, storage_units
-from wholeshard.planning.presets import preset
-from wholeshard.planning.projection import rank_ns_flops
+from wholeshard.planning.auto import ladder
 from wholeshard.planning.routing import route_params
-from wholeshard.planning.specs import cost_imbalance, round_up
+from wholeshard.planning.specs import round_up
 from wholeshard.planning.targets import (
     MAX_IMBALANCE,
     MIN_BUCKET_LIMIT,
@@ -31,7 +37,6 @@ from wholeshard.planning.targets import (
     bucket_size_for,
     bucket_target,
     largest_layer,
-    optimizer_state,
 )
 
 PRESETS = ("llama3-8b", "llama3-70b", "qwen3-30b-a3b", "moe-256x")
@@ -66,7 +71,7 @@ def meets(plan: Plan, specs: tuple[ParamSpec, ...], target: int, padding_limit: 
     return (
         largest_bucket(plan, specs) <= limit_of(plan, target)
         and plan.padding_fraction <= padding_limit
-        and cost_imbalance(rank_ns_flops(plan)) <= MAX_IMBALANCE
+        and plan.ns_cost_imbalance <= MAX_IMBALANCE
     )
 
 
@@ -84,7 +89,7 @@ def assert_figures_are_the_plans(choice: ShardGroupChoice, specs: tuple[ParamSpe
     assert choice.buckets == sum(len(b.buckets) for b in plan.buffers)
     assert choice.largest_bucket == largest_bucket(plan, specs)
     assert choice.padding_fraction == plan.padding_fraction
-    assert choice.ns_imbalance == cost_imbalance(rank_ns_flops(plan))
+    assert choice.ns_imbalance == plan.ns_cost_imbalance
     assert choice.ns_flops == max(rank_ns_flops(plan))
     assert choice.optimizer_state == max(o.muon + 2 * o.adamw for o in owned(plan))
     assert choice.bucket_limit == limit_of(plan, choice.bucket_target)
@@ -170,7 +175,7 @@ def test_small_runs_keep_k_equal_dp_where_it_meets_the_targets(specs: tuple) -> 
     kept = []
     for dp in range(2, 9):
         choice = auto_shard_group_size(specs, dp)
-        full, why = plan_for(specs, dp)  # the automatic strategy at k = dp
+        full, why = plan_and_choice(specs, dp)  # the automatic strategy at k = dp
         if why is not None and why.meets_targets:
             assert choice.k == dp and choice.plan == full, (dp, choice.reason)
             kept.append(dp)
@@ -258,7 +263,7 @@ def test_choice_is_a_divisor_with_its_plans_figures(
     assert choice.largest_bucket == largest_bucket(plan, specs)
     assert choice.padding_fraction == plan.padding_fraction
     assert choice.buckets == sum(len(b.buckets) for b in plan.buffers)
-    assert choice.ns_imbalance == cost_imbalance(rank_ns_flops(plan))
+    assert choice.ns_imbalance == plan.ns_cost_imbalance
     assert choice.optimizer_state == optimizer_state(plan)
     assert choice.bucket_target == (bucket_target(specs) if bucket_limit is None else bucket_limit)
     assert choice.bucket_limit == limit_of(plan, choice.bucket_target) >= choice.bucket_target
@@ -272,7 +277,7 @@ def test_choice_is_a_divisor_with_its_plans_figures(
 
         def overshoot(p: Plan) -> float:
             memory = (1 - choice.padding_limit) / (1 - p.padding_fraction)
-            imbalance = cost_imbalance(rank_ns_flops(p)) / MAX_IMBALANCE
+            imbalance = p.ns_cost_imbalance / MAX_IMBALANCE
             return max(
                 largest_bucket(p, specs) / limit_of(p, choice.bucket_target), memory, imbalance
             )
