@@ -269,6 +269,27 @@ def test_fully_sharded_checkpoint_loads_in_any_mode(
     _assert_loads_and_continues(saved_fully_sharded_at_2, nproc, ddp_kw)
 
 
+@pytest.fixture(scope="module")
+def saved_hybrid_at_4(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """4 ranks in shard groups of 2: every element is owned twice, once per replica, and the
+    checkpoint holds it once (DCP refused two ranks writing the same chunk)."""
+    root = tmp_path_factory.mktemp("ckpt4hybrid")
+    outs = run(_train_and_save, 4, str(root), {"shard_group_size": 2})
+    for replica, first in zip(outs[2:], outs[:2], strict=True):
+        assert replica["state"].keys() == first["state"].keys()
+    state = merge_states([out["state"] for out in outs[:2]])  # the first replica: ranks 0, 1
+    return {"root": root, "state": state, "params": outs[0]["params"]}
+
+
+@pytest.mark.parametrize(
+    "nproc,ddp_kw", [(2, {}), (4, {"shard_group_size": 2})], ids=["2", "4-hybrid"]
+)
+def test_a_hybrid_checkpoint_loads_at_any_world_size(
+    saved_hybrid_at_4: dict, nproc: int, ddp_kw: dict
+) -> None:
+    _assert_loads_and_continues(saved_hybrid_at_4, nproc, ddp_kw)
+
+
 def _assert_loads_and_continues(saved: dict, nproc: int, ddp_kw: dict) -> None:
     ref = reference_run(MORE, start=SAVE_AT, state=saved["state"])
     outs = run(_load_and_train, nproc, str(saved["root"]), ddp_kw)

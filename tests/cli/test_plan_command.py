@@ -219,7 +219,7 @@ def test_sizes_read_in_binary_units() -> None:
 
 def test_json_matches_plan_buffers_for_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["--preset", "gpt2-small", "--dp", "8", "--strategy", "size_match",
-                        "--json"], capsys)  # fmt: skip
+                        "--shard-group-size", "8", "--json"], capsys)  # fmt: skip
     assert code == 0
     doc = json.loads(out)
     specs = preset("gpt2-small")
@@ -350,9 +350,11 @@ def test_owner_buckets_replace_equal_shards_past_a_few_dozen_ranks(
 ) -> None:
     """The automatic strategy at k = dp: equal shards at dp 8, owner buckets at dp 64, where
     equal shards would make one bucket of most of the model."""
-    code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--json"], capsys)
+    code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--shard-group-size", "8", "--json"],
+                       capsys)  # fmt: skip
     small = json.loads(out)
-    code2, out, _ = run(["--preset", "llama3-8b", "--dp", "64", "--json"], capsys)
+    code2, out, _ = run(["--preset", "llama3-8b", "--dp", "64", "--shard-group-size", "64",
+                         "--json"], capsys)  # fmt: skip
     large = json.loads(out)
     assert code == code2 == 0
     assert small["strategy"] == "balanced" and large["strategy"] == "owners"

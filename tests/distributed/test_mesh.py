@@ -20,6 +20,7 @@ def _train_on_meshes() -> dict[str, dict]:
     runs = {
         "dp mesh": dict(mesh=dp),
         "default group": {},
+        "one group": dict(shard_group_size=None),
         "hybrid mesh": dict(mesh=hybrid, reshard_after_forward=True),
         "shard_group_size=2": dict(shard_group_size=2, reshard_after_forward=True),
     }
@@ -34,7 +35,8 @@ def _train_on_meshes() -> dict[str, dict]:
 
 def test_mesh_dims_train_like_their_group_forms() -> None:
     for out in run(_train_on_meshes, 4):
-        assert out["dp mesh"]["groups"] == out["default group"]["groups"] == (4, 4)
+        assert out["dp mesh"]["groups"] == out["default group"]["groups"]  # k: the config's
+        assert out["one group"]["groups"] == (4, 4)
         assert out["hybrid mesh"]["groups"] == out["shard_group_size=2"]["groups"] == (4, 2)
         assert_bitwise_equal(out["dp mesh"], out["default group"])
         assert_bitwise_equal(out["hybrid mesh"], out["shard_group_size=2"])

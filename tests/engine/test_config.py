@@ -80,7 +80,6 @@ def test_bad_values_name_their_field(options: dict, field: str, message: str) ->
         (dict(scheme="aligned"), {}, "scheme", "scheme must be one of"),
         (dict(param_sync="scatter"), {}, "param_sync", "param_sync must be one of"),
         (dict(separate_all_gather_group="yes"), {}, "separate_all_gather_group", "None, True"),
-        (dict(scheme="ping_pong"), dict(shard_group_size="auto"), "shard_group_size", "equal"),
         (
             dict(scheme="ping_pong"),
             dict(reshard_after_forward=True),

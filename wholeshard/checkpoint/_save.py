@@ -109,10 +109,11 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
     places = tensor_places(ddp)
     tp_peer = ddp.model_ranks.tp_rank != 0  # what tp does not slice, tp rank 0 writes
     _, sliced = tp_slices(ddp.routes)
+    copies = {r.name: ddp.replica_of(r.name) for r in ddp.routes}
     for piece in optimizer.owned_pieces():
         name, shape, place = places[piece.name]
-        if tp_peer and piece.name not in sliced:
-            continue
+        if (tp_peer and piece.name not in sliced) or copies[piece.name]:
+            continue  # another rank holds the same elements and writes them
         add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach(), place))
         if piece.separate_master:
             master = piece.oriented(piece.master.detach())

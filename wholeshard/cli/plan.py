@@ -244,8 +244,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="K",
         help="shard params within groups of K ranks, replicated across the dp/K groups; "
-        "K divides N (default N); 'auto': the largest K whose plan bounds buckets, padding and "
-        "Newton-Schulz imbalance (says why)",
+        "K divides N (default N, as DataParallel's); 'auto': the largest K whose plan bounds "
+        "buckets, padding and Newton-Schulz imbalance (says why)",
     )
     parser.add_argument(
         "--reshard-after-forward",

@@ -97,7 +97,7 @@ def mesh_data_parallel(
         if len(dp) == 2
         else {"dp": None, "dp_shard": None, "dp_replicate": 1}[dp[0]]
     )
-    if shard_group_size is not None and shard_group_size != k:
+    if shard_group_size not in (None, "auto") and shard_group_size != k:  # the mesh decides
         raise ValueError(
             f"shard_group_size={shard_group_size!r}, but the mesh's dims {sizes} say "
             f"{k}: pass one or the other"

@@ -111,7 +111,8 @@ class DataParallel(nn.Module):
         if mesh is not None:  # [Note: mesh dims]
             meshed = mesh_data_parallel(mesh, process_group, cfg.shard_group_size)
             process_group = meshed.group
-            cfg = dataclasses.replace(cfg, shard_group_size=meshed.shard_group_size)
+            if meshed.shard_group_size is not None or meshed.expert_group is not None:
+                cfg = dataclasses.replace(cfg, shard_group_size=meshed.shard_group_size)
         self.dp_config = cfg
         if cfg.fp8_param_gather and not has_fp8_weights(module):
             raise ValueError(
@@ -239,6 +240,15 @@ class DataParallel(nn.Module):
     def buckets(self) -> list[BucketStorage]:
         """Communication buckets in reduce (backprop) order (the experts' after the others')."""
         return [b for s in self.step_protocol.schedulers for b in s.buckets]
+
+    def replica_of(self, name: str) -> int:
+        """Which of the identical copies of param `name`'s owned elements this rank holds: its
+        shard group's place among the dp / k groups (0 without hybrid sharding). Checkpoints
+        write copy 0 alone."""
+        for e in (*self._experts, self):  # the dense wrapper's routes hold the experts' too
+            if any(r.name == name for r in e.routes):
+                return e.rank // e.shard_group_size
+        raise KeyError(f"{name!r} is not a trainable param of this model")
 
     @property
     def device(self) -> torch.device:

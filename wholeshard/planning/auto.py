@@ -198,12 +198,9 @@ def decide(
     strategy or `shard_group_size` is "auto". `bucket_size` None: `targets.bucket_size_for` the
     shard group size (dp when None) and strategy; `matrix_cost`: the cost balanced (None:
     `ns_cost`)."""
+    if scheme != "whole" and shard_group_size == "auto":
+        shard_group_size = None  # the ping-pong baseline has no shard groups: one
     auto_k = shard_group_size == "auto"
-    if auto_k and scheme != "whole":
-        raise ValueError(
-            f"shard_group_size='auto' plans whole-tensor buffers: it needs scheme='whole', "
-            f"got {scheme!r}"
-        )
     if scheme != "whole" and strategy == "auto":
         strategy = "size_match"  # the ping-pong baseline's own, whatever is asked
     if isinstance(shard_group_size, str) and not auto_k:
