@@ -189,12 +189,12 @@ def test_peak_transient_is_zero_unless_fully_sharded(planned) -> None:
         costs = plan_costs(plan, specs, mode)
         sharded = mode.reshard_after_forward and plan.dp_size > 1 and plan.shard_group_size > 1
         if not sharded:
-            assert costs.peak_transient == costs.transient_bucket == 0
+            assert costs.peak_transient == costs.transient_unit == 0
             continue
         units = storage_units(plan, specs)
         pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
-        assert costs.transient_bucket == max(u.numel for u in units) * (pb + gb)
-        assert costs.transient_bucket <= costs.peak_transient <= plan.numel * (pb + gb)
+        assert costs.transient_unit == max(u.numel for u in units) * (pb + gb)
+        assert costs.transient_unit <= costs.peak_transient <= plan.numel * (pb + gb)
         if not mode.overlap_grad_reduce:  # every full grad lives until the step
             assert costs.peak_transient >= plan.numel * gb
 
@@ -211,7 +211,7 @@ def test_overlapped_reductions_free_grads_during_backward() -> None:
     serial = plan_costs(plan, specs, fsdp).peak_transient
     overlapped = plan_costs(plan, specs, Mode(reshard_after_forward=True, overlap_grad_reduce=True))
     assert serial >= plan.numel * 4  # every grad until the step
-    assert overlapped.peak_transient <= 2 * overlapped.transient_bucket < serial
+    assert overlapped.peak_transient <= 2 * overlapped.transient_unit < serial
 
 
 def test_the_module_model_nests_modules_by_name() -> None:

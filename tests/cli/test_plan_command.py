@@ -114,12 +114,12 @@ def test_json_has_every_field_with_its_type(
     }
     per_rank, per_step = doc["per_rank"], doc["per_step"]
     assert set(per_rank) == {"shard_rank", "persistent_bytes", "persistent_total_min",
-                             "peak_transient_bytes", "transient_bucket_bytes"}  # fmt: skip
+                             "peak_transient_bytes", "transient_unit_bytes"}  # fmt: skip
     kinds = {"params", "grads", "masters", "optimizer_state", "master_grads", "total"}
     assert set(per_rank["persistent_bytes"]) == kinds
     assert all(isinstance(v, int) and v >= 0 for v in per_rank["persistent_bytes"].values())
     assert per_rank["persistent_bytes"]["params"] == 4 * sum(b["numel"] for b in doc["buffers"])
-    assert per_rank["peak_transient_bytes"] == per_rank["transient_bucket_bytes"] == 0
+    assert per_rank["peak_transient_bytes"] == per_rank["transient_unit_bytes"] == 0
     assert set(per_step) == {"collectives", "bytes_sent", "bytes_sent_by_op"}
     assert set(per_step["collectives"]) <= set(OPS) and isinstance(per_step["bytes_sent"], int)
     assert per_step["bytes_sent"] == sum(per_step["bytes_sent_by_op"].values())
@@ -173,7 +173,7 @@ def test_json_costs_are_the_plans_in_the_mode_the_flags_name(
     if mode.reshard_after_forward:  # each rank keeps 1/8 of the bf16 params
         numel = sum(b["numel"] for b in doc["buffers"])
         assert doc["per_rank"]["persistent_bytes"]["params"] == numel // 8 * 2
-        assert doc["per_rank"]["peak_transient_bytes"] >= doc["per_rank"]["transient_bucket_bytes"]
+        assert doc["per_rank"]["peak_transient_bytes"] >= doc["per_rank"]["transient_unit_bytes"]
 
 
 def test_table_tells_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:

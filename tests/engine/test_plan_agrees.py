@@ -111,7 +111,7 @@ def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
         original(t)
         alive = sum(
             b.param.untyped_storage().nbytes() + b.grad.untyped_storage().nbytes()
-            for b in ddp.buckets
+            for b in ddp.units
         )
         peak[0] = max(peak[0], alive)
 
@@ -221,7 +221,7 @@ def test_the_plan_tells_memory_collectives_and_bytes_of_a_real_run(name: str) ->
         for kind in ("params", "grads", "masters", "optimizer_state"):
             assert mine[kind] == memory[kind], (rank, kind, mine[kind], memory[kind])
         assert mine["master_grads"] == out["master_grads"], rank
-        assert costs.transient_bucket == memory["transient_bucket"], rank
+        assert costs.transient_unit == memory["transient_unit"], rank
         peak = (costs.peak_transient, out["peak"])
         if name in PEAK_WITHIN:
             assert abs(peak[0] - peak[1]) <= PEAK_WITHIN[name] * peak[1], (rank, peak)

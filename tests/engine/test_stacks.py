@@ -103,7 +103,7 @@ def _zero_and_fully_sharded(dtype: torch.dtype) -> dict:
     zero = wholeshard_run(3, ddp_kw=dict(bucket_size=1500), **kw)
     fs = wholeshard_run(3, ddp_kw=dict(bucket_size=1500, reshard_after_forward=True), **kw)
     ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, reshard_after_forward=True)
-    return {"zero": zero, "fs": fs, "parts": max(len(b.buckets) for b in ddp.buckets)}
+    return {"zero": zero, "fs": fs, "parts": max(len(b.buckets) for b in ddp.units)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

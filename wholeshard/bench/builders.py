@@ -126,7 +126,7 @@ class _HookTail:
 
         return fut.then(done)
 
-    def settle(self) -> None:
+    def book_tail(self) -> None:
         self.clock.add(self.last_done - self.last_launch)
         self.last_launch = self.last_done = 0.0
 
@@ -135,13 +135,13 @@ def _ddp(model: nn.Module, clock: WaitClock) -> tuple[nn.Module, Callable[[], No
     ddp = nn.parallel.DistributedDataParallel(model)
     tail = _HookTail(clock)
     ddp.register_comm_hook(None, tail.hook)
-    return ddp, tail.settle
+    return ddp, tail.book_tail
 
 
 def _build_ddp_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
     model = workload.make_model()
-    ddp, settle = _ddp(model, clock)
-    return Setup(ddp, torch_optimizers(model, workload), settle)
+    ddp, book_tail = _ddp(model, clock)
+    return Setup(ddp, torch_optimizers(model, workload), book_tail)
 
 
 def _kj_unavailable() -> str | None:
@@ -156,12 +156,12 @@ def _build_ddp_kj_muon(workload: Workload, clock: WaitClock) -> Setup:
     from muon import MuonWithAuxAdam
 
     model = workload.make_model()
-    ddp, settle = _ddp(model, clock)
+    ddp, book_tail = _ddp(model, clock)
     muon, other = split_params(model, workload)
     groups = [dict(params=muon, use_muon=True, **MUON_KW)]
     if other:
         groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
-    return Setup(ddp, [MuonWithAuxAdam(groups)], settle, owned_optimizers=_kj_share)
+    return Setup(ddp, [MuonWithAuxAdam(groups)], book_tail, owned_optimizers=_kj_share)
 
 
 def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
@@ -183,12 +183,12 @@ def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
 def _build_ddp_kj_rule(workload: Workload, clock: WaitClock, rule: Rule) -> Setup:
     """`rules.RoundRobin` of `rule` over DDP's replicated params (`rules` module note)."""
     model = workload.make_model()
-    ddp, settle = _ddp(model, clock)
+    ddp, book_tail = _ddp(model, clock)
     muon, other = split_params(model, workload)
     ordered = by_size(muon)
     rank, world = dist.get_rank(), dist.get_world_size()
     opt = RoundRobin(torch_pair(ordered[rank::world], other, rule=rule), ordered)
-    return Setup(ddp, [opt], settle, owned_optimizers=_kj_rule_share(rule))  # type: ignore[list-item]
+    return Setup(ddp, [opt], book_tail, owned_optimizers=_kj_rule_share(rule))  # type: ignore[list-item]
 
 
 def _kj_rule_share(rule: Rule) -> OwnedOptimizers:

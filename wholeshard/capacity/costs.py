@@ -260,8 +260,8 @@ def step_collectives(
 @dataclass(frozen=True)
 class Costs:
     """What `plan` costs in `mode` ([Note: plan costs]). `persistent[r]`: `persistent_bytes`
-    of shard-group rank r; `transient_bucket`: the largest unit's full params and grads (what
-    `memory()` reports as `transient_bucket`), `peak_transient`: the most bytes of full units
+    of shard-group rank r; `transient_unit`: the largest unit's full params and grads (what
+    `memory()` reports as `transient_unit`), `peak_transient`: the most bytes of full units
     alive at once in a step (0 unless fully sharded); `collectives`: one step's, of
     `worst_rank` (`step_collectives` of another rank differs only in the owner buckets'
     all-reduces across replicas)."""
@@ -269,7 +269,7 @@ class Costs:
     plan: Plan
     mode: Mode
     persistent: tuple[dict[str, int], ...]
-    transient_bucket: int
+    transient_unit: int
     peak_transient: int
     collectives: tuple[Collective, ...]
 

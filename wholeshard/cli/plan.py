@@ -57,7 +57,7 @@ def costs_json(costs: Costs) -> dict[str, Any]:
             "persistent_bytes": costs.persistent[worst],
             "persistent_total_min": min(p["total"] for p in costs.persistent),
             "peak_transient_bytes": costs.peak_transient,
-            "transient_bucket_bytes": costs.transient_bucket,
+            "transient_unit_bytes": costs.transient_unit,
         },
         "per_step": {
             "collectives": costs.counts(),
@@ -159,7 +159,7 @@ def costs_lines(costs: Costs) -> list[str]:
         f"{size(mine['optimizer_state'])}, master grads {size(mine['master_grads'])}; total "
         f"{size(mine['total'])} (least {size(min(p['total'] for p in costs.persistent))}); "
         f"peak transient {size(costs.peak_transient)} (largest bucket "
-        f"{size(costs.transient_bucket)})",
+        f"{size(costs.transient_unit)})",
         f"per step: {len(costs.collectives)} collectives ({counts}), {size(costs.bytes_sent)} "
         "sent per rank (ring model)",
     ]

@@ -4,7 +4,7 @@ the whole MoE (`ExpertLayout`: checkpoints, the step check's flags) and the whol
 from the meta device (`whole_moe_init`).
 
 `DataParallel` holds the dense params itself (over dp x ep) and the experts in a second
-`DataParallel` over the expert-data-parallel group (`ExpertPart`), with its own plan, buckets
+`DataParallel` over the expert-data-parallel group (`ExpertPart`), with its own plan, units
 and schedule; the first drives both.
 """
 

@@ -96,14 +96,14 @@ class DataParallelConfig:
     gathered before its forward and again before its backward, and released after each. For
     models whose params, gradients and state do not fit replicated."""
     overlap_grad_reduce: bool = True
-    """Reduce each bucket during backward, as soon as all its gradients are in (FSDP2 always
-    does). Off: every bucket is reduced at the step, so every full gradient bucket lives until
+    """Reduce each storage unit during backward, as soon as all its gradients are in (FSDP2 always
+    does). Off: every unit is reduced at the step, so every full gradient unit lives until
     then (fully sharded, that is the whole model's gradients); the same bits either way."""
     overlap_param_gather: bool = False
-    """Gather the updated params during the next forward, each bucket just ahead of the modules
+    """Gather the updated params during the next forward, each unit just ahead of the modules
     that use it, instead of at the end of `optimizer.step()`."""
     pipelined_step: bool = False
-    """`optimizer.step()` updates each bucket as soon as its reduction lands and dispatches its
+    """`optimizer.step()` updates each unit as soon as its reduction lands and dispatches its
     gather at once; the same bits as the unpipelined step."""
     fp8_param_gather: bool = False
     """Sync the weights of FP8 layers as FP8 (convert the model with `wholeshard.fp8.convert`

@@ -46,7 +46,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     Args:
         ddp: the `DataParallel` whose owned params this optimizer steps; it owns the step (the
-            wrapped params' `.grad` stays None: gradients live in the buckets).
+            wrapped params' `.grad` stays None: gradients live in the units).
         muon: keyword arguments of `torch.optim.Muon` (lr, weight_decay, momentum, nesterov,
             ns_steps, adjust_lr_fn, ...), or of `matrix_optimizer`.
         matrix_optimizer: the torch optimizer class stepping the owned Muon-routed matrices:
@@ -72,7 +72,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     untouched), as torch's optimizers skip a param whose `.grad` is None; one used on some ranks
     only is stepped on the average, the others counting zeros (as torch DDP). With
     `DataParallelConfig(pipelined_step=True)`,
-    `step()` updates bucket by bucket as the reductions land (`StepProtocol.reduced_buckets`):
+    `step()` updates unit by unit as the reductions land (`StepProtocol.reduced_units`):
     the same per-param arithmetic, so the same bits.
 
     Before any update, every rank takes the step check, one small all-reduce (`_step_check`):
@@ -112,7 +112,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
         self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
         self._owned: list[OwnedPiece] = []
-        self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
+        self._by_unit: dict[int, list[OwnedPiece]] = {}  # unit index -> its owned pieces
         self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
         blocks = row_blocks(ddp.routes, ns_split)
         rule, muon, replicas = tensor_parallel_rule(matrix_optimizer, muon, tp_mode, ddp.routes)
@@ -121,7 +121,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if replicas:  # [Note: replicas of tensor-parallel matrices]
                 replicate(pieces)
             self._owned += pieces
-            self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
+            self._by_unit.setdefault(owned.unit, []).extend(pieces)
         index = {r.name: i for i, r in enumerate(ddp.routes)}
         indices = [index[o.name] for o in self._owned]  # each piece's param, for the step check
         self._indices = torch.tensor(indices, dtype=torch.float64, device=ddp.device)
@@ -154,8 +154,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._protocol.zero_grad_buffer()
             return loss
         if pipelined:
-            for bucket in self._protocol.reduced_buckets():
-                self._update(self._by_bucket.get(bucket, []), stepped)
+            for unit in self._protocol.reduced_units():
+                self._update(self._by_unit.get(unit, []), stepped)
         else:
             self._protocol.finish_param_sync()  # a gather in flight lands before we write
             self._update(self._owned, stepped)
@@ -193,7 +193,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def register_update_hook(self, hook: Callable[[list[OwnedPiece]], None]) -> RemovableHandle:
         """Call `hook(pieces)` after each update of owned `pieces` (all of a step's, or, pipelined,
-        one bucket's), before their masters are written to the params and gathered: what it
+        one unit's), before their masters are written to the params and gathered: what it
         writes to the masters is what every rank gets (QK-clip, `wholeshard.optim.QKClip`)."""
         handle = RemovableHandle(self._update_hooks)
         self._update_hooks[handle.id] = hook
@@ -205,7 +205,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         Return the names of the params to step (those that got a gradient on some rank), or
         None when every rank skips this step (policy "skip"). With `nonfinite=None` it is judged
         at the next step ([Note: host syncs in a step])."""
-        self._settle_check()
+        self._judge_pending_check()
         norms, self._piece_norms = self._piece_norms, None
         if self.nonfinite is None:
             norms = None
@@ -235,7 +235,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Per route, from the step check: whether some rank holding it got a gradient."""
         return self.ddp.expert_layout.pick(flags) if self.ddp.expert_layout else flags
 
-    def _settle_check(self) -> None:
+    def _judge_pending_check(self) -> None:
         """Read a step check left unread and raise what it found (on every rank alike)."""
         if self._unread is not None:
             (step, change, pending), self._unread = self._unread, None
@@ -325,12 +325,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def piece_state(self, piece: OwnedPiece) -> dict[str, Any]:
         """The torch optimizer's live state dict for `piece` (empty before the first step). A
         step check left unread is read first: state is never handed out past a failed check."""
-        self._settle_check()
+        self._judge_pending_check()
         return self._inner[piece.kind].state[piece.stepped]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, keyed by param name; loads at the same world size and plan only."""
-        self._settle_check()
+        self._judge_pending_check()
         state: dict[str, dict[str, Any]] = {}
         for o in self._owned:
             entry = dict(self._inner[o.kind].state.get(o.stepped, {}))
