@@ -231,7 +231,7 @@ def _floor_share(config: str) -> int:
     workload = get_workload("mlp", quick=True)
     setup = build(CONFIGS[config], workload, WaitClock())
     model = (setup.bare_model or workload.make_model)()
-    routes = route_params(model, workload.use_muon)
+    routes = route_params(model, workload.matrix_params)
     for r in routes:
         r.param.grad = torch.randn_like(r.param)
     optimizers = (setup.owned_optimizers or every_param)(routes)

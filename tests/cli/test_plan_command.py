@@ -43,7 +43,7 @@ SMALL = {
         {"name": "wte.weight", "shape": [100, 32], "tied": True},
         {"name": "h.0.fc.weight", "shape": [64, 32]},
         {"name": "h.0.fc.bias", "shape": [64]},
-        {"name": "h.0.proj.weight", "shape": [32, 64], "muon": False},
+        {"name": "h.0.proj.weight", "shape": [32, 64], "matrix": False},
         {"name": "h.1.fc.weight", "shape": [64, 32]},
         {"name": "scale", "shape": []},
     ]
@@ -78,7 +78,7 @@ def test_json_has_every_field_with_its_type(
     for field in ("padding_fraction", "ns_cost_imbalance", "plan_seconds"):
         assert isinstance(doc[field], float) and doc[field] >= 0
     assert 0 <= doc["padding_fraction"] < 1 and doc["ns_cost_imbalance"] >= 1
-    assert [b["kind"] for b in doc["buffers"]] == ["muon", "adamw"]
+    assert [b["kind"] for b in doc["buffers"]] == ["matrix", "adamw"]
     for b in doc["buffers"]:
         assert set(b) == {"kind", "numel", "buckets"} and isinstance(b["numel"], int)
         assert b["buckets"][-1]["end"] == b["numel"]
@@ -95,13 +95,13 @@ def test_json_has_every_field_with_its_type(
         assert p["end"] - p["start"] == math.prod(p["shape"])
         bucket = doc["buffers"][p["buffer"]]["buckets"][p["bucket"]]
         assert bucket["start"] <= p["start"] and p["end"] <= bucket["end"]
-        if p["kind"] == "muon":
+        if p["kind"] == "matrix":
             assert p["owner"] == (p["start"] - bucket["start"]) // bucket["shard_numel"]
         else:
             assert p["owner"] is None
     by_name = {p["name"]: p for p in doc["params"]}
-    assert by_name["h.0.proj.weight"]["kind"] == "adamw"  # explicit "muon": false wins
-    assert by_name["wte.weight"]["kind"] == "adamw" and by_name["h.0.fc.weight"]["kind"] == "muon"
+    assert by_name["h.0.proj.weight"]["kind"] == "adamw"  # explicit "matrix": false wins
+    assert by_name["wte.weight"]["kind"] == "adamw" and by_name["h.0.fc.weight"]["kind"] == "matrix"
     assert doc["mode"] == {
         "reshard_after_forward": False,
         "param_dtype": "float32",
@@ -279,7 +279,7 @@ def test_png_with_json_keeps_stdout_json(
         ({"params": [{"name": "w", "shape": [4, 0]}]}, "has no elements"),
         ({"params": [{"name": "w", "shape": "4x4"}]}, "shape must be a list of ints"),
         ({"params": [{"name": "w", "shape": [4.5]}]}, "shape must be a list of ints"),
-        ({"params": [{"name": "w", "shape": [4], "muon": "yes"}]}, "muon must be true or false"),
+        ({"params": [{"name": "w", "shape": [4], "matrix": "yes"}]}, "matrix must be true or"),
         ({"params": [{"name": "w", "shape": [4], "Muon": True}]}, r"unknown field\(s\) \['Muon'\]"),
         ({"params": [{"name": "", "shape": [4]}]}, "name must be a non-empty string"),
         ({"params": ["w"]}, r"params\[0\]: expected an object"),

@@ -142,7 +142,7 @@ def _stall_rank_three_mid_backward() -> None:
     ddp = data_parallel(model, shard_group_size=2, separate_all_gather_group=True)
     for g in (ddp.shard_group, ddp.replica_group, ddp.gather_group):
         assert group_timeout(g) == timedelta(seconds=STALL_S)  # inherited from the world group
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=dict(lr=0.01), adamw=dict(lr=0.01))
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=dict(lr=0.01), adamw=dict(lr=0.01))
     rank = dist.get_rank()
     for step in range(3):
         if step == 2 and rank == 3:

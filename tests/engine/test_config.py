@@ -63,7 +63,7 @@ def test_config_and_keywords_together_or_unknown_keywords_are_refused() -> None:
         (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8)), "mp_policy", "floating"),
         (dict(mp_policy=MixedPrecisionPolicy(reduce_dtype="fp32")), "mp_policy", "reduce_dtype"),
         (dict(overlap_grad_reduce=1), "overlap_grad_reduce", "True or False"),
-        (dict(use_muon="fc"), "use_muon", "a function"),
+        (dict(matrix_params="fc"), "matrix_params", "a function"),
         (dict(matrix_cost=3), "matrix_cost", "a function"),
     ],
 )

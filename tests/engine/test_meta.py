@@ -75,7 +75,7 @@ def _train(meta: bool, ddp_kw: dict) -> dict:
         built = full_params(module)
     tied = module.head.weight is module.emb.weight
     on_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     train_steps(ddp, opt, range(STEPS))
     with ddp.full_params():
         trained = full_params(module)

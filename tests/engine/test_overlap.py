@@ -78,8 +78,8 @@ def only_one_matrix(name: str, param: torch.nn.Parameter) -> bool:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_fewer_muon_matrices_than_ranks(mode: str) -> None:
-    ref = reference_run(3, use_muon=only_one_matrix)
-    outs = _run(4, dict(MODES[mode], bucket_size=None), use_muon=only_one_matrix)
+    ref = reference_run(3, matrix_params=only_one_matrix)
+    outs = _run(4, dict(MODES[mode], bucket_size=None), matrix_params=only_one_matrix)
     owns_muon = [any("momentum_buffer" in e for e in out["opt_state"].values()) for out in outs]
     assert owns_muon.count(True) == 1, "one Muon matrix, four ranks: three own no Muon param"
     for out in outs:

@@ -132,7 +132,7 @@ def _step(ddp: wholeshard.DataParallel, opt: wholeshard.LayerwiseOptimizer, step
 
 def _train(bucket_size: int, ddp_kw: dict) -> dict:
     ddp = data_parallel(make_model(), bucket_size=bucket_size, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     _step(ddp, opt, 0)  # makes the optimizer state
     with _recording() as (engine, torch_calls), _peak(ddp) as peak:
         _step(ddp, opt, 1)
@@ -144,7 +144,7 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
         "collectives": engine,
         "torch_calls": torch_calls,
         "peak": peak[0],
-        "specs": [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in ddp.routes],
+        "specs": [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in ddp.routes],
         "plan": ddp.plan,
     }
 

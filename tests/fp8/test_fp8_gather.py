@@ -103,11 +103,11 @@ class Deep(nn.Module):
 
 def _gather_bytes(fp8_param_gather: bool) -> int:
     torch.manual_seed(0)
-    model = fp8.convert(Deep(), "tensorwise", use_muon=lambda name, p: True)
+    model = fp8.convert(Deep(), "tensorwise", matrix_params=lambda name, p: True)
     ddp = wholeshard.DataParallel(
         model, bucket_size=8192, mp_policy=mp(torch.bfloat16), fp8_param_gather=fp8_param_gather
     )
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW)
     sent = []
     original = collectives.all_gather
 
@@ -223,7 +223,7 @@ def test_checkpoints_hold_masters_and_load_either_way(tmp_path, save_on: bool) -
 
 def _mixed_on_and_off() -> dict:
     """`pos` (8 x 32, a bare param) routed to Muon lands in buckets with converted weights."""
-    kw = dict(make=fp8_model("mxfp8"), param_dtype=torch.bfloat16, use_muon=_muon_with_pos)
+    kw = dict(make=fp8_model("mxfp8"), param_dtype=torch.bfloat16, matrix_params=_muon_with_pos)
     mixing = dict(BUCKETS, strategy="balanced", **OVERLAP)  # equal shards pack `pos` with others
     off = wholeshard_run(3, ddp_kw=mixing, **kw)
     on = wholeshard_run(3, ddp_kw=dict(mixing, fp8_param_gather=True), keep_ddp=True, **kw)

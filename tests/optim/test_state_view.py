@@ -10,7 +10,7 @@ from wholeshard.optim.pieces import ADAMW, MUON
 
 def _state_view() -> dict:
     ddp = wholeshard.DataParallel(make_model())
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     train_steps(ddp, opt, range(1))
     sizes = {kind: len(opt._inner[kind].state) for kind in (MUON, ADAMW)}
     keys = {o.kind: sorted(opt.state[o.master]) for o in opt.owned_pieces()}

@@ -55,7 +55,7 @@ def check_torch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                     f"{type(optimizer).__name__}.step() would not update {name!r}: the param is "
                     f"wrapped by wholeshard.DataParallel, so its .grad is always None (gradients "
                     f"live in DataParallel's units and are reduced to the rank that owns the "
-                    f"param). wholeshard.LayerwiseOptimizer(ddp, muon=..., adamw=...) owns the "
+                    f"param). wholeshard.LayerwiseOptimizer(ddp, matrix=..., adamw=...) owns the "
                     f"step; clip with its clip_grad_norm_ (torch.nn.utils.clip_grad_norm_ sees "
                     f"no gradient)"
                 )

@@ -57,7 +57,7 @@ def check_model(
         return
     if problem is None:  # before the first collective, which would fail on a wrong device
         check_device(routes[0].param.device, group)
-    mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
+    mine = [(r.name, r.shape, str(r.param.dtype), r.matrix) for r in routes]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (problem, mine), group=group)
     for rank, (theirs, _) in enumerate(everyone):
@@ -181,7 +181,7 @@ def plan_routes(
     """The plan of the routed params (`planning.auto.plan_for`: the config's bucket size or
     the default for the shard group, its shard group size or the automatic choice): the
     decision alone, no report (that is `wholeshard.capacity.choice`'s)."""
-    specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
+    specs = [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in routes]
     return plan_for(
         specs,
         dp_size,

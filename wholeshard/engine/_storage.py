@@ -95,7 +95,7 @@ class StorageUnit:
     gathered) and its gradient is added into the same range of `grad`."""
 
     index: int  # position in reduce (backprop) order among the model's storage units
-    kind: str  # the buffer kind ("muon", "stacked", "adamw", "unaligned")
+    kind: str  # the buffer kind ("matrix", "stacked", "adamw", "unaligned")
     buckets: tuple[Bucket, ...]  # the planned buckets the unit spans, in buffer order
     start: int  # first buffer element of the unit
     end: int  # one past its last

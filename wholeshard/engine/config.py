@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..planning import SCHEMES, STRATEGIES
 from ..planning.plan import Scheme, Strategy
-from ..planning.routing import UseMuon
+from ..planning.routing import MatrixParams
 from ..planning.specs import is_int
 
 if TYPE_CHECKING:
@@ -74,10 +74,10 @@ class DataParallelConfig:
     `auto`: the largest k whose plan keeps buckets bounded, padding under 1% and Newton-Schulz
     balanced (`wholeshard.planning.auto`; `wholeshard plan --shard-group-size auto` shows why).
     Set it past a few dozen ranks, where one group has more ranks than matrices to deal."""
-    use_muon: UseMuon | None = None
-    """`use_muon(name, param) -> bool` replaces the default routing rule's decision of which
+    matrix_params: MatrixParams | None = None
+    """`matrix_params(name, param) -> bool` replaces the default routing rule's decision of which
     params the matrix rule steps (the rest: AdamW) (`wholeshard.planning.routing`)."""
-    expert_params: UseMuon | None = None
+    expert_params: MatrixParams | None = None
     """`expert_params(name, param) -> bool`: which params are a MoE's experts, split over a
     mesh's "ep" dim (each ep rank holds its own); used only with one. None: names with an
     `experts` part (`layers.0.mlp.experts.w1`, `experts.3.up.weight`) ([Note: expert
@@ -142,7 +142,7 @@ class DataParallelConfig:
                     name, f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
         for name, what in (
-            ("use_muon", "a function use_muon(name, param) -> bool"),
+            ("matrix_params", "a function matrix_params(name, param) -> bool"),
             ("expert_params", "a function expert_params(name, param) -> bool"),
             ("param_init", "a function fn(name, tensor)"),
             ("matrix_cost", "a function cost(rows, cols) -> int (e.g. SOAP.matrix_cost)"),

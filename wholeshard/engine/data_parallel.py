@@ -66,7 +66,7 @@ class DataParallel(nn.Module):
             `shard_group_size`), beside `"pp"`, `"tp"` or `"ep"` (a MoE's experts: [Note:
             expert parallelism]) ([Note: mesh dims] in `wholeshard.distributed.mesh`).
 
-    Muon-routed params live in whole-tensor buffers, the others in element-wise sharded ones
+    matrix-routed params live in whole-tensor buffers, the others in element-wise sharded ones
     (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step
     (driving it through `step_protocol`): the wrapped params' `.grad` stays None (gradients go
     to the units), so clip with `optimizer.clip_grad_norm_`, not
@@ -124,7 +124,7 @@ class DataParallel(nn.Module):
         if cfg.param_init is not None and not _part:  # [Note: meta-device construction]
             placeholders = materialise(module, target_device(module, self.process_group))
             fill_frozen(module, cfg.param_init)
-        self.routes = _part.routes if _part else route_params(module, cfg.use_muon)
+        self.routes = _part.routes if _part else route_params(module, cfg.matrix_params)
         routes, experts = split_experts(module, self.routes, cfg, meshed)  # [Note: expert
         ep = bool(experts)  # parallelism] in `wholeshard.distributed.mesh`
         self.tensor_parallel = not _part and check_tensor_parallel(  # experts: checked by dense

@@ -36,20 +36,22 @@ from ._step_check import (
 )
 from .matrix_rule import closure_loss
 from .ns_split import NsSplit, row_blocks
-from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
+from .pieces import ADAMW, MATRIX, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
 from .rules import tensor_parallel_rule
 from .tensor_parallel import TpMode, combined_norms, replicas_stepped, replicate, tp_slices
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
-    """Muon on the Muon-routed params, AdamW on the rest, each only on this rank's owned params.
+    """The matrix rule (Muon by default) on the matrix-routed params, AdamW on the rest, each
+    only on this rank's owned params.
 
     Args:
         ddp: the `DataParallel` whose owned params this optimizer steps; it owns the step (the
             wrapped params' `.grad` stays None: gradients live in the units).
-        muon: keyword arguments of `torch.optim.Muon` (lr, weight_decay, momentum, nesterov,
-            ns_steps, adjust_lr_fn, ...), or of `matrix_optimizer`.
-        matrix_optimizer: the torch optimizer class stepping the owned Muon-routed matrices:
+        matrix: keyword arguments of `matrix_optimizer` (of `torch.optim.Muon` by default: lr,
+            weight_decay, momentum, nesterov, ns_steps, adjust_lr_fn, ...; NorMuon's or SOAP's
+            where it is one of those).
+        matrix_optimizer: the torch optimizer class stepping the owned matrix-routed matrices:
             `torch.optim.Muon`, or `wholeshard.optim.BatchedMuon` (the same maths and state,
             same-shape matrices orthogonalized together). Checkpoints reshard state shaped like
             the param, so an optimizer whose update of a param reads only that param, its grad
@@ -92,7 +94,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self,
         ddp: DataParallel,
         *,
-        muon: dict[str, Any] | None = None,
+        matrix: dict[str, Any] | None = None,
         adamw: dict[str, Any] | None = None,
         nonfinite: NonfinitePolicy | None = "error",
         matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
@@ -115,7 +117,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._by_unit: dict[int, list[OwnedPiece]] = {}  # unit index -> its owned pieces
         self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
         blocks = row_blocks(ddp.routes, ns_split)
-        rule, muon, replicas = tensor_parallel_rule(matrix_optimizer, muon, tp_mode, ddp.routes)
+        rule, matrix, replicas = tensor_parallel_rule(matrix_optimizer, matrix, tp_mode, ddp.routes)
         for owned in self._protocol.owned():
             pieces = pieces_of(owned, blocks.get(owned.route.name))
             if replicas:  # [Note: replicas of tensor-parallel matrices]
@@ -128,13 +130,16 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._tp_group, sliced = tp_slices(ddp.routes)  # for norms: slices sum over the group
         self._sliced = [o.name in sliced for o in self._owned]
         self._inner = {
-            MUON: rule([{"params": self._masters(MUON)}], **muon),
+            MATRIX: rule([{"params": self._masters(MATRIX)}], **matrix),
             ADAMW: torch.optim.AdamW([{"params": self._masters(ADAMW)}], **(adamw or {})),
         }
-        super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})
+        super().__init__([{"params": self._masters(MATRIX)}, {"params": self._masters(ADAMW)}], {})
         # Share the inner optimizers' group dicts so schedulers and users edit the real thing.
-        self.param_groups = [self._inner[MUON].param_groups[0], self._inner[ADAMW].param_groups[0]]
-        self.state = States(self._inner[MUON].state, self._inner[ADAMW].state)  # type: ignore[assignment]
+        self.param_groups = [
+            self._inner[MATRIX].param_groups[0],
+            self._inner[ADAMW].param_groups[0],
+        ]
+        self.state = States(self._inner[MATRIX].state, self._inner[ADAMW].state)  # type: ignore[assignment]
         self._protocol.attach_optimizer(self)
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
@@ -339,7 +344,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             state[o.key] = entry
         groups = [
             {k: v for k, v in g.items() if k != "params"} | {"kind": kind}
-            for kind, g in zip((MUON, ADAMW), self.param_groups, strict=True)
+            for kind, g in zip((MATRIX, ADAMW), self.param_groups, strict=True)
         ]
         return {"state": state, "param_groups": groups, "steps": self.steps}
 

@@ -14,10 +14,10 @@ The planners are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_ow
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):
-- route: one trainable param and the optimizer that updates it, Muon or AdamW
-  (`routing.Route`; `routing.route_params` is the one routing decision).
+- route: one trainable param and the optimizer that updates it, the matrix rule or AdamW
+  (`routing.Route`, `Route.matrix`; `routing.route_params` is the one routing decision).
 - plan: every buffer of a model for `dp` ranks in shard groups of `k` (`planning.Plan`).
-- buffer: one flat tensor holding params of one kind (`planning.Buffer`): "muon" (whole
+- buffer: one flat tensor holding params of one kind (`planning.Buffer`): "matrix" (whole
   tensors), "stacked" (whole matrices of expert stacks), "adamw" (element-wise), or
   "unaligned" (the ping-pong baseline's).
 - bucket: a contiguous range of a buffer, cut into `k` shards (`planning.Bucket`): equal ones,
