@@ -30,7 +30,7 @@ from wholeshard.bench.workloads import get_workload
 from wholeshard.cli import bench as cli
 from wholeshard.distributed.launch import launch
 from wholeshard.optim import BatchedMuon
-from wholeshard.optim.pieces import MUON
+from wholeshard.optim.pieces import MATRIX
 from wholeshard.planning.routing import route_params
 
 # -- configurations and workloads ----------------------------------------------------------
@@ -54,7 +54,7 @@ def _built_optimizer(config: str) -> tuple[str, str, str, str]:
     workload = get_workload("many-matrices", quick=True)
     setup = build(CONFIGS[config], workload, WaitClock())
     (opt,) = setup.optimizers
-    inner = opt._inner[MUON]
+    inner = opt._inner[MATRIX]
     model = setup.bare_model()
     routes = route_params(model, workload.matrix_params)
     for r in routes:
