@@ -158,9 +158,9 @@ def _build_ddp_kj_muon(workload: Workload, clock: WaitClock) -> Setup:
     model = workload.make_model()
     ddp, book_tail = _ddp(model, clock)
     muon, other = split_params(model, workload)
-    groups = [dict(params=muon, matrix_params=True, **MUON_KW)]
+    groups = [dict(params=muon, use_muon=True, **MUON_KW)]
     if other:
-        groups.append(dict(params=other, matrix_params=False, **ADAMW_KW))
+        groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
     return Setup(ddp, [MuonWithAuxAdam(groups)], book_tail, owned_optimizers=_kj_share)
 
 
@@ -174,9 +174,9 @@ def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
     matrices = sorted((r for r in routes if r.matrix), key=lambda r: r.param.size(), reverse=True)
     mine = [copy_with_grad(r.param, r.param.grad) for r in matrices[rank::world]]
     other = [copy_with_grad(r.param, r.param.grad) for r in routes if not r.matrix]
-    groups = [dict(params=mine, matrix_params=True, **MUON_KW)] if mine else []
+    groups = [dict(params=mine, use_muon=True, **MUON_KW)] if mine else []
     if other:
-        groups.append(dict(params=other, matrix_params=False, **ADAMW_KW))
+        groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
     return [SingleDeviceMuonWithAuxAdam(groups)] if groups else []
 
 
