@@ -198,7 +198,7 @@ OTHER_MODELS = {  # name: (model, matrix_params, what the error must name)
     "other routing": (
         make_model,
         lambda name, p: p.ndim == 2 and name not in ("pos", "emb.weight"),  # the head to Muon
-        "head.weight: optimizer adamw in the checkpoint, muon in the model",
+        "head.weight: optimizer adamw in the checkpoint, matrix in the model",
     ),
     "tied head": (lambda: make_model(tied=True), None, "not in the model: head.weight"),
 }
