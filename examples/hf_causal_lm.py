@@ -31,7 +31,7 @@ model = transformers.AutoModelForCausalLM.from_config(config).to(device)
 ddp = wholeshard.DataParallel(model, overlap_grad_reduce=True, overlap_param_gather=True)
 opt = wholeshard.LayerwiseOptimizer(
     ddp,
-    muon=dict(lr=1e-2, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
+    matrix=dict(lr=1e-2, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
     adamw=dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01),
 )
 rank = dist.get_rank() if dist.is_initialized() else 0

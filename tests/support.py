@@ -1,7 +1,7 @@
 """Shared test pieces: a small transformer, data, the single-process reference, a runner.
 
 The reference: one process, the full global batch, torch.optim.Muon on the
-Muon-routed params and torch.optim.AdamW on the rest (fp32 masters when params are bf16).
+matrix-routed params and torch.optim.AdamW on the rest (fp32 masters when params are bf16).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def make_model(seed: int = 0, **kw: Any) -> nn.Module:
 
 
 def fp8_model(recipe: str) -> Callable[[], nn.Module]:
-    """Makes `make_model()` with its Muon-routed linears converted to FP8 `recipe`."""
+    """Makes `make_model()` with its matrix-routed linears converted to FP8 `recipe`."""
 
     def make() -> nn.Module:
         from wholeshard import fp8
@@ -142,9 +142,9 @@ def matrices_of(route: Route, t: torch.Tensor) -> list[torch.Tensor]:
     """`t` (shaped like the route's param) as the fp32 tensors the reference steps: one (out, in)
     matrix per matrix of a Muon stack, the transpose of a weight stored (in, out), else `t`."""
     t = t.detach().float()
-    if route.muon and t.ndim > 2:
+    if route.matrix and t.ndim > 2:
         return [m.clone() for m in t.reshape(-1, *t.shape[-2:]).unbind()]
-    if route.muon and route.transposed:
+    if route.matrix and route.transposed:
         return [t.T.contiguous()]
     return [t.clone()]
 
@@ -153,7 +153,7 @@ def from_matrices(route: Route, masters: list[torch.Tensor]) -> torch.Tensor:
     """The inverse of `matrices_of`: the param's values in its own shape."""
     if len(masters) > 1 or route.param.ndim > 2:
         return torch.stack(masters).view(route.param.shape)
-    return masters[0].T if route.muon and route.transposed else masters[0]
+    return masters[0].T if route.matrix and route.transposed else masters[0]
 
 
 def reference_run(
@@ -164,7 +164,7 @@ def reference_run(
     model_kw: dict | None = None,
     muon_kw: dict | None = None,
     adamw_kw: dict | None = None,
-    use_muon: Callable | None = None,
+    matrix_params: Callable | None = None,
     unused_param: bool = False,
     make: Callable[[], nn.Module] | None = None,
     probe: Callable[[nn.Module], Any] | None = None,
@@ -183,7 +183,7 @@ def reference_run(
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
     model.to(device=device, dtype=param_dtype)
-    routes = route_params(model, use_muon)
+    routes = route_params(model, matrix_params)
     if state is not None:
         with torch.no_grad():
             for r in routes:
@@ -191,17 +191,17 @@ def reference_run(
     masters = {r.name: matrices_of(r, r.param) for r in routes}
     opts = [
         torch.optim.Muon(
-            [m for r in routes if r.muon for m in masters[r.name]], **(muon_kw or MUON_KW)
+            [m for r in routes if r.matrix for m in masters[r.name]], **(muon_kw or MUON_KW)
         ),
         torch.optim.AdamW(
-            [m for r in routes if not r.muon for m in masters[r.name]], **(adamw_kw or ADAMW_KW)
+            [m for r in routes if not r.matrix for m in masters[r.name]], **(adamw_kw or ADAMW_KW)
         ),
     ]
     if state is not None:
         for r in routes:
             saved = {k: matrices_of(r, v) for k, v in state[r.name].items() if k != "value"}
             for i, m in enumerate(masters[r.name]):
-                opts[0 if r.muon else 1].state[m] = {k: v[i] for k, v in saved.items()}
+                opts[0 if r.matrix else 1].state[m] = {k: v[i] for k, v in saved.items()}
     losses, norms = [], []
     for step in range(start, start + steps):
         loss = lm_loss(model, *batch(step))
@@ -249,7 +249,7 @@ def wholeshard_run(
     ddp_kw: dict | None = None,
     muon_kw: dict | None = None,
     adamw_kw: dict | None = None,
-    use_muon: Callable | None = None,
+    matrix_params: Callable | None = None,
     unused_param: bool = False,
     micro_batches: int = 1,
     evaluate: bool = False,
@@ -268,7 +268,7 @@ def wholeshard_run(
     still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
     "ddp" (for inspection inside the worker: it does not pickle); `lr_lambda` drives a
     `LambdaLR` scheduler stepped after every optimizer step; `device`: where the model runs
-    (outputs come back on the CPU); `matrix_optimizer` steps the Muon-routed matrices with
+    (outputs come back on the CPU); `matrix_optimizer` steps the matrix-routed matrices with
     `muon_kw`.
     """
     rank, world = rank_world()
@@ -276,10 +276,12 @@ def wholeshard_run(
     if unused_param:
         model.unused = nn.Linear(DIM, DIM)
     model.to(device)
-    ddp = data_parallel(model, mp_policy=mp(param_dtype), use_muon=use_muon, **(ddp_kw or {}))
+    ddp = data_parallel(
+        model, mp_policy=mp(param_dtype), matrix_params=matrix_params, **(ddp_kw or {})
+    )
     opt = wholeshard.LayerwiseOptimizer(
         ddp,
-        muon=muon_kw or MUON_KW,
+        matrix=muon_kw or MUON_KW,
         adamw=adamw_kw or ADAMW_KW,
         matrix_optimizer=matrix_optimizer,
     )
@@ -371,7 +373,7 @@ def wrapped(
     """`data_parallel(model, **ddp_kw)` (`model` by default `make_model()`) and a
     `LayerwiseOptimizer` over it with `MUON_KW` and `ADAMW_KW`."""
     ddp = data_parallel(make_model() if model is None else model, **ddp_kw)
-    return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    return ddp, wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
 
 
 def train_steps(
@@ -527,9 +529,9 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def spec(name: str, *shape: int, muon: bool | None = None, tied: bool = False) -> ParamSpec:
-    """A `ParamSpec`; Muon iff 2-D unless `muon` says otherwise."""
-    return ParamSpec(name, shape, muon=len(shape) == 2 if muon is None else muon, tied=tied)
+def spec(name: str, *shape: int, matrix: bool | None = None, tied: bool = False) -> ParamSpec:
+    """A `ParamSpec`; matrix-routed iff 2-D unless `matrix` says otherwise."""
+    return ParamSpec(name, shape, matrix=len(shape) == 2 if matrix is None else matrix, tied=tied)
 
 
 def shape_lists(max_size: int) -> st.SearchStrategy[list[tuple[int, ...]]]:
@@ -550,7 +552,7 @@ def spec_lists(draw: st.DrawFn, max_params: int = 40, tied_one_in: int = 20) -> 
             st.one_of(st.sampled_from(pool), st.tuples(dim), st.tuples(dim, dim), st.just(()))
         )
         tied = draw(st.integers(0, tied_one_in - 1)) == 0
-        specs.append(ParamSpec(f"p{i}", shape, muon=len(shape) == 2, tied=tied))
+        specs.append(ParamSpec(f"p{i}", shape, matrix=len(shape) == 2, tied=tied))
     return specs
 
 
@@ -563,11 +565,11 @@ def whole_buffer(
     align: int = 64,
 ) -> Buffer:
     """The whole-tensor planner by `strategy` (the machinery `plan_buffers` runs on 2-D Muon
-    specs) on every spec, as one checked "muon" buffer."""
+    specs) on every spec, as one checked "matrix" buffer."""
     specs = tuple(specs)
     _group_size(dp, None, bucket_size, align, strategy, "whole")
     validate_specs(specs)
-    buffer = plan_buffer("muon", specs, dp, bucket_size, align, strategy)
+    buffer = plan_buffer("matrix", specs, dp, bucket_size, align, strategy)
     buffer.check(specs)
     return buffer
 
@@ -576,7 +578,7 @@ def verify_whole_buffer(buffer: Buffer, specs: list[ParamSpec]) -> None:
     """Re-check every invariant of a whole-tensor buffer (any strategy) without calling
     `Buffer.check`."""
     k, align = buffer.shard_group_size, buffer.align
-    assert buffer.kind == "muon" and buffer.whole
+    assert buffer.kind == "matrix" and buffer.whole
     # Buckets: numbered in order, contiguous from 0; k equal aligned shards, or owner buckets
     # whose listed owners ascend and tile the bucket.
     pos = 0

@@ -62,7 +62,7 @@ def measure(preset: str, specs: list, dp: int, k: int, strategy: str, rule: str)
         "padding_fraction": plan.padding_fraction,
         "ns_cost_imbalance": plan.ns_cost_imbalance,
         "buckets": sum(len(b.buckets) for b in plan.buffers),
-        "muon_buckets": sum(len(b.buckets) for b in plan.buffers if b.kind == "muon"),
+        "muon_buckets": sum(len(b.buckets) for b in plan.buffers if b.kind == "matrix"),
         "plan_seconds": statistics.median(times),
         "plan_runs": len(times),
     }

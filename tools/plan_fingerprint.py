@@ -47,15 +47,15 @@ def random_specs(rng: random.Random, n: int) -> list[ParamSpec]:
     for i in range(n):
         r = rng.random()
         if r < 0.55:
-            specs.append(ParamSpec(f"w{i}", (rng.choice(dims), rng.choice(dims)), muon=True))
+            specs.append(ParamSpec(f"w{i}", (rng.choice(dims), rng.choice(dims)), matrix=True))
         elif r < 0.65:
             shape = (rng.choice([2, 4, 8]), rng.choice(dims), rng.choice(dims))
-            specs.append(ParamSpec(f"s{i}", shape, muon=True))
+            specs.append(ParamSpec(f"s{i}", shape, matrix=True))
         elif r < 0.72:
             shape = (rng.choice(dims), rng.choice(dims))
-            specs.append(ParamSpec(f"t{i}", shape, muon=rng.random() < 0.5, tied=True))
+            specs.append(ParamSpec(f"t{i}", shape, matrix=rng.random() < 0.5, tied=True))
         else:
-            specs.append(ParamSpec(f"b{i}", (rng.choice(dims),), muon=False))
+            specs.append(ParamSpec(f"b{i}", (rng.choice(dims),), matrix=False))
     return specs
 
 

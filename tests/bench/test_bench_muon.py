@@ -30,7 +30,7 @@ from wholeshard.bench.workloads import get_workload
 from wholeshard.cli import bench as cli
 from wholeshard.distributed.launch import launch
 from wholeshard.optim import BatchedMuon
-from wholeshard.optim.pieces import MUON
+from wholeshard.optim.pieces import MATRIX
 from wholeshard.planning.routing import route_params
 
 # -- configurations and workloads ----------------------------------------------------------
@@ -54,9 +54,9 @@ def _built_optimizer(config: str) -> tuple[str, str, str, str]:
     workload = get_workload("many-matrices", quick=True)
     setup = build(CONFIGS[config], workload, WaitClock())
     (opt,) = setup.optimizers
-    inner = opt._inner[MUON]
+    inner = opt._inner[MATRIX]
     model = setup.bare_model()
-    routes = route_params(model, workload.use_muon)
+    routes = route_params(model, workload.matrix_params)
     for r in routes:
         r.param.grad = torch.randn_like(r.param)
     (share,) = setup.owned_optimizers(routes)
@@ -83,8 +83,8 @@ def test_many_matrices_puts_every_matrix_in_the_loss() -> None:
     model = workload.make_model()
     x, y = workload.local_batch(0, 0, 2)
     workload.loss(model(x), y).backward()
-    routes = route_params(model, workload.use_muon)
-    assert len(routes) == 16 and all(r.muon and r.param.ndim == 2 for r in routes)
+    routes = route_params(model, workload.matrix_params)
+    assert len(routes) == 16 and all(r.matrix and r.param.ndim == 2 for r in routes)
     assert all(r.param.grad is not None and r.param.grad.abs().sum() > 0 for r in routes)
     assert not workload.stacked
     full = get_workload("many-matrices").make_model()
@@ -95,7 +95,8 @@ def test_experts_are_stacks_every_expert_in_the_loss() -> None:
     workload = get_workload("experts")
     model = workload.make_model()
     shapes = {
-        r.name: (r.muon, tuple(r.param.shape)) for r in route_params(model, workload.use_muon)
+        r.name: (r.matrix, tuple(r.param.shape))
+        for r in route_params(model, workload.matrix_params)
     }
     assert shapes == {
         "router": (True, (64, 64)),
@@ -138,7 +139,7 @@ def test_yardstick_is_torch_muon_on_every_matrix_of_the_share_alone() -> None:
         p.grad = torch.randn_like(p)
     share = [
         BatchedMuon([matrix], lr=0.1),
-        SimpleNamespace(param_groups=[{"params": [stack], "use_muon": True}]),
+        SimpleNamespace(param_groups=[{"params": [stack], "matrix_params": True}]),
         torch.optim.AdamW([bias]),
     ]
     found = muon_matrices(share)

@@ -221,7 +221,7 @@ def test_rss_is_positive_and_at_most_the_peak() -> None:
 
 
 def test_persistent_bytes_sum_what_outlives_a_step() -> None:
-    memory = dict(params=1, grads=2, masters=4, optimizer_state=8, transient_bucket=100, later=1000)
+    memory = dict(params=1, grads=2, masters=4, optimizer_state=8, transient_unit=100, later=1000)
     assert persistent_bytes(memory) == 15
 
 
@@ -231,7 +231,7 @@ def _floor_share(config: str) -> int:
     workload = get_workload("mlp", quick=True)
     setup = build(CONFIGS[config], workload, WaitClock())
     model = (setup.bare_model or workload.make_model)()
-    routes = route_params(model, workload.use_muon)
+    routes = route_params(model, workload.matrix_params)
     for r in routes:
         r.param.grad = torch.randn_like(r.param)
     optimizers = (setup.owned_optimizers or every_param)(routes)

@@ -91,7 +91,7 @@ def assert_figures_are_the_plans(choice: ShardGroupChoice, specs: tuple[ParamSpe
     assert choice.padding_fraction == plan.padding_fraction
     assert choice.ns_imbalance == plan.ns_cost_imbalance
     assert choice.ns_flops == max(rank_ns_flops(plan))
-    assert choice.optimizer_state == max(o.muon + 2 * o.adamw for o in owned(plan))
+    assert choice.optimizer_state == max(o.matrix + 2 * o.adamw for o in owned(plan))
     assert choice.bucket_limit == limit_of(plan, choice.bucket_target)
     assert choice.meets_targets == meets(plan, specs, choice.bucket_target, choice.padding_limit)
 
@@ -135,7 +135,7 @@ def test_no_larger_candidate_meets_the_targets(name: str, dp: int) -> None:
     specs = specs_of(name)
     choice, _ = choice_of(name, dp)
     numel = sum(s.numel for s in specs)
-    widest = max(round_up(s.numel, 64) for s in specs if s.muon and len(s.shape) == 2)
+    widest = max(round_up(s.numel, 64) for s in specs if s.matrix and len(s.shape) == 2)
     for k in ladder(dp):
         if k <= choice.k:
             break
@@ -163,7 +163,9 @@ def test_planning_is_fast_at_dp_1024() -> None:
 
 def tiny_specs(**kw: object) -> tuple[ParamSpec, ...]:
     """The specs `DataParallel` plans for the tests' small transformer."""
-    return tuple(ParamSpec(r.name, r.shape, r.muon, r.tied) for r in route_params(make_model(**kw)))
+    return tuple(
+        ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in route_params(make_model(**kw))
+    )
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def test_owned_matches_the_plans_own_ownership(planned) -> None:
                     muon += length
                     transposed += length if p.name == "transformer.h.0.attn.c_attn.weight" else 0
         got = mine[rank]
-        assert (got.muon, got.adamw, got.adamw_pieces, got.transposed) == (
+        assert (got.matrix, got.adamw, got.adamw_pieces, got.transposed) == (
             muon,
             adamw,
             pieces,
@@ -121,8 +121,8 @@ def test_persistent_bytes_add_up(planned, mode: Mode) -> None:
     k = plan.shard_group_size
     sharded = mode.reshard_after_forward and plan.dp_size > 1 and k > 1
     kept = plan.numel // k if sharded else plan.numel
-    muon = sum(s.numel for s in specs if s.muon)
-    adamw = sum(s.numel for s in specs if not s.muon)
+    muon = sum(s.numel for s in specs if s.matrix)
+    adamw = sum(s.numel for s in specs if not s.matrix)
     assert len(costs.persistent) == k
     for p in costs.persistent:
         assert (p["params"], p["grads"]) == (kept * pb, kept * gb)
@@ -131,7 +131,7 @@ def test_persistent_bytes_add_up(planned, mode: Mode) -> None:
     assert total["masters"] == (4 * (muon + adamw) if pb != 4 else 0)
     assert total["master_grads"] == (4 * (muon + adamw) if gb != 4 else 0)
     pieces = sum(o.adamw_pieces for o in owned(plan))
-    assert pieces >= sum(not s.muon for s in specs)
+    assert pieces >= sum(not s.matrix for s in specs)
     assert total["optimizer_state"] == 4 * muon + 8 * adamw + 4 * pieces
     assert costs.worst_rank == max(range(k), key=lambda r: (costs.persistent[r]["total"], -r))
 
@@ -189,12 +189,12 @@ def test_peak_transient_is_zero_unless_fully_sharded(planned) -> None:
         costs = plan_costs(plan, specs, mode)
         sharded = mode.reshard_after_forward and plan.dp_size > 1 and plan.shard_group_size > 1
         if not sharded:
-            assert costs.peak_transient == costs.transient_bucket == 0
+            assert costs.peak_transient == costs.transient_unit == 0
             continue
         units = storage_units(plan, specs)
         pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
-        assert costs.transient_bucket == max(u.numel for u in units) * (pb + gb)
-        assert costs.transient_bucket <= costs.peak_transient <= plan.numel * (pb + gb)
+        assert costs.transient_unit == max(u.numel for u in units) * (pb + gb)
+        assert costs.transient_unit <= costs.peak_transient <= plan.numel * (pb + gb)
         if not mode.overlap_grad_reduce:  # every full grad lives until the step
             assert costs.peak_transient >= plan.numel * gb
 
@@ -203,21 +203,21 @@ def test_overlapped_reductions_free_grads_during_backward() -> None:
     """A stack of Muon layers between an embedding and a head, each in buckets of their own:
     buckets complete in reduce order, so overlapped reductions free each bucket's grads while
     backward runs (one reduction in flight), where serial ones keep every grad to the step."""
-    specs = [ParamSpec("emb.weight", (64, 64), muon=False)]
-    specs += [ParamSpec(f"layers.{i}.weight", (64, 64), muon=True) for i in range(8)]
-    specs.append(ParamSpec("head.weight", (64, 64), muon=False))
+    specs = [ParamSpec("emb.weight", (64, 64), matrix=False)]
+    specs += [ParamSpec(f"layers.{i}.weight", (64, 64), matrix=True) for i in range(8)]
+    specs.append(ParamSpec("head.weight", (64, 64), matrix=False))
     plan = plan_buffers(specs, 2, bucket_size=4096)  # two layers a bucket (k times the widest)
     fsdp = Mode(reshard_after_forward=True, overlap_grad_reduce=False)
     serial = plan_costs(plan, specs, fsdp).peak_transient
     overlapped = plan_costs(plan, specs, Mode(reshard_after_forward=True, overlap_grad_reduce=True))
     assert serial >= plan.numel * 4  # every grad until the step
-    assert overlapped.peak_transient <= 2 * overlapped.transient_bucket < serial
+    assert overlapped.peak_transient <= 2 * overlapped.transient_unit < serial
 
 
 def test_the_module_model_nests_modules_by_name() -> None:
     names = ["pos", "emb.weight", "blocks.0.scale", "blocks.0.fc.weight", "blocks.0.fc.bias",
              "blocks.1.fc.weight", "head.weight"]  # fmt: skip
-    events = _events([ParamSpec(n, (2, 2), muon=True) for n in names])
+    events = _events([ParamSpec(n, (2, 2), matrix=True) for n in names])
     assert events == [
         ("pre", ""),
         ("pre", "emb"),
@@ -266,11 +266,11 @@ def test_every_muon_matrix_is_orthogonalized_by_one_rank(planned) -> None:
     plan, specs = planned
     per_rank = rank_ns_flops(plan)
     assert len(per_rank) == plan.shard_group_size
-    assert sum(per_rank) == sum(ns_flops(s.shape) for s in specs if s.muon)
+    assert sum(per_rank) == sum(ns_flops(s.shape) for s in specs if s.matrix)
 
 
 def test_collectives_are_timed_by_the_alpha_beta_ring_model() -> None:
-    specs = [ParamSpec(f"layers.{i}.weight", (256, 256), muon=True) for i in range(32)]
+    specs = [ParamSpec(f"layers.{i}.weight", (256, 256), matrix=True) for i in range(32)]
     plan = plan_buffers(specs, 32, bucket_size=1 << 20, shard_group_size=16)
     fabric = FABRICS["nvlink4-ndr400"]
     intra, inter = fabric.intra, fabric.inter

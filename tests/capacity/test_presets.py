@@ -1,4 +1,4 @@
-"""Tests for `wholeshard.presets`: published sizes, routing from names (`muon_by_name`), GQA and
+"""Tests for `wholeshard.presets`: published sizes, routing from names (`matrix_by_name`), GQA and
 bias details, and that every preset plans."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from wholeshard.capacity.presets import PRESETS, preset, spec
 from wholeshard.planning import ParamSpec, plan_buffers
-from wholeshard.planning.routing import muon_by_name
+from wholeshard.planning.routing import matrix_by_name
 
 # Published totals (HF configs; DeepSeek-V3's 671B main model, without the 14B MTP module).
 TOTALS = {
@@ -42,9 +42,9 @@ def test_moe_preset_is_deepseek_v3_sized() -> None:
     assert names["model.layers.3.mlp.gate.weight"].shape == (256, 7168)
     assert names["model.layers.3.mlp.shared_experts.down_proj.weight"].shape == (7168, 2048)
     assert names["model.layers.60.self_attn.kv_b_proj.weight"].shape == (32768, 512)
-    assert not names["model.layers.3.mlp.gate.e_score_correction_bias"].muon
-    assert not names["lm_head.weight"].muon and not names["model.embed_tokens.weight"].muon
-    assert names["model.layers.3.mlp.gate.weight"].muon  # the router is a hidden matrix
+    assert not names["model.layers.3.mlp.gate.e_score_correction_bias"].matrix
+    assert not names["lm_head.weight"].matrix and not names["model.embed_tokens.weight"].matrix
+    assert names["model.layers.3.mlp.gate.weight"].matrix  # the router is a hidden matrix
 
 
 def test_llama_gqa_shapes_and_untied_head() -> None:
@@ -55,14 +55,14 @@ def test_llama_gqa_shapes_and_untied_head() -> None:
     head, embed = names["lm_head.weight"], names["model.embed_tokens.weight"]
     assert head.shape == embed.shape == (128256, 8192)
     # the untied output head is AdamW's, like the embedding
-    assert not head.muon and not head.tied and not embed.muon and not embed.tied
+    assert not head.matrix and not head.tied and not embed.matrix and not embed.tied
 
 
 def test_qwen_has_qkv_biases_only() -> None:
     names = by_name(preset("qwen2.5-7b"))
     for proj, size in (("q", 3584), ("k", 512), ("v", 512)):
         bias = names[f"model.layers.27.self_attn.{proj}_proj.bias"]
-        assert bias.shape == (size,) and not bias.muon
+        assert bias.shape == (size,) and not bias.matrix
     assert "model.layers.0.self_attn.o_proj.bias" not in names
     assert names["lm_head.weight"].shape == (152064, 3584)
 
@@ -72,10 +72,10 @@ def test_gpt2_head_is_tied_to_wte() -> None:
     names = by_name(specs)
     assert "lm_head.weight" not in names
     wte = names["transformer.wte.weight"]
-    assert wte.tied and not wte.muon and specs[0] is wte
-    assert not names["transformer.wpe.weight"].muon
+    assert wte.tied and not wte.matrix and specs[0] is wte
+    assert not names["transformer.wpe.weight"].matrix
     assert names["transformer.h.11.attn.c_attn.weight"].shape == (2304, 768)
-    assert sum(s.muon for s in specs) == 12 * 4
+    assert sum(s.matrix for s in specs) == 12 * 4
 
 
 @pytest.mark.parametrize(
@@ -110,8 +110,8 @@ def test_gpt2_head_is_tied_to_wte() -> None:
     ],
 )
 def test_muon_by_name_rule(name: str, shape: tuple[int, ...], tied: bool, muon: bool) -> None:
-    assert muon_by_name(name, shape, tied) is muon
-    assert spec(name, *shape, tied=tied) == ParamSpec(name, shape, muon=muon, tied=tied)
+    assert matrix_by_name(name, shape, tied) is muon
+    assert spec(name, *shape, tied=tied) == ParamSpec(name, shape, matrix=muon, tied=tied)
 
 
 def test_unknown_preset_names_the_choices() -> None:
@@ -125,5 +125,5 @@ def test_every_dense_preset_plans(name: str) -> None:
     plan = plan_buffers(specs, 16, bucket_size=40_000_000, shard_group_size=8)
     plan.check(specs)
     fused_experts = name == "qwen3-30b-a3b"
-    kinds = ["muon", "stacked", "adamw"] if fused_experts else ["muon", "adamw"]
+    kinds = ["matrix", "stacked", "adamw"] if fused_experts else ["matrix", "adamw"]
     assert [b.kind for b in plan.buffers] == kinds

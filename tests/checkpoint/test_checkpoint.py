@@ -48,7 +48,7 @@ def setup(seed: int = 0, dtype=torch.float32, ddp_kw=None, muon_lr=None, model=N
     model = model if model is not None else make_model(seed)
     ddp = data_parallel(model, mp_policy=mp(dtype), **(ddp_kw or {}))
     muon = dict(MUON_KW, lr=muon_lr) if muon_lr is not None else MUON_KW
-    return model, ddp, wholeshard.LayerwiseOptimizer(ddp, muon=muon, adamw=ADAMW_KW)
+    return model, ddp, wholeshard.LayerwiseOptimizer(ddp, matrix=muon, adamw=ADAMW_KW)
 
 
 def owned_state(opt) -> dict[str, dict[str, torch.Tensor]]:
@@ -413,9 +413,9 @@ class SlicedAdamW:
         self.param_groups = opt.param_groups
         self._opt = opt
         self._state: dict[int, dict] = {}
-        self.pieces = [p for p in opt.owned_pieces() if p.kind == "muon"]
+        self.pieces = [p for p in opt.owned_pieces() if p.kind == "matrix"]
         for r in ddp.routes:
-            if r.muon:
+            if r.matrix:
                 continue
             n = r.param.numel()
             bounds = [0, *(int(c * n) for c in cuts), n]
@@ -429,7 +429,7 @@ class SlicedAdamW:
         return list(self.pieces)
 
     def piece_state(self, piece: OwnedPiece) -> dict:
-        if piece.kind == "muon":
+        if piece.kind == "matrix":
             return self._opt.piece_state(piece)
         return self._state[id(piece.master)]
 

@@ -21,10 +21,10 @@ from wholeshard.checkpoint import directory as checkpoint_dir
 from wholeshard.distributed.launch import WorkerFailed
 
 
-def setup(model: nn.Module | None = None, use_muon=None):
+def setup(model: nn.Module | None = None, matrix_params=None):
     model = model if model is not None else make_model()
-    ddp = wholeshard.DataParallel(model, use_muon=use_muon)
-    return model, ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    ddp = wholeshard.DataParallel(model, matrix_params=matrix_params)
+    return model, ddp, wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
 
 
 def snapshot(model: nn.Module, opt) -> dict[str, torch.Tensor]:
@@ -187,7 +187,7 @@ def _other_head(model: nn.Module) -> nn.Module:
     return model
 
 
-OTHER_MODELS = {  # name: (model, use_muon, what the error must name)
+OTHER_MODELS = {  # name: (model, matrix_params, what the error must name)
     "extra layer": (lambda: make_model(layers=3), None, "missing from the checkpoint: blocks.2."),
     "fewer layers": (lambda: make_model(layers=1), None, "not in the model: blocks.1."),
     "other shape": (
@@ -198,7 +198,7 @@ OTHER_MODELS = {  # name: (model, use_muon, what the error must name)
     "other routing": (
         make_model,
         lambda name, p: p.ndim == 2 and name not in ("pos", "emb.weight"),  # the head to Muon
-        "head.weight: optimizer adamw in the checkpoint, muon in the model",
+        "head.weight: optimizer adamw in the checkpoint, matrix in the model",
     ),
     "tied head": (lambda: make_model(tied=True), None, "not in the model: head.weight"),
 }
@@ -209,8 +209,8 @@ def _load_each(roots: dict[str, str]) -> dict[str, tuple[str | None, bool]]:
     out = {}
     for case, root in roots.items():
         if case in OTHER_MODELS:
-            build, use_muon, _ = OTHER_MODELS[case]
-            model, ddp, opt = setup(build(), use_muon)
+            build, matrix_params, _ = OTHER_MODELS[case]
+            model, ddp, opt = setup(build(), matrix_params)
         else:  # with optimizer state to lose
             model, ddp, opt = setup(make_model(seed=5))
             train_steps(ddp, opt, [0])

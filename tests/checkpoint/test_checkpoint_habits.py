@@ -21,7 +21,7 @@ from wholeshard.distributed.launch import launch
 
 def setup(seed: int = 0, group: dist.ProcessGroup | None = None):
     ddp = wholeshard.DataParallel(make_model(seed), process_group=group)
-    return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    return ddp, wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
 
 
 def launch_long_timeout(fn, nproc: int, *args) -> list:

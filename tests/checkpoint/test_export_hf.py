@@ -75,7 +75,7 @@ def _train_and_save(dirs: dict[str, Path], root: Path) -> dict[str, torch.Tensor
         model = load(directory, dtype=torch.float32)
         tok = transformers.AutoTokenizer.from_pretrained(directory)
         ddp = data_parallel(model, mp_policy=mp(torch.float32), **DDP_KW[kind])
-        opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+        opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
         for step in range(STEPS):
             data = tokens(step).tensor_split(world)[rank]
             out_logits = ddp(data[:, :-1]).logits
@@ -104,7 +104,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, P
 def byte_model_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-process checkpoint of a model that is not a transformers one (no extra["hf"])."""
     ddp = wholeshard.DataParallel(make_model())
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     return save_checkpoint(tmp_path_factory.mktemp("byte"), ddp, opt)
 
 

@@ -23,7 +23,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-process checkpoint after one step: the pristine copy each test tampers with."""
     root = tmp_path_factory.mktemp("ckpt")
     ddp = wholeshard.DataParallel(make_model())
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, 0, 1)).backward()
     opt.step()
     return save_checkpoint(root, ddp, opt)

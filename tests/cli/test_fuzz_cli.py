@@ -308,7 +308,7 @@ NAMES = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
 DIMS = st.lists(st.integers(1, 64), max_size=4)
 GOOD_ENTRY = st.fixed_dictionaries(
     {"name": NAMES, "shape": DIMS},
-    optional={"muon": st.booleans(), "tied": st.booleans()},
+    optional={"matrix": st.booleans(), "tied": st.booleans()},
 )
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -319,7 +319,7 @@ JSON_VALUES = st.recursive(
 # dim that is negative, zero, not an int, or too large for a tensor.
 BAD_ENTRY = st.one_of(
     GOOD_ENTRY.flatmap(
-        lambda e: st.sampled_from(["name", "shape", "muon", "tied"]).flatmap(
+        lambda e: st.sampled_from(["name", "shape", "matrix", "tied"]).flatmap(
             lambda field: JSON_VALUES.filter(lambda v: not _valid_field(field, v)).map(
                 lambda v: {**e, field: v}
             )
@@ -424,8 +424,8 @@ def test_shapes_edge_cases(shapes_dir: Path) -> None:
     rejected([{"name": "w", "shape": [10**30, 10**30]}], "more than a torch tensor")
     rejected([{"name": "w", "shape": [2**62]}, {"name": "v", "shape": [2**62]}], "together")
     # a stack of 2**38 matrices would take the planner days; refused up front
-    rejected([{"name": "experts.w", "shape": [2] * 40, "muon": True}], "matrices")
-    rejected([{"name": "w", "shape": [4, 4], "muon": "yes"}], "muon")
+    rejected([{"name": "experts.w", "shape": [2] * 40, "matrix": True}], "matrices")
+    rejected([{"name": "w", "shape": [4, 4], "matrix": "yes"}], "matrix")
     rejected([{"name": "", "shape": [4]}], "name")
     rejected([{"shape": [4]}], "missing field 'name'")
     rejected([{"name": "w"}], "missing field 'shape'")
@@ -438,5 +438,5 @@ def test_thousands_of_params_plan(shapes_dir: Path) -> None:
     assert result.code == 0, result.err
     assert len(json.loads(result.out)["params"]) == 6000
     # the same model as a stack is also accepted, matrices and elementwise params alike
-    stacked = [{"name": "experts.w", "shape": [3000, 16, 8], "muon": True}]
+    stacked = [{"name": "experts.w", "shape": [3000, 16, 8], "matrix": True}]
     assert plan_shapes(write_shapes(shapes_dir, {"params": stacked}), dp=8).code == 0

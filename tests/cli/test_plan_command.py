@@ -43,7 +43,7 @@ SMALL = {
         {"name": "wte.weight", "shape": [100, 32], "tied": True},
         {"name": "h.0.fc.weight", "shape": [64, 32]},
         {"name": "h.0.fc.bias", "shape": [64]},
-        {"name": "h.0.proj.weight", "shape": [32, 64], "muon": False},
+        {"name": "h.0.proj.weight", "shape": [32, 64], "matrix": False},
         {"name": "h.1.fc.weight", "shape": [64, 32]},
         {"name": "scale", "shape": []},
     ]
@@ -78,7 +78,7 @@ def test_json_has_every_field_with_its_type(
     for field in ("padding_fraction", "ns_cost_imbalance", "plan_seconds"):
         assert isinstance(doc[field], float) and doc[field] >= 0
     assert 0 <= doc["padding_fraction"] < 1 and doc["ns_cost_imbalance"] >= 1
-    assert [b["kind"] for b in doc["buffers"]] == ["muon", "adamw"]
+    assert [b["kind"] for b in doc["buffers"]] == ["matrix", "adamw"]
     for b in doc["buffers"]:
         assert set(b) == {"kind", "numel", "buckets"} and isinstance(b["numel"], int)
         assert b["buckets"][-1]["end"] == b["numel"]
@@ -95,13 +95,13 @@ def test_json_has_every_field_with_its_type(
         assert p["end"] - p["start"] == math.prod(p["shape"])
         bucket = doc["buffers"][p["buffer"]]["buckets"][p["bucket"]]
         assert bucket["start"] <= p["start"] and p["end"] <= bucket["end"]
-        if p["kind"] == "muon":
+        if p["kind"] == "matrix":
             assert p["owner"] == (p["start"] - bucket["start"]) // bucket["shard_numel"]
         else:
             assert p["owner"] is None
     by_name = {p["name"]: p for p in doc["params"]}
-    assert by_name["h.0.proj.weight"]["kind"] == "adamw"  # explicit "muon": false wins
-    assert by_name["wte.weight"]["kind"] == "adamw" and by_name["h.0.fc.weight"]["kind"] == "muon"
+    assert by_name["h.0.proj.weight"]["kind"] == "adamw"  # explicit "matrix": false wins
+    assert by_name["wte.weight"]["kind"] == "adamw" and by_name["h.0.fc.weight"]["kind"] == "matrix"
     assert doc["mode"] == {
         "reshard_after_forward": False,
         "param_dtype": "float32",
@@ -114,12 +114,12 @@ def test_json_has_every_field_with_its_type(
     }
     per_rank, per_step = doc["per_rank"], doc["per_step"]
     assert set(per_rank) == {"shard_rank", "persistent_bytes", "persistent_total_min",
-                             "peak_transient_bytes", "transient_bucket_bytes"}  # fmt: skip
+                             "peak_transient_bytes", "transient_unit_bytes"}  # fmt: skip
     kinds = {"params", "grads", "masters", "optimizer_state", "master_grads", "total"}
     assert set(per_rank["persistent_bytes"]) == kinds
     assert all(isinstance(v, int) and v >= 0 for v in per_rank["persistent_bytes"].values())
     assert per_rank["persistent_bytes"]["params"] == 4 * sum(b["numel"] for b in doc["buffers"])
-    assert per_rank["peak_transient_bytes"] == per_rank["transient_bucket_bytes"] == 0
+    assert per_rank["peak_transient_bytes"] == per_rank["transient_unit_bytes"] == 0
     assert set(per_step) == {"collectives", "bytes_sent", "bytes_sent_by_op"}
     assert set(per_step["collectives"]) <= set(OPS) and isinstance(per_step["bytes_sent"], int)
     assert per_step["bytes_sent"] == sum(per_step["bytes_sent_by_op"].values())
@@ -173,7 +173,7 @@ def test_json_costs_are_the_plans_in_the_mode_the_flags_name(
     if mode.reshard_after_forward:  # each rank keeps 1/8 of the bf16 params
         numel = sum(b["numel"] for b in doc["buffers"])
         assert doc["per_rank"]["persistent_bytes"]["params"] == numel // 8 * 2
-        assert doc["per_rank"]["peak_transient_bytes"] >= doc["per_rank"]["transient_bucket_bytes"]
+        assert doc["per_rank"]["peak_transient_bytes"] >= doc["per_rank"]["transient_unit_bytes"]
 
 
 def test_table_tells_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,7 +279,7 @@ def test_png_with_json_keeps_stdout_json(
         ({"params": [{"name": "w", "shape": [4, 0]}]}, "has no elements"),
         ({"params": [{"name": "w", "shape": "4x4"}]}, "shape must be a list of ints"),
         ({"params": [{"name": "w", "shape": [4.5]}]}, "shape must be a list of ints"),
-        ({"params": [{"name": "w", "shape": [4], "muon": "yes"}]}, "muon must be true or false"),
+        ({"params": [{"name": "w", "shape": [4], "matrix": "yes"}]}, "matrix must be true or"),
         ({"params": [{"name": "w", "shape": [4], "Muon": True}]}, r"unknown field\(s\) \['Muon'\]"),
         ({"params": [{"name": "", "shape": [4]}]}, "name must be a non-empty string"),
         ({"params": ["w"]}, r"params\[0\]: expected an object"),

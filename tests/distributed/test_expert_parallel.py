@@ -71,7 +71,7 @@ def expert_parallel(
     """Train on a mesh of `mesh_dims` (default dp 2 x ep 2); this rank's params under their
     names in the whole MoE."""
     model, ddp, rank, world = build(layout, mesh_dims or DP_EP, ddp_kw, unused)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     norms = []
     for step in range(STEPS):
         lm_loss(ddp, *local_batch(step, rank, world)).backward()
@@ -169,7 +169,7 @@ def _fp8(gather: bool) -> dict[str, torch.Tensor]:
     model = fp8.convert(MoELM("modules", mesh.get_group("ep")), "tensorwise")
     kw = dict(fp8_param_gather=gather, mp_policy=mp(torch.bfloat16))
     ddp = data_parallel(model, mesh=mesh, **kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     for step in range(STEPS):
         lm_loss(ddp, *local_batch(step, dist.get_rank(), dist.get_world_size())).backward()
         opt.step()
@@ -224,7 +224,7 @@ def resumed(layout: str, dims: dict | None, root: str, steps: int, load: bool, s
     `[2 if load else 0, ... + steps)`, loading and saving."""
     model, ddp, rank, world = build(layout, dims, {})
     opt = wholeshard.LayerwiseOptimizer(
-        ddp, muon=NORMUON_KW, adamw=ADAMW_KW, matrix_optimizer=NorMuon
+        ddp, matrix=NORMUON_KW, adamw=ADAMW_KW, matrix_optimizer=NorMuon
     )
     start = 2 if load else 0
     if load:

@@ -63,7 +63,7 @@ def _train(ddp_kw: dict, members: list[int] | None, eager: bool = False) -> dict
             groups.comms_split_from_world = lambda: True
             dist.split_group = _split_group_on_gloo
     ddp = data_parallel(make_model(), process_group=group, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     for step in range(3):  # each rank's slice of the batch, by its rank in the group
         lm_loss(ddp, *local_batch(step, ddp.rank, ddp.dp_size)).backward()
         opt.step()

@@ -118,7 +118,7 @@ def test_survivors_exit_when_a_rank_is_killed_mid_step(
             assert "a peer rank likely died" in err, err
             # The first collective to notice: one of the step's, or the loss's all-reduce
             # (issued before backward, read after it).
-            named = collective in err and "of bucket" in err
+            named = collective in err and "of unit" in err
             assert named or "the all-reduce of the loss failed" in err, err
             assert "Traceback" not in err, err
     finally:
@@ -142,7 +142,7 @@ def _stall_rank_three_mid_backward() -> None:
     ddp = data_parallel(model, shard_group_size=2, separate_all_gather_group=True)
     for g in (ddp.shard_group, ddp.replica_group, ddp.gather_group):
         assert group_timeout(g) == timedelta(seconds=STALL_S)  # inherited from the world group
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=dict(lr=0.01), adamw=dict(lr=0.01))
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=dict(lr=0.01), adamw=dict(lr=0.01))
     rank = dist.get_rank()
     for step in range(3):
         if step == 2 and rank == 3:
@@ -165,7 +165,7 @@ def test_a_stalled_rank_times_out_the_others_on_every_subgroup() -> None:
     text = failed.value.traceback
     assert "CollectiveError" in text and "a peer rank likely died or stalled" in text, text
     # gloo says "Timed out waiting ...ms" or "Application timeout caused pair closure"
-    assert "of bucket" in text and re.search(r"time[sd]? ?out", text, re.IGNORECASE), text
+    assert "of unit" in text and re.search(r"time[sd]? ?out", text, re.IGNORECASE), text
 
 
 def _abort_on_rank_1() -> None:

@@ -60,8 +60,8 @@ def pipelined(schedule_cls, ddp_kw: dict) -> dict[str, torch.Tensor]:
     stage_index, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     model = make_mlp()
     stage_module = model[:SPLIT] if stage_index == 0 else model[SPLIT:]  # keeps the names
-    ddp = data_parallel(stage_module, mesh=mesh, use_muon=matrices, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    ddp = data_parallel(stage_module, mesh=mesh, matrix_params=matrices, **ddp_kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     stage = PipelineStage(ddp, stage_index, 2, torch.device("cpu"), group=mesh.get_group("pp"))
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

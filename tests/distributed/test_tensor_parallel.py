@@ -107,7 +107,7 @@ def tensor_parallel(
     ddp = data_parallel(model, mesh=mesh, **ddp_kw)
     cls, kw = RULES[rule]
     opt = wholeshard.LayerwiseOptimizer(
-        ddp, muon=kw, adamw=ADAMW_KW, tp_mode=tp_mode, matrix_optimizer=cls
+        ddp, matrix=kw, adamw=ADAMW_KW, tp_mode=tp_mode, matrix_optimizer=cls
     )
     rank = (
         mesh["dp_replicate", "dp_shard"]._flatten().get_local_rank()
@@ -247,8 +247,8 @@ def gpt_reference() -> dict[str, torch.Tensor]:
     model = GPT(GPT_CFG)
     routes = route_params(model)
     opts = [
-        torch.optim.Muon([r.param for r in routes if r.muon], **MUON_KW),
-        torch.optim.AdamW([r.param for r in routes if not r.muon], **ADAMW_KW),
+        torch.optim.Muon([r.param for r in routes if r.matrix], **MUON_KW),
+        torch.optim.AdamW([r.param for r in routes if not r.matrix], **ADAMW_KW),
     ]
     for step in range(STEPS):
         gpt_loss(model, *batch(step)).backward()
@@ -264,7 +264,7 @@ def gpt_tensor_parallel(ddp_kw: dict) -> dict[str, torch.Tensor]:
     model = GPT(GPT_CFG)
     parallelize_blocks(model, mesh["tp"])  # models.gpt.BLOCK_TP_STYLES
     ddp = data_parallel(model, mesh=mesh, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     for step in range(STEPS):
         gpt_loss(ddp, *local_batch(step, mesh.get_local_rank("dp"), 2)).backward()
         opt.step()
@@ -300,7 +300,7 @@ def mesh_run(
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     ddp = wholeshard.DataParallel(model, mesh=mesh)
     cls, kw = RULES[rule]
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=cls)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=kw, adamw=ADAMW_KW, matrix_optimizer=cls)
     start = 0
     if load is not None:
         wholeshard.load_checkpoint(load, ddp, opt)
@@ -372,7 +372,7 @@ def _skip_on_one_tp_rank() -> tuple[int, int]:
     model = MLP()
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     ddp = wholeshard.DataParallel(model, mesh=mesh)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite="skip")
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, nonfinite="skip")
     for step in range(2):
         x, y = data(step)
         F.mse_loss(ddp(x[:4]), y[:4]).backward()
@@ -426,7 +426,7 @@ def _blocks(sizes: dict[str, list[int]]) -> dict[str, torch.Tensor] | str:
     ddp = wholeshard.DataParallel(model, mesh=mesh)
     try:
         opt = wholeshard.LayerwiseOptimizer(
-            ddp, muon=MUON_KW, adamw=ADAMW_KW, ns_split=lambda name, p: sizes.get(name)
+            ddp, matrix=MUON_KW, adamw=ADAMW_KW, ns_split=lambda name, p: sizes.get(name)
         )
     except NotImplementedError as e:
         return str(e)

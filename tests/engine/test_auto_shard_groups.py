@@ -14,7 +14,7 @@ STEPS = 3
 def _auto(steps: int) -> dict:
     out = wholeshard_run(steps, ddp_kw=dict(shard_group_size="auto"), keep_ddp=True)
     ddp = out.pop("ddp")
-    specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in ddp.routes]
+    specs = [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in ddp.routes]
     choice = auto_shard_group_size(specs, ddp.dp_size)
     out["k"], out["chosen"] = ddp.shard_group_size, choice.k
     out["same_plan"] = ddp.plan == choice.plan

@@ -46,26 +46,26 @@ def test_ranks_with_different_models_all_raise(differ: str) -> None:
 
 def test_no_param_routed_to_muon() -> None:
     with pytest.raises(ValueError, match="no parameter is routed to Muon") as e:
-        wholeshard.DataParallel(make_model(), use_muon=lambda name, p: False)
+        wholeshard.DataParallel(make_model(), matrix_params=lambda name, p: False)
     assert "blocks.0.qkv.weight" in str(e.value), "the message carries the routing table"
 
 
 def test_muon_param_must_have_2_dims() -> None:
-    with pytest.raises(ValueError, match="fewer than 2 dims.*use_muon") as e:
-        wholeshard.DataParallel(make_model(), use_muon=lambda name, p: True)
+    with pytest.raises(ValueError, match="fewer than 2 dims.*matrix_params") as e:
+        wholeshard.DataParallel(make_model(), matrix_params=lambda name, p: True)
     assert "ln.weight" in str(e.value)
 
 
 def test_default_routing() -> None:
     routes = {r.name: r for r in wholeshard.route_params(make_model(tied=True))}
-    assert routes["blocks.0.qkv.weight"].muon
-    assert not routes["blocks.0.fc.bias"].muon
-    assert not routes["emb.weight"].muon and routes["emb.weight"].tied
+    assert routes["blocks.0.qkv.weight"].matrix
+    assert not routes["blocks.0.fc.bias"].matrix
+    assert not routes["emb.weight"].matrix and routes["emb.weight"].tied
     assert "head.weight" not in routes, "a tied param is routed once, under its first name"
-    assert not routes["pos"].muon
+    assert not routes["pos"].matrix
     untied = {r.name: r for r in wholeshard.route_params(make_model())}
     # the output head is AdamW's, tied or not
-    assert not untied["head.weight"].muon and not untied["head.weight"].tied
+    assert not untied["head.weight"].matrix and not untied["head.weight"].tied
 
 
 def test_process_group_not_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,7 +80,7 @@ def test_frozen_params_are_left_out() -> None:
     before = model.emb.weight.detach().clone()
     ddp = wholeshard.DataParallel(model)
     assert "emb.weight" not in {r.name for r in ddp.routes}
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     lm_loss(ddp, *local_batch(0, 0, 1)).backward()
     opt.step()
     assert torch.equal(model.emb.weight, before)
@@ -92,7 +92,7 @@ def _train_with_unused_param() -> dict:
     model.unused = nn.Linear(32, 32)  # never called in forward
     before = model.unused.weight.detach().clone()
     ddp = wholeshard.DataParallel(model)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     for step in range(3):
         lm_loss(ddp, *local_batch(step, rank, world)).backward()
         opt.step()

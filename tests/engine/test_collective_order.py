@@ -94,7 +94,7 @@ def _steps(ddp_kw: dict, recipe: str | None) -> list[Call]:
         model = fp8.convert(model, recipe)
     calls = _recording()
     ddp = data_parallel(model, bucket_size=3000, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     for step in range(4):
         model.skip = step in (1, 3) and rank == 1  # the middle block: rank 0 only
         model.recompute = step >= 2

@@ -33,7 +33,7 @@ from support import (
 from torch import nn
 
 import wholeshard
-from wholeshard.engine._storage import BucketState
+from wholeshard.engine._storage import UnitState
 
 if not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
     pytest.skip("CPU inductor needs a C++ compiler", allow_module_level=True)
@@ -80,14 +80,14 @@ def _hooks_fire(kind: str) -> dict:
     torch._dynamo.reset()
     ddp, opt = wrapped(compiled(kind), **SMALL_BUCKETS, **OVERLAP)
     local_loss(ddp).backward()
-    reduced_in_backward = sum(b.reducing is not None for b in ddp.buckets)
+    reduced_in_backward = sum(b.reducing is not None for b in ddp.units)
     opt.step()
     opt.zero_grad()
-    deferred = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
+    deferred = sum(b.state is not UnitState.FRESH for b in ddp.units)
     local_loss(ddp, 1).backward()
-    left_after_forward = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
+    left_after_forward = sum(b.state is not UnitState.FRESH for b in ddp.units)
     return {
-        "buckets": len(ddp.buckets),
+        "buckets": len(ddp.units),
         "reduced_in_backward": reduced_in_backward,
         "deferred": deferred,
         "left_after_forward": left_after_forward,

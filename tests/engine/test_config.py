@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import wholeshard
 from wholeshard import DataParallelConfig
 from wholeshard.cli.flags import field_docs
-from wholeshard.engine._storage import BucketState
+from wholeshard.engine._storage import UnitState
 from wholeshard.engine.config import ConfigError, Variant
 
 
@@ -63,7 +63,7 @@ def test_config_and_keywords_together_or_unknown_keywords_are_refused() -> None:
         (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8)), "mp_policy", "floating"),
         (dict(mp_policy=MixedPrecisionPolicy(reduce_dtype="fp32")), "mp_policy", "reduce_dtype"),
         (dict(overlap_grad_reduce=1), "overlap_grad_reduce", "True or False"),
-        (dict(use_muon="fc"), "use_muon", "a function"),
+        (dict(matrix_params="fc"), "matrix_params", "a function"),
         (dict(matrix_cost=3), "matrix_cost", "a function"),
     ],
 )
@@ -106,13 +106,13 @@ def test_mp_policy_has_fsdp2s_meanings() -> None:
     model = make_model().to(torch.bfloat16)
     ddp = wholeshard.DataParallel(model)  # no policy: the model's own dtype, reduced in it
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert ddp.buckets[0].param.dtype == ddp.buckets[0].grad.dtype == torch.bfloat16
+    assert ddp.units[0].param.dtype == ddp.units[0].grad.dtype == torch.bfloat16
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ddp = wholeshard.DataParallel(make_model(), mp_policy=policy)
-    assert ddp.buckets[0].param.dtype == torch.bfloat16
-    assert ddp.buckets[0].grad.dtype == torch.float32
+    assert ddp.units[0].param.dtype == torch.bfloat16
+    assert ddp.units[0].grad.dtype == torch.float32
     compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce_dtype None: compute's
-    assert wholeshard.DataParallel(make_model(), mp_policy=compute).buckets[0].grad.dtype == (
+    assert wholeshard.DataParallel(make_model(), mp_policy=compute).units[0].grad.dtype == (
         torch.bfloat16
     )
     mixed = make_model()
@@ -120,7 +120,7 @@ def test_mp_policy_has_fsdp2s_meanings() -> None:
     with pytest.raises(ValueError, match="pass mp_policy=MixedPrecisionPolicy"):
         wholeshard.DataParallel(mixed)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
-    assert wholeshard.DataParallel(mixed, mp_policy=fp32).buckets[0].param.dtype == torch.float32
+    assert wholeshard.DataParallel(mixed, mp_policy=fp32).units[0].param.dtype == torch.float32
 
 
 def test_output_dtype_casts_the_forward_outputs() -> None:
@@ -143,13 +143,13 @@ def test_the_wrapped_models_attributes_show_through() -> None:
 
 def test_bucket_state_transitions_are_asserted() -> None:
     ddp = wholeshard.DataParallel(make_model())
-    storage = ddp.buckets[0]
-    assert storage.state is BucketState.FRESH
+    storage = ddp.units[0]
+    assert storage.state is UnitState.FRESH
     with pytest.raises(AssertionError, match="FRESH, expected STALE or RELEASED"):
         storage.start_gather()
     storage.mark_stale()
-    assert storage.state is BucketState.STALE
-    storage.state = BucketState.GATHERING  # as if a gather were in flight
+    assert storage.state is UnitState.STALE
+    storage.state = UnitState.GATHERING  # as if a gather were in flight
     for transition in (storage.mark_stale, storage.release_params, storage.start_gather):
         with pytest.raises(AssertionError, match="GATHERING"):
             transition()

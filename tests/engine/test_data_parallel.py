@@ -79,7 +79,7 @@ def _grads_after_sync() -> dict:
     ddp = wholeshard.DataParallel(make_model(), bucket_size=3000)
     local_loss(ddp).backward()
     ddp.step_protocol.finish_grad_sync()
-    muon = next(b for b in ddp.plan.buffers if b.kind == "muon")
+    muon = next(b for b in ddp.plan.buffers if b.kind == "matrix")
     return {
         "rank": dist.get_rank(),
         "buckets": len(muon.buckets),
@@ -124,7 +124,7 @@ def _state_report() -> dict:
     return {
         "owned": {s.route.name: s.param.numel() for s in ddp.step_protocol.owned()},
         "numel": {r.name: r.param.numel() for r in ddp.routes},
-        "muon": {r.name for r in ddp.routes if r.muon},
+        "muon": {r.name for r in ddp.routes if r.matrix},
         "state": {
             name: {k: (v.numel(), v.element_size()) for k, v in entry.items() if torch.is_tensor(v)}
             for name, entry in state.items()
@@ -189,7 +189,7 @@ def _round_trip(steps_before: int, steps_after: int, resume: bool) -> dict:
         }
         model = make_model(seed=123)  # different init: everything must come from the save
         ddp = wholeshard.DataParallel(model, mp_policy=mp(torch.bfloat16))
-        opt = wholeshard.LayerwiseOptimizer(ddp, muon=dict(MUON_KW, lr=1.0), adamw=ADAMW_KW)
+        opt = wholeshard.LayerwiseOptimizer(ddp, matrix=dict(MUON_KW, lr=1.0), adamw=ADAMW_KW)
         model.load_state_dict(saved_model)
         opt.load_state_dict(saved_opt)
     train(range(steps_before, steps_before + steps_after))
@@ -211,7 +211,7 @@ def test_lr_scheduler_drives_both_groups() -> None:
     opt.step()
     sched.step()
     assert [g["lr"] for g in opt.param_groups] == [MUON_KW["lr"] / 2, ADAMW_KW["lr"] / 2]
-    assert opt._inner["muon"].param_groups[0]["lr"] == MUON_KW["lr"] / 2
+    assert opt._inner["matrix"].param_groups[0]["lr"] == MUON_KW["lr"] / 2
 
 
 @pytest.mark.parametrize(
@@ -240,9 +240,9 @@ def test_shard_groups_and_strategies_match_reference(ddp_kw: dict) -> None:
 
 def test_tied_embedding_costs_no_padding() -> None:
     specs = [
-        ParamSpec("emb", (50257, 768), muon=False, tied=True),
-        *(ParamSpec(f"l{i}.w", (768, 768), muon=True) for i in range(8)),
-        *(ParamSpec(f"l{i}.b", (768,), muon=False) for i in range(8)),
+        ParamSpec("emb", (50257, 768), matrix=False, tied=True),
+        *(ParamSpec(f"l{i}.w", (768, 768), matrix=True) for i in range(8)),
+        *(ParamSpec(f"l{i}.b", (768,), matrix=False) for i in range(8)),
     ]
     plan = plan_buffers(specs, 8)
     adamw = next(b for b in plan.buffers if b.kind == "adamw")

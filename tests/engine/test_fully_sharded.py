@@ -114,7 +114,7 @@ def test_clipping_and_broadcast_param_sync() -> None:
 def _lifecycle() -> dict:
     model = make_model()
     ddp, opt = wrapped(model, **SMALL_BUCKETS, **FS, **OVERLAP)
-    buckets = ddp.buckets
+    buckets = ddp.units
 
     def params() -> list[int]:  # bytes of each bucket's full param storage
         return [b.param.untyped_storage().size() for b in buckets]
@@ -180,7 +180,7 @@ def test_only_shards_persist_and_full_buckets_are_released() -> None:
         assert mem["params"] == out["own_shards"] == mem["grads"]
         assert mem["masters"] == 0 and mem["frozen_params"] == 0  # fp32: masters are the shards
         assert mem["optimizer_state"] == out["opt_state"] > 0
-        assert mem["transient_bucket"] == max(f + f for f in full)
+        assert mem["transient_unit"] == max(f + f for f in full)
     numel, used = outs[0]["plan"]
     model_bytes = outs[0]["model_bytes"]
     assert used * 4 == model_bytes
@@ -198,7 +198,7 @@ def test_zero_mode_memory_is_the_full_buffers() -> None:
     for out in run(_zero_memory, 2):
         mem = out["memory"]
         assert mem["params"] == mem["grads"] == out["numel"] * 4
-        assert mem["transient_bucket"] == 0
+        assert mem["transient_unit"] == 0
 
 
 def test_ping_pong_cannot_be_fully_sharded() -> None:

@@ -75,7 +75,7 @@ def _train(meta: bool, ddp_kw: dict) -> dict:
         built = full_params(module)
     tied = module.head.weight is module.emb.weight
     on_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     train_steps(ddp, opt, range(STEPS))
     with ddp.full_params():
         trained = full_params(module)
@@ -121,19 +121,19 @@ def _full_units_alive_while_building(ddp_kw: dict) -> list[int]:
     """How many storage units hold their full param storage each time a new one is made, and
     after the wrapper is built (fully sharded: only the unit being filled)."""
     alive: list[int] = []
-    built: list[_storage.BucketStorage] = []
-    original = _storage.BucketStorage.__init__
+    built: list[_storage.StorageUnit] = []
+    original = _storage.StorageUnit.__init__
 
     def init_and_count(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         built.append(self)
         alive.append(sum(_storage._allocated(b.param) for b in built))
 
-    _storage.BucketStorage.__init__ = init_and_count
+    _storage.StorageUnit.__init__ = init_and_count
     try:
         data_parallel(_model(meta=True), param_init=init, **ddp_kw)
     finally:
-        _storage.BucketStorage.__init__ = original
+        _storage.StorageUnit.__init__ = original
     return [*alive, sum(_storage._allocated(b.param) for b in built)]
 
 

@@ -184,7 +184,7 @@ def _train(
         pipelined_step=overlap == "pipelined",
         reshard_after_forward=overlap == "fully_sharded",
     )
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     losses = []
     step = 0
     try:

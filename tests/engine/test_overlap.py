@@ -18,7 +18,7 @@ from support import (
     wrapped,
 )
 
-from wholeshard.engine._storage import BucketState
+from wholeshard.engine._storage import UnitState
 
 SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has something to overlap
 MODES = {
@@ -78,8 +78,8 @@ def only_one_matrix(name: str, param: torch.nn.Parameter) -> bool:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_fewer_muon_matrices_than_ranks(mode: str) -> None:
-    ref = reference_run(3, use_muon=only_one_matrix)
-    outs = _run(4, dict(MODES[mode], bucket_size=None), use_muon=only_one_matrix)
+    ref = reference_run(3, matrix_params=only_one_matrix)
+    outs = _run(4, dict(MODES[mode], bucket_size=None), matrix_params=only_one_matrix)
     owns_muon = [any("momentum_buffer" in e for e in out["opt_state"].values()) for out in outs]
     assert owns_muon.count(True) == 1, "one Muon matrix, four ranks: three own no Muon param"
     for out in outs:
@@ -96,10 +96,10 @@ def test_param_unused_in_forward(mode: str) -> None:
 def _dispatch_points(mode: dict) -> dict:
     ddp, opt = wrapped(**SMALL_BUCKETS, **mode)
     local_loss(ddp).backward()
-    during_backward = sum(b.reducing is not None for b in ddp.buckets)
+    during_backward = sum(b.reducing is not None for b in ddp.units)
     opt.step()
-    after_step = sum(b.state is not BucketState.FRESH for b in ddp.buckets)
-    return {"buckets": len(ddp.buckets), "rs": during_backward, "ag": after_step}
+    after_step = sum(b.state is not UnitState.FRESH for b in ddp.units)
+    return {"buckets": len(ddp.units), "rs": during_backward, "ag": after_step}
 
 
 def test_overlap_dispatches_during_backward_and_defers_gathers() -> None:

@@ -120,7 +120,7 @@ def _step_events(ddp_kw: dict) -> dict:
         for e in prof.events()
         if e.name.startswith("wholeshard.") or e.name in UPDATES
     ]
-    return {"buckets": len(ddp.buckets), "events": sorted(events)}
+    return {"buckets": len(ddp.units), "events": sorted(events)}
 
 
 def _inside(event: tuple, span: tuple) -> bool:
@@ -134,8 +134,8 @@ def test_bucket_gathers_leave_before_the_last_bucket_is_updated(ddp_kw: dict) ->
     for out in run(_step_events, 2, dict(ddp_kw, **PIPELINED)):
         n, events = out["buckets"], out["events"]
         assert n > 2
-        spans = [e for e in events if e[2].startswith("wholeshard.step.bucket")]
-        assert [e[2] for e in spans] == [f"wholeshard.step.bucket{i}" for i in range(n)]
+        spans = [e for e in events if e[2].startswith("wholeshard.step.unit")]
+        assert [e[2] for e in spans] == [f"wholeshard.step.unit{i}" for i in range(n)]
         updates = [e for e in events if e[2] in UPDATES]
         assert all(any(_inside(u, s) for s in spans) for u in updates), "updates are per bucket"
         gathers = [e for e in events if e[2] == GATHER]

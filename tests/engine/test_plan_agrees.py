@@ -111,7 +111,7 @@ def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
         original(t)
         alive = sum(
             b.param.untyped_storage().nbytes() + b.grad.untyped_storage().nbytes()
-            for b in ddp.buckets
+            for b in ddp.units
         )
         peak[0] = max(peak[0], alive)
 
@@ -132,7 +132,7 @@ def _step(ddp: wholeshard.DataParallel, opt: wholeshard.LayerwiseOptimizer, step
 
 def _train(bucket_size: int, ddp_kw: dict) -> dict:
     ddp = data_parallel(make_model(), bucket_size=bucket_size, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     _step(ddp, opt, 0)  # makes the optimizer state
     with _recording() as (engine, torch_calls), _peak(ddp) as peak:
         _step(ddp, opt, 1)
@@ -144,7 +144,7 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
         "collectives": engine,
         "torch_calls": torch_calls,
         "peak": peak[0],
-        "specs": [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in ddp.routes],
+        "specs": [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in ddp.routes],
         "plan": ddp.plan,
     }
 
@@ -221,7 +221,7 @@ def test_the_plan_tells_memory_collectives_and_bytes_of_a_real_run(name: str) ->
         for kind in ("params", "grads", "masters", "optimizer_state"):
             assert mine[kind] == memory[kind], (rank, kind, mine[kind], memory[kind])
         assert mine["master_grads"] == out["master_grads"], rank
-        assert costs.transient_bucket == memory["transient_bucket"], rank
+        assert costs.transient_unit == memory["transient_unit"], rank
         peak = (costs.peak_transient, out["peak"])
         if name in PEAK_WITHIN:
             assert abs(peak[0] - peak[1]) <= PEAK_WITHIN[name] * peak[1], (rank, peak)

@@ -76,7 +76,7 @@ def make_moe() -> nn.Module:
 def test_routing_sends_stacks_and_router_to_muon() -> None:
     from wholeshard import route_params
 
-    muon = {r.name for r in route_params(make_moe()) if r.muon}
+    muon = {r.name for r in route_params(make_moe()) if r.matrix}
     assert muon == {
         "routers.0",
         "routers.1",
@@ -103,7 +103,7 @@ def _zero_and_fully_sharded(dtype: torch.dtype) -> dict:
     zero = wholeshard_run(3, ddp_kw=dict(bucket_size=1500), **kw)
     fs = wholeshard_run(3, ddp_kw=dict(bucket_size=1500, reshard_after_forward=True), **kw)
     ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, reshard_after_forward=True)
-    return {"zero": zero, "fs": fs, "parts": max(len(b.buckets) for b in ddp.buckets)}
+    return {"zero": zero, "fs": fs, "parts": max(len(b.buckets) for b in ddp.units)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,7 +234,7 @@ def _train_part(path: str, steps: range, load: bool, dtype: torch.dtype) -> dict
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = make_moe()
     ddp = wholeshard.DataParallel(model, bucket_size=1500, mp_policy=mp(dtype))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     if load:
         wholeshard.load_checkpoint(path, ddp, opt)
     for step in steps:

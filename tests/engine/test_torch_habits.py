@@ -27,7 +27,7 @@ import wholeshard
 def _state_dict_after_overlapped_step() -> dict:
     rank = dist.get_rank()
     ddp = data_parallel(make_model(), bucket_size=3000, **OVERLAP)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     train_steps(ddp, opt, range(2))
     with pytest.raises(RuntimeError, match="finish_param_sync"):
         ddp.module.state_dict()  # the torch habit: would be stale, different on each rank
@@ -68,7 +68,7 @@ def test_torch_optimizer_over_unwrapped_params_is_untouched() -> None:
     other(torch.ones(1, 4)).sum().backward()
     torch.optim.SGD(other.parameters(), lr=0.1).step()  # the guard is for wrapped params only
     assert not torch.equal(other.weight, before)
-    wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW).step()
+    wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW).step()
 
 
 class Regressor(nn.Module):
@@ -98,7 +98,7 @@ def test_param_dtype_casts_floating_forward_inputs() -> None:
 def test_wrapping_a_module_twice_is_refused_and_release_gives_it_back() -> None:
     model = make_model()
     ddp = wholeshard.DataParallel(model)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     train_steps(ddp, opt, range(2))
     with pytest.raises(ValueError, match=r"already wrapped.*ddp\.release\(\)"):
         wholeshard.DataParallel(model)
@@ -113,7 +113,7 @@ def test_wrapping_a_module_twice_is_refused_and_release_gives_it_back() -> None:
     model.blocks[0].requires_grad_(False)  # progressive freezing, then wrap again
     frozen = model.blocks[0].fc.weight.detach().clone()
     again = wholeshard.DataParallel(model)
-    opt = wholeshard.LayerwiseOptimizer(again, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(again, matrix=MUON_KW, adamw=ADAMW_KW)
     train_steps(again, opt, range(2, 4))
     assert torch.equal(model.blocks[0].fc.weight, frozen)
     assert not torch.equal(model.blocks[1].fc.weight, trained["blocks.1.fc.weight"])

@@ -180,7 +180,7 @@ def test_model_trains_like_the_reference(name: str) -> None:
 
 def _muon_names(model: nn.Module) -> tuple[set[str], dict[str, bool]]:
     routes = route_params(model)
-    return {r.name for r in routes if r.muon}, {r.name: r.transposed for r in routes}
+    return {r.name for r in routes if r.matrix}, {r.name: r.transposed for r in routes}
 
 
 def test_default_routing_of_real_models() -> None:

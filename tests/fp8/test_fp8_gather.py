@@ -24,7 +24,7 @@ from torch import nn
 import wholeshard
 from wholeshard import fp8
 from wholeshard.distributed import collectives
-from wholeshard.engine._fp8_storage import Fp8Storage as Fp8Bucket
+from wholeshard.engine._fp8_storage import Fp8Storage as Fp8Unit
 from wholeshard.engine._schedule import Scheduler
 from wholeshard.engine._storage import InFlight
 
@@ -49,7 +49,7 @@ def _on_and_off(mode: dict) -> dict:
                 STEPS, ddp_kw=dict(kw, fp8_param_gather=True), keep_ddp=True, **common
             )
             ddp = on.pop("ddp")
-            on["fp8_buckets"] = sum(isinstance(b, Fp8Bucket) for b in ddp.buckets)
+            on["fp8_units"] = sum(isinstance(b, Fp8Unit) for b in ddp.units)
             out[recipe, overlap] = (off, on)
     return out
 
@@ -61,7 +61,7 @@ def test_fp8_param_gather_is_bitwise_equal_to_quantizing_every_forward(
 ) -> None:
     for rank_out in run(_on_and_off, nproc, MODES[mode]):
         for (recipe, overlap), (off, on) in rank_out.items():
-            assert on["fp8_buckets"] > 0, (recipe, overlap)
+            assert on["fp8_units"] > 0, (recipe, overlap)
             assert_bitwise_equal(on, off)
             assert on["evals"] == off["evals"], (recipe, overlap)
 
@@ -103,11 +103,11 @@ class Deep(nn.Module):
 
 def _gather_bytes(fp8_param_gather: bool) -> int:
     torch.manual_seed(0)
-    model = fp8.convert(Deep(), "tensorwise", use_muon=lambda name, p: True)
+    model = fp8.convert(Deep(), "tensorwise", matrix_params=lambda name, p: True)
     ddp = wholeshard.DataParallel(
         model, bucket_size=8192, mp_policy=mp(torch.bfloat16), fp8_param_gather=fp8_param_gather
     )
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW)
     sent = []
     original = collectives.all_gather
 
@@ -133,11 +133,11 @@ def test_tensorwise_sends_fp8_bytes() -> None:
 def _staged_at_step() -> list:
     """The seed's trap: stage bf16(master) at the step and let `zero_grad` clear the (grad-
     aliased) staging before the deferred gathers of the next forward ship it."""
-    updated, gather, zero = Scheduler.params_updated, Fp8Bucket._gather_mxfp8, Fp8Bucket.zero_grads
+    updated, gather, zero = Scheduler.params_updated, Fp8Unit._gather_mxfp8, Fp8Unit.zero_grads
 
     def stage_at_step(self) -> None:
-        for b in self.buckets:
-            if isinstance(b, Fp8Bucket):
+        for b in self.units:
+            if isinstance(b, Fp8Unit):
                 b.grad.untyped_storage().resize_(b.grad.numel() * b.grad.element_size())
                 for i, part in enumerate(b.buckets):
                     b._shard_range(b._staging(), part, b.groups.rank).copy_(
@@ -158,18 +158,18 @@ def _staged_at_step() -> list:
         return InFlight(handles)
 
     def zero_like_megatron(self) -> None:  # zero the grad buffer in place, staging included
-        self.reset_arrivals()
+        self.open_window()
         self.grad_shard.zero_()
         if self.grad.untyped_storage().size():
             self.grad.zero_()
 
     Scheduler.params_updated = stage_at_step
-    Fp8Bucket._gather_mxfp8 = gather_what_is_staged
-    Fp8Bucket.zero_grads = zero_like_megatron
+    Fp8Unit._gather_mxfp8 = gather_what_is_staged
+    Fp8Unit.zero_grads = zero_like_megatron
     try:
         return _on_and_off_mxfp8_overlap()
     finally:
-        Scheduler.params_updated, Fp8Bucket._gather_mxfp8, Fp8Bucket.zero_grads = (
+        Scheduler.params_updated, Fp8Unit._gather_mxfp8, Fp8Unit.zero_grads = (
             updated,
             gather,
             zero,
@@ -223,11 +223,11 @@ def test_checkpoints_hold_masters_and_load_either_way(tmp_path, save_on: bool) -
 
 def _mixed_on_and_off() -> dict:
     """`pos` (8 x 32, a bare param) routed to Muon lands in buckets with converted weights."""
-    kw = dict(make=fp8_model("mxfp8"), param_dtype=torch.bfloat16, use_muon=_muon_with_pos)
+    kw = dict(make=fp8_model("mxfp8"), param_dtype=torch.bfloat16, matrix_params=_muon_with_pos)
     mixing = dict(BUCKETS, strategy="balanced", **OVERLAP)  # equal shards pack `pos` with others
     off = wholeshard_run(3, ddp_kw=mixing, **kw)
     on = wholeshard_run(3, ddp_kw=dict(mixing, fp8_param_gather=True), keep_ddp=True, **kw)
-    kinds = {type(b).__name__ for b in on.pop("ddp").buckets}
+    kinds = {type(b).__name__ for b in on.pop("ddp").units}
     return {"off": off, "on": on, "kinds": kinds}
 
 

@@ -38,7 +38,7 @@ def layer(
 ) -> nn.Linear:
     torch.manual_seed(0)
     lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
-    return fp8.convert(lin, recipe, use_muon=lambda name, p: p.ndim == 2, **kw)
+    return fp8.convert(lin, recipe, matrix_params=lambda name, p: p.ndim == 2, **kw)
 
 
 def emulated(lin: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> tuple:

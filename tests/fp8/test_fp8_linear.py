@@ -34,9 +34,9 @@ def test_convert_turns_muon_linears_in_place(recipe: str) -> None:
 def test_mxfp8_leaves_weights_off_the_block_grid_in_bf16() -> None:
     model = nn.Sequential(nn.Linear(DIM, 48), nn.Linear(48, 64), nn.Linear(64, 64))
     with pytest.warns(UserWarning, match=r"left in bf16: 0.weight \(48, 32\), 1.weight \(64, 48\)"):
-        convert(model, "mxfp8", use_muon=lambda name, p: p.ndim == 2)
+        convert(model, "mxfp8", matrix_params=lambda name, p: p.ndim == 2)
     assert [type(m) for m in model] == [nn.Linear, nn.Linear, Fp8Linear]
-    convert(model, "tensorwise", use_muon=lambda name, p: p.ndim == 2)  # any shape
+    convert(model, "tensorwise", matrix_params=lambda name, p: p.ndim == 2)  # any shape
     assert all(type(m) is Fp8Linear for m in model)
 
 
@@ -55,7 +55,7 @@ def test_emulated_gemms_use_the_quantized_weight_and_a_high_precision_weight_gra
     lin = nn.Linear(64, 96).to(torch.bfloat16)
     ref = nn.Linear(64, 96).to(torch.bfloat16)
     ref.load_state_dict(lin.state_dict())
-    convert(lin, recipe, use_muon=lambda name, p: p.ndim == 2, gemm="emulated")
+    convert(lin, recipe, matrix_params=lambda name, p: p.ndim == 2, gemm="emulated")
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     dy = torch.randn(3, 5, 96, dtype=torch.bfloat16)
@@ -76,7 +76,7 @@ def test_emulated_gemms_use_the_quantized_weight_and_a_high_precision_weight_gra
 
 def test_a_set_fp8_weight_is_used_instead_of_quantizing() -> None:
     torch.manual_seed(0)
-    lin = convert(nn.Linear(64, 64), "tensorwise", use_muon=lambda name, p: p.ndim == 2)
+    lin = convert(nn.Linear(64, 64), "tensorwise", matrix_params=lambda name, p: p.ndim == 2)
     x = torch.randn(4, 64)
     on_the_fly = lin(x)
     lin.fp8_weight = quantize_weight(lin.weight, "tensorwise")

@@ -79,7 +79,7 @@ def _adamw_across_a_checkpoint(adamw: dict, path: str, via: str) -> dict:
 
     def build():
         ddp = wholeshard.DataParallel(make_model().cuda(), mp_policy=mp(torch.bfloat16))
-        return ddp, wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW | adamw)
+        return ddp, wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW | adamw)
 
     ddp, opt = build()
     train_steps(ddp, opt, range(2))
@@ -100,7 +100,7 @@ def _adamw_across_a_checkpoint(adamw: dict, path: str, via: str) -> dict:
 def _adamw_uninterrupted(adamw: dict) -> dict:
     cuda_deterministic()
     ddp = wholeshard.DataParallel(make_model().cuda(), mp_policy=mp(torch.bfloat16))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW | adamw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW | adamw)
     train_steps(ddp, opt, range(4))
     return {n: p.detach().float().cpu() for n, p in ddp.module.named_parameters()}
 
@@ -155,7 +155,7 @@ def _unused_params_on_cuda() -> tuple[torch.Tensor, torch.Tensor]:
     model.unused = nn.Linear(32, 32).cuda()
     before = model.unused.weight.detach().clone()
     ddp = wholeshard.DataParallel(model)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(2):
         lm_loss(ddp, *local_batch(step, rank, world)).backward()
@@ -175,7 +175,7 @@ def _syncs_in_steps(nonfinite: str | None, ddp_kw: dict) -> int:
     import warnings
 
     ddp = data_parallel(make_model().cuda(), mp_policy=mp(torch.bfloat16), **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     train_steps(ddp, opt, range(2))  # warm: optimizer state exists
     batches = [[t.cuda() for t in local_batch(step, 0, 1)] for step in (2, 3)]
     torch.cuda.synchronize()

@@ -109,7 +109,7 @@ def test_the_shape_rule_is_the_kernels() -> None:
 def _layer(dtype: torch.dtype, bias: bool = True, in_f: int = 64, out_f: int = 96) -> nn.Linear:
     torch.manual_seed(0)
     lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
-    return fp8.convert(lin, "tensorwise", use_muon=lambda name, p: p.ndim == 2)
+    return fp8.convert(lin, "tensorwise", matrix_params=lambda name, p: p.ndim == 2)
 
 
 def _forward_backward(lin: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> tuple:
@@ -165,7 +165,7 @@ def _fp8_step(lin: nn.Linear, x: torch.Tensor) -> None:
 def test_fp8_forward_and_backward_do_not_sync_the_host(recipe: str, held: bool) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 96).to(torch.bfloat16).cuda()
-    fp8.convert(lin, recipe, use_muon=lambda name, p: p.ndim == 2)
+    fp8.convert(lin, recipe, matrix_params=lambda name, p: p.ndim == 2)
     if held:
         lin.fp8_weight = fp8.quantize_weight(lin.weight, recipe)
     x = torch.randn(12, 64, device="cuda", dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """Running a matrix rule (`LayerwiseOptimizer(matrix_optimizer=rule)`) against one process:
 the shared harness of the rule tests (NorMuon, SOAP, bring-your-own).
 
-`one_process` is the reference: the full batch, `rule` on the Muon-routed params (whole
+`one_process` is the reference: the full batch, `rule` on the matrix-routed params (whole
 matrices, fp32), torch's AdamW on the rest, the unsharded model. `distributed` is the same
 training through `DataParallel(**ddp_kw)` on this rank's slice of every batch; a rule with a
 `matrix_cost` is planned with it. `save_after` / `load_and_continue` cut a run by a checkpoint.
@@ -35,8 +35,8 @@ def one_process(steps: int, rule: type, kw: dict) -> dict:
     model = make_model()
     routes = route_params(model)
     opts = [
-        rule([r.param for r in routes if r.muon], **kw),
-        torch.optim.AdamW([r.param for r in routes if not r.muon], **ADAMW_KW),
+        rule([r.param for r in routes if r.matrix], **kw),
+        torch.optim.AdamW([r.param for r in routes if not r.matrix], **ADAMW_KW),
     ]
     losses = []
     for step in range(steps):
@@ -54,7 +54,7 @@ def setup(rule: type, kw: dict, ddp_kw: dict | None = None, seed: int = 0):
     model = make_model(seed)
     cost = getattr(rule, "matrix_cost", None)
     ddp = data_parallel(model, **({"matrix_cost": cost} | (ddp_kw or {})))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
     return model, ddp, opt
 
 
@@ -77,12 +77,12 @@ def distributed(steps: int, rule: type, kw: dict, ddp_kw: dict | None = None) ->
 
 
 def gathered_state(opt) -> dict:
-    """This rank's Muon-routed pieces (whole here): fp32 value and every state tensor."""
+    """This rank's matrix-routed pieces (whole here): fp32 value and every state tensor."""
     return {
         piece.name: {k: v.clone() for k, v in opt.piece_state(piece).items()}
         | {"value": piece.master.detach().clone()}
         for piece in opt.owned_pieces()
-        if piece.kind == "muon"
+        if piece.kind == "matrix"
     }
 
 
@@ -128,12 +128,12 @@ def stacked_round_trip(root: str, rule: type, kw: dict) -> dict[str, bool]:
 
     cost = getattr(rule, "matrix_cost", None)
     ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, matrix_cost=cost)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
     train(ddp, opt, range(2))
-    before = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
+    before = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "matrix"}
     save_checkpoint(root, ddp, opt, extra={"step": 2})
     load_checkpoint(root, ddp, opt)
-    after = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "muon"}
+    after = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "matrix"}
     return {
         k: v.keys() == after[k].keys() and all(torch.equal(t, after[k][n]) for n, t in v.items())
         for k, v in before.items()

@@ -242,7 +242,7 @@ def test_rejects_bad_settings() -> None:
 def _layerwise(matrix_optimizer: type[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
     ddp = wholeshard.DataParallel(make_model(layers=3), mp_policy=mp(torch.bfloat16))
     opt = wholeshard.LayerwiseOptimizer(
-        ddp, muon=MUON_KW, adamw=ADAMW_KW, matrix_optimizer=matrix_optimizer
+        ddp, matrix=MUON_KW, adamw=ADAMW_KW, matrix_optimizer=matrix_optimizer
     )
     train_steps(ddp, opt, range(3))
     return full_params(ddp.module)

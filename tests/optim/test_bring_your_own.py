@@ -128,7 +128,7 @@ def fp8_on_and_off(rule: type, kw: dict) -> tuple[dict, dict]:
     common |= dict(muon_kw=kw, matrix_optimizer=rule)
     off = wholeshard_run(3, ddp_kw=ddp_kw, **common)
     on = wholeshard_run(3, ddp_kw=dict(ddp_kw, fp8_param_gather=True), keep_ddp=True, **common)
-    on["fp8_buckets"] = sum(isinstance(b, Fp8Storage) for b in on.pop("ddp").buckets)
+    on["fp8_units"] = sum(isinstance(b, Fp8Storage) for b in on.pop("ddp").units)
     return off, on
 
 
@@ -137,6 +137,6 @@ def test_every_rule_with_fp8_param_gather_is_bitwise_a_bf16_gather(name: str) ->
     """FP8 param gather ships the FP8 weights each forward would quantize to anyway: with any
     rule, the same training to the bit (FP8 layers compute in FP8 either way)."""
     for off, on in run(fp8_on_and_off, 2, *RULES[name]):
-        assert on.pop("fp8_buckets") > 0
+        assert on.pop("fp8_units") > 0
         assert_bitwise_equal(on, off)
         assert on["evals"] == off["evals"]

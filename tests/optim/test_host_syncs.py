@@ -71,7 +71,7 @@ class CountReads:
 def _reads_per_step(nonfinite: str | None, ddp_kw: dict, clip: bool) -> list[list[str]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = data_parallel(make_model(), **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     host: list[torch.Tensor] = []
     stage = _step_check.PendingCheck.stage
 

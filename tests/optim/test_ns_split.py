@@ -91,7 +91,7 @@ def train(
     *,
     ns_split=None,
     optimizer=torch.optim.Muon,
-    muon=MUON,
+    matrix=MUON,
     ckpt: str | None = None,
     load: bool = False,
     stop_after_save: bool = False,
@@ -105,7 +105,7 @@ def train(
     ddp = data_parallel(model, **config)
 
     def optimizer_():
-        kw = dict(muon=muon, ns_split=ns_split, matrix_optimizer=optimizer)
+        kw = dict(matrix=matrix, ns_split=ns_split, matrix_optimizer=optimizer)
         return wholeshard.LayerwiseOptimizer(ddp, **kw)
 
     opt = optimizer_()
@@ -189,7 +189,7 @@ NORMUON = dict(lr=0.02, weight_decay=0.01)
 
 def _resumed(nproc_save: int, path: str, split=SPLIT) -> torch.Tensor:
     """Save at `nproc_save` ranks halfway, then continue in one process from the checkpoint."""
-    kw = dict(optimizer=NorMuon, muon=NORMUON, ckpt=path, rank_scaled=False)
+    kw = dict(optimizer=NorMuon, matrix=NORMUON, ckpt=path, rank_scaled=False)
     run(_fused, nproc_save, "qkv_proj", QKV, SPLIT, stop_after_save=True, **kw)
     return run(_fused, 0, "qkv_proj", QKV, split, load=True, **kw)[0]
 
@@ -197,7 +197,7 @@ def _resumed(nproc_save: int, path: str, split=SPLIT) -> torch.Tensor:
 def test_checkpoint_of_blocks_loads_at_another_world_size(tmp_path) -> None:
     """NorMuon keeps a second moment per row block (not element-wise): saved per block at 2
     ranks, it resumes in one process bit for bit like an uninterrupted run."""
-    kw = dict(optimizer=NorMuon, muon=NORMUON, rank_scaled=False)
+    kw = dict(optimizer=NorMuon, matrix=NORMUON, rank_scaled=False)
     straight = run(_fused, 0, "qkv_proj", QKV, SPLIT, **kw)[0]
     assert torch.equal(_resumed(2, str(tmp_path / "ckpt")), straight)
     separate = run(_separate, 0, QKV, **kw)[0]
@@ -213,7 +213,7 @@ def test_checkpoint_saved_with_blocks_needs_the_same_split(tmp_path) -> None:
 
 def _momentum(path: str, split) -> dict[str, torch.Tensor]:
     ddp = wholeshard.DataParallel(Fused("qkv_proj", QKV))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON, ns_split=split)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON, ns_split=split)
     wholeshard.load_checkpoint(path, ddp, opt)
     return {k: v["momentum_buffer"] for k, v in opt.state_dict()["state"].items() if "qkv" in k}
 

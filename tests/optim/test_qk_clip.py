@@ -185,7 +185,7 @@ def test_head_scales_and_misuse() -> None:
 
 
 def reference(
-    steps: int, param_dtype: torch.dtype = torch.float32, use_muon=None, per_head: bool = False
+    steps: int, param_dtype: torch.dtype = torch.float32, matrix_params=None, per_head: bool = False
 ) -> dict:
     """The full batch in one process: torch Muon + AdamW, then the clip. fp32: on the params,
     the clip by `QKClip(None, TAU, model).apply()`; bf16: on fp32 masters, the clip by the same
@@ -194,7 +194,7 @@ def reference(
     model = make_gpt()
     for p in model.parameters():  # params only: buffers (the max logits) stay fp32
         p.data = p.data.to(param_dtype)
-    routes = route_params(model, use_muon)
+    routes = route_params(model, matrix_params)
     fp32 = param_dtype == torch.float32
     masters = {r.name: r.param if fp32 else r.param.detach().float().clone() for r in routes}
     heads = {  # route name -> its heads' rows, each a leaf view of the param
@@ -202,10 +202,10 @@ def reference(
         for r in routes
         if per_head and r.name.endswith(("attn.q.weight", "attn.k.weight"))
     }
-    muon = [masters[r.name] for r in routes if r.muon and r.name not in heads]
+    muon = [masters[r.name] for r in routes if r.matrix and r.name not in heads]
     opts = [
         torch.optim.Muon(muon + [h for hs in heads.values() for h in hs], **MUON_KW),
-        torch.optim.AdamW([masters[r.name] for r in routes if not r.muon], **ADAMW_KW),
+        torch.optim.AdamW([masters[r.name] for r in routes if not r.matrix], **ADAMW_KW),
     ]
     clip = QKClip(None, TAU, model)
     names = {id(r.param): r.name for r in routes}
@@ -241,12 +241,12 @@ def reference(
 
 
 def distributed(
-    steps: int, ddp_kw: dict, param_dtype=torch.float32, use_muon=None, ns_split=None
+    steps: int, ddp_kw: dict, param_dtype=torch.float32, matrix_params=None, ns_split=None
 ) -> dict:
     rank, world = rank_world()
     model = make_gpt()
-    ddp = data_parallel(model, mp_policy=mp(param_dtype), use_muon=use_muon, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, ns_split=ns_split)
+    ddp = data_parallel(model, mp_policy=mp(param_dtype), matrix_params=matrix_params, **ddp_kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, ns_split=ns_split)
     clip = QKClip(ddp, TAU).attach(opt)
     losses, peaks = [], []
     for step in range(steps):
@@ -344,9 +344,9 @@ def test_three_ranks_and_adamw_routed_keys_equal_one_process() -> None:
         return p.ndim == 2 and "blocks" in name and not name.endswith("attn.k.weight")
 
     three = check(launch_run(distributed, 3, STEPS, {}), reference(STEPS))
-    outs = launch_run(distributed, 2, STEPS, {}, use_muon=keys_on_adamw)
+    outs = launch_run(distributed, 2, STEPS, {}, matrix_params=keys_on_adamw)
     assert any(("adamw", 1) in out["qk_pieces"] for out in outs)  # flat ranges of the keys
-    adamw = check(outs, reference(STEPS, use_muon=keys_on_adamw))
+    adamw = check(outs, reference(STEPS, matrix_params=keys_on_adamw))
     print(f"3 ranks: max |param diff| {three:.3g}; keys on AdamW: {adamw:.3g}")
 
 

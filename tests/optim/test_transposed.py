@@ -40,16 +40,16 @@ def make(conv: bool) -> nn.Module:
 def train(conv: bool, dtype: torch.dtype, ckpt: str | None = None) -> dict[str, torch.Tensor]:
     model = make(conv)
     ddp = wholeshard.DataParallel(model, mp_policy=mp(dtype))
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON)
     routes = {r.name: r for r in ddp.routes}
-    assert routes["layer.weight"].muon and routes["layer.weight"].transposed == conv
+    assert routes["layer.weight"].matrix and routes["layer.weight"].transposed == conv
     rank = dist.get_rank() if dist.is_initialized() else 0
     for step in range(STEPS):
         if ckpt is not None and step == STEPS // 2:
             wholeshard.save_checkpoint(ckpt, ddp, opt, extra={"step": step})
             ddp = wholeshard.DataParallel(make(conv), mp_policy=mp(dtype))
             model = ddp.module
-            opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON)
+            opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON)
             wholeshard.load_checkpoint(ckpt, ddp, opt)
         g = torch.Generator().manual_seed(step)
         grad_w, grad_b = torch.randn(OUT, IN, generator=g), torch.randn(OUT, generator=g)

@@ -67,7 +67,7 @@ def worker(ddp_kw: dict, nonfinite: str | None) -> list[dict[str, torch.Tensor]]
     rank = dist.get_rank()
     model = TwoLinear()
     ddp = data_parallel(model, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, muon=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     after = []
     for step in range(STEPS):
         opt.zero_grad()

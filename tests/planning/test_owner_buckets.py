@@ -34,8 +34,8 @@ def stacks(draw: st.DrawFn) -> list[ParamSpec]:
     specs = []
     for i in range(draw(st.integers(1, 6))):
         e, m, n = draw(st.integers(1, 40)), draw(st.integers(1, 48)), draw(st.integers(1, 48))
-        specs.append(ParamSpec(f"layers.{i}.experts.w", (e, m, n), muon=True))
-        specs.append(ParamSpec(f"layers.{i}.norm", (m,), muon=False))
+        specs.append(ParamSpec(f"layers.{i}.experts.w", (e, m, n), matrix=True))
+        specs.append(ParamSpec(f"layers.{i}.norm", (m,), matrix=False))
     return specs
 
 
@@ -74,7 +74,7 @@ def test_stacks_in_owner_buckets_run_contiguously_and_balance(
 def test_whole_tensors_in_owner_buckets_are_bounded_unpadded_and_dealt_by_cost(
     shapes: list[tuple[int, int]], k: int, bucket_size: int
 ) -> None:
-    specs = [ParamSpec(f"l{i}.w", shape, muon=True) for i, shape in enumerate(shapes)]
+    specs = [ParamSpec(f"l{i}.w", shape, matrix=True) for i, shape in enumerate(shapes)]
     plan = plan_buffers(specs, k, bucket_size=bucket_size, strategy="owners")
     [muon] = plan.buffers
     widest = max(round_up(math.prod(s), 64) for s in shapes)
@@ -94,7 +94,7 @@ def test_owner_buckets_need_no_room_per_rank(dp: int) -> None:
     """Equal shards of whole matrices make a bucket of at least dp times the widest; owner
     buckets stay at the bucket size."""
     specs = [
-        ParamSpec(f"layers.{i}.w{j}", (1024, 1024), muon=True) for i in range(8) for j in range(4)
+        ParamSpec(f"layers.{i}.w{j}", (1024, 1024), matrix=True) for i in range(8) for j in range(4)
     ]
     equal = plan_buffers(specs, dp, bucket_size=4_000_000, strategy="balanced")
     owned = plan_buffers(specs, dp, bucket_size=4_000_000, strategy="owners")

@@ -21,7 +21,7 @@ def verify(plan: Plan, specs: list[ParamSpec]) -> None:
     `verify_whole_buffer`, element-wise ones by `verify_elementwise`."""
     k = plan.shard_group_size
     assert plan.dp_size % k == 0
-    kinds = {"muon": [s for s in specs if s.muon], "adamw": [s for s in specs if not s.muon]}
+    kinds = {"matrix": [s for s in specs if s.matrix], "adamw": [s for s in specs if not s.matrix]}
     assert [b.kind for b in plan.buffers] == [kind for kind in kinds if kinds[kind]]
     padded = total = 0
     for buffer in plan.buffers:
@@ -99,7 +99,7 @@ def verify_ownership(buffer: Buffer, p: Placement) -> None:
 
 
 def test_tied_embedding_adds_no_padding() -> None:
-    specs = [spec("wte", 1000, 64, muon=False, tied=True), spec("fc", 64, 64), spec("ln", 64)]
+    specs = [spec("wte", 1000, 64, matrix=False, tied=True), spec("fc", 64, 64), spec("ln", 64)]
     plan = plan_buffers(specs, 8)
     verify(plan, specs)
     muon, adamw = plan.buffers
@@ -111,7 +111,7 @@ def test_tied_embedding_adds_no_padding() -> None:
 
 
 def test_elementwise_params_straddle_shards() -> None:
-    specs = [spec("emb", 10, 30, muon=False), spec("w", 16, 16), spec("b", 100)]
+    specs = [spec("emb", 10, 30, matrix=False), spec("w", 16, 16), spec("b", 100)]
     plan = plan_buffers(specs, 4, align=1)
     verify(plan, specs)
     adamw = plan.buffers[1]
@@ -194,7 +194,7 @@ def test_bad_inputs_are_value_errors() -> None:
 
 def test_only_one_kind_and_empty() -> None:
     only_muon = plan_buffers([spec("w", 8, 8)], 2)
-    assert [b.kind for b in only_muon.buffers] == ["muon"]
+    assert [b.kind for b in only_muon.buffers] == ["matrix"]
     empty = plan_buffers([], 4)
     assert empty.buffers == () and empty.padding_fraction == 0.0
     assert empty.ns_cost_imbalance == 1.0
@@ -226,7 +226,7 @@ def models(draw: st.DrawFn) -> list[ParamSpec]:
         shape = draw(st.one_of(st.sampled_from(pool), st.tuples(dim, dim), st.tuples(dim)))
         muon = len(shape) == 2 and draw(st.integers(0, 5)) > 0
         tied = draw(st.integers(0, 12)) == 0
-        specs.append(ParamSpec(f"p{i}", shape, muon=muon, tied=tied))
+        specs.append(ParamSpec(f"p{i}", shape, matrix=muon, tied=tied))
     return specs
 
 
@@ -261,7 +261,7 @@ def test_random_plans_keep_invariants(
 
 
 def good_plan() -> tuple[Plan, list[ParamSpec]]:
-    specs = [spec("emb", 50, 4, muon=False), spec("w", 16, 16), spec("b", 30), spec("g", 5)]
+    specs = [spec("emb", 50, 4, matrix=False), spec("w", 16, 16), spec("b", 30), spec("g", 5)]
     return plan_buffers(specs, 2, align=8), specs
 
 
@@ -322,7 +322,7 @@ def test_check_catches_specs_out_of_order_or_in_the_wrong_buffer() -> None:
     ]
     with pytest.raises(AssertionError, match="registration order"):
         plan.check([specs[2], specs[0], specs[1], specs[3]])
-    rerouted = [dataclasses.replace(s, muon=not s.muon) if s.name == "b" else s for s in specs]
+    rerouted = [dataclasses.replace(s, matrix=not s.matrix) if s.name == "b" else s for s in specs]
     with pytest.raises(AssertionError):
         plan.check(rerouted)
 

@@ -3,7 +3,7 @@
 Unit tests, no process group. Tiny transformers models are built offline from configs with
 random init: weights of hidden layers with >= 2 dims go to Muon whatever their module class
 (`nn.Linear`, GPT-2's `Conv1D`, a bare router param, fused expert stacks); embeddings, the output
-head (tied or not), norms and biases go to AdamW. The name-based rule (`muon_by_name`) agrees.
+head (tied or not), norms and biases go to AdamW. The name-based rule (`matrix_by_name`) agrees.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 import wholeshard
 from wholeshard.planning.routing import (
     Route,
-    muon_by_name,
+    matrix_by_name,
     route_params,
     routing_summary,
     routing_table,
@@ -89,7 +89,7 @@ def by_name(model: nn.Module) -> dict[str, Route]:
 
 
 def muon_names(routes: dict[str, Route]) -> set[str]:
-    return {n for n, r in routes.items() if r.muon}
+    return {n for n, r in routes.items() if r.matrix}
 
 
 ATTN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -103,9 +103,9 @@ def test_gpt2_conv1d_weights_are_muon_and_transposed() -> None:
     assert muon_names(routes) == expected
     assert {n for n, r in routes.items() if r.transposed} == expected, "Conv1D stores (in, out)"
     wte = routes["transformer.wte.weight"]
-    assert not wte.muon and wte.tied, "the head tied to wte is AdamW's, under wte's name"
+    assert not wte.matrix and wte.tied, "the head tied to wte is AdamW's, under wte's name"
     assert "lm_head.weight" not in routes
-    assert not routes["transformer.wpe.weight"].muon
+    assert not routes["transformer.wpe.weight"].matrix
     assert not routes["transformer.h.0.attn.c_attn.bias"].transposed, "only weights are (in, out)"
 
 
@@ -114,7 +114,7 @@ def test_llama_untied_head_and_embedding_are_adamw() -> None:
     mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
     assert muon_names(routes) == {f"model.layers.{n}" for n in layer_names(*ATTN, *mlp)}
     head, embed = routes["lm_head.weight"], routes["model.embed_tokens.weight"]
-    assert not head.muon and not head.tied and not embed.muon and not embed.tied
+    assert not head.matrix and not head.tied and not embed.matrix and not embed.tied
     assert not any(r.transposed for r in routes.values())
     assert routes["model.layers.0.self_attn.k_proj.weight"].param.shape == (HIDDEN // 2, HIDDEN)
 
@@ -129,15 +129,15 @@ def test_moe_router_and_expert_stacks_are_muon(make: Callable[[], nn.Module]) ->
     for stack in ("gate_up_proj", "down_proj"):
         r = routes[f"model.layers.1.mlp.experts.{stack}"]
         assert r.param.ndim == 3 and r.param.shape[0] == EXPERTS and not r.transposed
-    assert not routes["lm_head.weight"].muon and not routes["model.embed_tokens.weight"].muon
-    assert not routes["model.norm.weight"].muon
+    assert not routes["lm_head.weight"].matrix and not routes["model.embed_tokens.weight"].matrix
+    assert not routes["model.norm.weight"].matrix
 
 
 def test_a_tied_head_is_adamw() -> None:
     routes = by_name(mixtral(tie=True))
     assert "lm_head.weight" not in routes
     embed = routes["model.embed_tokens.weight"]
-    assert embed.tied and not embed.muon
+    assert embed.tied and not embed.matrix
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -145,9 +145,9 @@ def test_name_rule_agrees_with_the_module_rule(name: str) -> None:
     model = MODELS[name]()
     routes = route_params(model)
     tied = {r.name: r.tied for r in routes}
-    muon = {r.name: r.muon for r in routes}
+    muon = {r.name: r.matrix for r in routes}
     for n, p in model.named_parameters():  # a tied tensor once, under its first name
-        assert muon_by_name(n, tuple(p.shape), tied[n]) is muon[n], n
+        assert matrix_by_name(n, tuple(p.shape), tied[n]) is muon[n], n
 
 
 @pytest.mark.core
@@ -159,11 +159,11 @@ def test_tinylm_head_and_root_params_are_adamw() -> None:
         f"blocks.{i}.{n}.weight" for i in range(2) for n in ("qkv", "proj", "fc", "out")
     }
     for n in ("head.weight", "pos", "emb.weight", "ln.weight", "blocks.0.fc.bias"):
-        assert not routes[n].muon, n
+        assert not routes[n].matrix, n
     # names cannot tell that `emb` is an nn.Embedding, nor that `pos` is a root param
     for r in routes.values():
         if r.name not in ("emb.weight", "pos"):
-            assert muon_by_name(r.name, tuple(r.param.shape), r.tied) is r.muon, r.name
+            assert matrix_by_name(r.name, tuple(r.param.shape), r.tied) is r.matrix, r.name
 
 
 def test_compiled_model_routes_like_the_model() -> None:
@@ -172,7 +172,7 @@ def test_compiled_model_routes_like_the_model() -> None:
     compiled = torch.compile(make_model())
     routes = route_params(compiled)
     plain = route_params(make_model())
-    assert [(r.name, r.muon) for r in routes] == [(r.name, r.muon) for r in plain]
+    assert [(r.name, r.matrix) for r in routes] == [(r.name, r.matrix) for r in plain]
 
 
 def test_module_class_does_not_matter_but_convs_and_heads_do() -> None:
@@ -194,7 +194,7 @@ def test_module_class_does_not_matter_but_convs_and_heads_do() -> None:
     }
     for r in routes.values():
         if r.name != "cls_token":  # names cannot tell a param of the root module
-            assert muon_by_name(r.name, tuple(r.param.shape), r.tied) is r.muon, r.name
+            assert matrix_by_name(r.name, tuple(r.param.shape), r.tied) is r.matrix, r.name
 
 
 def test_get_output_embeddings_names_the_head() -> None:
@@ -216,19 +216,19 @@ def test_get_output_embeddings_names_the_head() -> None:
 
 
 @pytest.mark.core
-def test_use_muon_overrides_the_decision_not_transposed() -> None:
+def test_matrix_params_overrides_the_decision_not_transposed() -> None:
     model = gpt2()
-    only_head = route_params(model, use_muon=lambda name, p: name == "transformer.wte.weight")
-    assert {r.name for r in only_head if r.muon} == {"transformer.wte.weight"}
-    everything_2d = route_params(model, use_muon=lambda name, p: p.ndim >= 2)
+    only_head = route_params(model, matrix_params=lambda name, p: name == "transformer.wte.weight")
+    assert {r.name for r in only_head if r.matrix} == {"transformer.wte.weight"}
+    everything_2d = route_params(model, matrix_params=lambda name, p: p.ndim >= 2)
     routes = {r.name: r for r in everything_2d}
-    assert routes["transformer.wpe.weight"].muon and routes["transformer.wte.weight"].muon
+    assert routes["transformer.wpe.weight"].matrix and routes["transformer.wte.weight"].matrix
     assert routes["transformer.h.0.mlp.c_fc.weight"].transposed
 
 
 def test_a_1d_param_routed_to_muon_raises() -> None:
-    with pytest.raises(ValueError, match=r"fewer than 2 dims: \['ln.weight'\].*use_muon"):
-        route_params(make_model(), use_muon=lambda name, p: name == "ln.weight" or p.ndim == 2)
+    with pytest.raises(ValueError, match=r"fewer than 2 dims: \['ln.weight'\].*matrix_params"):
+        route_params(make_model(), matrix_params=lambda name, p: name == "ln.weight" or p.ndim == 2)
 
 
 @pytest.mark.core
@@ -249,18 +249,18 @@ def test_routing_table_of_a_module_and_of_routes() -> None:
     assert table == routing_table(route_params(model))
     lines = {line.split()[0]: line for line in table.splitlines()[1:]}
     assert len(lines) == len(list(model.parameters()))
-    assert "muon (stack of 4)" in lines["model.layers.0.mlp.experts.gate_up_proj"]
+    assert "matrix (stack of 4)" in lines["model.layers.0.mlp.experts.gate_up_proj"]
     assert lines["lm_head.weight"].rstrip().endswith("adamw")
     assert "4x32" in lines["model.layers.0.mlp.gate.weight"]
     gpt = routing_table(gpt2())
-    assert "adamw (tied)" in gpt and "muon (transposed: stored (in, out))" in gpt
+    assert "adamw (tied)" in gpt and "matrix (transposed: stored (in, out))" in gpt
     # a module that routes nothing to Muon still gets its table (route_params would raise)
     assert "adamw" in routing_table(nn.Sequential(nn.LayerNorm(4)))
 
 
 def test_routing_summary_counts_stack_matrices() -> None:
     routes = route_params(qwen3_moe())
-    muon = [r for r in routes if r.muon]
+    muon = [r for r in routes if r.matrix]
     matrices = sum(r.param.shape[0] if r.param.ndim == 3 else 1 for r in muon)
     assert matrices == LAYERS * (4 + 1 + 2 * EXPERTS)
     summary = routing_summary(routes)
@@ -289,7 +289,7 @@ def test_embedding_tables_are_told_by_name(where: str) -> None:
     setattr(model.body, where, _Embed(16, 8))  # a module named like an embedding
     model.body.tables = nn.Module()
     setattr(model.body.tables, where, nn.Parameter(torch.randn(16, 8)))  # a bare table
-    routes = {r.name: r.muon for r in route_params(model)}
+    routes = {r.name: r.matrix for r in route_params(model)}
     assert routes == {
         "body.proj.weight": True,
         "body.proj.bias": False,
@@ -297,7 +297,7 @@ def test_embedding_tables_are_told_by_name(where: str) -> None:
         f"body.tables.{where}": False,
     }
     for name, muon in routes.items():  # shapes files tell the same from the names
-        assert muon_by_name(name, (16, 8) if "bias" not in name else (8,)) == muon
+        assert matrix_by_name(name, (16, 8) if "bias" not in name else (8,)) == muon
 
 
 def test_routing_table_lists_frozen_params() -> None:
@@ -309,4 +309,4 @@ def test_routing_table_lists_frozen_params() -> None:
     lines = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
     assert lines["frozen.weight"] == ["4x8", "frozen"]
     assert lines["frozen.bias"] == ["4", "frozen"]
-    assert lines["body.weight"] == ["8x8", "muon"]
+    assert lines["body.weight"] == ["8x8", "matrix"]

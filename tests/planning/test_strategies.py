@@ -70,7 +70,7 @@ def test_balanced_splits_shapes_repeated_dp_times_exactly(
     shapes: list[tuple[int, ...]], dp: int, data: st.DataObject
 ) -> None:
     copies = data.draw(st.permutations([s for s in shapes for _ in range(dp)]))
-    specs = [ParamSpec(f"s{i}", shape, muon=len(shape) == 2) for i, shape in enumerate(copies)]
+    specs = [ParamSpec(f"s{i}", shape, matrix=len(shape) == 2) for i, shape in enumerate(copies)]
     buffer = whole_buffer(specs, dp, strategy="balanced")
     verify_whole_buffer(buffer, specs)
     assert buffer.numel == sum(round_up(s.numel, 64) for s in specs)
@@ -125,7 +125,7 @@ def test_balanced_carries_cost_across_buckets() -> None:
     # A tied (so isolated, rank 0) expensive matrix, then a bucket of two mid-cost and two
     # cheap matrices of the same numel: rank 0, which carries the tied one, gets the cheap ones.
     specs = [spec("mid1", 16, 256), spec("mid2", 16, 256), spec("cheap1", 4, 1024)]
-    specs += [spec("cheap2", 4, 1024), ParamSpec("hog", (64, 64), muon=True, tied=True)]
+    specs += [spec("cheap2", 4, 1024), ParamSpec("hog", (64, 64), matrix=True, tied=True)]
     buffer = whole_buffer(specs, 2, strategy="balanced")
     verify_whole_buffer(buffer, specs)
     owners = {p.name: p.owner for p in buffer.placements}
@@ -158,7 +158,7 @@ def transformer(rng: random.Random) -> list[ParamSpec]:
         specs += [spec(p + "gate", ffn, d)] if glu else []
         specs += [spec(p + "norm1", d), spec(p + "norm2", d)]
     if not tied:  # Muon by choice (the default rule sends a head to AdamW): a widest matrix
-        specs.append(ParamSpec("lm_head.weight", (specs[0].shape[0], d), muon=True))
+        specs.append(ParamSpec("lm_head.weight", (specs[0].shape[0], d), matrix=True))
     return specs
 
 
@@ -171,7 +171,7 @@ def test_balanced_beats_size_matching_on_random_transformers() -> None:
     padding = {"size_match": 0.0, "balanced": 0.0}
     for seed in range(12):
         specs = transformer(random.Random(seed))
-        muon = [s for s in specs if s.muon]
+        muon = [s for s in specs if s.matrix]
         widest, total = max(s.numel for s in muon), sum(s.numel for s in muon)
         for k in (2, 4, 8, 16, 32, 64):
             if k > 2 and 4 * k * widest > total:

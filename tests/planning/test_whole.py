@@ -1,4 +1,4 @@
-"""The whole-tensor ("muon") buffer: every invariant is re-checked here independently of
+"""The whole-tensor ("matrix") buffer: every invariant is re-checked here independently of
 `Buffer.check`, and the planner is compared with a naive reference of the size-matching rule."""
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def test_shapes_repeated_dp_times_have_no_padding_beyond_alignment(
 ) -> None:
     copies = [(i, shape) for i, shape in enumerate(shapes) for _ in range(dp)]
     copies = data.draw(st.permutations(copies))
-    specs = [ParamSpec(f"s{i}.{k}", shape, muon=True) for k, (i, shape) in enumerate(copies)]
+    specs = [ParamSpec(f"s{i}.{k}", shape, matrix=True) for k, (i, shape) in enumerate(copies)]
     buffer = whole_buffer(specs, dp)
     verify(buffer, specs)
     assert buffer.numel == aligned_total(specs, 64)
@@ -373,7 +373,7 @@ def good_buffer() -> tuple[Buffer, list[ParamSpec]]:
 def test_check_catches_param_straddling_shards() -> None:
     bucket = Bucket(index=0, start=0, end=256, shard_numel=128)
     straddler = Placement("w", (192,), bucket=0, start=0, end=192, owner=0)
-    buffer = Buffer("muon", 2, 64, buckets=(bucket,), placements=(straddler,))
+    buffer = Buffer("matrix", 2, 64, buckets=(bucket,), placements=(straddler,))
     with pytest.raises(AssertionError, match=r"'w'.*straddles shards 0"):
         buffer.check()
 
@@ -429,7 +429,7 @@ def test_check_catches_overlap_and_backprop_order() -> None:
     b0 = Bucket(0, 0, 128, 64)
     b1 = Bucket(1, 128, 256, 64)
     overlap = Buffer(
-        "muon",
+        "matrix",
         2,
         64,
         (b0,),
@@ -438,14 +438,14 @@ def test_check_catches_overlap_and_backprop_order() -> None:
     with pytest.raises(AssertionError, match="overlap"):
         overlap.check()
     forward_order = Buffer(
-        "muon",
+        "matrix",
         2,
         64,
         (b0, b1),
         (Placement("x", (64,), 1, 128, 192, 0), Placement("y", (64,), 0, 0, 64, 0)),
     )
     forward_order.check()  # y (registered last) is in bucket 0: backprop order
-    wrong = Buffer("muon", 2, 64, (b0, b1), forward_order.placements[::-1])
+    wrong = Buffer("matrix", 2, 64, (b0, b1), forward_order.placements[::-1])
     with pytest.raises(AssertionError, match="backprop order"):
         wrong.check()
 
@@ -474,8 +474,8 @@ def test_check_with_specs_catches_shared_tied_bucket_and_order() -> None:
         ({"specs": [spec("w", 4), spec("w", 8)]}, "duplicate param name 'w'"),
         ({"specs": [spec("w", 4, -1)]}, "negative size"),
         ({"specs": [spec("w", 4, 0)]}, "no elements"),
-        ({"specs": [ParamSpec("w", (4.0,), muon=False)]}, "tuple of ints"),
-        ({"specs": [ParamSpec("w", [4], muon=False)]}, "tuple of ints"),
+        ({"specs": [ParamSpec("w", (4.0,), matrix=False)]}, "tuple of ints"),
+        ({"specs": [ParamSpec("w", [4], matrix=False)]}, "tuple of ints"),
         ({"specs": [("w", (4,))]}, "expected ParamSpec"),
     ],
 )

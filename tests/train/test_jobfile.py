@@ -169,7 +169,7 @@ BAD = [
     ("[parallel]\nshard_group_size = \"most\"\n", "parallel.shard_group_size", '"auto"'),
     ("[parallel]\nmp_policy = \"bfloat16\"\n", "parallel.mp_policy", "model.param_dtype"),
     ("[parallel]\ntimeout = 30\n", "parallel.timeout", "unknown key"),
-    ("[parallel]\nuse_muon = \"f\"\n", "parallel.use_muon", "Python function"),
+    ("[parallel]\nmatrix_params = \"f\"\n", "parallel.matrix_params", "Python function"),
     ("data = 3\n", "data", "must be a table"),
     ("[checkpoint]\nresume = 2026-01-01\n", "checkpoint.resume", "got a date"),
     ("[data]\nbatch_size = 0\n", "data.batch_size", "must be >= 1"),
@@ -212,8 +212,8 @@ def test_an_error_names_where_the_value_came_from(capsys, tmp_path: Path) -> Non
 
 def test_what_no_key_holds_is_not_written() -> None:
     with pytest.raises(ConfigError) as exc:
-        jobfile.dumps(TrainConfig(parallel=DataParallelConfig(use_muon=lambda n, p: True)))
-    assert exc.value.field == "parallel.use_muon"
+        jobfile.dumps(TrainConfig(parallel=DataParallelConfig(matrix_params=lambda n, p: True)))
+    assert exc.value.field == "parallel.matrix_params"
     with pytest.raises(ConfigError, match="cannot be written") as exc:
         jobfile.dumps(TrainConfig(parallel=DataParallelConfig(mp_policy=MixedPrecisionPolicy())))
     assert exc.value.field == "parallel.mp_policy"

@@ -210,7 +210,7 @@ def test_muon_gets_the_block_matrices_only(tie: bool, pos: str) -> None:
 
     model = GPT(model_config("tiny", 16, pos=pos, tie=tie))
     ddp = wholeshard.DataParallel(model)
-    muon = {r.name for r in ddp.routes if r.muon}
+    muon = {r.name for r in ddp.routes if r.matrix}
     assert muon == {
         n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2
     }

@@ -37,7 +37,7 @@ MATRIX_CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = 
 """`configs.MATRIX_OPTIMIZERS` by name: (class, keywords beyond `MUON_KW`)."""
 
 TORCH_MUON_PEERS = frozenset({"ddp_torch_muon", "fsdp2_torch_muon"})
-"""The peers that hand every Muon-routed param, whole, to `torch.optim.Muon`."""
+"""The peers that hand every matrix-routed param, whole, to `torch.optim.Muon`."""
 
 
 @dataclass
@@ -69,8 +69,8 @@ class Setup:
 
 def split_params(model: nn.Module, workload: Workload) -> tuple[list, list]:
     """(Muon params, other params) by the workload's routing; a tied param appears once."""
-    routes = route_params(model, workload.use_muon)
-    return [r.param for r in routes if r.muon], [r.param for r in routes if not r.muon]
+    routes = route_params(model, workload.matrix_params)
+    return [r.param for r in routes if r.matrix], [r.param for r in routes if not r.matrix]
 
 
 def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.Optimizer]:
@@ -95,7 +95,7 @@ def torch_pair(
 def every_param(routes: list[Route]) -> list[torch.optim.Optimizer]:
     """The floor's share of a rank that updates every param (torch DDP; FSDP2, whose
     `torch.optim.Muon` orthogonalizes every full matrix on every rank)."""
-    copies = [(r.muon, copy_with_grad(r.param, r.param.grad)) for r in routes]
+    copies = [(r.matrix, copy_with_grad(r.param, r.param.grad)) for r in routes]
     return torch_pair([c for m, c in copies if m], [c for m, c in copies if not m])
 
 
@@ -126,7 +126,7 @@ class _HookTail:
 
         return fut.then(done)
 
-    def settle(self) -> None:
+    def book_tail(self) -> None:
         self.clock.add(self.last_done - self.last_launch)
         self.last_launch = self.last_done = 0.0
 
@@ -135,13 +135,13 @@ def _ddp(model: nn.Module, clock: WaitClock) -> tuple[nn.Module, Callable[[], No
     ddp = nn.parallel.DistributedDataParallel(model)
     tail = _HookTail(clock)
     ddp.register_comm_hook(None, tail.hook)
-    return ddp, tail.settle
+    return ddp, tail.book_tail
 
 
 def _build_ddp_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
     model = workload.make_model()
-    ddp, settle = _ddp(model, clock)
-    return Setup(ddp, torch_optimizers(model, workload), settle)
+    ddp, book_tail = _ddp(model, clock)
+    return Setup(ddp, torch_optimizers(model, workload), book_tail)
 
 
 def _kj_unavailable() -> str | None:
@@ -156,12 +156,12 @@ def _build_ddp_kj_muon(workload: Workload, clock: WaitClock) -> Setup:
     from muon import MuonWithAuxAdam
 
     model = workload.make_model()
-    ddp, settle = _ddp(model, clock)
+    ddp, book_tail = _ddp(model, clock)
     muon, other = split_params(model, workload)
     groups = [dict(params=muon, use_muon=True, **MUON_KW)]
     if other:
         groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
-    return Setup(ddp, [MuonWithAuxAdam(groups)], settle, owned_optimizers=_kj_share)
+    return Setup(ddp, [MuonWithAuxAdam(groups)], book_tail, owned_optimizers=_kj_share)
 
 
 def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
@@ -171,9 +171,9 @@ def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
     from muon import SingleDeviceMuonWithAuxAdam
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    matrices = sorted((r for r in routes if r.muon), key=lambda r: r.param.size(), reverse=True)
+    matrices = sorted((r for r in routes if r.matrix), key=lambda r: r.param.size(), reverse=True)
     mine = [copy_with_grad(r.param, r.param.grad) for r in matrices[rank::world]]
-    other = [copy_with_grad(r.param, r.param.grad) for r in routes if not r.muon]
+    other = [copy_with_grad(r.param, r.param.grad) for r in routes if not r.matrix]
     groups = [dict(params=mine, use_muon=True, **MUON_KW)] if mine else []
     if other:
         groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
@@ -183,12 +183,12 @@ def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
 def _build_ddp_kj_rule(workload: Workload, clock: WaitClock, rule: Rule) -> Setup:
     """`rules.RoundRobin` of `rule` over DDP's replicated params (`rules` module note)."""
     model = workload.make_model()
-    ddp, settle = _ddp(model, clock)
+    ddp, book_tail = _ddp(model, clock)
     muon, other = split_params(model, workload)
     ordered = by_size(muon)
     rank, world = dist.get_rank(), dist.get_world_size()
     opt = RoundRobin(torch_pair(ordered[rank::world], other, rule=rule), ordered)
-    return Setup(ddp, [opt], settle, owned_optimizers=_kj_rule_share(rule))  # type: ignore[list-item]
+    return Setup(ddp, [opt], book_tail, owned_optimizers=_kj_rule_share(rule))  # type: ignore[list-item]
 
 
 def _kj_rule_share(rule: Rule) -> OwnedOptimizers:
@@ -197,8 +197,8 @@ def _kj_rule_share(rule: Rule) -> OwnedOptimizers:
     def build(routes: list[Route]) -> list[torch.optim.Optimizer]:
         rank, world = dist.get_rank(), dist.get_world_size()
         copies = {r.param: copy_with_grad(r.param, r.param.grad) for r in routes}
-        matrices = by_size(r.param for r in routes if r.muon)[rank::world]
-        other = [copies[r.param] for r in routes if not r.muon]
+        matrices = by_size(r.param for r in routes if r.matrix)[rank::world]
+        other = [copies[r.param] for r in routes if not r.matrix]
         return torch_pair([copies[p] for p in matrices], other, rule=rule)
 
     return build
@@ -224,23 +224,23 @@ def _build_wholeshard(
     config: BenchConfig, workload: Workload, clock: WaitClock, rule: Rule = DEFAULT_RULE
 ) -> Setup:
     """`DataParallel(model, config.parallel)` + `LayerwiseOptimizer` stepping the matrices with
-    `config.matrix_optimizer` under `rule`; with `config.fp8`, the model's Muon-routed linears
+    `config.matrix_optimizer` under `rule`; with `config.fp8`, the model's matrix-routed linears
     are converted to that FP8 recipe first."""
-    parallel = dataclasses.replace(config.parallel, use_muon=workload.use_muon)
+    parallel = dataclasses.replace(config.parallel, matrix_params=workload.matrix_params)
 
     def make_model() -> nn.Module:
         model = workload.make_model()
         if config.fp8 is not None:
             from ..fp8 import convert
 
-            convert(model, config.fp8, use_muon=workload.use_muon)
+            convert(model, config.fp8, matrix_params=workload.matrix_params)
         return model
 
     ddp = DataParallel(make_model(), parallel, _variant=config.variant)
     cls, kwargs = rule_optimizer(rule, config.matrix_optimizer)
     opt = LayerwiseOptimizer(
         ddp,
-        muon=kwargs,
+        matrix=kwargs,
         adamw=ADAMW_KW,
         nonfinite=None,  # the peers check nothing: compare like with like
         matrix_optimizer=cls,
@@ -265,7 +265,7 @@ def _planned_share(opt: Any, matrix: str, rule: Rule) -> OwnedOptimizers:
         for piece in opt.owned_pieces():
             flat = grads[piece.name][piece.offset : piece.offset + piece.param.numel()]
             grad = piece.oriented(flat.view(piece.param.shape))
-            (muon if piece.kind == "muon" else other).append(copy_with_grad(piece.master, grad))
+            (muon if piece.kind == "matrix" else other).append(copy_with_grad(piece.master, grad))
         return torch_pair(muon, other, matrix, rule)
 
     return build

@@ -94,7 +94,7 @@ class BenchConfig:
     parallel: DataParallelConfig | None = None
     """`DataParallel`'s config for a wholeshard configuration; None for the peers."""
     fp8: str | None = None
-    """Convert the model's Muon-routed linears to this FP8 recipe first (wholeshard only)."""
+    """Convert the model's matrix-routed linears to this FP8 recipe first (wholeshard only)."""
     matrix_optimizer: str = "torch"
     """Which `MATRIX_OPTIMIZERS` entry steps the owned Muon matrices (wholeshard only)."""
     variant: Variant = Variant()

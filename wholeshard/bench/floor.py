@@ -52,7 +52,7 @@ def measure(
     repetitions as the timed loop has timed steps (the first `warmup` + 1 untimed, as there);
     `torch_muon_owned_s` is 0 when the share holds no Muon matrix."""
     timer = timer or Timer(torch.device("cpu"))
-    routes = route_params(bare_model, workload.use_muon)
+    routes = route_params(bare_model, workload.matrix_params)
     forward_backward = []
     for s, (x, y) in enumerate(batches):
         bare_model.zero_grad(set_to_none=True)
@@ -93,11 +93,11 @@ def _timed_steps(optimizers: list[torch.optim.Optimizer], timer: Timer) -> float
 
 def muon_matrices(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The params the share's optimizers orthogonalize: those of a `torch.optim.Muon` (or
-    subclass), and of a group marked `use_muon` (`MuonWithAuxAdam`'s)."""
+    subclass), and of a group marked `matrix_params` (`MuonWithAuxAdam`'s)."""
     out: list[torch.Tensor] = []
     for opt in optimizers:
         for group in opt.param_groups:
-            if isinstance(opt, torch.optim.Muon) or group.get("use_muon"):
+            if isinstance(opt, torch.optim.Muon) or group.get("matrix_params"):
                 out += group["params"]
     return out
 

@@ -12,7 +12,7 @@ import torch
 
 PERSISTENT_KINDS = ("params", "grads", "masters", "optimizer_state")
 """The kinds of `DataParallel.memory()` a rank keeps between steps (its other keys, such as
-`transient_bucket`, exist only during forward/backward)."""
+`transient_unit`, exist only during forward/backward)."""
 
 
 def _proc_status_bytes(key: str) -> int | None:

@@ -1,4 +1,4 @@
-"""Matrix rules in the bench: which optimizer steps the Muon-routed matrices (`Rule`), and the
+"""Matrix rules in the bench: which optimizer steps the matrix-routed matrices (`Rule`), and the
 peer every rule is compared with, `ddp_kj_rule`: torch DDP with the rule run KJ-style.
 
 `Rule` and the rule-sensitive configurations are in `configs` (no torch there, for the CLI).

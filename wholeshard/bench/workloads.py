@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.gpt import GPT, GPTConfig, model_config
-from ..planning.routing import UseMuon
+from ..planning.routing import MatrixParams
 from .configs import WORKLOADS
 
 SEED = 0
@@ -36,7 +36,7 @@ class Workload:
     name: str
     make_model: Callable[[], nn.Module]
     """Builds the model with the workload's fixed seed (same weights on every call)."""
-    use_muon: UseMuon | None
+    matrix_params: MatrixParams | None
     """Which params Muon updates (None: `routing.route_params`' default rule); every
     configuration uses this same routing."""
     shard_units: Callable[[nn.Module], list[nn.Module]]
@@ -47,7 +47,7 @@ class Workload:
     """(model output, targets) -> scalar loss, a mean over this rank's examples."""
     per_rank_batch: int
     stacked: bool = False
-    """Whether a Muon-routed param has more than 2 dims (an expert stack), which
+    """Whether a matrix-routed param has more than 2 dims (an expert stack), which
     `torch.optim.Muon` cannot step as one param."""
 
     def on(self, device: torch.device) -> Workload:
@@ -124,7 +124,7 @@ def _gpt(quick: bool) -> Workload:
     return Workload(
         name="gpt",
         make_model=make_model,
-        use_muon=None,  # the default rule: the blocks' matrices; embeddings, head, norms AdamW
+        matrix_params=None,  # the default rule: the blocks' matrices; embeddings, head, norms AdamW
         shard_units=lambda model: list(model.blocks),
         make_batch=make_batch,
         loss=loss,
@@ -167,7 +167,7 @@ def _mlp(quick: bool) -> Workload:
     return Workload(
         name="mlp",
         make_model=make_model,
-        use_muon=lambda name, p: p.ndim == 2,
+        matrix_params=lambda name, p: p.ndim == 2,
         shard_units=lambda model: list(model.layers),
         make_batch=make_batch,
         loss=F.mse_loss,
@@ -210,7 +210,7 @@ def _many_matrices(quick: bool) -> Workload:
     return Workload(
         name="many-matrices",
         make_model=make_model,
-        use_muon=lambda name, p: p.ndim == 2,
+        matrix_params=lambda name, p: p.ndim == 2,
         shard_units=lambda model: list(model.layers),
         make_batch=lambda step, world: _teacher_batch(dim, batch * world, (count,), step),
         loss=F.mse_loss,
@@ -249,7 +249,7 @@ def _experts(quick: bool) -> Workload:
     return Workload(
         name="experts",
         make_model=make_model,
-        use_muon=lambda name, p: p.ndim >= 2,  # the stacks and the router
+        matrix_params=lambda name, p: p.ndim >= 2,  # the stacks and the router
         shard_units=lambda model: [],  # one unit: the layer
         make_batch=lambda step, world: _teacher_batch(dim, batch * world, (), step),
         loss=F.mse_loss,

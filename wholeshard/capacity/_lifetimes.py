@@ -81,11 +81,11 @@ class _Replay:
         self.params_of: dict[str, list[str]] = {}
         for s in specs:
             self.params_of.setdefault(module_of(s.name), []).append(s.name)
-        self.buckets_of = {
+        self.units_of = {
             m: sorted({self.unit_of[name] for name in names}) for m, names in self.params_of.items()
         }
         self.users = [0] * n
-        for units_used in self.buckets_of.values():
+        for units_used in self.units_of.values():
             for i in units_used:
                 self.users[i] += 1
         self.overlap_grad = mode.overlap_grad_reduce
@@ -94,7 +94,7 @@ class _Replay:
         self.param_alive = [False] * n
         self.grad_alive = [False] * n
         self.reducing = [False] * n
-        self.landed = [0] * n
+        self.n_final = [0] * n
         self.forward_left = [0] * n
         self.kept: set[int] = set()
         self.queue: deque[int] = deque()
@@ -176,12 +176,12 @@ class _Replay:
             self.dispatch_next()
 
     def pre_forward(self, module: str) -> None:
-        units = self.buckets_of[module]
+        units = self.units_of[module]
         if self.queue or any(self.state[i] != "fresh" for i in units):
             self.ensure(units)
 
     def post_forward(self, module: str) -> None:
-        for i in self.buckets_of[module]:
+        for i in self.units_of[module]:
             self.forward_left[i] -= 1
             if module == "":  # the root's outputs announce no backward
                 self.kept.add(i)
@@ -205,15 +205,15 @@ class _Replay:
 
     def pre_backward(self, module: str) -> None:
         self.enter_backward()
-        self.ensure(self.buckets_of[module])
+        self.ensure(self.units_of[module])
 
-    def grad_arrived(self, name: str) -> None:
+    def receive_grad(self, name: str) -> None:
         i = self.unit_of[name]
         self.enter_backward()
         if not self.grad_alive[i]:
             self._alloc(i, grad=True)
-        self.landed[i] += 1
-        if self.landed[i] < self.size[i]:
+        self.n_final[i] += 1
+        if self.n_final[i] < self.size[i]:
             return
         self.release(i)
         if self.overlap_grad:
@@ -221,7 +221,7 @@ class _Replay:
                 self.start_reduce()
 
     def _complete(self, i: int) -> bool:
-        return self.landed[i] == self.size[i]
+        return self.n_final[i] == self.size[i]
 
     def start_reduce(self) -> None:
         n = self.next_reduce
@@ -257,16 +257,16 @@ def peak_bytes(
     events = _events(specs)
     replay.root_pre_forward()
     for kind, module in events:
-        if module in replay.buckets_of:
+        if module in replay.units_of:
             (replay.pre_forward if kind == "pre" else replay.post_forward)(module)
     replay.root_post_forward()
     for kind, module in reversed(events):
-        if module not in replay.buckets_of:
+        if module not in replay.units_of:
             continue
         if kind == "post" and module != "":
             replay.pre_backward(module)
         elif kind == "pre":
             for name in reversed(replay.params_of[module]):
-                replay.grad_arrived(name)
+                replay.receive_grad(name)
     replay.backward_done()
     return replay.peak

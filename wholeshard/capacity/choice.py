@@ -62,7 +62,7 @@ class ShardGroupChoice:
 def optimizer_state(plan: Plan) -> int:
     """fp32 optimizer values the busiest shard-group rank keeps: a Muon momentum per owned Muon
     element, two AdamW moments per owned element-wise one."""
-    return max((o.muon + 2 * o.adamw for o in owned(plan)), default=0)
+    return max((o.matrix + 2 * o.adamw for o in owned(plan)), default=0)
 
 
 def miss(f: Figures) -> str:

@@ -105,7 +105,7 @@ class Mode:
 class Owned:
     """What one shard-group rank owns: elements and pieces (optimizer steps) of each kind."""
 
-    muon: int = 0
+    matrix: int = 0
     adamw: int = 0
     adamw_pieces: int = 0
     transposed: int = 0  # Muon elements of weights stored (in, out)
@@ -116,13 +116,13 @@ def owned(plan: Plan, transposed: frozenset[str] = frozenset()) -> list[Owned]:
     out = [Owned() for _ in range(plan.shard_group_size)]
     for buffer in plan.buffers:
         for p in buffer.placements:
-            if buffer.kind == "muon":
-                out[p.owner].muon += p.numel
+            if buffer.kind == "matrix":
+                out[p.owner].matrix += p.numel
                 out[p.owner].transposed += p.numel if p.name in transposed else 0
             elif buffer.kind == "stacked":
                 unit = matrix_shape(p.shape)[0] * matrix_shape(p.shape)[1]
                 for m in matrices(p, buffer.buckets):
-                    out[m.owner].muon += unit
+                    out[m.owner].matrix += unit
             elif buffer.kind == "adamw":
                 b = buffer.buckets[p.bucket]
                 for r in range(b.owner(p.start), b.owner(p.end - 1) + 1):
@@ -165,14 +165,14 @@ def _kept(plan: Plan, mode: Mode) -> list[int]:
 
 def _persistent(mode: Mode, mine: Owned, kept: int) -> dict[str, int]:
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
-    elements = mine.muon + mine.adamw
+    elements = mine.matrix + mine.adamw
     masters = elements if mode.param_dtype != "float32" else mine.transposed
     master_grads = elements if mode.grad_reduce_dtype != "float32" else mine.transposed
     out = {
         "params": kept * pb,
         "grads": kept * gb,
         "masters": 4 * masters,
-        "optimizer_state": 4 * mine.muon + 8 * mine.adamw + 4 * mine.adamw_pieces,
+        "optimizer_state": 4 * mine.matrix + 8 * mine.adamw + 4 * mine.adamw_pieces,
         "master_grads": 4 * master_grads,
     }
     out["total"] = sum(out.values())
@@ -260,8 +260,8 @@ def step_collectives(
 @dataclass(frozen=True)
 class Costs:
     """What `plan` costs in `mode` ([Note: plan costs]). `persistent[r]`: `persistent_bytes`
-    of shard-group rank r; `transient_bucket`: the largest unit's full params and grads (what
-    `memory()` reports as `transient_bucket`), `peak_transient`: the most bytes of full units
+    of shard-group rank r; `transient_unit`: the largest unit's full params and grads (what
+    `memory()` reports as `transient_unit`), `peak_transient`: the most bytes of full units
     alive at once in a step (0 unless fully sharded); `collectives`: one step's, of
     `worst_rank` (`step_collectives` of another rank differs only in the owner buckets'
     all-reduces across replicas)."""
@@ -269,7 +269,7 @@ class Costs:
     plan: Plan
     mode: Mode
     persistent: tuple[dict[str, int], ...]
-    transient_bucket: int
+    transient_unit: int
     peak_transient: int
     collectives: tuple[Collective, ...]
 

@@ -3,7 +3,7 @@
 Nothing here allocates a tensor: a preset is a list of `ParamSpec` in registration order, as
 `model.named_parameters()` of the published model would list them (a tied tensor appears once,
 under its first name, with `tied=True`). Shapes carry no module types, so `spec` routes by
-`routing.muon_by_name`, the default rule told from names ([Note: the routing rule] in
+`routing.matrix_by_name`, the default rule told from names ([Note: the routing rule] in
 `routing`). Experts are listed one matrix per param, as the published checkpoints do, except
 `qwen3-30b-a3b`, whose fused expert stacks (E, out, in) are stacked Muon params.
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..planning.routing import muon_by_name
+from ..planning.routing import matrix_by_name
 from ..planning.specs import ParamSpec
 
 
 def spec(name: str, *shape: int, tied: bool = False) -> ParamSpec:
-    """A `ParamSpec` routed by `routing.muon_by_name` (see the module note)."""
-    return ParamSpec(name, tuple(shape), muon=muon_by_name(name, shape, tied), tied=tied)
+    """A `ParamSpec` routed by `routing.matrix_by_name` (see the module note)."""
+    return ParamSpec(name, tuple(shape), matrix=matrix_by_name(name, shape, tied), tied=tied)
 
 
 def gpt2_small() -> list[ParamSpec]:

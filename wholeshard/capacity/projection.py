@@ -90,13 +90,13 @@ def rank_ns_flops(plan: Plan) -> list[int]:
     out = [0] * plan.shard_group_size
     cache: dict[tuple[int, ...], int] = {}
     for buffer in plan.buffers:
-        if buffer.kind not in ("muon", "stacked"):
+        if buffer.kind not in ("matrix", "stacked"):
             continue
         for p in buffer.placements:
             shape = matrix_shape(p.shape) if len(p.shape) >= 2 else ()
             if shape not in cache:
                 cache[shape] = ns_flops(shape)
-            if buffer.kind == "muon":
+            if buffer.kind == "matrix":
                 out[p.owner] += cache[shape]  # type: ignore[index]
             else:
                 for m in matrices(p, buffer.buckets):
@@ -156,7 +156,7 @@ def project(costs: Costs, fabric: str, gpu: str) -> Projection:
     comm = sum(collective_seconds(c, plan, FABRICS[fabric]) for c in costs.collectives)
     element = ELEMENT_BYTES[mode.param_dtype] + ELEMENT_BYTES[mode.grad_reduce_dtype]
     touched = [
-        p["masters"] + p["master_grads"] + p["optimizer_state"] + (o.muon + o.adamw) * element
+        p["masters"] + p["master_grads"] + p["optimizer_state"] + (o.matrix + o.adamw) * element
         for p, o in zip(costs.persistent, owned(plan, mode.transposed), strict=True)
     ]
     return Projection(

@@ -1,9 +1,9 @@
 """Shapes files: a model's params from a JSON file, for planning without building the model.
 
-    {"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool}, ...]}
+    {"params": [{"name": str, "shape": [int, ...], "matrix": bool, "tied": bool}, ...]}
 
-in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon` to
-`routing.muon_by_name`). `load_shapes` raises `ShapesError` naming the file, the entry and what
+in registration order; `matrix` and `tied` are optional (`tied` defaults to false, `matrix` to
+`routing.matrix_by_name`). `load_shapes` raises `ShapesError` naming the file, the entry and what
 is wrong.
 """
 
@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from ..planning.plan import shape_problem
-from ..planning.routing import muon_by_name
+from ..planning.routing import matrix_by_name
 from ..planning.specs import ParamSpec, matrix_count
 
 MAX_NUMEL = (1 << 63) - 1
@@ -22,7 +22,7 @@ MAX_NUMEL = (1 << 63) - 1
 MAX_MATRICES = 1 << 20
 """Matrices all stacked (Muon, more than 2 dims) params may hold together: the plan places
 each one, and real MoE models have thousands."""
-_FIELDS = {"name", "shape", "muon", "tied"}
+_FIELDS = {"name", "shape", "matrix", "tied"}
 
 
 class ShapesError(ValueError):
@@ -30,7 +30,7 @@ class ShapesError(ValueError):
 
 
 def load_shapes(path: str) -> list[ParamSpec]:
-    """The specs in the shapes file at `path`, routed by `muon_by_name` where `muon` is absent.
+    """The specs in the shapes file at `path`, routed by `matrix_by_name` where `matrix` is absent.
     Raises ShapesError naming the file, the entry and what is wrong."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -60,11 +60,11 @@ def load_shapes(path: str) -> list[ParamSpec]:
             f"{path}: the params hold {total:,} elements together, more than a torch buffer can "
             f"(2**63 - 1)"
         )
-    stacked = sum(matrix_count(s.shape) for s in specs if s.muon and len(s.shape) > 2)
+    stacked = sum(matrix_count(s.shape) for s in specs if s.matrix and len(s.shape) > 2)
     if stacked > MAX_MATRICES:
         raise ShapesError(
             f"{path}: the stacked (Muon, more than 2 dims) params hold {stacked:,} matrices "
-            f'together, more than {MAX_MATRICES:,}; route some to AdamW with "muon": false'
+            f'together, more than {MAX_MATRICES:,}; route some to AdamW with "matrix": false'
         )
     return specs
 
@@ -95,9 +95,9 @@ def _spec(path: str, i: int, entry: Any) -> ParamSpec:
             f"{where}: shape {shape} has {math.prod(shape):,} elements, more than a torch "
             f"tensor can hold (2**63 - 1)"
         )
-    for field in ("muon", "tied"):
+    for field in ("matrix", "tied"):
         if field in entry and not isinstance(entry[field], bool):
             raise ShapesError(f"{where}: {field} must be true or false, got {entry[field]!r}")
     tied = entry.get("tied", False)
-    muon = entry.get("muon", muon_by_name(name, shape, tied))
-    return ParamSpec(name, tuple(shape), muon=muon, tied=tied)
+    matrix = entry.get("matrix", matrix_by_name(name, shape, tied))
+    return ParamSpec(name, tuple(shape), matrix=matrix, tied=tied)

@@ -28,7 +28,7 @@ TP_MODES = ("duplicated", "distributed")
 
 def shard_dim(spec: ParamSpec) -> int | None:
     """The dim a 2-D Muon matrix is split on ([Note: tensor-parallel shapes]), else None."""
-    if not spec.muon or len(spec.shape) != 2:
+    if not spec.matrix or len(spec.shape) != 2:
         return None
     parts = spec.name.split(".")
     return 1 if len(parts) > 1 and parts[-2] in ROWWISE else 0

@@ -60,7 +60,7 @@ def model_table(ddp: DataParallel, group: RankConsensus) -> Table:
         places[r.name][0]: {
             "shape": list(places[r.name][1]),
             "dtype": _dtype(r.param),
-            "optimizer": "muon" if r.muon else "adamw",
+            "optimizer": "matrix" if r.matrix else "adamw",
         }
         for r in ddp.routes
     }

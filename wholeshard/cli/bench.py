@@ -142,7 +142,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 OVERRIDE = "override."
-NOT_OVERRIDABLE = frozenset({"use_muon", "mp_policy", "fp8_param_gather", "matrix_cost"})
+NOT_OVERRIDABLE = frozenset({"matrix_params", "mp_policy", "fp8_param_gather", "matrix_cost"})
 """Fields each configuration decides for itself: the workload's routing, its dtypes, FP8 with
 its recipe, the rule's cost."""
 

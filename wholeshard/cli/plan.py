@@ -6,9 +6,9 @@
                       [--overlap-param-gather] [--fabric F [--gpu G]] [--tp N] [--json]
                       [--png FILE]
 
-A shapes file is `{"params": [{"name": str, "shape": [int, ...], "muon": bool, "tied": bool},
-...]}` in registration order; `muon` and `tied` are optional (`tied` defaults to false, `muon`
-to `routing.muon_by_name`). Besides the plan it reports what the plan costs each rank in the
+A shapes file is `{"params": [{"name": str, "shape": [int, ...], "matrix": bool, "tied": bool},
+...]}` in registration order; `matrix` and `tied` are optional (`tied` defaults to false, `matrix`
+to `routing.matrix_by_name`). Besides the plan it reports what the plan costs each rank in the
 mode the flags name (`wholeshard.capacity.costs`): persistent bytes by kind, the peak of
 transient full buckets, and one step's collectives and bytes sent; with `--fabric`, a
 projection of the step's communication and optimizer time (`capacity.projection`). Exit codes:
@@ -57,7 +57,7 @@ def costs_json(costs: Costs) -> dict[str, Any]:
             "persistent_bytes": costs.persistent[worst],
             "persistent_total_min": min(p["total"] for p in costs.persistent),
             "peak_transient_bytes": costs.peak_transient,
-            "transient_bucket_bytes": costs.transient_bucket,
+            "transient_unit_bytes": costs.transient_unit,
         },
         "per_step": {
             "collectives": costs.counts(),
@@ -159,7 +159,7 @@ def costs_lines(costs: Costs) -> list[str]:
         f"{size(mine['optimizer_state'])}, master grads {size(mine['master_grads'])}; total "
         f"{size(mine['total'])} (least {size(min(p['total'] for p in costs.persistent))}); "
         f"peak transient {size(costs.peak_transient)} (largest bucket "
-        f"{size(costs.transient_bucket)})",
+        f"{size(costs.transient_unit)})",
         f"per step: {len(costs.collectives)} collectives ({counts}), {size(costs.bytes_sent)} "
         "sent per rank (ring model)",
     ]
@@ -217,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--shapes",
         metavar="FILE.json",
-        help='{"params": [{"name", "shape", optional "muon", "tied"}, ...]} in registration order',
+        help='{"params": [{"name", "shape", optional "matrix", "tied"}, ...]}, registration order',
     )
     source.add_argument("--preset", choices=sorted(PRESETS), help="a published model's shapes")
     parser.add_argument(

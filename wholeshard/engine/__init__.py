@@ -4,7 +4,7 @@
 comparison), `data_parallel` the wrapper (`DataParallel`) and `step_protocol` the verbs the
 optimizer drives its step with (`StepProtocol`, reached as `ddp.step_protocol`, and the
 `OwnedRange`s it hands out); the rest is private: `_init` (the construction steps; `_meta`:
-from the meta device), `_storage` (a bucket's storage, states and collectives; `_fp8_storage`
+from the meta device), `_storage` (a unit's storage, states and collectives; `_fp8_storage`
 and `_unaligned_storage` are its kinds), `_owned` (what a rank updates), `_schedule` (when
 collectives run; `_waits`: how long waits hold the step up; `_skips`: modules some rank
 skipped), `_hooks` (module hooks), `_guard` (misuse checks), `_memory`, `_experts` (experts

@@ -4,7 +4,7 @@ the whole MoE (`ExpertLayout`: checkpoints, the step check's flags) and the whol
 from the meta device (`whole_moe_init`).
 
 `DataParallel` holds the dense params itself (over dp x ep) and the experts in a second
-`DataParallel` over the expert-data-parallel group (`ExpertPart`), with its own plan, buckets
+`DataParallel` over the expert-data-parallel group (`ExpertPart`), with its own plan, units
 and schedule; the first drives both.
 """
 
@@ -25,7 +25,7 @@ from ._meta import ParamInit, seeded
 
 if TYPE_CHECKING:
     from ..distributed.mesh import MeshGroups
-    from ..planning.routing import UseMuon
+    from ..planning.routing import MatrixParams
     from .config import DataParallelConfig
 
 
@@ -43,7 +43,7 @@ def is_expert(name: str, param: torch.Tensor) -> bool:
     return "experts" in name.split(".")
 
 
-def expert_rule(expert_params: UseMuon | None) -> UseMuon:
+def expert_rule(expert_params: MatrixParams | None) -> MatrixParams:
     """Which tensors are experts': `expert_params` (default `is_expert`), and every DTensor on
     an "ep" dim (the one decision; every use of it asks here)."""
     fn = expert_params or is_expert
@@ -139,7 +139,7 @@ def whole_moe_init(
 
 
 def the_rest(
-    module: nn.Module, frozen: list[nn.Parameter], expert_params: UseMuon | None, experts: bool
+    module: nn.Module, frozen: list[nn.Parameter], expert_params: MatrixParams | None, experts: bool
 ) -> list[torch.Tensor]:
     """Frozen params and buffers of one side (the experts', or the others'): what that side
     broadcasts from its group's first rank."""
@@ -162,7 +162,7 @@ class ExpertLayout:
     rank: int
     size: int
     data_rank: int  # in the expert-data-parallel group: rank 0 writes the experts' buffers
-    expert_params: UseMuon | None
+    expert_params: MatrixParams | None
     expert_routes: tuple[bool, ...]  # per route of the model: an expert's
 
     def spread(self, flags: Sequence[bool]) -> list[bool]:

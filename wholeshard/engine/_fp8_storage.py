@@ -1,13 +1,13 @@
 """FP8 param gather: a storage unit whose params are all `Fp8Linear` weights of one recipe syncs
 them as FP8 weights (`DataParallelConfig(fp8_param_gather=True)`).
 
-[Note: FP8 buckets]
-Between steps each rank keeps, for such a bucket: its bf16 (param dtype) shard, which the
+[Note: FP8 units]
+Between steps each rank keeps, for such a unit: its bf16 (param dtype) shard, which the
 optimizer writes, and every converted layer's persistent FP8 weight (`Fp8Linear.fp8_weight`);
 no full bf16 copy. The params' `.data` is a right-shaped placeholder (`Fp8Linear` never reads
 it; autograd needs its shape); `full_params()` gathers the bf16 values transiently.
 - mxfp8 (Megatron's way): at dispatch, this rank writes `bf16(shard)` into its slot of a bf16
-  staging region aliased on the bucket's grad storage (the grads were consumed by the step), the
+  staging region aliased on the unit's grad storage (the grads were consumed by the step), the
   all-gather ships bf16, and every rank, the owner included, quantizes the gathered values into
   its FP8 weights; the region is freed before the next backward. Staging at dispatch, not at the
   step, is what keeps a deferred gather (`overlap_param_gather`) from shipping a buffer that
@@ -15,7 +15,7 @@ it; autograd needs its shape); `full_params()` gathers the bf16 values transient
 - tensorwise (FP8 on the wire): the owner, holding whole matrices, quantizes each with its exact
   amax into its slot of a persistent uint8 buffer; the all-gather ships those bytes and a second,
   small one the per-matrix scales, so every rank holds exactly the owner's bits.
-Buckets that mix converted and other params gather bf16 as usual and quantize their converted
+Units that mix converted and other params gather bf16 as usual and quantize their converted
 layers locally afterwards (`quantize_mixed`).
 """
 
@@ -30,22 +30,22 @@ from ..distributed import collectives
 from ..fp8.formats import Fp8Tensorwise
 from ..fp8.linear import Fp8Linear, Fp8Weight, quantize_weight
 from ..planning import Bucket
-from ._storage import BucketState, BucketStorage, InFlight, _alloc, _allocated, _free
+from ._storage import InFlight, StorageUnit, UnitState, _alloc, _allocated, _free
 
 
-class Fp8Storage(BucketStorage):
-    """A storage unit of `Fp8Linear` weights of one `recipe`, synced as FP8 ([Note: FP8 buckets]).
+class Fp8Storage(StorageUnit):
+    """A storage unit of `Fp8Linear` weights of one `recipe`, synced as FP8 ([Note: FP8 units]).
 
-    Its state ([Note: bucket states]) is the FP8 weights': STALE after an update, FRESH once
+    Its state ([Note: unit states]) is the FP8 weights': STALE after an update, FRESH once
     gathered; the full bf16 storage exists only for `full_params()` (`params_materialised`)."""
 
     def __init__(self, *args, modules: Sequence[Fp8Linear], recipe: str, **kwargs) -> None:
-        kwargs["reshard"] = True  # the full bf16 bucket is never kept: shards only
+        kwargs["reshard"] = True  # the full bf16 unit is never kept: shards only
         super().__init__(*args, **kwargs)
         self.modules = list(modules)
         self.recipe = recipe
         self._placeholders = [self._empty.new_zeros(1).expand(p.shape) for _, p in self.params]
-        self._state_before_bf16: BucketState | None = None  # set while full_params() gathers
+        self._state_before_bf16: UnitState | None = None  # set while full_params() gathers
         if recipe == "tensorwise":
             self._bytes = torch.zeros(
                 self.end - self.start, dtype=torch.uint8, device=self.param.device
@@ -67,11 +67,11 @@ class Fp8Storage(BucketStorage):
 
     def keep_shards(self) -> None:
         super().keep_shards()
-        self.state = BucketState.STALE  # no FP8 weights yet
+        self.state = UnitState.STALE  # no FP8 weights yet
 
     def release_params(self) -> None:
         """Drop the bf16 values `full_params()` gathered; the FP8 weights stay as they are."""
-        self._expect(BucketState.FRESH, BucketState.STALE, BucketState.RELEASED)
+        self._expect(UnitState.FRESH, UnitState.STALE, UnitState.RELEASED)
         for (param, _), placeholder in zip(self.params, self._placeholders, strict=True):
             param.data = placeholder
         _free(self.param)
@@ -79,7 +79,7 @@ class Fp8Storage(BucketStorage):
     def zero_grads(self) -> None:
         if self.reducing is not None:
             raise AssertionError("never zero gradients under an in-flight reduction")
-        self.reset_arrivals()
+        self.open_window()
         self.grad_shard.zero_()
         if self.gathering is None:  # else the grad storage is a staging region in flight
             _free(self.grad)
@@ -98,12 +98,12 @@ class Fp8Storage(BucketStorage):
         """Dispatch the FP8 sync; `full`: gather the bf16 values instead (`full_params()`),
         which leaves the FP8 weights, and so the state, as they are."""
         if full:
-            self._expect(BucketState.FRESH, BucketState.STALE)
+            self._expect(UnitState.FRESH, UnitState.STALE)
             self._state_before_bf16 = self.state
-            self.state = BucketState.STALE  # as the base class gathers from
+            self.state = UnitState.STALE  # as the base class gathers from
             super().start_gather()
             return
-        self._expect(BucketState.STALE)
+        self._expect(UnitState.STALE)
         self._dispatched(self._gather_mxfp8() if self.recipe == "mxfp8" else self._gather_bytes())
 
     def _gathered(self) -> None:
@@ -119,7 +119,7 @@ class Fp8Storage(BucketStorage):
             _free(self.grad)  # the staging region; the next backward starts from zeros
         else:
             self._set_tensorwise()
-        self.state = BucketState.FRESH
+        self.state = UnitState.FRESH
 
     def _staging(self) -> torch.Tensor:
         """The bf16 staging region: the first half of the (fp32) grad storage, in bf16."""
@@ -128,7 +128,7 @@ class Fp8Storage(BucketStorage):
     def _gather_mxfp8(self) -> InFlight:
         if _allocated(self.grad):  # gathers run between a step and the next backward
             raise RuntimeError(
-                "an FP8 param gather would overwrite gradients accumulated in its bucket: run "
+                "an FP8 param gather would overwrite gradients accumulated in its unit: run "
                 "optimizer.step() (and zero_grad()) before the next forward"
             )
         _alloc(self.grad)
@@ -170,7 +170,7 @@ class Fp8Storage(BucketStorage):
                     self.modules[n].fp8_weight = Fp8Weight(q, q)
 
 
-class MixedFp8Storage(BucketStorage):
+class MixedFp8Storage(StorageUnit):
     """A storage unit holding some `Fp8Linear` weights among other params: it gathers bf16 as
     usual, then each rank quantizes the converted layers from the gathered values."""
 
@@ -184,12 +184,12 @@ class MixedFp8Storage(BucketStorage):
             module.fp8_weight = quantize_weight(self.params[n][0], module.recipe)
 
 
-def fp8_storage_factory(module: nn.Module) -> Callable[..., BucketStorage]:
+def fp8_storage_factory(module: nn.Module) -> Callable[..., StorageUnit]:
     """Builds `Fp8Storage` where every param is an `Fp8Linear` weight of one recipe,
-    `MixedFp8Storage` where some are, plain `BucketStorage` elsewhere."""
+    `MixedFp8Storage` where some are, plain `StorageUnit` elsewhere."""
     owner = {id(m.weight): m for m in module.modules() if isinstance(m, Fp8Linear)}
 
-    def make(index: int, kind: str, buckets, params, groups, **kwargs) -> BucketStorage:
+    def make(index: int, kind: str, buckets, params, groups, **kwargs) -> StorageUnit:
         modules = [owner.get(id(param)) for param, _ in params]
         recipes = {m.recipe for m in modules if m is not None}
         args = (index, kind, buckets, params, groups)
@@ -198,7 +198,7 @@ def fp8_storage_factory(module: nn.Module) -> Callable[..., BucketStorage]:
         members = [(n, m) for n, m in enumerate(modules) if m is not None]
         if members:
             return MixedFp8Storage(*args, fp8_members=members, **kwargs)
-        return BucketStorage(*args, **kwargs)
+        return StorageUnit(*args, **kwargs)
 
     return make
 

@@ -3,10 +3,10 @@
 - At construction (`placement_problem`): no param is wrapped already (by another
   `DataParallel`: its hooks would fire too), every param and buffer is materialised (not on the
   meta device), all params are on one device, and every param is contiguous (each param becomes
-  a contiguous view of its bucket: strides another tensor relies on would silently change).
+  a contiguous view of its unit: strides another tensor relies on would silently change).
 - While wrapped (`claim`, `check_torch_optimizer`): a torch optimizer stepping wrapped params
   raises instead of silently doing nothing (their `.grad` is always None: gradients live in the
-  buckets, and `LayerwiseOptimizer` owns the step).
+  units, and `LayerwiseOptimizer` owns the step).
 - After construction (`ParamSignature`): the same Parameter objects, in the same number, with
   the same `requires_grad`. Buffers are planned once, so a param frozen, unfrozen, replaced,
   added or removed after wrapping would train wrongly (its gradient never reduced, its update
@@ -54,8 +54,8 @@ def check_torch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step() would not update {name!r}: the param is "
                     f"wrapped by wholeshard.DataParallel, so its .grad is always None (gradients "
-                    f"live in DataParallel's buckets and are reduced to the rank that owns the "
-                    f"param). wholeshard.LayerwiseOptimizer(ddp, muon=..., adamw=...) owns the "
+                    f"live in DataParallel's units and are reduced to the rank that owns the "
+                    f"param). wholeshard.LayerwiseOptimizer(ddp, matrix=..., adamw=...) owns the "
                     f"step; clip with its clip_grad_norm_ (torch.nn.utils.clip_grad_norm_ sees "
                     f"no gradient)"
                 )
@@ -89,7 +89,7 @@ def placement_problem(module: nn.Module, placeholders: Collection[nn.Parameter] 
         if not p.is_contiguous() and p not in placeholders:
             return (
                 f"param {name!r} is not contiguous (shape {tuple(p.shape)}, stride {p.stride()}): "
-                f"each param becomes a contiguous view of its bucket, so make it contiguous "
+                f"each param becomes a contiguous view of its unit, so make it contiguous "
                 f"before wrapping (p.data = p.data.contiguous())"
             )
     return None

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from ._schedule import Scheduler
-from ._storage import BucketStorage
+from ._storage import StorageUnit
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -57,52 +57,50 @@ def hooked_modules(root: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]
 def register(
     scheduler: Scheduler,
     root: nn.Module,
-    bucket_of: dict[int, BucketStorage],
+    unit_of: dict[int, StorageUnit],
     *,
     reshard: bool,
 ) -> list[RemovableHandle]:
-    """Hook every module that holds bucketed params (`bucket_of`: param id -> its bucket).
+    """Hook every module that holds stored params (`unit_of`: param id -> its unit).
 
-    Forward pre-hooks make the module's buckets gathered; when `reshard`, forward post-hooks
+    Forward pre-hooks make the module's units gathered; when `reshard`, forward post-hooks
     count down and release them and hook the outputs' gradients to gather them again for
     backward, and the root's hooks open and close each forward.
     """
     handles = []
     for mod, params in hooked_modules(root):
-        buckets = sorted(
-            {bucket_of[id(p)] for p in params if id(p) in bucket_of}, key=lambda b: b.index
-        )
-        if not buckets:
+        units = sorted({unit_of[id(p)] for p in params if id(p) in unit_of}, key=lambda b: b.index)
+        if not units:
             continue
-        for b in buckets:
+        for b in units:
             scheduler.users[b.index] += 1
-        handles.append(mod.register_forward_pre_hook(_pre_forward(scheduler, buckets)))
+        handles.append(mod.register_forward_pre_hook(_pre_forward(scheduler, units)))
         if reshard:
             # The root's output gradient arrives before any backward node runs: its own params
             # stay gathered for backward instead (as FSDP2 keeps its root's).
             announce = mod is not root
-            handles.append(mod.register_forward_hook(_post_forward(scheduler, buckets, announce)))
+            handles.append(mod.register_forward_hook(_post_forward(scheduler, units, announce)))
     if reshard:
         handles.append(root.register_forward_pre_hook(_root_pre(scheduler), prepend=True))
         handles.append(root.register_forward_hook(_root_post(scheduler)))
     return handles
 
 
-def grad_hooks(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> list[RemovableHandle]:
-    """A post-accumulate-grad hook on every param of `buckets`, handing its grad to `scheduler`."""
+def grad_hooks(scheduler: Scheduler, units: Sequence[StorageUnit]) -> list[RemovableHandle]:
+    """A post-accumulate-grad hook on every param of `units`, handing its grad to `scheduler`."""
 
-    def hook(bucket: BucketStorage, i: int, name: str) -> Callable[[torch.Tensor], None]:
-        return lambda param: scheduler.grad_arrived(bucket, i, param, name)
+    def hook(unit: StorageUnit, i: int, name: str) -> Callable[[torch.Tensor], None]:
+        return lambda param: scheduler.receive_grad(unit, i, param, name)
 
     return [
         param.register_post_accumulate_grad_hook(hook(b, i, p.name))
-        for b in buckets
+        for b in units
         for i, (param, p) in enumerate(b.params)
     ]
 
 
 def refuse_stale_reads(
-    scheduler: Scheduler, root: nn.Module, bucket_of: dict[int, BucketStorage]
+    scheduler: Scheduler, root: nn.Module, unit_of: dict[int, StorageUnit]
 ) -> list[RemovableHandle]:
     """Make `state_dict()` of a module wait for the param syncs of its params already in flight,
     then raise while one of them is still not current: released (fully sharded between steps,
@@ -111,11 +109,9 @@ def refuse_stale_reads(
     rank dispatched are waited for: a rank calling it alone cannot hang."""
     handles = []
     for mod, params in hooked_modules(root):
-        buckets = {bucket_of[id(p)] for p in params if id(p) in bucket_of}
-        if buckets:
-            handles.append(
-                mod.register_state_dict_pre_hook(_refuse_stale(scheduler, list(buckets)))
-            )
+        units = {unit_of[id(p)] for p in params if id(p) in unit_of}
+        if units:
+            handles.append(mod.register_state_dict_pre_hook(_refuse_stale(scheduler, list(units))))
     return handles
 
 
@@ -130,14 +126,14 @@ def install(
     """Every hook a `DataParallel` needs: gradient hooks on every param; module hooks where
     params are gathered on demand (overlapped or fully sharded) and refusals to read stale
     ones; the root's casts of `policy`."""
-    buckets = scheduler.buckets
-    handles = grad_hooks(scheduler, buckets)
-    bucket_of = {id(param): b for b in buckets for param, _ in b.params}
+    units = scheduler.units
+    handles = grad_hooks(scheduler, units)
+    unit_of = {id(param): b for b in units for param, _ in b.params}
     reshard = scheduler.reshard
     if gathers and (overlap_param_gather or reshard):
-        handles += register(scheduler, root, bucket_of, reshard=reshard)
+        handles += register(scheduler, root, unit_of, reshard=reshard)
     if gathers and (overlap_param_gather or reshard or fp8_param_gather):  # params can be stale
-        handles += refuse_stale_reads(scheduler, root, bucket_of)
+        handles += refuse_stale_reads(scheduler, root, unit_of)
     if policy is not None:
         handles += cast_forward(root, policy)
     return handles
@@ -169,21 +165,19 @@ def cast_forward(root: nn.Module, policy: MixedPrecisionPolicy) -> list[Removabl
     return handles
 
 
-def _pre_forward(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> Callable:
+def _pre_forward(scheduler: Scheduler, units: Sequence[StorageUnit]) -> Callable:
     @torch.compiler.disable
     def hook(module: nn.Module, args: Any) -> None:
-        scheduler.pre_forward(buckets)
+        scheduler.pre_forward(units)
 
     return hook
 
 
-def _post_forward(
-    scheduler: Scheduler, buckets: Sequence[BucketStorage], announce: bool
-) -> Callable:
-    """`announce`: hook the outputs' gradients to gather the buckets again for backward."""
+def _post_forward(scheduler: Scheduler, units: Sequence[StorageUnit], announce: bool) -> Callable:
+    """`announce`: hook the outputs' gradients to gather the units again for backward."""
 
     def pre_backward(grad: torch.Tensor) -> None:
-        scheduler.pre_backward(buckets)
+        scheduler.pre_backward(units)
 
     @torch.compiler.disable
     def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -193,7 +187,7 @@ def _post_forward(
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(pre_backward)
                     hookable = True
-        scheduler.post_forward(buckets, hookable)
+        scheduler.post_forward(units, hookable)
 
     return hook
 
@@ -214,15 +208,15 @@ def _root_post(scheduler: Scheduler) -> Callable:
     return hook
 
 
-def _refuse_stale(scheduler: Scheduler, buckets: Sequence[BucketStorage]) -> Callable:
+def _refuse_stale(scheduler: Scheduler, units: Sequence[StorageUnit]) -> Callable:
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if keep_vars:  # the Parameter objects themselves: they are updated in place
             return
-        scheduler.settle(buckets)
-        if all(b.readable for b in buckets):
+        scheduler.wait_gathers(units)
+        if all(b.readable for b in units):
             return
         where = prefix.rstrip(".") or "the model"
-        if all(b.params_materialised for b in buckets):
+        if all(b.params_materialised for b in units):
             raise RuntimeError(
                 f"{where}: params updated by the last optimizer step are not gathered yet "
                 f"(overlap_param_gather gathers them during the next forward), so they differ "

@@ -4,7 +4,7 @@
    a device NCCL cannot use, on the ranks where it is wrong, before any collective);
 2. `cast_frozen`: frozen params in the param dtype (`common_dtype` when the config gives none;
    they stay outside the buffers), and `plan_routes`: the plan of the trainable params;
-3. `build_storage`: one `BucketStorage` per storage unit of the plan, in reduce order, each
+3. `build_storage`: one `StorageUnit` per storage unit of the plan, in reduce order, each
    given rank 0's values (and, fully sharded, reduced to this rank's shards) before the next
    is built, so at most one full unit exists beside the model;
    (from the meta device, `param_init`: each unit filled with this rank's owned params,
@@ -31,11 +31,11 @@ from ..planning.auto import plan_for
 from ..planning.routing import Route
 from ._fp8_storage import fp8_storage_factory
 from ._guard import device_problem, placement_problem
-from ._storage import BucketStorage
+from ._storage import StorageUnit
 from ._unaligned_storage import UnalignedStorage
 from .config import DataParallelConfig, Variant
 
-StorageFactory = Callable[..., BucketStorage]
+StorageFactory = Callable[..., StorageUnit]
 """`factory(index, kind, buckets, params, groups, *, reshard, param_dtype, grad_dtype)`."""
 
 
@@ -57,7 +57,7 @@ def check_model(
         return
     if problem is None:  # before the first collective, which would fail on a wrong device
         check_device(routes[0].param.device, group)
-    mine = [(r.name, r.shape, str(r.param.dtype), r.muon) for r in routes]
+    mine = [(r.name, r.shape, str(r.param.dtype), r.matrix) for r in routes]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (problem, mine), group=group)
     for rank, (theirs, _) in enumerate(everyone):
@@ -95,12 +95,12 @@ def build_storage(
     plan: Plan,
     routes: list[Route],
     make: StorageFactory,
-    settle: Callable[[BucketStorage], None],
+    fill_initial: Callable[[StorageUnit], None],
     **kwargs: Any,
-) -> list[BucketStorage]:
+) -> list[StorageUnit]:
     """One storage per storage unit of every buffer of `plan`, in reduce (backprop) order: the
-    unit holding the latest-registered param first. Each is `settle`d before the next is built.
-    `kwargs` go to `make` after the unit's own arguments."""
+    unit holding the latest-registered param first. Each gets its initial values (`fill_initial`)
+    before the next is built. `kwargs` go to `make` after the unit's own arguments."""
     registered = {r.name: i for i, r in enumerate(routes)}
     param_of = {r.name: r.param for r in routes}
     units = []  # (kind, buckets, [(param, placement)])
@@ -116,16 +116,16 @@ def build_storage(
     storages = []
     for index, (kind, buckets, params) in enumerate(units):
         storage = make(index, kind, buckets, params, **kwargs)
-        settle(storage)
+        fill_initial(storage)
         storages.append(storage)
     return storages
 
 
 def storage_factory(module: nn.Module, fp8_param_gather: bool) -> StorageFactory:
     """What builds each storage unit: by buffer kind, and FP8 storage where it gathers FP8."""
-    fp8 = fp8_storage_factory(module) if fp8_param_gather else BucketStorage
+    fp8 = fp8_storage_factory(module) if fp8_param_gather else StorageUnit
 
-    def make(index: int, kind: str, *args: Any, **kwargs: Any) -> BucketStorage:
+    def make(index: int, kind: str, *args: Any, **kwargs: Any) -> StorageUnit:
         cls = UnalignedStorage if kind == "unaligned" else fp8
         return cls(index, kind, *args, **kwargs)
 
@@ -167,7 +167,7 @@ def broadcast_the_rest(
         data.copy_(staged)
 
 
-def forward_order(storages: Sequence[BucketStorage], routes: list[Route]) -> list[int]:
+def forward_order(storages: Sequence[StorageUnit], routes: list[Route]) -> list[int]:
     """Indices of `storages` in forward order: the unit holding the earliest-registered param
     first."""
     registered = {r.name: i for i, r in enumerate(routes)}
@@ -181,7 +181,7 @@ def plan_routes(
     """The plan of the routed params (`planning.auto.plan_for`: the config's bucket size or
     the default for the shard group, its shard group size or the automatic choice): the
     decision alone, no report (that is `wholeshard.capacity.choice`'s)."""
-    specs = [ParamSpec(r.name, r.shape, r.muon, r.tied) for r in routes]
+    specs = [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in routes]
     return plan_for(
         specs,
         dp_size,

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch import nn
 
-from ._storage import BucketStorage
+from ._storage import StorageUnit
 
 
 class StateHolder(Protocol):
@@ -17,16 +17,16 @@ class StateHolder(Protocol):
 
 
 def memory(
-    buckets: Sequence[BucketStorage],
+    units: Sequence[StorageUnit],
     frozen: Sequence[nn.Parameter],
     reshard: bool,
     optimizer: StateHolder | None,
 ) -> dict[str, int]:
-    """Bytes by kind: `params` and `grads` the buckets keep between steps, the optimizer's
+    """Bytes by kind: `params` and `grads` the units keep between steps, the optimizer's
     `masters` and `optimizer_state` (0 without one), `frozen_params`, and (`reshard`) the
-    largest full bucket that exists only during forward and backward, `transient_bucket`."""
+    largest full unit that exists only during forward and backward, `transient_unit`."""
     params = grads = 0
-    for b in buckets:
+    for b in units:
         p, g = b.persistent_bytes()
         params, grads = params + p, grads + g
     out = {
@@ -35,7 +35,7 @@ def memory(
         "masters": 0,
         "optimizer_state": 0,
         "frozen_params": sum(p.nbytes for p in frozen),
-        "transient_bucket": max(b.full_bytes() for b in buckets) if reshard else 0,
+        "transient_unit": max(b.full_bytes() for b in units) if reshard else 0,
     }
     if optimizer is not None:
         out.update(optimizer.state_bytes())

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..planning import Plan
-from ._storage import BucketStorage
+from ._storage import StorageUnit
 
 ParamInit = Callable[[str, torch.Tensor], None]
 
@@ -83,11 +83,11 @@ def fill_frozen(module: nn.Module, fn: ParamInit) -> None:
             seeded(fn, name, p.data)
 
 
-def fill_owned(plan: Plan, shard_rank: int, fn: ParamInit) -> Callable[[BucketStorage], None]:
+def fill_owned(plan: Plan, shard_rank: int, fn: ParamInit) -> Callable[[StorageUnit], None]:
     """What fills a new storage unit: `fn` on every param this rank owns a part of."""
     owned = {p.name for buffer in plan.buffers for p, _, _ in buffer.owned(shard_rank)}
 
-    def fill(storage: BucketStorage) -> None:
+    def fill(storage: StorageUnit) -> None:
         for param, placement in storage.params:
             if placement.name in owned:
                 seeded(fn, placement.name, param.data)

@@ -12,7 +12,7 @@ from ..planning import Buffer, Placement, Plan
 from ..planning.routing import Route
 
 if TYPE_CHECKING:
-    from ._storage import BucketStorage
+    from ._storage import StorageUnit
 
 
 @dataclass(frozen=True)
@@ -28,28 +28,28 @@ class OwnedRange:
     offset: int
     param: torch.Tensor
     grad: torch.Tensor
-    bucket: int
-    """Index of the bucket holding the range in `DataParallel.buckets` (reduce order)."""
+    unit: int
+    """Index of the unit holding the range in `DataParallel.units` (reduce order)."""
 
 
 def owned_ranges(
-    plan: Plan, routes: list[Route], shard_rank: int, buckets: Mapping[str, BucketStorage]
+    plan: Plan, routes: list[Route], shard_rank: int, units: Mapping[str, StorageUnit]
 ) -> Iterator[OwnedRange]:
-    """The ranges shard rank `shard_rank` owns, in the order of `routes`; `buckets` maps each
-    param name to the storage of its bucket."""
+    """The ranges shard rank `shard_rank` owns, in the order of `routes`; `units` maps each
+    param name to the storage of its unit."""
     ranges: dict[str, list[tuple[Placement, int, int, Buffer]]] = {}
     for buffer in plan.buffers:
         for p, offset, length in buffer.owned(shard_rank):
             ranges.setdefault(p.name, []).append((p, offset, length, buffer))
     for route in routes:
         for p, offset, length, buffer in ranges.get(route.name, ()):
-            bucket = buckets[p.name]
+            unit = units[p.name]
             lo = p.start + offset
-            param, grad = bucket.owned_views(lo, lo + length)
+            param, grad = unit.owned_views(lo, lo + length)
             if buffer.whole:
                 shape: tuple[int, ...] = p.shape
             elif buffer.kind == "stacked":
                 shape = p.shape[-2:]
             else:
                 shape = (length,)
-            yield OwnedRange(route, offset, param.view(shape), grad.view(shape), bucket.index)
+            yield OwnedRange(route, offset, param.view(shape), grad.view(shape), unit.index)

@@ -45,12 +45,12 @@ class RanEverywhere:
         """Whether an exchange is in flight, not read yet (the next lookup waits for it)."""
         return self._pending
 
-    def settle(self) -> None:
+    def read_agreement(self) -> None:
         """Wait for the exchange in flight, if any, and read it."""
         if self._pending:
             collectives.wait(self._work)
             self._read, self._pending = self.values.tolist(), False
 
     def __getitem__(self, unit: int) -> bool:
-        self.settle()
+        self.read_agreement()
         return self._read is None or bool(self._read[unit])

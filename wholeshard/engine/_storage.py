@@ -1,7 +1,7 @@
-"""Bucket storage: the flat param and grad tensors of one storage unit, and its collectives.
+"""Storage units: the flat param and grad tensors of one storage unit, and its collectives.
 
 [Note: storage units]
-A `BucketStorage` covers elements `[start, end)` of one planned buffer: one planned bucket, or
+A `StorageUnit` covers elements `[start, end)` of one planned buffer: one planned bucket, or
 several where a stacked param runs across them (a param's `.data` is one view: see
 `Buffer.storage_units`). Collectives run per planned bucket: equal shards by one reduce-scatter
 and one all-gather, an owner bucket's ([Note: owner buckets] in `planning.specs`) by a reduce
@@ -16,8 +16,8 @@ end of the reduction (grads). The `nn.Parameter` objects never change: released,
 `.data` (a DTensor's local tensor) is empty, and the full storage is freed with `resize_(0)`
 and regrown in place, so the views autograd saved in forward see the values in backward.
 
-[Note: bucket states]
-What the params of a storage unit hold, as a `BucketState`:
+[Note: unit states]
+What the params of a storage unit hold, as a `UnitState`:
 - FRESH: every param's current value, readable;
 - STALE: this rank's owned values are current (the optimizer wrote them), the others' are not;
 - GATHERING: a param sync is in flight; nothing may read or write the params until it lands;
@@ -46,8 +46,8 @@ from ..planning import Bucket, Placement
 ParamSync = Literal["allgather", "broadcast"]
 
 
-class BucketState(enum.Enum):
-    """What a storage unit's params hold ([Note: bucket states])."""
+class UnitState(enum.Enum):
+    """What a storage unit's params hold ([Note: unit states])."""
 
     FRESH = enum.auto()
     STALE = enum.auto()
@@ -89,13 +89,13 @@ class CommGroups:
     divide_by: int = 0  # 0: the ranks the gradients are summed over (experts': dp x ep)
 
 
-class BucketStorage:
+class StorageUnit:
     """Storage and collectives of one storage unit ([Note: storage units]). `params` are the
     unit's params with their placements; each param's `.data` is a view of `param` (while
     gathered) and its gradient is added into the same range of `grad`."""
 
     index: int  # position in reduce (backprop) order among the model's storage units
-    kind: str  # the buffer kind ("muon", "stacked", "adamw", "unaligned")
+    kind: str  # the buffer kind ("matrix", "stacked", "adamw", "unaligned")
     buckets: tuple[Bucket, ...]  # the planned buckets the unit spans, in buffer order
     start: int  # first buffer element of the unit
     end: int  # one past its last
@@ -106,10 +106,10 @@ class BucketStorage:
     grad: torch.Tensor  # 1D, the same range (grad-reduce dtype); freed when resharding
     param_shard: torch.Tensor | None  # 1D, this rank's shards of every bucket; resharding only
     grad_shard: torch.Tensor | None  # 1D, likewise
-    state: BucketState
-    arrived: int  # gradients landed in this accumulation window (synchronising backwards only)
-    landed: list[bool]  # which params `arrived` counts
-    received: list[bool]  # which params got a gradient in this window (any backward)
+    state: UnitState
+    received: list[bool]  # per param: a gradient was added into `grad` this window (any backward)
+    final: list[bool]  # per param: its gradient is final (received in a synchronising backward)
+    n_final: int  # how many of `final` are True; `complete` once all are
     reducing: InFlight | None  # the reduction in flight
     gathering: InFlight | None  # the param sync in flight (state GATHERING)
 
@@ -151,9 +151,9 @@ class BucketStorage:
             self._shard_at.append(self._shard_at[-1] + b.shard_len(groups.rank))
         self.param_shard = self.grad_shard = None
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
-        self.reset_arrivals()
+        self.open_window()
         self.reducing = self.gathering = None
-        self.state = BucketState.FRESH
+        self.state = UnitState.FRESH
 
     # -- geometry ---------------------------------------------------------------------------
     def _elements(self, full: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -197,20 +197,20 @@ class BucketStorage:
         """Bytes of the full param and grad tensors when materialised."""
         return self.param.nbytes + self.grad.nbytes
 
-    # -- states ([Note: bucket states]) -----------------------------------------------------
+    # -- states ([Note: unit states]) -----------------------------------------------------
 
-    def _expect(self, *states: BucketState) -> None:
+    def _expect(self, *states: UnitState) -> None:
         if self.state not in states:
             raise AssertionError(
-                f"bucket {self.index} is {self.state.name}, expected "
+                f"unit {self.index} is {self.state.name}, expected "
                 f"{' or '.join(s.name for s in states)}"
             )
 
     def mark_stale(self) -> None:
         """The optimizer wrote this rank's owned values: the others are now out of date."""
-        self._expect(BucketState.FRESH, BucketState.STALE, BucketState.RELEASED)
-        if self.state is BucketState.FRESH:
-            self.state = BucketState.STALE
+        self._expect(UnitState.FRESH, UnitState.STALE, UnitState.RELEASED)
+        if self.state is UnitState.FRESH:
+            self.state = UnitState.STALE
 
     @property
     def params_materialised(self) -> bool:
@@ -220,7 +220,7 @@ class BucketStorage:
     @property
     def readable(self) -> bool:
         """Whether every param holds its current full-precision value now."""
-        return self.state is BucketState.FRESH and self.params_materialised
+        return self.state is UnitState.FRESH and self.params_materialised
 
     # -- resharding ([Note: resharding]) ----------------------------------------------------
 
@@ -240,13 +240,13 @@ class BucketStorage:
 
     def release_params(self) -> None:
         """Free the full param storage (resharding only); params become empty until gathered."""
-        self._expect(BucketState.FRESH, BucketState.STALE, BucketState.RELEASED)
+        self._expect(UnitState.FRESH, UnitState.STALE, UnitState.RELEASED)
         if not self.reshard:
             return
         for param, _ in self.params:
             set_local(param, self._empty)
         _free(self.param)
-        self.state = BucketState.RELEASED
+        self.state = UnitState.RELEASED
 
     def _materialise_grads(self) -> None:
         if not _allocated(self.grad):
@@ -257,18 +257,18 @@ class BucketStorage:
 
     @property
     def complete(self) -> bool:
-        """Every param's gradient has landed (counted in synchronising backwards only)."""
-        return self.arrived == len(self.params)
+        """Every param's gradient is final, so the unit may be reduced."""
+        return self.n_final == len(self.params)
 
-    def land(self, i: int) -> None:
-        """Count `self.params[i]`'s gradient as landed in this accumulation window."""
-        self.landed[i] = True
-        self.arrived += 1
+    def mark_final(self, i: int) -> None:
+        """Mark `self.params[i]`'s gradient final for this accumulation window."""
+        self.final[i] = True
+        self.n_final += 1
 
-    def reset_arrivals(self) -> None:
-        """Open a new accumulation window: no gradient has landed."""
-        self.arrived = 0
-        self.landed = [False] * len(self.params)
+    def open_window(self) -> None:
+        """Open a new accumulation window: no gradient received, none final."""
+        self.n_final = 0
+        self.final = [False] * len(self.params)
         self.received = [False] * len(self.params)
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
@@ -280,10 +280,10 @@ class BucketStorage:
     def start_reduce(self) -> None:
         """Dispatch the reduction: afterwards this rank's grad shards hold the averages."""
         if self.reducing is not None:
-            raise AssertionError(f"bucket {self.index}: a reduction is already in flight")
+            raise AssertionError(f"unit {self.index}: a reduction is already in flight")
         self._materialise_grads()  # a unit that got no gradient reduces zeros
         self.reducing = self._reduce()
-        self.reducing.what = f"grad sync (reduction) of bucket {self.index}"
+        self.reducing.what = f"grad sync (reduction) of unit {self.index}"
 
     def finish_reduce(self) -> None:
         if self.reducing is not None:
@@ -296,7 +296,7 @@ class BucketStorage:
         """Zero every gradient: the shards, and the full grads unless resharding frees them."""
         if self.reducing is not None:
             raise AssertionError("never zero gradients under an in-flight reduction")
-        self.reset_arrivals()
+        self.open_window()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
             _free(self.grad)
@@ -335,14 +335,14 @@ class BucketStorage:
     def start_gather(self, full: bool = False) -> None:
         """Dispatch the param sync that restores every param of the unit from its owner.
         (`full`: the full-precision values even where a subclass syncs another form.)"""
-        self._expect(BucketState.STALE, BucketState.RELEASED)
+        self._expect(UnitState.STALE, UnitState.RELEASED)
         if not _allocated(self.param):
             _alloc(self.param)
         self._dispatched(self._gather())
 
     def _dispatched(self, gathering: InFlight) -> None:
-        gathering.what = f"param sync ({self.groups.param_sync}) of bucket {self.index}"
-        self.gathering, self.state = gathering, BucketState.GATHERING
+        gathering.what = f"param sync ({self.groups.param_sync}) of unit {self.index}"
+        self.gathering, self.state = gathering, UnitState.GATHERING
 
     def finish_gather(self) -> None:
         if self.gathering is not None:
@@ -354,7 +354,7 @@ class BucketStorage:
         """A gather has landed: the params are up to date (resharding: point them at it)."""
         if self.reshard:
             self._point_params_at_full()
-        self.state = BucketState.FRESH
+        self.state = UnitState.FRESH
 
     def _point_params_at_full(self) -> None:
         for (param, _), view in zip(self.params, self._param_views, strict=True):

@@ -1,6 +1,6 @@
 """Storage of the legacy ping-pong baseline's unaligned buffer.
 
-Every rank holds every bucket whole: gradients are all-reduced; each rank's owned params are
+Every rank holds every unit whole: gradients are all-reduced; each rank's owned params are
 flattened into a staging buffer and synced by one all-gather padded to the largest rank or by
 one broadcast per rank, then copied out. Every rank issues the same collectives in the same
 order, whatever it owns.
@@ -12,17 +12,17 @@ import torch
 
 from ..distributed import collectives
 from ..planning import Placement
-from ._storage import BucketStorage, InFlight
+from ._storage import InFlight, StorageUnit
 
 
-class UnalignedStorage(BucketStorage):
+class UnalignedStorage(StorageUnit):
     """A storage unit of the unaligned buffer: all-reduce for grads, a staging buffer for params
     ([Note: unaligned buffers] in `wholeshard.planning._unaligned`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._staging: torch.Tensor | None = None
-        # _owned_in[rank]: the params rank owns in this bucket, in buffer order.
+        # _owned_in[rank]: the params rank owns in this unit, in buffer order.
         self._owned_in: list[list[Placement]] = [[] for _ in range(self.groups.size)]
         for _, p in sorted(self.params, key=lambda item: item[1].start):
             self._owned_in[p.owner].append(p)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..planning import SCHEMES, STRATEGIES
 from ..planning.plan import Scheme, Strategy
-from ..planning.routing import UseMuon
+from ..planning.routing import MatrixParams
 from ..planning.specs import is_int
 
 if TYPE_CHECKING:
@@ -77,10 +77,10 @@ class DataParallelConfig:
     padding under 1% and the Newton-Schulz cost within 1.10 of the mean
     (`wholeshard.planning.auto`; `wholeshard plan --shard-group-size auto` shows why). A
     mesh's hybrid dims ("dp_replicate" x "dp_shard") or "ep" dim, when given, say k instead."""
-    use_muon: UseMuon | None = None
-    """`use_muon(name, param) -> bool` replaces the default routing rule's decision of which
+    matrix_params: MatrixParams | None = None
+    """`matrix_params(name, param) -> bool` replaces the default routing rule's decision of which
     params the matrix rule steps (the rest: AdamW) (`wholeshard.planning.routing`)."""
-    expert_params: UseMuon | None = None
+    expert_params: MatrixParams | None = None
     """`expert_params(name, param) -> bool`: which params are a MoE's experts, split over a
     mesh's "ep" dim (each ep rank holds its own); used only with one. None: names with an
     `experts` part (`layers.0.mlp.experts.w1`, `experts.3.up.weight`) ([Note: expert
@@ -99,14 +99,14 @@ class DataParallelConfig:
     gathered before its forward and again before its backward, and released after each. For
     models whose params, gradients and state do not fit replicated."""
     overlap_grad_reduce: bool = True
-    """Reduce each bucket during backward, as soon as all its gradients are in (FSDP2 always
-    does). Off: every bucket is reduced at the step, so every full gradient bucket lives until
+    """Reduce each storage unit during backward, as soon as all its gradients are in (FSDP2 always
+    does). Off: every unit is reduced at the step, so every full gradient unit lives until
     then (fully sharded, that is the whole model's gradients); the same bits either way."""
     overlap_param_gather: bool = False
-    """Gather the updated params during the next forward, each bucket just ahead of the modules
+    """Gather the updated params during the next forward, each unit just ahead of the modules
     that use it, instead of at the end of `optimizer.step()`."""
     pipelined_step: bool = False
-    """`optimizer.step()` updates each bucket as soon as its reduction lands and dispatches its
+    """`optimizer.step()` updates each unit as soon as its reduction lands and dispatches its
     gather at once; the same bits as the unpipelined step."""
     fp8_param_gather: bool = False
     """Sync the weights of FP8 layers as FP8 (convert the model with `wholeshard.fp8.convert`
@@ -145,7 +145,7 @@ class DataParallelConfig:
                     name, f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
         for name, what in (
-            ("use_muon", "a function use_muon(name, param) -> bool"),
+            ("matrix_params", "a function matrix_params(name, param) -> bool"),
             ("expert_params", "a function expert_params(name, param) -> bool"),
             ("param_init", "a function fn(name, tensor)"),
             ("matrix_cost", "a function cost(rows, cols) -> int (e.g. SOAP.matrix_cost)"),

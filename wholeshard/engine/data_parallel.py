@@ -42,7 +42,7 @@ from ._init import (
 from ._memory import memory
 from ._meta import fill_frozen, fill_owned, materialise, target_device
 from ._schedule import Scheduler
-from ._storage import BucketStorage, CommGroups
+from ._storage import CommGroups, StorageUnit
 from .config import DataParallelConfig, Variant
 from .step_protocol import StepProtocol
 
@@ -66,10 +66,10 @@ class DataParallel(nn.Module):
             `shard_group_size`), beside `"pp"`, `"tp"` or `"ep"` (a MoE's experts: [Note:
             expert parallelism]) ([Note: mesh dims] in `wholeshard.distributed.mesh`).
 
-    Muon-routed params live in whole-tensor buffers, the others in element-wise sharded ones
+    matrix-routed params live in whole-tensor buffers, the others in element-wise sharded ones
     (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step
     (driving it through `step_protocol`): the wrapped params' `.grad` stays None (gradients go
-    to the buckets), so clip with `optimizer.clip_grad_norm_`, not
+    to the units), so clip with `optimizer.clip_grad_norm_`, not
     `torch.nn.utils.clip_grad_norm_` (it would see no gradient); a torch optimizer over
     `ddp.parameters()` raises at its step. A module is wrapped once; `release()` gives it back.
     """
@@ -125,7 +125,7 @@ class DataParallel(nn.Module):
         if cfg.param_init is not None and not _part:  # [Note: meta-device construction]
             placeholders = materialise(module, target_device(module, self.process_group))
             fill_frozen(module, cfg.param_init)
-        self.routes = _part.routes if _part else route_params(module, cfg.use_muon)
+        self.routes = _part.routes if _part else route_params(module, cfg.matrix_params)
         routes, experts = split_experts(module, self.routes, cfg, meshed)  # [Note: expert
         ep = bool(experts)  # parallelism] in `wholeshard.distributed.mesh`
         self.tensor_parallel = not _part and check_tensor_parallel(  # experts: checked by dense
@@ -166,7 +166,7 @@ class DataParallel(nn.Module):
             self.plan,
             routes,
             storage_factory(self.module, self.fp8_param_gather),
-            self._settle,
+            self._fill_initial,
             groups=groups,
             reshard=self.reshard_after_forward,
             param_dtype=param_dtype,
@@ -212,9 +212,9 @@ class DataParallel(nn.Module):
             self._scheduler.params_updated()  # the owners' values (the first FP8 weights)
             self._scheduler.finish_param_sync()
 
-    def _settle(self, storage: BucketStorage) -> None:
+    def _fill_initial(self, storage: StorageUnit) -> None:
         """Give a new storage unit rank 0's values (or, from `param_init`, its owned ones) and,
-        fully sharded, keep only this rank's shards (units are settled one at a time: one full
+        fully sharded, keep only this rank's shards (units are filled one at a time: one full
         unit exists beside the model)."""
         if self._fill:
             self._fill(storage)
@@ -237,9 +237,9 @@ class DataParallel(nn.Module):
             return getattr(self._modules["module"], name)
 
     @property
-    def buckets(self) -> list[BucketStorage]:
-        """Communication buckets in reduce (backprop) order (the experts' after the others')."""
-        return [b for s in self.step_protocol.schedulers for b in s.buckets]
+    def units(self) -> list[StorageUnit]:
+        """Communication units in reduce (backprop) order (the experts' after the others')."""
+        return [b for s in self.step_protocol.schedulers for b in s.units]
 
     def replica_of(self, name: str) -> int:
         """Which of the identical copies of param `name`'s owned elements this rank holds: its
@@ -253,7 +253,7 @@ class DataParallel(nn.Module):
     @property
     def device(self) -> torch.device:
         """Where the buffers live: the module's device."""
-        return self.buckets[0].param.device
+        return self.units[0].param.device
 
     @property
     def comm_wait_s(self) -> float:
@@ -277,7 +277,7 @@ class DataParallel(nn.Module):
     # -- parameters -----------------------------------------------------------------------
 
     def finish_param_sync(self) -> None:
-        """Complete every pending param sync: afterwards every param outside a released bucket
+        """Complete every pending param sync: afterwards every param outside a released unit
         is up to date (in ZeRO-1/2 mode: every param). Call it before reading params outside
         a forward, `model.state_dict()` say (fully sharded: `full_params()`)."""
         self.step_protocol.finish_param_sync()
@@ -303,7 +303,7 @@ class DataParallel(nn.Module):
         self.free_overlap_buffers()  # nothing in flight
         for s in self.step_protocol.schedulers:
             s.gather_all()
-        for b in self.buckets:
+        for b in self.units:
             for param, _ in b.params:
                 set_local(param, local(param.data).clone())
         for e in (self, *self._experts):
@@ -315,9 +315,9 @@ class DataParallel(nn.Module):
 
     def free_overlap_buffers(self) -> None:
         """Wait for anything in flight, then drop temporary buffers and (fully sharded) full
-        buckets. Safe to repeat; call it before a checkpoint save."""
+        units. Safe to repeat; call it before a checkpoint save."""
         self.finish_param_sync()
-        for b in self.buckets:
+        for b in self.units:
             b.finish_reduce()
             b.drop_temporaries()
         if self.reshard_after_forward:
@@ -329,11 +329,11 @@ class DataParallel(nn.Module):
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds between steps, by kind.
 
-        `params` and `grads`: the bucket storage kept between steps (this rank's shards when
+        `params` and `grads`: the unit storage kept between steps (this rank's shards when
         fully sharded, the full buffers otherwise); `masters` and `optimizer_state`: from the
         attached `LayerwiseOptimizer` (0 without one); `frozen_params`: params outside the
-        buffers; `transient_bucket`: the largest full param + grad bucket that exists only
+        buffers; `transient_unit`: the largest full param + grad unit that exists only
         during forward and backward (0 unless fully sharded).
         """
         optimizer = self.step_protocol.optimizer
-        return memory(self.buckets, self.frozen, self.reshard_after_forward, optimizer)
+        return memory(self.units, self.frozen, self.reshard_after_forward, optimizer)

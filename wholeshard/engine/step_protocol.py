@@ -3,21 +3,21 @@
 Reached as `ddp.step_protocol`; not user API: `LayerwiseOptimizer` and checkpoint loading call
 it, a training script calls `optimizer.step()`. The verbs are Megatron's; `_schedule.Scheduler`
 decides when the collectives run. The step:
-1. backward: each param's post-accumulate-grad hook adds its grad into its bucket's grad buffer;
-   with `overlap_grad_reduce` a bucket whose params are all in starts its reduction;
-2. `finish_grad_sync()`: every bucket reduced (averaged), so this rank's grad shards hold the
+1. backward: each param's post-accumulate-grad hook adds its grad into its unit's grad buffer;
+   with `overlap_grad_reduce` a unit whose params are all in starts its reduction;
+2. `finish_grad_sync()`: every unit reduced (averaged), so this rank's grad shards hold the
    full averaged gradient of every param it owns;
 3. the optimizer writes its owned params (`owned()`: views of this rank's param shards);
-4. `start_param_sync()`: each bucket's gather restores every param on every rank: at once, as
+4. `start_param_sync()`: each unit's gather restores every param on every rank: at once, as
    the next forward reaches them (`overlap_param_gather`), or around each module's forward and
    backward, released after (fully sharded: `reshard_after_forward=True`).
-`pipelined_step`: 2-4 bucket by bucket (`reduced_buckets()`), each updated once reduced.
+`pipelined_step`: 2-4 unit by unit (`reduced_units()`), each updated once reduced.
 
 Invariants: every verb acts on every scheduler, the wrapper's own first, then its experts'
 wrapper's ([Note: expert parallelism] in `wholeshard.distributed.mesh`), so every rank issues
-the same collectives in the same order; a bucket index (`OwnedRange.bucket`,
-`reduced_buckets()`) counts over those schedulers' buckets in that order, which is
-`DataParallel.buckets`.
+the same collectives in the same order; a unit index (`OwnedRange.unit`,
+`reduced_units()`) counts over those schedulers' units in that order, which is
+`DataParallel.units`.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ class StepProtocol:
     """The step verbs of one `DataParallel` (built by it; reached as `ddp.step_protocol`).
 
     Args:
-        scheduler: the wrapper's own scheduler (its dense params' buckets under expert
+        scheduler: the wrapper's own scheduler (its dense params' units under expert
             parallelism).
         plan, shard_rank: the wrapper's plan and this rank's place in its shard group: what
             this rank owns.
         routes: every trainable param's route, in registration order (the experts' included).
         module: the wrapped module; `signature`: its params when wrapped (`model_changes`).
-        experts: the experts' wrapper's protocol, if any: its buckets follow this one's.
+        experts: the experts' wrapper's protocol, if any: its units follow this one's.
     """
 
     schedulers: list[Scheduler]  # the wrapper's own, then its experts' wrapper's
@@ -72,7 +72,7 @@ class StepProtocol:
         self._experts = tuple(experts)
         self.schedulers = [scheduler, *(e._scheduler for e in self._experts)]
         self._slot_of = {
-            p.name: (b, i) for b in scheduler.buckets for i, (_, p) in enumerate(b.params)
+            p.name: (b, i) for b in scheduler.units for i, (_, p) in enumerate(b.params)
         }
         self._optimizer: weakref.ref[StateHolder] | None = None
 
@@ -82,25 +82,25 @@ class StepProtocol:
         """What this rank updates, in registration order (experts after the others): whole
         params, whole matrices of stacked params, or flat slices of element-wise ones.
         Ownership comes from the plan."""
-        buckets = {name: b for name, (b, _) in self._slot_of.items()}
-        yield from owned_ranges(self._plan, self._routes, self._shard_rank, buckets)
-        first = len(self._scheduler.buckets)
-        for e in self._experts:  # its buckets follow ours in `DataParallel.buckets`
+        units = {name: b for name, (b, _) in self._slot_of.items()}
+        yield from owned_ranges(self._plan, self._routes, self._shard_rank, units)
+        first = len(self._scheduler.units)
+        for e in self._experts:  # its units follow ours in `DataParallel.units`
             for o in e.owned():
-                yield dataclasses.replace(o, bucket=first + o.bucket)
-            first += len(e._scheduler.buckets)
+                yield dataclasses.replace(o, unit=first + o.unit)
+            first += len(e._scheduler.units)
 
     # -- gradients ------------------------------------------------------------------------
 
     def start_grad_sync(self) -> None:
-        """Dispatch the reduction of every bucket not yet dispatched, in bucket order."""
+        """Dispatch the reduction of every unit not yet dispatched, in unit order."""
         for s in self.schedulers:
             s.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
         """Wait until this rank's grad shards hold the averaged gradients of its owned params.
 
-        Params that got no gradient this step count as zero: readiness is settled here.
+        Params that got no gradient this step count as zero: readiness is decided here.
         """
         for s in self.schedulers:
             s.finish_grad_sync()
@@ -109,7 +109,7 @@ class StepProtocol:
         """Per route (in `routes` order): whether this rank got a gradient for the param since
         `zero_grad_buffer()`. A param no rank got one for is not stepped (torch's rule)."""
         slots = {n: s for e in (self, *self._experts) for n, s in e._slot_of.items()}
-        return [bucket.received[i] for bucket, i in (slots[r.name] for r in self._routes)]
+        return [unit.received[i] for unit, i in (slots[r.name] for r in self._routes)]
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient and open the next accumulation window."""
@@ -118,30 +118,30 @@ class StepProtocol:
         for r in self._routes:
             r.param.grad = None
 
-    def reduced_buckets(self) -> Iterator[int]:
-        """The pipelined step: yield each bucket's index (in `DataParallel.buckets`) once its
+    def reduced_units(self) -> Iterator[int]:
+        """The pipelined step: yield each unit's index (in `DataParallel.units`) once its
         grads are reduced; when the caller, having written its owned params, comes back, its
         param sync is dispatched. Every rank walks it to the end ([Note: pipelined step] in
         `_schedule`)."""
         first = 0
         for s in self.schedulers:
             yield from (first + i for i in s.reduced_in_order())
-            first += len(s.buckets)
+            first += len(s.units)
 
     # -- parameters -----------------------------------------------------------------------
 
     def start_param_sync(self) -> None:
         """Begin restoring every param from its owner (after the optimizer wrote its own).
 
-        Synchronous mode dispatches every bucket; with `overlap_param_gather` only the first in
+        Synchronous mode dispatches every unit; with `overlap_param_gather` only the first in
         forward order, the rest as the forward reaches them; fully sharded, nothing until the
-        next forward (the buckets are released).
+        next forward (the units are released).
         """
         for s in self.schedulers:
             s.params_updated()
 
     def finish_param_sync(self) -> None:
-        """Complete every pending param sync: afterwards every param outside a released bucket
+        """Complete every pending param sync: afterwards every param outside a released unit
         is up to date (in ZeRO-1/2 mode: every param)."""
         for s in self.schedulers:
             s.finish_param_sync()

@@ -1,6 +1,6 @@
 """FP8 in wholeshard: the number formats (`formats`), the FP8 linear's GEMMs and which of them
 runs (`gemm`: the real `torch._scaled_mm` or the emulation), and FP8 compute for the
-Muon-routed linear layers (`linear`: `convert`, `Fp8Linear`)."""
+matrix-routed linear layers (`linear`: `convert`, `Fp8Linear`)."""
 
 from .formats import MXFP8, Fp8Tensorwise, dequantize, quantize_mxfp8, quantize_tensorwise
 from .gemm import Backend, gemm_backend, select_gemm

@@ -1,4 +1,4 @@
-"""FP8 compute for Muon-routed linear layers: `convert(module, recipe)` and `Fp8Linear`.
+"""FP8 compute for matrix-routed linear layers: `convert(module, recipe)` and `Fp8Linear`.
 
 `Fp8Linear` multiplies with its weight quantized (`quantize_weight`): a rowwise copy for the
 forward GEMM `y = x W^T` (blocks along `in`, the reduction dim) and a columnwise copy for the
@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from ..planning.routing import UseMuon, route_params
+from ..planning.routing import MatrixParams, route_params
 from .formats import BLOCK, MXFP8, Fp8Tensorwise, quantize_mxfp8, quantize_tensorwise
 from .gemm import Backend, linear_forward, linear_input_grad, select_gemm
 
@@ -115,12 +115,12 @@ def convert(
     module: nn.Module,
     recipe: str = "mxfp8",
     *,
-    use_muon: UseMuon | None = None,
+    matrix_params: MatrixParams | None = None,
     gemm: Literal["auto", "emulated"] = "auto",
 ) -> nn.Module:
-    """Turn every Muon-routed `nn.Linear` of `module` into an `Fp8Linear` (in place; returns
-    `module`). Routing is `wholeshard.route_params(module, use_muon)`'s. Only modules whose class
-    is exactly `nn.Linear` are converted (a subclass may not call its own forward). With
+    """Turn every matrix-routed `nn.Linear` of `module` into an `Fp8Linear` (in place; returns
+    `module`). Routing is `wholeshard.route_params(module, matrix_params)`'s. Only modules whose
+    class is exactly `nn.Linear` are converted (a subclass may not call its own forward). With
     `mxfp8`, a weight whose dims are not both multiples of 32 stays bf16, with a warning naming
     it. `gemm="emulated"` keeps these layers off the real FP8 GEMM. Convert before wrapping the
     model in `DataParallel`."""
@@ -128,7 +128,7 @@ def convert(
         raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")
     if gemm not in GEMMS:
         raise ValueError(f"unknown FP8 gemm {gemm!r}; choose one of {GEMMS}")
-    muon = {id(r.param) for r in route_params(module, use_muon) if r.muon}
+    muon = {id(r.param) for r in route_params(module, matrix_params) if r.matrix}
     skipped = []
     for name, mod in module.named_modules():
         if type(mod) is not nn.Linear or id(mod.weight) not in muon:

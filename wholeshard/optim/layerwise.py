@@ -36,20 +36,22 @@ from ._step_check import (
 )
 from .matrix_rule import closure_loss
 from .ns_split import NsSplit, row_blocks
-from .pieces import ADAMW, MUON, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
+from .pieces import ADAMW, MATRIX, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
 from .rules import tensor_parallel_rule
 from .tensor_parallel import TpMode, combined_norms, replicas_stepped, replicate, tp_slices
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
-    """Muon on the Muon-routed params, AdamW on the rest, each only on this rank's owned params.
+    """The matrix rule (Muon by default) on the matrix-routed params, AdamW on the rest, each
+    only on this rank's owned params.
 
     Args:
         ddp: the `DataParallel` whose owned params this optimizer steps; it owns the step (the
-            wrapped params' `.grad` stays None: gradients live in the buckets).
-        muon: keyword arguments of `torch.optim.Muon` (lr, weight_decay, momentum, nesterov,
-            ns_steps, adjust_lr_fn, ...), or of `matrix_optimizer`.
-        matrix_optimizer: the torch optimizer class stepping the owned Muon-routed matrices:
+            wrapped params' `.grad` stays None: gradients live in the units).
+        matrix: keyword arguments of `matrix_optimizer` (of `torch.optim.Muon` by default: lr,
+            weight_decay, momentum, nesterov, ns_steps, adjust_lr_fn, ...; NorMuon's or SOAP's
+            where it is one of those).
+        matrix_optimizer: the torch optimizer class stepping the owned matrix-routed matrices:
             `torch.optim.Muon`, or `wholeshard.optim.BatchedMuon` (the same maths and state,
             same-shape matrices orthogonalized together). Checkpoints reshard state shaped like
             the param, so an optimizer whose update of a param reads only that param, its grad
@@ -72,7 +74,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     untouched), as torch's optimizers skip a param whose `.grad` is None; one used on some ranks
     only is stepped on the average, the others counting zeros (as torch DDP). With
     `DataParallelConfig(pipelined_step=True)`,
-    `step()` updates bucket by bucket as the reductions land (`StepProtocol.reduced_buckets`):
+    `step()` updates unit by unit as the reductions land (`StepProtocol.reduced_units`):
     the same per-param arithmetic, so the same bits.
 
     Before any update, every rank takes the step check, one small all-reduce (`_step_check`):
@@ -92,7 +94,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self,
         ddp: DataParallel,
         *,
-        muon: dict[str, Any] | None = None,
+        matrix: dict[str, Any] | None = None,
         adamw: dict[str, Any] | None = None,
         nonfinite: NonfinitePolicy | None = "error",
         matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
@@ -112,29 +114,32 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
         self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
         self._owned: list[OwnedPiece] = []
-        self._by_bucket: dict[int, list[OwnedPiece]] = {}  # bucket index -> its owned pieces
+        self._by_unit: dict[int, list[OwnedPiece]] = {}  # unit index -> its owned pieces
         self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
         blocks = row_blocks(ddp.routes, ns_split)
-        rule, muon, replicas = tensor_parallel_rule(matrix_optimizer, muon, tp_mode, ddp.routes)
+        rule, matrix, replicas = tensor_parallel_rule(matrix_optimizer, matrix, tp_mode, ddp.routes)
         for owned in self._protocol.owned():
             pieces = pieces_of(owned, blocks.get(owned.route.name))
             if replicas:  # [Note: replicas of tensor-parallel matrices]
                 replicate(pieces)
             self._owned += pieces
-            self._by_bucket.setdefault(owned.bucket, []).extend(pieces)
+            self._by_unit.setdefault(owned.unit, []).extend(pieces)
         index = {r.name: i for i, r in enumerate(ddp.routes)}
         indices = [index[o.name] for o in self._owned]  # each piece's param, for the step check
         self._indices = torch.tensor(indices, dtype=torch.float64, device=ddp.device)
         self._tp_group, sliced = tp_slices(ddp.routes)  # for norms: slices sum over the group
         self._sliced = [o.name in sliced for o in self._owned]
         self._inner = {
-            MUON: rule([{"params": self._masters(MUON)}], **muon),
+            MATRIX: rule([{"params": self._masters(MATRIX)}], **matrix),
             ADAMW: torch.optim.AdamW([{"params": self._masters(ADAMW)}], **(adamw or {})),
         }
-        super().__init__([{"params": self._masters(MUON)}, {"params": self._masters(ADAMW)}], {})
+        super().__init__([{"params": self._masters(MATRIX)}, {"params": self._masters(ADAMW)}], {})
         # Share the inner optimizers' group dicts so schedulers and users edit the real thing.
-        self.param_groups = [self._inner[MUON].param_groups[0], self._inner[ADAMW].param_groups[0]]
-        self.state = States(self._inner[MUON].state, self._inner[ADAMW].state)  # type: ignore[assignment]
+        self.param_groups = [
+            self._inner[MATRIX].param_groups[0],
+            self._inner[ADAMW].param_groups[0],
+        ]
+        self.state = States(self._inner[MATRIX].state, self._inner[ADAMW].state)  # type: ignore[assignment]
         self._protocol.attach_optimizer(self)
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
@@ -154,8 +159,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._protocol.zero_grad_buffer()
             return loss
         if pipelined:
-            for bucket in self._protocol.reduced_buckets():
-                self._update(self._by_bucket.get(bucket, []), stepped)
+            for unit in self._protocol.reduced_units():
+                self._update(self._by_unit.get(unit, []), stepped)
         else:
             self._protocol.finish_param_sync()  # a gather in flight lands before we write
             self._update(self._owned, stepped)
@@ -193,7 +198,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def register_update_hook(self, hook: Callable[[list[OwnedPiece]], None]) -> RemovableHandle:
         """Call `hook(pieces)` after each update of owned `pieces` (all of a step's, or, pipelined,
-        one bucket's), before their masters are written to the params and gathered: what it
+        one unit's), before their masters are written to the params and gathered: what it
         writes to the masters is what every rank gets (QK-clip, `wholeshard.optim.QKClip`)."""
         handle = RemovableHandle(self._update_hooks)
         self._update_hooks[handle.id] = hook
@@ -205,7 +210,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         Return the names of the params to step (those that got a gradient on some rank), or
         None when every rank skips this step (policy "skip"). With `nonfinite=None` it is judged
         at the next step ([Note: host syncs in a step])."""
-        self._settle_check()
+        self._judge_pending_check()
         norms, self._piece_norms = self._piece_norms, None
         if self.nonfinite is None:
             norms = None
@@ -235,7 +240,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Per route, from the step check: whether some rank holding it got a gradient."""
         return self.ddp.expert_layout.pick(flags) if self.ddp.expert_layout else flags
 
-    def _settle_check(self) -> None:
+    def _judge_pending_check(self) -> None:
         """Read a step check left unread and raise what it found (on every rank alike)."""
         if self._unread is not None:
             (step, change, pending), self._unread = self._unread, None
@@ -325,12 +330,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def piece_state(self, piece: OwnedPiece) -> dict[str, Any]:
         """The torch optimizer's live state dict for `piece` (empty before the first step). A
         step check left unread is read first: state is never handed out past a failed check."""
-        self._settle_check()
+        self._judge_pending_check()
         return self._inner[piece.kind].state[piece.stepped]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, keyed by param name; loads at the same world size and plan only."""
-        self._settle_check()
+        self._judge_pending_check()
         state: dict[str, dict[str, Any]] = {}
         for o in self._owned:
             entry = dict(self._inner[o.kind].state.get(o.stepped, {}))
@@ -339,7 +344,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             state[o.key] = entry
         groups = [
             {k: v for k, v in g.items() if k != "params"} | {"kind": kind}
-            for kind, g in zip((MUON, ADAMW), self.param_groups, strict=True)
+            for kind, g in zip((MATRIX, ADAMW), self.param_groups, strict=True)
         ]
         return {"state": state, "param_groups": groups, "steps": self.steps}
 

@@ -1,7 +1,7 @@
 """Row blocks that Newton–Schulz treats as separate matrices (`LayerwiseOptimizer(ns_split=)`).
 
 [Note: row blocks]
-`ns_split(name, param) -> list[int] | None` gives, for a Muon-routed param, the sizes of the row
+`ns_split(name, param) -> list[int] | None` gives, for a matrix-routed param, the sizes of the row
 blocks of its (out, in) matrix (of each matrix, for a stack) that the matrix optimizer steps as
 separate matrices: Newton–Schulz, Muon's shape scaling (`adjust_lr_fn`) and any per-matrix
 state see each block alone, exactly as if the model had one projection per block. None (or one
@@ -126,7 +126,7 @@ def row_blocks(routes: Iterable[Route], ns_split: NsSplit | None) -> dict[str, t
         raise TypeError(f"ns_split must be a function (name, param) -> sizes, got {ns_split!r}")
     blocks = {}
     for route in routes:
-        if not route.muon:
+        if not route.matrix:
             continue
         logical = route.logical_shape  # a tensor-parallel matrix's whole (`pieces.local_blocks`)
         shape = (*logical[:-2], *logical[-2:][:: -1 if route.transposed else 1])

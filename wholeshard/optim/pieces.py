@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ..engine.data_parallel import DataParallel
     from ..engine.step_protocol import OwnedRange
 
-MUON, ADAMW = "muon", "adamw"
+MATRIX, ADAMW = "matrix", "adamw"
 
 
 @dataclass
@@ -58,7 +58,7 @@ class OwnedPiece:
     """
 
     name: str
-    kind: str  # "muon" or "adamw"
+    kind: str  # "matrix" or "adamw"
     full_shape: tuple[int, ...]
     offset: int
     param: torch.Tensor  # view into the param buffer (param dtype)
@@ -205,7 +205,7 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
     """The optimizer's pieces of one owned range: one per matrix of a Muon stack, else one; with
     row-block `bounds` `(0, b1, ..., out)` ([Note: row blocks]), one per block of each matrix."""
     route, full_shape = owned.route, owned.route.shape
-    if not route.muon:
+    if not route.matrix:
         return [_piece(route.name, ADAMW, full_shape, owned.offset, owned.param, owned.grad)]
     rows, cols = owned.param.shape[-2:]
     first = owned.offset // (rows * cols)
@@ -222,7 +222,7 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
         if bounds and place is not None and place[0] == 1:  # RowwiseParallel: column-sliced
             return [  # row blocks, each a tensor-parallel matrix of its own
                 tensor_parallel(
-                    _piece(route.name, MUON, full_shape, owned.offset + a * cols,
+                    _piece(route.name, MATRIX, full_shape, owned.offset + a * cols,
                            params[0][a:b], grads[0][a:b], rows=(a, b)),
                     route.param,
                     (a, b),
@@ -232,7 +232,7 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
         if bounds:  # row blocks within this rank's rows: stepped here alone, as plain matrices
             bounds = local_blocks(bounds, place, rows)
         else:
-            piece = _piece(route.name, MUON, full_shape, owned.offset, owned.param, owned.grad)
+            piece = _piece(route.name, MATRIX, full_shape, owned.offset, owned.param, owned.grad)
             return [tensor_parallel(piece, route.param)]
     blocks = list(zip(bounds[:-1], bounds[1:], strict=True)) if bounds else [None]
     pieces = []
@@ -246,7 +246,7 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
             pieces.append(
                 _piece(
                     route.name,
-                    MUON,
+                    MATRIX,
                     full_shape,
                     offset,
                     param[cut],

@@ -24,7 +24,7 @@ the other heads' rows are multiplied by exactly 1.0 (bitwise untouched), so no s
 value back to the host. The rank that owns a matrix clips its fp32 master inside
 `LayerwiseOptimizer.step`, after the update and before the master is written to the param and
 gathered (`register_update_hook`), so the next gather hands every rank the clipped weights in
-every mode (overlapped, fully sharded, pipelined: there per bucket). A Muon-routed matrix is
+every mode (overlapped, fully sharded, pipelined: there per bucket). A matrix-routed matrix is
 clipped row-wise on its (out, in) master; an AdamW-routed one on whichever flat element range
 each rank owns. A step that updates nothing (skipped for a non-finite gradient) clips nothing;
 a q/k matrix that got no gradient on any rank is not stepped and not clipped.
@@ -43,7 +43,7 @@ from ..distributed import collectives
 from ..engine.data_parallel import DataParallel
 from ..planning.routing import Route, route_params
 from .layerwise import LayerwiseOptimizer
-from .pieces import MUON, OwnedPiece
+from .pieces import MATRIX, OwnedPiece
 
 
 class QKTarget(NamedTuple):
@@ -190,7 +190,7 @@ class QKClip:
             assert self._scales is not None  # taken by the step's pre-hook
             rows = self._scales[i].repeat_interleave(self.targets[i].head_dim)
             rows = rows.to(device=piece.master.device)
-            if piece.kind == MUON:  # the matrix, or a row block of it, (out, in)
+            if piece.kind == MATRIX:  # the matrix, or a row block of it, (out, in)
                 piece.master.mul_(rows[slice(*piece.rows) if piece.rows else slice(None), None])
                 continue
             flat = piece.master.view(-1)  # elements [offset, offset + n) of the stored param

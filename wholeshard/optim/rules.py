@@ -2,7 +2,7 @@
 choose from, and the keyword arguments the train job gives each.
 
 Every rule steps each owned matrix from that matrix, its gradient and its own state alone, so
-`LayerwiseOptimizer(ddp, muon=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs it
+`LayerwiseOptimizer(ddp, matrix=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs it
 distributed with no communication of its own. `muon` with the fixed quintic is
 `torch.optim.Muon` itself; with another Newton-Schulz schedule or algorithm,
 `wholeshard.optim.Muon`. `tensor_parallel_rule`: the rule that steps tensor-parallel matrices.
@@ -80,7 +80,7 @@ def tensor_parallel_rule(
     rule: type[torch.optim.Optimizer], kwargs: dict | None, mode: str, routes: list
 ) -> tuple[type[torch.optim.Optimizer], dict, bool]:
     """The matrix rule `LayerwiseOptimizer` steps with, its keyword arguments, and whether it
-    steps replicas of tensor-parallel matrices: as given (no replicas) unless some Muon-routed
+    steps replicas of tensor-parallel matrices: as given (no replicas) unless some matrix-routed
     param is a DTensor (tensor parallel). Then torch's Muon becomes `wholeshard.optim.Muon`
     (torch's maths and state, orthogonalizing logical matrices in `tp_mode`); any other rule
     steps a replica of each logical matrix on every tensor-parallel rank ([Note: replicas of
@@ -89,7 +89,7 @@ def tensor_parallel_rule(
 
     mode = check_tp_mode(mode)
     kwargs = dict(kwargs or {})
-    if not any(r.muon and is_tensor_parallel(r.param) for r in routes):
+    if not any(r.matrix and is_tensor_parallel(r.param) for r in routes):
         return rule, kwargs, False
     if rule is torch.optim.Muon:  # the same maths; its hyperparameters stay torch's
         rule, kwargs = Muon, {"ns_coefficients": QUINTIC, **kwargs}

@@ -39,7 +39,7 @@ Where this departs from the reference, and why:
   be False, their defaults.
 
 The update of a param reads only that param, its grad and its own state, so
-`wholeshard.LayerwiseOptimizer(ddp, muon=dict(...), matrix_optimizer=SOAP)` runs it distributed
+`wholeshard.LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=SOAP)` runs it distributed
 unchanged; plan with `DataParallel(model, matrix_cost=SOAP.matrix_cost)` so that the planner
 balances SOAP's work rather than Newton-Schulz's. A checkpoint reshards `exp_avg` and
 `exp_avg_sq` with the param and saves `step`, `GG*` and `Q*` whole with their matrix.

@@ -14,18 +14,23 @@ The planners are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_ow
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):
-- route: one trainable param and the optimizer that updates it, Muon or AdamW
-  (`routing.Route`; `routing.route_params` is the one routing decision).
+- route: one trainable param and the optimizer that updates it, the matrix rule or AdamW
+  (`routing.Route`, `Route.matrix`; `routing.route_params` is the one routing decision).
 - plan: every buffer of a model for `dp` ranks in shard groups of `k` (`planning.Plan`).
-- buffer: one flat tensor holding params of one kind (`planning.Buffer`): "muon" (whole
+- buffer: one flat tensor holding params of one kind (`planning.Buffer`): "matrix" (whole
   tensors), "stacked" (whole matrices of expert stacks), "adamw" (element-wise), or
   "unaligned" (the ping-pong baseline's).
 - bucket: a contiguous range of a buffer, cut into `k` shards (`planning.Bucket`): equal ones,
   reduce-scattered and all-gathered, or an owner bucket's, of any length, reduced to and
   broadcast from each owner; each bucket is reduced and gathered as one unit of collectives.
 - shard: rank r's part of a bucket; rank r of a shard group owns shard r of every bucket.
-- storage unit: the buckets one runtime storage object spans (`engine`'s `BucketStorage`); one
-  bucket, or several where a stacked param runs across them.
+- storage unit: the buckets one runtime storage object spans (`engine`'s `StorageUnit`; a
+  plan's, `planning.units.Unit`); one bucket, or several where a stacked param runs across
+  them. At runtime the engine counts units, not buckets (`DataParallel.units`,
+  `OwnedRange.unit`); "bucket" means only the planned `Bucket`.
+- received / final (a gradient): received, added into its unit's grad in this accumulation
+  window (any backward); final, received in a synchronising backward, counting towards the
+  unit's reduction. "Land" is said of collectives only (a reduction or gather completes).
 - owned range: the elements of one param a rank updates, as the engine hands them to the
   optimizer (`engine.step_protocol.OwnedRange`): a whole tensor, a whole matrix of a stack,
   or a flat slice.

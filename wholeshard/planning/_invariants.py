@@ -33,7 +33,7 @@ def check_buffer(buffer: Buffer, specs: Sequence[ParamSpec] | None = None) -> No
     order, and tied params alone in their buckets."""
     _check_buckets(buffer)
     {
-        "muon": _check_whole,
+        "matrix": _check_whole,
         "stacked": _check_stacked,
         "adamw": _check_elementwise,
         "unaligned": _check_unaligned,
@@ -51,7 +51,7 @@ def check_buffer(buffer: Buffer, specs: Sequence[ParamSpec] | None = None) -> No
                 f"{tuple(spec.shape)}; placements must follow the specs' order (registration "
                 f"order)"
             )
-        if spec.tied and buffer.kind == "muon":
+        if spec.tied and buffer.kind == "matrix":
             _check_alone(buffer, p)
 
 
@@ -103,7 +103,7 @@ def _check_owners(buffer: Buffer, b: Bucket, where: str) -> None:
     end, `shard_numel` 0; only whole-tensor and stacked buffers have them, and a whole-tensor
     one's shards start aligned."""
     k = buffer.shard_group_size
-    if buffer.kind not in ("muon", "stacked"):
+    if buffer.kind not in ("matrix", "stacked"):
         raise AssertionError(f"{where}: a {buffer.kind} buffer has equal shards, not owners")
     listed = b.owner_starts
     ranks = [r for r, _ in listed]
@@ -120,7 +120,7 @@ def _check_owners(buffer: Buffer, b: Bucket, where: str) -> None:
         raise AssertionError(f"{where}: owners {ranks} are not ranks of the group 0..{k - 1}")
     if b.shard_numel != 0:
         raise AssertionError(f"{where} lists owners and has shard_numel {b.shard_numel}; 0")
-    if buffer.kind == "muon" and any(x % buffer.align for x in starts):
+    if buffer.kind == "matrix" and any(x % buffer.align for x in starts):
         raise AssertionError(f"{where}: owner starts {starts} not on align={buffer.align} elements")
 
 

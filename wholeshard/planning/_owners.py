@@ -4,7 +4,7 @@
 With equal shards a bucket of whole matrices over k ranks holds at least k times its widest
 matrix, so at a few dozen ranks one bucket is most of the model. The owners strategy plans
 owner buckets instead ([Note: owner buckets] in `specs`), whose shards may have any length:
-- "muon" (whole tensors): owners are dealt over the whole buffer, costliest first, each to the
+- "matrix" (whole tensors): owners are dealt over the whole buffer, costliest first, each to the
   rank with the least cost so far (ties: fewest elements, then the lowest rank); then the params
   are cut, in backprop order, into buckets that close once they hold `bucket_size` elements (a
   tied param alone in its own), and inside a bucket laid out by owner (rank 0's first, each
@@ -48,18 +48,18 @@ def plan_owned(
     align: int,
     matrix_cost: MatrixCost | None = None,
 ) -> Buffer:
-    """The `kind` buffer ("muon" or "stacked") of validated `specs` (registration order) over
+    """The `kind` buffer ("matrix" or "stacked") of validated `specs` (registration order) over
     `k` ranks in owner buckets ([Note: owners strategy]); not yet checked."""
     order = list(reversed(specs))  # backprop order = buffer order
     limit = math.inf if bucket_size is None else bucket_size
-    plan = _whole if kind == "muon" else _stacked
+    plan = _whole if kind == "matrix" else _stacked
     return plan(order, k, limit, align, matrix_cost)
 
 
 def _whole(
     order: list[ParamSpec], k: int, limit: float, align: int, matrix_cost: MatrixCost | None
 ) -> Buffer:
-    """The "muon" buffer of params in buffer `order`, buckets closing at `limit` elements."""
+    """The "matrix" buffer of params in buffer `order`, buckets closing at `limit` elements."""
     owners = _deal(order, k, matrix_cost)
     groups: list[list[int]] = []  # backprop positions of each bucket's params
     current: list[int] = []
@@ -94,7 +94,7 @@ def _whole(
         buckets.append(Bucket(index, start, at, 0, tuple(listed)))
         start = at
     placements = [placed[pos] for pos in reversed(range(len(order)))]
-    return Buffer("muon", k, align, tuple(buckets), tuple(placements))
+    return Buffer("matrix", k, align, tuple(buckets), tuple(placements))
 
 
 def _deal(order: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None) -> list[int]:

@@ -103,7 +103,7 @@ def plan_rows(
 def buffer_of_rows(
     specs: tuple[ParamSpec, ...], dp_size: int, align: int, bucket_rows: list[list[Row]]
 ) -> Buffer:
-    """The whole-tensor (`"muon"`) `Buffer` of planned bucket rows; placements in the order of
+    """The whole-tensor (`"matrix"`) `Buffer` of planned bucket rows; placements in the order of
     `specs`."""
     n = len(specs)
     placements: list[Placement | None] = [None] * n
@@ -128,4 +128,4 @@ def buffer_of_rows(
 
     if any(p is None for p in placements):
         raise AssertionError("internal error: a param was not placed")
-    return Buffer("muon", dp_size, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
+    return Buffer("matrix", dp_size, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]

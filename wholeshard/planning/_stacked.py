@@ -1,7 +1,7 @@
 """The stacked buffer: Muon params with more than 2 dims (fused MoE experts), where the matrix,
 not the tensor, is owned.
 
-A Muon-routed param with more than 2 dims is a stack of matrices over its leading dims: a
+A matrix-routed param with more than 2 dims is a stack of matrices over its leading dims: a
 `(E, m, n)` tensor holds E matrices of `(m, n)` (transformers 5 stores experts this way,
 `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I)). Muon orthogonalizes each matrix on its own,
 so each matrix, not the tensor, needs to be whole on one rank. Such params go to a "stacked"

@@ -1,4 +1,4 @@
-"""The whole-tensor ("muon") buffer: every param wholly inside one rank's shard.
+"""The whole-tensor ("matrix") buffer: every param wholly inside one rank's shard.
 
 Two strategies place the params: size matching ([Note: size matching] in `_rows`) and balanced
 ([Note: balanced] in `_balanced`). With `"balanced"` the size-matching buffer of the same params
@@ -23,7 +23,7 @@ def plan_whole(
     strategy: str,
     matrix_cost: MatrixCost | None = None,
 ) -> Buffer:
-    """The `"muon"` buffer of validated `specs` over `k` ranks (not yet checked); "balanced"
+    """The `"matrix"` buffer of validated `specs` over `k` ranks (not yet checked); "balanced"
     balances `matrix_cost` (None: Newton-Schulz cost)."""
     matched = plan_rows(specs, k, bucket_size, align)
     if strategy == "size_match":

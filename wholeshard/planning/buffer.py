@@ -2,7 +2,7 @@
 
 A buffer is one flat tensor of one kind, cut into buckets; what a rank owns depends on the kind:
 
-- `"muon"`: whole tensors. Each bucket is `shard_group_size` shards (equal, or an owner
+- `"matrix"`: whole tensors. Each bucket is `shard_group_size` shards (equal, or an owner
   bucket's of any length: [Note: owner buckets] in `specs`), rank r of the shard group owns
   shard r; every param lies wholly inside one shard and its `owner` is `Bucket.owner(start)`;
   tied params sit alone at the start of their bucket.
@@ -38,8 +38,8 @@ from .specs import (
     shape_cost,
 )
 
-BufferKind = Literal["muon", "stacked", "adamw", "unaligned"]
-KINDS: tuple[BufferKind, ...] = ("muon", "stacked", "adamw", "unaligned")
+BufferKind = Literal["matrix", "stacked", "adamw", "unaligned"]
+KINDS: tuple[BufferKind, ...] = ("matrix", "stacked", "adamw", "unaligned")
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,13 @@ class Buffer:
     @property
     def whole(self) -> bool:
         """Whether every param is owned whole by one rank (`owner` set on every placement)."""
-        return self.kind in ("muon", "unaligned")
+        return self.kind in ("matrix", "unaligned")
 
     @property
     def sharding(self) -> str:
         """What a rank owns, for reports."""
         return {
-            "muon": "whole tensors",
+            "matrix": "whole tensors",
             "stacked": "whole matrices",
             "adamw": "element-wise",
             "unaligned": "whole tensors, unaligned",
@@ -142,7 +142,7 @@ class Buffer:
                 cost = shape_cost(matrix_shape(p.shape), matrix_cost)
                 for m in matrices(p, self.buckets):
                     costs[m.owner] += cost
-        elif self.kind == "muon":
+        elif self.kind == "matrix":
             for p in self.placements:
                 costs[p.owner] += shape_cost(p.shape, matrix_cost)
         return costs

@@ -1,11 +1,11 @@
 """`plan_buffers`: every param of a model placed in buffers, buckets and shards; `Plan` holds it.
 
-Pure planning: param specs in, plain data out. One routing decision (`ParamSpec.muon`) puts every
+Pure planning: param specs in, plain data out. One routing decision (`ParamSpec.matrix`) puts every
 param in exactly one buffer of one kind (`Buffer`, which also checks each kind's invariants):
 
-- `"muon"`: Muon params with 2 dims, each wholly inside one rank's shard (`_whole`);
-- `"stacked"`: Muon params with more than 2 dims (fused MoE experts), each matrix wholly inside
-  one shard (`_stacked`);
+- `"matrix"`: matrix-routed params with 2 dims, each wholly inside one rank's shard (`_whole`);
+- `"stacked"`: matrix-routed params with more than 2 dims (fused MoE experts), each matrix
+  wholly inside one shard (`_stacked`);
 - `"adamw"`: the other params, sharded element-wise (`_elementwise`);
 - `"unaligned"`: with `scheme="ping_pong"`, every param in the legacy baseline's buffer
   (`_unaligned`).
@@ -147,11 +147,11 @@ def plan_buffers(
 ) -> Plan:
     """Plan the buffers for `params` (registration order) on `dp_size` ranks.
 
-    Muon params go to whole-tensor buffers planned by `strategy` over `k = shard_group_size or
-    dp_size` ranks ("balanced" and "owners" balance `matrix_cost`, None: Newton-Schulz cost;
-    "auto" is `auto.plan_for`'s to resolve), the others to an element-wise buffer (module
-    docstring). Buckets close near `bucket_size` elements
-    (None: one bucket per buffer, or per run between tied params).
+    Matrix-routed params go to whole-tensor buffers planned by `strategy` over
+    `k = shard_group_size or dp_size` ranks ("balanced" and "owners" balance `matrix_cost`,
+    None: Newton-Schulz cost; "auto" is `auto.plan_for`'s to resolve), the others to an
+    element-wise buffer (module docstring). Buckets close near `bucket_size` elements (None: one
+    bucket per buffer, or per run between tied params).
     `scheme="ping_pong"` plans the legacy baseline instead: one unaligned buffer (`align` 1,
     size matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
     result passes `Plan.check(params)`.
@@ -211,9 +211,9 @@ def specs_by_kind(specs: Sequence[ParamSpec]) -> dict[BufferKind, list[ParamSpec
 
 def buffer_kind(spec: ParamSpec) -> BufferKind:
     """The kind of buffer `spec` goes to (with the default scheme)."""
-    if not spec.muon:
+    if not spec.matrix:
         return "adamw"
-    return "stacked" if len(spec.shape) > 2 else "muon"
+    return "stacked" if len(spec.shape) > 2 else "matrix"
 
 
 def _group_size(

@@ -26,9 +26,9 @@ matter: `nn.Linear`, transformers' `Conv1D`, a bare 2-D `nn.Parameter` (an MoE r
 A param with more than 2 dims routed to Muon is a stack of (out, in) matrices over its leading
 dims, each orthogonalized on its own. `Route.transposed` marks weights stored (in, out)
 (transformers' `Conv1D`), so the optimizer can give Muon's shape-dependent scaling the (out, in)
-shape. `use_muon(name, param)` replaces the Muon/AdamW decision (not `transposed`).
+shape. `matrix_params(name, param)` replaces the matrix/AdamW decision (not `transposed`).
 
-`muon_by_name` is the same rule from names and shapes alone, for shapes files and presets,
+`matrix_by_name` is the same rule from names and shapes alone, for shapes files and presets,
 which carry no modules. It agrees with `route_params` on transformers' GPT-2, Llama, Qwen3-MoE
 and Mixtral (`tests/test_routing.py`); where it must guess, it guesses from names:
 - a component containing "embed", or one of `emb`, `wte`, `wpe`, `tok_emb`, `pos_emb`, is an
@@ -38,7 +38,7 @@ and Mixtral (`tests/test_routing.py`); where it must guess, it guesses from name
   make it the head;
 - a param with more than 2 dims and a component containing "conv" is a convolution kernel.
 It does not apply the root-module rule: a one-component name in a shapes file (`w0`) is more
-often a flat naming than a param of the root module, so such a file says `"muon": false` for a
+often a flat naming than a param of the root module, so such a file says `"matrix": false` for a
 root param itself.
 """
 
@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-UseMuon = Callable[[str, "nn.Parameter"], bool]
+MatrixParams = Callable[[str, "nn.Parameter"], bool]
 
 HEAD_NAMES = frozenset({"lm_head", "output", "head", "classifier"})
 """Last name components that make a module the output head (when the model does not say)."""
@@ -70,7 +70,7 @@ class Route:
 
     name: str
     param: nn.Parameter
-    muon: bool
+    matrix: bool
     tied: bool  # reachable under more than one name (shared between modules)
     transposed: bool = False  # stored (in, out), e.g. transformers' Conv1D
     shape: tuple[int, ...] = field(init=False)
@@ -82,20 +82,20 @@ class Route:
         object.__setattr__(self, "logical_shape", tuple(self.param.shape))
 
 
-def route_params(module: nn.Module, use_muon: UseMuon | None = None) -> list[Route]:
+def route_params(module: nn.Module, matrix_params: MatrixParams | None = None) -> list[Route]:
     """Routes for every `requires_grad` parameter of `module`, in registration order.
 
     Default rule (see the module note): weights of hidden layers with >= 2 dims go to Muon;
     embeddings, the output head (tied or not), params of the root module, conv kernels, norms
-    and biases go to AdamW. `use_muon(name, param)` replaces the Muon/AdamW decision. Raises
+    and biases go to AdamW. `matrix_params(name, param)` replaces the matrix/AdamW decision. Raises
     ValueError if nothing goes to Muon or a Muon param has fewer than 2 dims.
     """
-    routes = _route(module, use_muon)
+    routes = _route(module, matrix_params)
     _validate(routes)
     return routes
 
 
-def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
+def _route(module: nn.Module, matrix_params: MatrixParams | None) -> list[Route]:
     from torch import nn
 
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -116,8 +116,8 @@ def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
             continue
         name = clean_name(fqn)
         held = holders[id(p)]
-        if use_muon is not None:
-            muon = bool(use_muon(name, p))
+        if matrix_params is not None:
+            muon = bool(matrix_params(name, p))
         else:
             muon = p.ndim >= 2 and not any(
                 isinstance(m, (nn.Embedding, nn.EmbeddingBag))
@@ -129,7 +129,7 @@ def _route(module: nn.Module, use_muon: UseMuon | None) -> list[Route]:
             )
         transposed = any(type(m).__name__ == "Conv1D" and a == "weight" for m, a in held)
         routes.append(
-            Route(name=name, param=p, muon=muon, tied=aliases[id(p)] > 1, transposed=transposed)
+            Route(name=name, param=p, matrix=muon, tied=aliases[id(p)] > 1, transposed=transposed)
         )
     return routes
 
@@ -140,7 +140,7 @@ def clean_name(fqn: str) -> str:
     return ".".join(part for part in fqn.split(".") if part != _COMPILE_WRAPPER)
 
 
-def muon_by_name(name: str, shape: Sequence[int], tied: bool = False) -> bool:
+def matrix_by_name(name: str, shape: Sequence[int], tied: bool = False) -> bool:
     """The routing rule from a param's name and shape alone (see the module note), for shapes
     files and presets: True iff >= 2 dims, not tied, not an embedding, not the head and not a
     conv kernel, as far as the name tells."""
@@ -180,14 +180,14 @@ def routing_table(routes: nn.Module | Sequence[Route]) -> str:
     for r in routes:
         shape = _shape_text(r.shape)
         marks = []
-        if r.muon and r.param.ndim > 2:
+        if r.matrix and r.param.ndim > 2:
             marks.append(f"stack of {_matrices(r)}")
         if r.tied:
             marks.append("tied")
         if r.transposed:
             marks.append("transposed: stored (in, out)")
         note = f" ({', '.join(marks)})" if marks else ""
-        lines.append(f"  {r.name:<{width}} {shape:<18} {'muon' if r.muon else 'adamw'}{note}")
+        lines.append(f"  {r.name:<{width}} {shape:<18} {'matrix' if r.matrix else 'adamw'}{note}")
     for name, shape in frozen:
         lines.append(f"  {name:<{width}} {_shape_text(shape):<18} frozen")
     return "\n".join(lines)
@@ -198,8 +198,8 @@ def routing_summary(routes: Sequence[Route]) -> str:
 
     A stack (ndim > 2) counts as its matrices; a tied param counts once.
     """
-    muon = [r for r in routes if r.muon]
-    adamw = [r for r in routes if not r.muon]
+    muon = [r for r in routes if r.matrix]
+    adamw = [r for r in routes if not r.matrix]
     matrices = sum(_matrices(r) for r in muon)
     return (
         f"routing: {_count(matrices, 'matrix', 'matrices')} "
@@ -264,17 +264,17 @@ def _size(n: int) -> str:
 def _validate(routes: list[Route]) -> None:
     if not routes:
         raise ValueError("the module has no parameter with requires_grad=True: nothing to train")
-    too_flat = [r.name for r in routes if r.muon and r.param.ndim < 2]
+    too_flat = [r.name for r in routes if r.matrix and r.param.ndim < 2]
     if too_flat:
         raise ValueError(
             f"Muon updates matrices (or stacks of matrices over leading dims), but these params "
             f"routed to Muon have fewer than 2 dims: {too_flat}. Return False for them from "
-            f"your use_muon predicate (they go to AdamW).\n{routing_table(routes)}"
+            f"your matrix_params predicate (they go to AdamW).\n{routing_table(routes)}"
         )
-    if not any(r.muon for r in routes):
+    if not any(r.matrix for r in routes):
         raise ValueError(
             "no parameter is routed to Muon (the default routes weights of hidden layers with "
             ">= 2 dims there: not embeddings, not the output head, not params registered on "
-            "the root module); pass use_muon=... to choose, or use torch.optim.AdamW with "
+            "the root module); pass matrix_params=... to choose, or use torch.optim.AdamW with "
             f"torch DDP instead.\n{routing_table(routes)}"
         )

@@ -28,7 +28,7 @@ class ParamSpec:
 
     name: str
     shape: tuple[int, ...]
-    muon: bool
+    matrix: bool
     tied: bool = False  # the tensor is shared by two modules
 
     @functools.cached_property
@@ -195,7 +195,7 @@ def shape_cost(shape: Sequence[int], matrix_cost: MatrixCost | None = None) -> i
 def spec_cost(spec: ParamSpec, matrix_cost: MatrixCost | None = None) -> int:
     """The cost the owner of `spec` pays: `shape_cost` for a Muon param, else 0 (an
     element-wise AdamW update is negligible next to a matrix rule's)."""
-    return shape_cost(spec.shape, matrix_cost) if spec.muon else 0
+    return shape_cost(spec.shape, matrix_cost) if spec.matrix else 0
 
 
 def cost_imbalance(costs: Sequence[int]) -> float:

@@ -102,7 +102,7 @@ class Shapes:
     ) -> None:
         self.align, self.matrix_cost = align, matrix_cost
         self.by_kind = specs_by_kind(specs)
-        whole = self.by_kind.get("muon", [])
+        whole = self.by_kind.get("matrix", [])
         self.used = sum(s.numel for s in specs)
         aligned = sum(round_up(s.numel, align) for s in specs)
         # 1% beyond the alignment padding every plan has (each param starts aligned)
@@ -116,7 +116,7 @@ class Shapes:
             else (),
             default=0,
         )
-        muon = [s for s in specs if s.muon and len(s.shape) >= 2]
+        muon = [s for s in specs if s.matrix and len(s.shape) >= 2]
         # the planners' own cost of one matrix (`Plan.rank_costs`), per Muon spec
         cache = {
             shape: shape_cost(shape, matrix_cost) for shape in {matrix_shape(s.shape) for s in muon}

@@ -64,7 +64,7 @@ class ModelConfig:
     """Compute dtype of forward/backward (the optimizers keep fp32 masters); `auto` takes
     bfloat16 where the hardware has fast bf16 matmuls, else float32."""
     fp8: Literal["mxfp8", "tensorwise"] | None = None
-    """FP8 compute for the Muon-routed linear layers (`wholeshard.fp8.convert`), their weights
+    """FP8 compute for the matrix-routed linear layers (`wholeshard.fp8.convert`), their weights
     gathered as FP8 (muon): `mxfp8` or `tensorwise`; None: off."""
 
 
@@ -180,7 +180,9 @@ class OutputConfig:
     """Write a Chrome trace (torch.profiler) of a few steps to this file (rank 0)."""
 
 
-PARALLEL_SET_BY_THE_JOB = frozenset({"use_muon", "mp_policy", "fp8_param_gather", "matrix_cost"})
+PARALLEL_SET_BY_THE_JOB = frozenset(
+    {"matrix_params", "mp_policy", "fp8_param_gather", "matrix_cost"}
+)
 """`DataParallelConfig` fields the job sets itself (from `model.param_dtype`, `model.fp8`,
 `optim.matrix_optimizer`), so they are not flags."""
 

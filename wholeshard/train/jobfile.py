@@ -43,7 +43,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
 _ELSEWHERE = {
     "mp_policy": "it is set by the job from model.param_dtype (gradients reduced in float32)",
     "fp8_param_gather": "it is set by the job from model.fp8",
-    "use_muon": "it is a Python function: pass TrainConfig(...) to train() from Python",
+    "matrix_params": "it is a Python function: pass TrainConfig(...) to train() from Python",
     "param_init": "it is a Python function: pass TrainConfig(...) to train() from Python",
     "expert_params": "it is a Python function: pass TrainConfig(...) to train() from Python",
 }

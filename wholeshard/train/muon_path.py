@@ -41,7 +41,7 @@ def build_wholeshard(
     opt = LayerwiseOptimizer(
         ddp,
         matrix_optimizer=rule,
-        muon=matrix_kwargs(optim.matrix_optimizer, lr, weight_decay, *ns),
+        matrix=matrix_kwargs(optim.matrix_optimizer, lr, weight_decay, *ns),
         adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay),
         nonfinite=optim.on_nonfinite,
     )
