@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..planning.auto import MAX_IMBALANCE, Search, decide, search
-from ..planning.plan import DEFAULT_STRATEGY, Plan, Scheme, Strategy
-from ..planning.specs import MatrixCost, ParamSpec
+from ..planning.plan import Plan
+from ..planning.specs import ParamSpec
 from ..planning.targets import Figures
 from .costs import owned
 from .projection import rank_ns_flops
@@ -132,50 +133,19 @@ def report(found: Search) -> ShardGroupChoice:
 
 
 def auto_shard_group_size(
-    specs: Sequence[ParamSpec],
-    dp_size: int,
-    *,
-    bucket_size: int | None = None,
-    strategy: Strategy = DEFAULT_STRATEGY,
-    align: int = 64,
-    bucket_limit: int | None = None,
-    matrix_cost: MatrixCost | None = None,
+    specs: Sequence[ParamSpec], dp_size: int, **settings: Any
 ) -> ShardGroupChoice:
-    """The report of `planning.auto.search` over the ladder (the same arguments): the
-    shard-group size (and, for `strategy="auto"`, the strategy) for `specs` on `dp_size`
-    ranks. Raises ValueError, as `plan_buffers` does, on bad input."""
-    found = search(
-        specs,
-        dp_size,
-        bucket_size=bucket_size,
-        strategy=strategy,
-        align=align,
-        bucket_limit=bucket_limit,
-        matrix_cost=matrix_cost,
-    )
-    return report(found)
+    """The report of `planning.auto.search` over the ladder (its keywords): the shard-group
+    size (and, for `strategy="auto"`, the strategy) for `specs` on `dp_size` ranks. Raises
+    ValueError, as `plan_buffers` does, on bad input."""
+    return report(search(specs, dp_size, **settings))
 
 
 def plan_and_choice(
-    specs: Sequence[ParamSpec],
-    dp_size: int,
-    *,
-    bucket_size: int | None = None,
-    strategy: Strategy = DEFAULT_STRATEGY,
-    shard_group_size: int | str | None = None,
-    scheme: Scheme = "whole",
-    matrix_cost: MatrixCost | None = None,
+    specs: Sequence[ParamSpec], dp_size: int, **settings: Any
 ) -> tuple[Plan, ShardGroupChoice | None]:
-    """The plan `planning.auto.plan_for` makes for these settings (what `DataParallel` and
-    `wholeshard plan` use), with the report of the choice behind it when the strategy or
-    `shard_group_size` is "auto"."""
-    plan, found = decide(
-        specs,
-        dp_size,
-        bucket_size=bucket_size,
-        strategy=strategy,
-        shard_group_size=shard_group_size,
-        scheme=scheme,
-        matrix_cost=matrix_cost,
-    )
+    """The plan `planning.auto.plan_for` makes for these settings (`planning.auto.decide`'s
+    keywords; what `DataParallel` and `wholeshard plan` use), with the report of the choice
+    behind it when the strategy or `shard_group_size` is "auto"."""
+    plan, found = decide(specs, dp_size, **settings)
     return plan, None if found is None else report(found)

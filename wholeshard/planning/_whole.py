@@ -18,10 +18,11 @@ from .specs import MatrixCost, ParamSpec, cost_imbalance, shape_cost
 def plan_whole(
     specs: tuple[ParamSpec, ...],
     k: int,
+    strategy: str,
+    *,
     bucket_size: int | None,
     align: int,
-    strategy: str,
-    matrix_cost: MatrixCost | None = None,
+    matrix_cost: MatrixCost | None,
 ) -> Buffer:
     """The `"matrix"` buffer of validated `specs` over `k` ranks (not yet checked); "balanced"
     balances `matrix_cost` (None: Newton-Schulz cost)."""

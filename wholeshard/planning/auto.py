@@ -41,6 +41,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .plan import (
     DEFAULT_STRATEGY,
@@ -207,49 +208,19 @@ def decide(
         raise ValueError(
             f"shard_group_size must be an int, 'auto' or None, got {shard_group_size!r}"
         )
+    common: dict[str, Any] = dict(strategy=strategy, matrix_cost=matrix_cost)
     if auto_k or strategy == "auto":
         k = None if auto_k else (dp_size if shard_group_size is None else shard_group_size)
-        found = search(
-            specs,
-            dp_size,
-            k,
-            bucket_size=bucket_size,
-            strategy=strategy,
-            matrix_cost=matrix_cost,  # type: ignore[arg-type]
-        )
+        found = search(specs, dp_size, k, bucket_size=bucket_size, **common)  # type: ignore[arg-type]
         return found.plan, found
     if bucket_size is None:
         k = shard_group_size if is_int(shard_group_size) and shard_group_size > 0 else dp_size
         bucket_size = bucket_size_for(sum(s.numel for s in specs), k, strategy)  # type: ignore[arg-type]
-    plan = plan_buffers(
-        specs,
-        dp_size,
-        bucket_size=bucket_size,
-        strategy=strategy,
-        shard_group_size=shard_group_size,  # type: ignore[arg-type]
-        scheme=scheme,
-        matrix_cost=matrix_cost,
-    )
-    return plan, None
+    sizes: dict[str, Any] = dict(bucket_size=bucket_size, shard_group_size=shard_group_size)
+    return plan_buffers(specs, dp_size, scheme=scheme, **sizes, **common), None
 
 
-def plan_for(
-    specs: Sequence[ParamSpec],
-    dp_size: int,
-    *,
-    bucket_size: int | None = None,
-    strategy: Strategy = DEFAULT_STRATEGY,
-    shard_group_size: int | str | None = None,
-    scheme: Scheme = "whole",
-    matrix_cost: MatrixCost | None = None,
-) -> Plan:
-    """The plan `DataParallel` makes for these settings: `decide`'s, without its record."""
-    return decide(
-        specs,
-        dp_size,
-        bucket_size=bucket_size,
-        strategy=strategy,
-        shard_group_size=shard_group_size,
-        scheme=scheme,
-        matrix_cost=matrix_cost,
-    )[0]
+def plan_for(specs: Sequence[ParamSpec], dp_size: int, **settings: Any) -> Plan:
+    """The plan `DataParallel` makes for these settings (`decide`'s keywords): `decide`'s,
+    without its record."""
+    return decide(specs, dp_size, **settings)[0]

@@ -198,7 +198,9 @@ def plan_buffer(
         return plan_owned(kind, specs, k, bucket_size, align, matrix_cost)
     if kind == "stacked":
         return plan_stacked(specs, k, bucket_size, align)
-    return plan_whole(specs, k, bucket_size, align, strategy, matrix_cost)
+    return plan_whole(
+        specs, k, strategy, bucket_size=bucket_size, align=align, matrix_cost=matrix_cost
+    )
 
 
 def specs_by_kind(specs: Sequence[ParamSpec]) -> dict[BufferKind, list[ParamSpec]]:

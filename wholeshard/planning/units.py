@@ -18,16 +18,16 @@ class Unit:
 
     index: int
     kind: str
-    buckets: tuple[Bucket, ...]
     names: tuple[str, ...]
-
-    @property
-    def numel(self) -> int:
-        return self.buckets[-1].end - self.buckets[0].start
+    buckets: tuple[Bucket, ...]
 
     @property
     def shard_numel(self) -> int:
         return sum(b.shard_numel for b in self.buckets)
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1].end - self.buckets[0].start
 
 
 def storage_units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
@@ -46,4 +46,4 @@ def storage_units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
         for run, names in zip(runs, members, strict=True):
             found.append((buffer.kind, buffer.buckets[run.start : run.stop], tuple(names)))
     found.sort(key=lambda unit: -max(registered[n] for n in unit[2]))
-    return [Unit(i, kind, buckets, names) for i, (kind, buckets, names) in enumerate(found)]
+    return [Unit(i, kind, names, buckets) for i, (kind, buckets, names) in enumerate(found)]
