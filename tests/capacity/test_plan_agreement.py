@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-import wholeshard.engine._init as engine_init
+import wholeshard.engine._sharded_group as engine_group
 from wholeshard.capacity.choice import plan_and_choice
 from wholeshard.capacity.presets import PRESETS
 from wholeshard.cli import plan as plan_tool
@@ -25,7 +25,7 @@ SETTINGS = [
 
 
 def test_data_parallel_plans_with_the_decision() -> None:
-    assert engine_init.plan_for is plan_for
+    assert engine_group.plan_for is plan_for
 
 
 @pytest.mark.parametrize("dp", [8, 64])

@@ -3,9 +3,9 @@
 the whole MoE (`ExpertLayout`: checkpoints, the step check's flags) and the whole MoE's values
 from the meta device (`whole_moe_init`).
 
-`DataParallel` holds the dense params itself (over dp x ep) and the experts in a second
-`DataParallel` over the expert-data-parallel group (`ExpertPart`), with its own plan, units
-and schedule; the first drives both.
+`DataParallel` holds two `ShardedGroup`s: the dense params' (over dp x ep) and the experts'
+(over the expert-data-parallel group, built by `expert_group`), each with its own plan, units
+and schedule; it drives both.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,20 +21,14 @@ from torch import nn
 
 from ..distributed.dtensor import Place, is_tensor_parallel, on_experts_dim
 from ..planning.routing import Route, clean_name
+from ._init import check_model
 from ._meta import ParamInit, seeded
+from ._sharded_group import ShardedGroup
 
 if TYPE_CHECKING:
     from ..distributed.mesh import MeshGroups
     from ..planning.routing import MatrixParams
     from .config import DataParallelConfig
-
-
-class ExpertPart(NamedTuple):
-    """What the experts' `DataParallel` is built from: the expert routes, and what their summed
-    gradients divide by (dp x ep: every rank's batch once)."""
-
-    routes: list[Route]
-    divide_by: int
 
 
 def is_expert(name: str, param: torch.Tensor) -> bool:
@@ -92,29 +86,23 @@ def split_experts(
     return dense, experts
 
 
-def wrap_experts(
-    cls: type[nn.Module], dense: Any, experts: list[Route], meshed: MeshGroups | None
-) -> tuple[tuple[Any, ...], ExpertLayout | None]:
-    """The experts' `DataParallel` (over the expert-data-parallel group, its gradients divided
-    by dense's group size) and the layout checkpoints read, for `dense` (the dense params')."""
-    if not experts or meshed is None or meshed.expert_group is None:
-        return (), None
-    mine = {id(r) for r in experts}
-    layout = ExpertLayout(
-        meshed.ep_rank,
-        meshed.ep,
-        dist.get_rank(meshed.expert_group),
-        dense.dp_config.expert_params,
-        tuple(id(r) in mine for r in dense.routes),
-    )
+def expert_group(
+    dense: Any, experts: list[Route], meshed: MeshGroups, rest: list[torch.Tensor], dtypes: dict
+) -> tuple[ShardedGroup, ExpertLayout]:
+    """The experts' `ShardedGroup` (over the expert-data-parallel group, its gradients divided
+    by dp x ep: `dense.dp_size`) and the layout checkpoints read, for the `DataParallel`
+    `dense` (its dense params' group built); `rest` and `dtypes` go to `ShardedGroup`."""
+    mine, group = {id(r) for r in experts}, meshed.expert_group
+    flags = tuple(id(r) in mine for r in dense.routes)
+    rule = dense.dp_config.expert_params
+    layout = ExpertLayout(meshed.ep_rank, meshed.ep, dist.get_rank(group), rule, flags)
     cfg = dataclasses.replace(dense.dp_config, shard_group_size=meshed.expert_shard_group_size)
     if cfg.param_init is not None:
         shapes = {r.name: r.shape for r in experts}
         cfg = dataclasses.replace(cfg, param_init=whole_moe_init(cfg.param_init, layout, shapes))
-    part = ExpertPart(experts, dense.dp_size)
-    group = meshed.expert_group
-    wrapper = cls(dense.module, cfg, process_group=group, _part=part, _variant=dense._variant)
-    return (wrapper,), layout
+    check_model(dense.module, experts, group, dist.get_world_size(group), placed=True)
+    kwargs = {"rest": rest, "divide_by": dense.dp_size, **dtypes}
+    return ShardedGroup(dense.module, experts, cfg, dense._variant, group, **kwargs), layout
 
 
 def whole_moe_init(
@@ -138,18 +126,19 @@ def whole_moe_init(
     return init
 
 
-def the_rest(
-    module: nn.Module, frozen: list[nn.Parameter], expert_params: MatrixParams | None, experts: bool
-) -> list[torch.Tensor]:
-    """Frozen params and buffers of one side (the experts', or the others'): what that side
-    broadcasts from its group's first rank."""
+def split_rest(
+    module: nn.Module, frozen: list[nn.Parameter], expert_params: MatrixParams | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Frozen params and buffers: (the dense params' group's, the experts' group's), what each
+    group broadcasts from its first rank."""
     fn = expert_rule(expert_params)
     frozen_ids = {id(p) for p in frozen}
-    named = [
-        (n, t) for n, t in module.named_parameters(remove_duplicate=True) if id(t) in frozen_ids
-    ]
+    named = [(n, t) for n, t in module.named_parameters() if id(t) in frozen_ids]
     named += list(module.named_buffers())
-    return [t for n, t in named if fn(clean_name(n), t) == experts]
+    sides: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for n, t in named:
+        sides[bool(fn(clean_name(n), t))].append(t)
+    return sides
 
 
 @dataclass(frozen=True)

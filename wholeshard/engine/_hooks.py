@@ -115,30 +115,6 @@ def refuse_stale_reads(
     return handles
 
 
-def install(
-    scheduler: Scheduler,
-    root: nn.Module,
-    gathers: bool,
-    overlap_param_gather: bool,
-    fp8_param_gather: bool,
-    policy: MixedPrecisionPolicy | None,
-) -> list[RemovableHandle]:
-    """Every hook a `DataParallel` needs: gradient hooks on every param; module hooks where
-    params are gathered on demand (overlapped or fully sharded) and refusals to read stale
-    ones; the root's casts of `policy`."""
-    units = scheduler.units
-    handles = grad_hooks(scheduler, units)
-    unit_of = {id(param): b for b in units for param, _ in b.params}
-    reshard = scheduler.reshard
-    if gathers and (overlap_param_gather or reshard):
-        handles += register(scheduler, root, unit_of, reshard=reshard)
-    if gathers and (overlap_param_gather or reshard or fp8_param_gather):  # params can be stale
-        handles += refuse_stale_reads(scheduler, root, unit_of)
-    if policy is not None:
-        handles += cast_forward(root, policy)
-    return handles
-
-
 def cast_forward(root: nn.Module, policy: MixedPrecisionPolicy) -> list[RemovableHandle]:
     """The casts FSDP2's `MixedPrecisionPolicy` asks of the root's forward: its floating-point
     inputs to `param_dtype` (with `cast_forward_inputs`), its floating-point outputs to

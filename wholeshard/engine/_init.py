@@ -1,22 +1,16 @@
-"""The steps that build a `DataParallel`, in the order its constructor takes them.
+"""The steps that build a `DataParallel` before its `ShardedGroup`s, in the order it takes them.
 
 1. `check_model`: every rank can wrap its module and built the same model (raised everywhere;
    a device NCCL cannot use, on the ranks where it is wrong, before any collective);
-2. `cast_frozen`: frozen params in the param dtype (`common_dtype` when the config gives none;
-   they stay outside the buffers), and `plan_routes`: the plan of the trainable params;
-3. `build_storage`: one `StorageUnit` per storage unit of the plan, in reduce order, each
-   given rank 0's values (and, fully sharded, reduced to this rank's shards) before the next
-   is built, so at most one full unit exists beside the model;
-   (from the meta device, `param_init`: each unit filled with this rank's owned params,
-   [Note: meta-device construction] in `_meta`);
-4. `broadcast_the_rest`: frozen params and buffers from rank 0;
-5. `forward_order`: the order the next forward needs the units in.
+2. `common_dtype`: the param dtype when the config gives none, and `cast_frozen`: frozen
+   params in it (they stay outside the buffers).
+The groups then build their plans, storage units and schedules (`_sharded_group`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -24,19 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..distributed import collectives
-from ..distributed.dtensor import local
-from ..planning import ParamSpec, Placement, Plan
-from ..planning.auto import plan_for
 from ..planning.routing import Route
-from ._fp8_storage import fp8_storage_factory
 from ._guard import device_problem, placement_problem
-from ._storage import StorageUnit
-from ._unaligned_storage import UnalignedStorage
-from .config import DataParallelConfig, Variant
-
-StorageFactory = Callable[..., StorageUnit]
-"""`factory(index, kind, buckets, params, groups, *, reshard, param_dtype, grad_dtype)`."""
 
 
 def check_model(
@@ -49,7 +32,7 @@ def check_model(
 ) -> None:
     """Raise on every rank if any rank's module cannot be wrapped or ranks built different
     models, naming the rank and the first difference. `placed`: the module's placement was
-    checked already (the experts' wrapper, built after the dense params are in buffers)."""
+    checked already (the experts' group, built after the dense params are in buffers)."""
     problem = None if placed else placement_problem(module, placeholders)
     if dp == 1:
         if problem is not None:
@@ -91,47 +74,6 @@ def cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
     return frozen
 
 
-def build_storage(
-    plan: Plan,
-    routes: list[Route],
-    make: StorageFactory,
-    fill_initial: Callable[[StorageUnit], None],
-    **kwargs: Any,
-) -> list[StorageUnit]:
-    """One storage per storage unit of every buffer of `plan`, in reduce (backprop) order: the
-    unit holding the latest-registered param first. Each gets its initial values (`fill_initial`)
-    before the next is built. `kwargs` go to `make` after the unit's own arguments."""
-    registered = {r.name: i for i, r in enumerate(routes)}
-    param_of = {r.name: r.param for r in routes}
-    units = []  # (kind, buckets, [(param, placement)])
-    for buffer in plan.buffers:
-        bucket_runs = buffer.storage_units()
-        run_of = {b: n for n, run in enumerate(bucket_runs) for b in run}
-        members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in bucket_runs]
-        for p in buffer.placements:
-            members[run_of[p.bucket]].append((param_of[p.name], p))
-        for run, params in zip(bucket_runs, members, strict=True):
-            units.append((buffer.kind, buffer.buckets[run.start : run.stop], params))
-    units.sort(key=lambda unit: -max(registered[p.name] for _, p in unit[2]))
-    storages = []
-    for index, (kind, buckets, params) in enumerate(units):
-        storage = make(index, kind, buckets, params, **kwargs)
-        fill_initial(storage)
-        storages.append(storage)
-    return storages
-
-
-def storage_factory(module: nn.Module, fp8_param_gather: bool) -> StorageFactory:
-    """What builds each storage unit: by buffer kind, and FP8 storage where it gathers FP8."""
-    fp8 = fp8_storage_factory(module) if fp8_param_gather else StorageUnit
-
-    def make(index: int, kind: str, *args: Any, **kwargs: Any) -> StorageUnit:
-        cls = UnalignedStorage if kind == "unaligned" else fp8
-        return cls(index, kind, *args, **kwargs)
-
-    return make
-
-
 def check_device(device: torch.device, group: ProcessGroup | None) -> None:
     """Raise (on this rank, before any collective) if NCCL cannot run on `device`
     (`_guard.device_problem`)."""
@@ -149,48 +91,6 @@ def check_device(device: torch.device, group: ProcessGroup | None) -> None:
     )
     if problem is not None:
         raise ValueError(f"cannot wrap the model: {problem}")
-
-
-def broadcast_the_rest(
-    tensors: Sequence[torch.Tensor], group: ProcessGroup | None, device: torch.device
-) -> None:
-    """Give every rank rank 0's `tensors` (frozen params and buffers). A tensor kept off the
-    model's `device` (a CPU table in a CUDA model) travels through a copy on it: NCCL moves
-    device tensors only."""
-    for t in tensors:
-        data = local(t.data)  # a DTensor's: its shard, the same on its data-parallel peers
-        if data.device == device:
-            collectives.broadcast_from_first(data, group)
-            continue
-        staged = data.to(device)
-        collectives.broadcast_from_first(staged, group)
-        data.copy_(staged)
-
-
-def forward_order(storages: Sequence[StorageUnit], routes: list[Route]) -> list[int]:
-    """Indices of `storages` in forward order: the unit holding the earliest-registered param
-    first."""
-    registered = {r.name: i for i, r in enumerate(routes)}
-    first = [min(registered[p.name] for _, p in s.params) for s in storages]
-    return sorted(range(len(storages)), key=first.__getitem__)
-
-
-def plan_routes(
-    routes: list[Route], cfg: DataParallelConfig, variant: Variant, dp_size: int
-) -> Plan:
-    """The plan of the routed params (`planning.auto.plan_for`: the config's bucket size or
-    the default for the shard group, its shard group size or the automatic choice): the
-    decision alone, no report (that is `wholeshard.capacity.choice`'s)."""
-    specs = [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in routes]
-    return plan_for(
-        specs,
-        dp_size,
-        bucket_size=cfg.bucket_size,
-        strategy=variant.strategy,
-        shard_group_size=cfg.shard_group_size,
-        scheme=variant.scheme,
-        matrix_cost=cfg.matrix_cost,
-    )
 
 
 def common_dtype(routes: list[Route]) -> torch.dtype:

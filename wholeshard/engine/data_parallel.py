@@ -3,7 +3,9 @@
 What a training script calls is here: `forward`, `no_sync()`, `full_params()`,
 `finish_param_sync()`, `free_overlap_buffers()`, `release()`, `memory()`. The optimizer drives
 the step through `ddp.step_protocol` (`step_protocol.StepProtocol`: the step protocol, stated
-there). The engine's other modules: the package's docstring.
+there). It drives one `_sharded_group.ShardedGroup` per process group (the dense params';
+with "ep" the experts'); `SHARDING` attributes are the dense group's. Other modules: the
+package's docstring.
 """
 
 from __future__ import annotations
@@ -18,36 +20,29 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
-from ..distributed.groups import make_groups, resolve_group
+from ..distributed.groups import resolve_group
 from ..distributed.mesh import ModelRanks, mesh_data_parallel, model_ranks
 from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
 from ._dtensor import check_tensor_parallel
-from ._experts import ExpertLayout, ExpertPart, split_experts, the_rest, wrap_experts
+from ._experts import ExpertLayout, expert_group, split_experts, split_rest
 from ._fp8_storage import has_fp8_weights
-from ._guard import ParamSignature, claim, unclaim
-from ._init import (
-    broadcast_the_rest,
-    build_storage,
-    cast_frozen,
-    check_model,
-    common_dtype,
-    forward_order,
-    plan_routes,
-    storage_factory,
-)
+from ._guard import claim, unclaim
+from ._init import cast_frozen, check_model, common_dtype
 from ._memory import memory
-from ._meta import fill_frozen, fill_owned, materialise, target_device
-from ._schedule import Scheduler
-from ._storage import CommGroups, StorageUnit
+from ._meta import fill_frozen, materialise, target_device
+from ._sharded_group import ShardedGroup
+from ._storage import StorageUnit
 from .config import DataParallelConfig, Variant
 from .step_protocol import StepProtocol
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+SHARDING = ("plan", "shard_group_size", "shard_rank", "shard_group", "replica_group")
+SHARDING += ("gather_group", "reshard_after_forward", "fp8_param_gather")
 
 
 class DataParallel(nn.Module):
@@ -98,7 +93,6 @@ class DataParallel(nn.Module):
         *,
         process_group: ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
-        _part: ExpertPart | None = None,
         _variant: Variant | None = None,
         **options: Any,
     ) -> None:
@@ -122,13 +116,12 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
         placeholders: set[nn.Parameter] = set()
-        if cfg.param_init is not None and not _part:  # [Note: meta-device construction]
+        if cfg.param_init is not None:  # [Note: meta-device construction]
             placeholders = materialise(module, target_device(module, self.process_group))
             fill_frozen(module, cfg.param_init)
-        self.routes = _part.routes if _part else route_params(module, cfg.matrix_params)
+        self.routes = route_params(module, cfg.matrix_params)
         routes, experts = split_experts(module, self.routes, cfg, meshed)  # [Note: expert
-        ep = bool(experts)  # parallelism] in `wholeshard.distributed.mesh`
-        self.tensor_parallel = not _part and check_tensor_parallel(  # experts: checked by dense
+        self.tensor_parallel = check_tensor_parallel(  # parallelism] in `distributed.mesh`
             self.routes,
             mesh.mesh_dim_names if mesh is not None else None,
             param_init=cfg.param_init is not None,
@@ -137,91 +130,23 @@ class DataParallel(nn.Module):
         self.model_ranks = model_ranks(
             mesh if self.tensor_parallel else None, self.process_group, self.dp_size, self.rank
         )
-        check_model(module, routes, self.process_group, self.dp_size, placeholders, bool(_part))
+        check_model(module, routes, self.process_group, self.dp_size, placeholders)
         param_dtype = policy.param_dtype or common_dtype(self.routes)
         self.frozen = cast_frozen(module, param_dtype)
-        self.plan = plan_routes(routes, cfg, variant, self.dp_size)
-        self.shard_group_size = self.plan.shard_group_size
-        self.shard_rank = self.plan.shard_rank(self.rank)
-        self._fill = cfg.param_init and fill_owned(self.plan, self.shard_rank, cfg.param_init)
-        gathers = self.dp_size > 1 and self.shard_group_size > 1
-        self.reshard_after_forward = cfg.reshard_after_forward and gathers
-        self.fp8_param_gather = cfg.fp8_param_gather and gathers
-        separate = variant.separate_all_gather_group
-        if separate is None:
-            separate = cfg.reshard_after_forward or cfg.pipelined_step
-        self.shard_group, self.replica_group, self.gather_group = make_groups(
-            self.process_group, self.dp_size, self.shard_group_size, separate and gathers
-        )
-        groups = CommGroups(
-            self.shard_group,
-            self.shard_rank,
-            self.shard_group_size,
-            self.gather_group,
-            self.replica_group,
-            variant.param_sync,
-            _part.divide_by if _part else 0,
-        )
-        storages = build_storage(
-            self.plan,
-            routes,
-            storage_factory(self.module, self.fp8_param_gather),
-            self._fill_initial,
-            groups=groups,
-            reshard=self.reshard_after_forward,
-            param_dtype=param_dtype,
-            grad_dtype=policy.reduce_dtype or param_dtype,
-        )
-        if self.dp_size > 1:
-            rest = [*self.frozen, *module.buffers()]
-            if ep or _part:  # each side broadcasts its own
-                rest = the_rest(module, self.frozen, cfg.expert_params, _part is not None)
-            broadcast_the_rest(rest, self.process_group, storages[0].param.device)
-        self._scheduler = Scheduler(
-            storages,
-            forward_order(storages, routes),
-            reduces=self.dp_size > 1 or groups.divide_by > 1,  # experts at dp 1: the average
-            gathers=gathers,
-            overlap_grad_reduce=cfg.overlap_grad_reduce,
-            overlap_param_gather=cfg.overlap_param_gather,
-            reshard=self.reshard_after_forward,
-            agree_group=self.process_group,
-        )
-        self._hooks = hooks.install(  # the experts' wrapper casts nothing: the dense one does
-            self._scheduler,
-            module,
-            gathers,
-            cfg.overlap_param_gather,
-            self.fp8_param_gather,
-            None if _part else policy,
-        )
-        signature = ParamSignature(module)
-        # The experts' wrapper, before claiming ours: its check reads every param's claim.
-        self._experts, self.expert_layout = wrap_experts(type(self), self, experts, meshed)
-        claim((r.name, r.param) for r in routes)
-        self.step_protocol = StepProtocol(
-            self._scheduler,
-            self.plan,
-            self.shard_rank,
-            self.routes,
-            module,
-            signature,
-            [e.step_protocol for e in self._experts],
-        )
-        if self.fp8_param_gather or (self._fill and not self.reshard_after_forward):
-            self._scheduler.params_updated()  # the owners' values (the first FP8 weights)
-            self._scheduler.finish_param_sync()
-
-    def _fill_initial(self, storage: StorageUnit) -> None:
-        """Give a new storage unit rank 0's values (or, from `param_init`, its owned ones) and,
-        fully sharded, keep only this rank's shards (units are filled one at a time: one full
-        unit exists beside the model)."""
-        if self._fill:
-            self._fill(storage)
-        elif self.dp_size > 1:
-            collectives.broadcast_from_first(storage.param, self.process_group)
-        if storage.reshard:
-            storage.keep_shards()
+        dtypes = {"param_dtype": param_dtype, "grad_dtype": policy.reduce_dtype or param_dtype}
+        rest = [*self.frozen, *module.buffers()]
+        if experts:  # each group broadcasts its own
+            rest, experts_rest = split_rest(module, self.frozen, cfg.expert_params)
+        dense = ShardedGroup(module, routes, cfg, variant, self.process_group, rest=rest, **dtypes)
+        self._groups, self.expert_layout = [dense], None  # `units` lists the experts' after
+        if meshed is not None and experts:
+            group, self.expert_layout = expert_group(self, experts, meshed, experts_rest, dtypes)
+            self._groups.append(group)
+        self._hooks = hooks.cast_forward(module, policy)
+        for name in SHARDING:  # the dense params' group's
+            setattr(self, name, getattr(dense, name))
+        claim((r.name, r.param) for r in self.routes)
+        self.step_protocol = StepProtocol(self._groups, self.routes, module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -245,9 +170,9 @@ class DataParallel(nn.Module):
         """Which of the identical copies of param `name`'s owned elements this rank holds: its
         shard group's place among the dp / k groups (0 without hybrid sharding). Checkpoints
         write copy 0 alone."""
-        for e in (*self._experts, self):  # the dense wrapper's routes hold the experts' too
-            if any(r.name == name for r in e.routes):
-                return e.rank // e.shard_group_size
+        for g in self._groups:
+            if any(r.name == name for r in g.routes):
+                return g.rank // g.shard_group_size
         raise KeyError(f"{name!r} is not a trainable param of this model")
 
     @property
@@ -265,7 +190,7 @@ class DataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces them all."""
-        previous = self._scheduler.sync_grads  # every scheduler's: they are set together
+        previous = self._groups[0].scheduler.sync_grads  # every one's: they are set together
         for s in self.step_protocol.schedulers:
             s.sync_grads = False
         try:
@@ -306,10 +231,11 @@ class DataParallel(nn.Module):
         for b in self.units:
             for param, _ in b.params:
                 set_local(param, local(param.data).clone())
-        for e in (self, *self._experts):
-            for handle in e._hooks:
-                handle.remove()
-            e._hooks = []
+        for handle in [*self._hooks, *(h for g in self._groups for h in g.hooks)]:
+            handle.remove()
+        self._hooks = []
+        for g in self._groups:
+            g.hooks = []
         unclaim(r.param for r in self.routes)
         return self.module
 

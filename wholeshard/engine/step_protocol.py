@@ -13,11 +13,11 @@ decides when the collectives run. The step:
    backward, released after (fully sharded: `reshard_after_forward=True`).
 `pipelined_step`: 2-4 unit by unit (`reduced_units()`), each updated once reduced.
 
-Invariants: every verb acts on every scheduler, the wrapper's own first, then its experts'
-wrapper's ([Note: expert parallelism] in `wholeshard.distributed.mesh`), so every rank issues
-the same collectives in the same order; a unit index (`OwnedRange.unit`,
-`reduced_units()`) counts over those schedulers' units in that order, which is
-`DataParallel.units`.
+Invariants: every verb acts on every `ShardedGroup` of the wrapper, in the order it holds them
+(the dense params' first, then the experts': [Note: expert parallelism] in
+`wholeshard.distributed.mesh`), so every rank issues the same collectives in the same order; a
+unit index (`OwnedRange.unit`, `reduced_units()`) counts over those groups' units in that
+order, which is `DataParallel.units`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from collections.abc import Iterator, Sequence
 
 from torch import nn
 
-from ..planning import Plan
 from ..planning.routing import Route
 from ._guard import ParamSignature
 from ._memory import StateHolder
-from ._owned import OwnedRange, owned_ranges
+from ._owned import OwnedRange
 from ._schedule import Scheduler
+from ._sharded_group import ShardedGroup
 
 __all__ = ["OwnedRange", "StepProtocol"]
 
@@ -42,53 +42,37 @@ class StepProtocol:
     """The step verbs of one `DataParallel` (built by it; reached as `ddp.step_protocol`).
 
     Args:
-        scheduler: the wrapper's own scheduler (its dense params' units under expert
-            parallelism).
-        plan, shard_rank: the wrapper's plan and this rank's place in its shard group: what
-            this rank owns.
-        routes: every trainable param's route, in registration order (the experts' included).
-        module: the wrapped module; `signature`: its params when wrapped (`model_changes`).
-        experts: the experts' wrapper's protocol, if any: its units follow this one's.
+        groups: the wrapper's `ShardedGroup`s, in unit order: what each rank owns and the
+            units and schedulers that sync it.
+        routes: every trainable param's route, in registration order.
+        module: the wrapped module, its params as they are now kept (`model_changes`).
     """
 
-    schedulers: list[Scheduler]  # the wrapper's own, then its experts' wrapper's
+    schedulers: list[Scheduler]  # the groups', in unit order
 
     def __init__(
         self,
-        scheduler: Scheduler,
-        plan: Plan,
-        shard_rank: int,
+        groups: Sequence[ShardedGroup],
         routes: list[Route],
         module: nn.Module,
-        signature: ParamSignature,
-        experts: Sequence[StepProtocol] = (),
     ) -> None:
-        self._scheduler = scheduler
-        self._plan = plan
-        self._shard_rank = shard_rank
+        self._groups = tuple(groups)
         self._routes = routes
         self._module = module
-        self._signature = signature
-        self._experts = tuple(experts)
-        self.schedulers = [scheduler, *(e._scheduler for e in self._experts)]
-        self._slot_of = {
-            p.name: (b, i) for b in scheduler.units for i, (_, p) in enumerate(b.params)
-        }
+        self._signature = ParamSignature(module)
+        self.schedulers = [g.scheduler for g in self._groups]
         self._optimizer: weakref.ref[StateHolder] | None = None
 
     # -- ownership ------------------------------------------------------------------------
 
     def owned(self) -> Iterator[OwnedRange]:
-        """What this rank updates, in registration order (experts after the others): whole
-        params, whole matrices of stacked params, or flat slices of element-wise ones.
-        Ownership comes from the plan."""
-        units = {name: b for name, (b, _) in self._slot_of.items()}
-        yield from owned_ranges(self._plan, self._routes, self._shard_rank, units)
-        first = len(self._scheduler.units)
-        for e in self._experts:  # its units follow ours in `DataParallel.units`
-            for o in e.owned():
-                yield dataclasses.replace(o, unit=first + o.unit)
-            first += len(e._scheduler.units)
+        """What this rank updates, group by group (experts after the others), each in
+        registration order: whole params, whole matrices of stacked params, or flat slices of
+        element-wise ones. Ownership comes from the plans."""
+        first = 0
+        for g in self._groups:
+            yield from (dataclasses.replace(o, unit=first + o.unit) for o in g.owned())
+            first += len(g.scheduler.units)
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -108,7 +92,7 @@ class StepProtocol:
     def received_grads(self) -> list[bool]:
         """Per route (in `routes` order): whether this rank got a gradient for the param since
         `zero_grad_buffer()`. A param no rank got one for is not stepped (torch's rule)."""
-        slots = {n: s for e in (self, *self._experts) for n, s in e._slot_of.items()}
+        slots = {n: s for g in self._groups for n, s in g.slot_of.items()}
         return [unit.received[i] for unit, i in (slots[r.name] for r in self._routes)]
 
     def zero_grad_buffer(self) -> None:

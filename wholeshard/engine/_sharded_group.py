@@ -1,0 +1,212 @@
+"""`ShardedGroup`: the params one process group syncs, and everything that serves them.
+
+A `DataParallel` holds one per process group (FSDP2's `FSDPParamGroup`s): the dense params'
+over its data-parallel group and, with an "ep" mesh dim, the experts' over the
+expert-data-parallel group ([Note: expert parallelism] in `wholeshard.distributed.mesh`;
+`_experts.expert_group` builds it). Each builds, in order: its plan (`plan_for`: the decision
+alone), its comm groups, one `StorageUnit` per storage unit of the plan in reduce order, each
+given its initial values (fully sharded: then reduced to this rank's shards) before the next
+is built, so one full unit at most exists beside the model ([Note: meta-device construction]
+in `_meta`), its frozen params and buffers from its first rank, its scheduler and its hooks.
+
+Invariants: every trainable param is in exactly one group; a group's collectives run on its
+process group and the groups derived from it only; its unit indices count from 0 (the wrapper
+lists the groups' units one after another, in the order it holds them); a group is ready when
+built (initial values in place, gathered where the first forward would not gather them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from ..distributed import collectives
+from ..distributed.dtensor import local
+from ..distributed.groups import make_groups, resolve_group
+from ..planning import ParamSpec, Placement, Plan
+from ..planning.auto import plan_for
+from ..planning.routing import Route
+from . import _hooks as hooks
+from ._fp8_storage import fp8_storage_factory
+from ._meta import fill_owned
+from ._owned import OwnedRange, owned_ranges
+from ._schedule import Scheduler
+from ._storage import CommGroups, StorageUnit
+from ._unaligned_storage import UnalignedStorage
+from .config import DataParallelConfig, Variant
+
+
+class ShardedGroup:
+    """The params `routes` of `module`, synced over `process_group` as `cfg` and `variant` say.
+
+    Args:
+        param_dtype, grad_dtype: what the units hold.
+        rest: frozen params and buffers this group gives every rank from its first.
+        divide_by: what the summed gradients divide by; 0: the ranks they are summed over
+            (the experts': dp x ep).
+    """
+
+    routes: list[Route]  # this group's trainable params, in registration order
+    process_group: ProcessGroup | None
+    dp_size: int
+    rank: int  # in `process_group`
+    plan: Plan  # the decision alone, no report (that is `wholeshard.capacity.choice`'s)
+    shard_group_size: int
+    shard_rank: int  # in this rank's shard group
+    shard_group: ProcessGroup | None  # `make_groups`' three, from `process_group`
+    replica_group: ProcessGroup | None
+    gather_group: ProcessGroup | None
+    reshard_after_forward: bool  # what the config asks, where there is anything to gather
+    fp8_param_gather: bool  # likewise
+    scheduler: Scheduler  # its units, in reduce order, and their collectives
+    hooks: list[RemovableHandle]  # gradient hooks on its params, module hooks for its units
+
+    def __init__(
+        self,
+        module: nn.Module,
+        routes: list[Route],
+        cfg: DataParallelConfig,
+        variant: Variant,
+        process_group: ProcessGroup | None,
+        *,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        rest: Sequence[torch.Tensor],
+        divide_by: int = 0,
+    ) -> None:
+        self.routes = routes
+        self.process_group, self.dp_size, self.rank = resolve_group(process_group)
+        self.plan = plan_for(
+            [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in routes],
+            self.dp_size,
+            bucket_size=cfg.bucket_size,
+            strategy=variant.strategy,
+            shard_group_size=cfg.shard_group_size,
+            scheme=variant.scheme,
+            matrix_cost=cfg.matrix_cost,
+        )
+        self.shard_group_size = self.plan.shard_group_size
+        self.shard_rank = self.plan.shard_rank(self.rank)
+        self._fill = cfg.param_init and fill_owned(self.plan, self.shard_rank, cfg.param_init)
+        gathers = self.dp_size > 1 and self.shard_group_size > 1
+        self.reshard_after_forward = reshard = cfg.reshard_after_forward and gathers
+        self.fp8_param_gather = cfg.fp8_param_gather and gathers
+        separate = variant.separate_all_gather_group
+        if separate is None:
+            separate = cfg.reshard_after_forward or cfg.pipelined_step
+        self.shard_group, self.replica_group, self.gather_group = make_groups(
+            self.process_group, self.dp_size, self.shard_group_size, separate and gathers
+        )
+        groups = CommGroups(
+            self.shard_group,
+            self.shard_rank,
+            self.shard_group_size,
+            self.gather_group,
+            self.replica_group,
+            variant.param_sync,
+            divide_by,
+        )
+        fp8 = fp8_storage_factory(module) if self.fp8_param_gather else StorageUnit
+        storages = build_storage(
+            self.plan,
+            routes,
+            lambda kind: UnalignedStorage if kind == "unaligned" else fp8,
+            self._fill_initial,
+            groups=groups,
+            reshard=reshard,
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
+        )
+        if self.dp_size > 1:
+            broadcast_the_rest(rest, self.process_group, storages[0].param.device)
+        registered = {r.name: i for i, r in enumerate(routes)}
+        first = [min(registered[p.name] for _, p in s.params) for s in storages]
+        self.scheduler = Scheduler(
+            storages,
+            sorted(range(len(storages)), key=first.__getitem__),  # forward order
+            reduces=self.dp_size > 1 or divide_by > 1,  # experts at dp 1: the average
+            gathers=gathers,
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
+            overlap_param_gather=cfg.overlap_param_gather,
+            reshard=reshard,
+            agree_group=self.process_group,
+        )
+        self.slot_of = {p.name: (b, i) for b in storages for i, (_, p) in enumerate(b.params)}
+        self.hooks = hooks.grad_hooks(self.scheduler, storages)
+        unit_of = {id(param): b for b in storages for param, _ in b.params}
+        on_demand = gathers and (cfg.overlap_param_gather or reshard)
+        if on_demand:  # module hooks gather the units as the forward reaches them
+            self.hooks += hooks.register(self.scheduler, module, unit_of, reshard=reshard)
+        if on_demand or self.fp8_param_gather:  # params can be stale between steps
+            self.hooks += hooks.refuse_stale_reads(self.scheduler, module, unit_of)
+        if self.fp8_param_gather or (self._fill and not reshard):
+            self.scheduler.params_updated()  # the owners' values (the first FP8 weights)
+            self.scheduler.finish_param_sync()
+
+    def _fill_initial(self, storage: StorageUnit) -> None:
+        """Give a new storage unit its group's first rank's values (or, from `param_init`, its
+        owned ones) and, fully sharded, keep only this rank's shards."""
+        if self._fill:
+            self._fill(storage)
+        elif self.dp_size > 1:
+            collectives.broadcast_from_first(storage.param, self.process_group)
+        if storage.reshard:
+            storage.keep_shards()
+
+    def owned(self) -> Iterator[OwnedRange]:
+        """What this rank updates of the group's params, in registration order (unit indices
+        within the group)."""
+        units = {name: b for name, (b, _) in self.slot_of.items()}
+        return owned_ranges(self.plan, self.routes, self.shard_rank, units)
+
+
+def build_storage(
+    plan: Plan,
+    routes: list[Route],
+    make: Callable[[str], Callable[..., StorageUnit]],
+    fill_initial: Callable[[StorageUnit], None],
+    **kwargs: Any,
+) -> list[StorageUnit]:
+    """One storage per storage unit of every buffer of `plan`, built by `make(buffer kind)`, in
+    reduce (backprop) order: the unit holding the latest-registered param first. Each gets its
+    initial values (`fill_initial`) before the next is built. `kwargs` go to it after the
+    unit's own arguments."""
+    registered = {r.name: i for i, r in enumerate(routes)}
+    param_of = {r.name: r.param for r in routes}
+    units = []  # (kind, buckets, [(param, placement)])
+    for buffer in plan.buffers:
+        bucket_runs = buffer.storage_units()
+        run_of = {b: n for n, run in enumerate(bucket_runs) for b in run}
+        members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in bucket_runs]
+        for p in buffer.placements:
+            members[run_of[p.bucket]].append((param_of[p.name], p))
+        for run, params in zip(bucket_runs, members, strict=True):
+            units.append((buffer.kind, buffer.buckets[run.start : run.stop], params))
+    units.sort(key=lambda unit: -max(registered[p.name] for _, p in unit[2]))
+    storages = []
+    for index, (kind, buckets, params) in enumerate(units):
+        storage = make(kind)(index, kind, buckets, params, **kwargs)
+        fill_initial(storage)
+        storages.append(storage)
+    return storages
+
+
+def broadcast_the_rest(
+    tensors: Sequence[torch.Tensor], group: ProcessGroup | None, device: torch.device
+) -> None:
+    """Give every rank the first's `tensors` (frozen params and buffers). A tensor kept off the
+    model's `device` (a CPU table in a CUDA model) travels through a copy on it: NCCL moves
+    device tensors only."""
+    for t in tensors:
+        data = local(t.data)  # a DTensor's: its shard, the same on its data-parallel peers
+        if data.device == device:
+            collectives.broadcast_from_first(data, group)
+            continue
+        staged = data.to(device)
+        collectives.broadcast_from_first(staged, group)
+        data.copy_(staged)
