@@ -564,7 +564,7 @@ def whole_buffer(
     bucket_size: int | None = None,
     align: int = 64,
 ) -> Buffer:
-    """The whole-tensor planner by `strategy` (the machinery `plan_buffers` runs on 2-D Muon
+    """The whole-tensor planner by `strategy` (the machinery `plan_exactly` runs on 2-D Muon
     specs) on every spec, as one checked "matrix" buffer."""
     specs = tuple(specs)
     _group_size(dp, None, bucket_size, align, strategy, "whole")

@@ -177,7 +177,7 @@ def _imported_by(code: str) -> set[str]:
         "import wholeshard",
         "import wholeshard.cli as c; c.build_parser()",
         "from wholeshard.capacity.presets import PRESETS; from wholeshard.planning import "
-        "plan_buffers; plan_buffers(PRESETS['gpt2-small'](), 8)",
+        "plan_for; plan_for(PRESETS['gpt2-small'](), 8)",
         "from wholeshard.train.config import TrainConfig; TrainConfig()",
     ],
     ids=["import", "cli-parsers", "planning", "train-config"],

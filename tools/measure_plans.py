@@ -1,4 +1,4 @@
-"""Measure `plan_buffers` on every preset and write docs/results/plans.json.
+"""Measure `plan_exactly` on every preset and write docs/results/plans.json.
 
     python tools/measure_plans.py [--json docs/results/plans.json] [--presets NAME ...]
 
@@ -8,7 +8,7 @@ strategies, and with two bucket sizes: DataParallel's default (`default_bucket_s
 rule "default") and Megatron's 40M elements (rule "40M"). Each row holds what `wholeshard plan
 --preset P --dp N --shard-group-size K --strategy S --bucket-size B --json` reports: padding
 fraction, Newton-Schulz cost imbalance, the number of buckets (all, and those of the 2-D Muon
-buffer) and the wall seconds of `plan_buffers` (the median of 3 runs; one run for presets that
+buffer) and the wall seconds of `plan_exactly` (the median of 3 runs; one run for presets that
 take over a second). Plan times depend on the machine and its load; the rest is exact.
 `python tools/make_docs.py` renders the tables of docs/planning.md from the file.
 """
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.presets import PRESETS  # noqa: E402
-from wholeshard.planning import default_bucket_size, plan_buffers  # noqa: E402
+from wholeshard.planning import default_bucket_size, plan_exactly  # noqa: E402
 
 DPS = (8, 64, 256, 1024)
 STRATEGIES = ("size_match", "balanced")
@@ -48,7 +48,7 @@ def measure(preset: str, specs: list, dp: int, k: int, strategy: str, rule: str)
     times: list[float] = []
     while True:
         start = time.perf_counter()
-        plan = plan_buffers(specs, dp, bucket_size=bucket, strategy=strategy, shard_group_size=k)
+        plan = plan_exactly(specs, dp, bucket_size=bucket, strategy=strategy, shard_group_size=k)
         times.append(time.perf_counter() - start)
         if len(times) == 3 or times[0] > SLOW_S:
             break

@@ -18,7 +18,7 @@ import sys
 import time
 
 from wholeshard.capacity.presets import PRESETS
-from wholeshard.planning import ParamSpec, default_bucket_size, plan_buffers
+from wholeshard.planning import ParamSpec, default_bucket_size, plan_exactly
 
 
 def canonical(plan) -> str:
@@ -61,7 +61,7 @@ def random_specs(rng: random.Random, n: int) -> list[ParamSpec]:
 
 def plan_text(specs: list[ParamSpec], **kwargs) -> str:
     try:
-        return canonical(plan_buffers(specs, **kwargs))
+        return canonical(plan_exactly(specs, **kwargs))
     except ValueError as e:
         return f"error {e}"
 

@@ -7,7 +7,8 @@ options, `DataParallelConfig`), `LayerwiseOptimizer`, `save_checkpoint` and `loa
 `wholeshard.optim` (the optimizers, the checkpoint contract `Checkpointable`, the row-block
 splits `split_qkv` and `split_heads`), `wholeshard.fp8` (FP8 formats and layers),
 `wholeshard.checkpoint` (save, load, export), `wholeshard.planning` (plans from shapes:
-`plan_buffers` -> `Plan` of `Buffer`s, `Bucket`s and `Placement`s, from `ParamSpec`s; presets,
+`plan_for` -> the `Plan` `DataParallel` makes, of `Buffer`s, `Bucket`s and `Placement`s, from
+`ParamSpec`s; `plan_exactly` for exactly given settings; presets,
 shapes files; `planning.routing.Route`) and `wholeshard.distributed.launch` (local worker
 processes). Everything else is machinery: modules with a leading underscore, and the `engine`
 package behind `DataParallel`. The words are defined once, in [Note: wholeshard vocabulary]

@@ -1,9 +1,9 @@
 """`wholeshard.planning.auto`: the automatic shard-group size, from shapes alone.
 
-Issue 20's targets over the presets at dp 8-1024 (checked against `plan_buffers` itself, and
+Issue 20's targets over the presets at dp 8-1024 (checked against `plan_exactly` itself, and
 every larger candidate shown to miss them), small runs left at k = dp, the planning time, and a
 property test on random specs: the choice divides dp, its figures are its plan's, its plan is
-`plan_buffers`'s, and no larger candidate meets the targets.
+`plan_exactly`'s, and no larger candidate meets the targets.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from wholeshard.capacity.choice import (
 from wholeshard.capacity.costs import owned, storage_units
 from wholeshard.capacity.presets import preset
 from wholeshard.capacity.projection import rank_ns_flops
-from wholeshard.planning import ParamSpec, Plan, plan_buffers
+from wholeshard.planning import ParamSpec, Plan, plan_exactly
 from wholeshard.planning.auto import ladder
 from wholeshard.planning.routing import route_params
 from wholeshard.planning.specs import round_up
@@ -76,8 +76,8 @@ def meets(plan: Plan, specs: tuple[ParamSpec, ...], target: int, padding_limit: 
 
 
 def assert_figures_are_the_plans(choice: ShardGroupChoice, specs: tuple[ParamSpec, ...]) -> None:
-    """The choice's plan is `plan_buffers`'s at its k and bucket size, and every figure is it."""
-    plan = plan_buffers(
+    """The choice's plan is `plan_exactly`'s at its k and bucket size, and every figure is it."""
+    plan = plan_exactly(
         specs,
         choice.dp_size,
         bucket_size=choice.bucket_size,
@@ -128,7 +128,7 @@ def test_presets_meet_the_targets(name: str, dp: int) -> None:
 @pytest.mark.parametrize("dp", DPS)
 @pytest.mark.parametrize("name", PRESETS)
 def test_no_larger_candidate_meets_the_targets(name: str, dp: int) -> None:
-    """Every ladder candidate above the choice misses a target, by `plan_buffers` itself. For
+    """Every ladder candidate above the choice misses a target, by `plan_exactly` itself. For
     moe-256x, whose plans take a second each, only k = 64 at dp 64 is planned again here; above
     it, a whole-tensor bucket of k x its widest matrix over the limit rules k out by arithmetic,
     and the rest the choice planned and passed over."""
@@ -144,7 +144,7 @@ def test_no_larger_candidate_meets_the_targets(name: str, dp: int) -> None:
                 assert k * widest > choice.bucket_limit or k in choice.tried[:-1], k
                 continue
             size = bucket_size_for(numel, k, strategy)
-            plan = plan_buffers(specs, dp, bucket_size=size, shard_group_size=k, strategy=strategy)
+            plan = plan_exactly(specs, dp, bucket_size=size, shard_group_size=k, strategy=strategy)
             assert not meets(plan, specs, choice.bucket_target, choice.padding_limit), (name, dp, k)
 
 
@@ -258,7 +258,7 @@ def test_choice_is_a_divisor_with_its_plans_figures(
 
     def plan_at(k: int) -> Plan:
         size = bucket_size_for(numel, k, strategy) if bucket_size is None else bucket_size
-        return plan_buffers(specs_t, dp, bucket_size=size, strategy=strategy, shard_group_size=k)  # type: ignore[arg-type]
+        return plan_exactly(specs_t, dp, bucket_size=size, strategy=strategy, shard_group_size=k)  # type: ignore[arg-type]
 
     plan = plan_at(choice.k)
     assert choice.plan == plan and choice.bucket_size == plan.bucket_size

@@ -30,7 +30,7 @@ from wholeshard.capacity.projection import (
     project,
     rank_ns_flops,
 )
-from wholeshard.planning import ParamSpec, default_bucket_size, plan_buffers
+from wholeshard.planning import ONE_BUCKET, ParamSpec, default_bucket_size, plan_exactly
 
 CASES = [  # (preset, dp, shard group size)
     ("gpt2-small", 1, None),
@@ -52,7 +52,7 @@ MODES = [
 def _plan(name: str, dp: int, k: int | None):
     specs = preset(name)
     bucket_size = default_bucket_size(sum(s.numel for s in specs), dp)
-    return plan_buffers(specs, dp, bucket_size=bucket_size, shard_group_size=k), specs
+    return plan_exactly(specs, dp, bucket_size=bucket_size, shard_group_size=k), specs
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-dp{c[1]}-k{c[2]}")
@@ -206,7 +206,7 @@ def test_overlapped_reductions_free_grads_during_backward() -> None:
     specs = [ParamSpec("emb.weight", (64, 64), matrix=False)]
     specs += [ParamSpec(f"layers.{i}.weight", (64, 64), matrix=True) for i in range(8)]
     specs.append(ParamSpec("head.weight", (64, 64), matrix=False))
-    plan = plan_buffers(specs, 2, bucket_size=4096)  # two layers a bucket (k times the widest)
+    plan = plan_exactly(specs, 2, bucket_size=4096)  # two layers a bucket (k times the widest)
     fsdp = Mode(reshard_after_forward=True, overlap_grad_reduce=False)
     serial = plan_costs(plan, specs, fsdp).peak_transient
     overlapped = plan_costs(plan, specs, Mode(reshard_after_forward=True, overlap_grad_reduce=True))
@@ -247,7 +247,7 @@ def test_storage_units_cover_every_bucket_in_reduce_order(planned) -> None:
 
 def test_ping_pong_is_refused() -> None:
     specs = preset("gpt2-small")
-    plan = plan_buffers(specs, 4, scheme="ping_pong")
+    plan = plan_exactly(specs, 4, scheme="ping_pong", bucket_size=ONE_BUCKET)
     with pytest.raises(ValueError, match="ping-pong"):
         plan_costs(plan, specs)
 
@@ -271,13 +271,13 @@ def test_every_muon_matrix_is_orthogonalized_by_one_rank(planned) -> None:
 
 def test_collectives_are_timed_by_the_alpha_beta_ring_model() -> None:
     specs = [ParamSpec(f"layers.{i}.weight", (256, 256), matrix=True) for i in range(32)]
-    plan = plan_buffers(specs, 32, bucket_size=1 << 20, shard_group_size=16)
+    plan = plan_exactly(specs, 32, bucket_size=1 << 20, shard_group_size=16)
     fabric = FABRICS["nvlink4-ndr400"]
     intra, inter = fabric.intra, fabric.inter
     shard = Collective("reduce_scatter", 16, 16 * 1000, "float32", "grads", "shard")
     expected = 15 * inter.latency + 15 / 16 * 16 * 1000 * 4 / inter.bandwidth  # 16 > 8 per node
     assert collective_seconds(shard, plan, fabric) == pytest.approx(expected)
-    small = plan_buffers(specs, 32, bucket_size=1 << 20, shard_group_size=4)
+    small = plan_exactly(specs, 32, bucket_size=1 << 20, shard_group_size=4)
     shard4 = Collective("all_gather", 4, 4000, "bfloat16", "params", "shard")
     expected = 3 * intra.latency + 3 / 4 * 4000 * 2 / intra.bandwidth  # one node
     assert collective_seconds(shard4, small, fabric) == pytest.approx(expected)

@@ -1,13 +1,12 @@
-"""Tests for `wholeshard.presets`: published sizes, routing from names (`matrix_by_name`), GQA and
+"""Tests for `wholeshard.presets`: published sizes, each param's stated route, GQA and
 bias details, and that every preset plans."""
 
 from __future__ import annotations
 
 import pytest
 
-from wholeshard.capacity.presets import PRESETS, preset, spec
-from wholeshard.planning import ParamSpec, plan_buffers
-from wholeshard.planning.routing import matrix_by_name
+from wholeshard.capacity.presets import PRESETS, adamw, matrix, preset
+from wholeshard.planning import ParamSpec, plan_exactly
 
 # Published totals (HF configs; DeepSeek-V3's 671B main model, without the 14B MTP module).
 TOTALS = {
@@ -78,40 +77,23 @@ def test_gpt2_head_is_tied_to_wte() -> None:
     assert sum(s.matrix for s in specs) == 12 * 4
 
 
-@pytest.mark.parametrize(
-    "name, shape, tied, muon",
-    [
-        ("model.layers.0.mlp.up_proj.weight", (14336, 4096), False, True),
-        ("lm_head.weight", (128256, 4096), False, False),  # the output head, untied
-        ("lm_head.weight", (128256, 4096), True, False),  # tied: it is the embedding
-        ("output.weight", (32000, 512), True, False),
-        ("output.weight", (32000, 512), False, False),
-        ("model.head.weight", (10, 768), False, False),
-        ("classifier.weight", (2, 768), False, False),
-        ("classifier.bias", (2,), False, False),
-        ("model.layers.0.output.dense.weight", (768, 3072), False, True),  # "output" not last
-        ("model.layers.0.mlp.gate.weight", (8, 64), False, True),  # an MoE router
-        ("model.layers.0.mlp.experts.gate_up_proj", (8, 128, 64), False, True),  # a stack
-        ("model.layers.0.mlp.experts.down_proj", (8, 64, 64), False, True),
-        ("transformer.h.0.attn.c_attn.weight", (768, 2304), False, True),  # Conv1D, (in, out)
-        ("w0", (64, 64), False, True),  # names cannot tell a param of the root module
-        ("model.embed_tokens.weight", (128256, 4096), False, False),
-        ("tok_embeddings.weight", (32000, 4096), False, False),
-        ("bert.embeddings.word_embeddings.weight", (30522, 768), False, False),
-        ("transformer.wte.weight", (50257, 768), False, False),
-        ("transformer.wpe.weight", (1024, 768), False, False),
-        ("pos_emb.weight", (1024, 768), False, False),
-        ("Model.Embed.Weight", (10, 10), False, False),  # case-insensitive
-        ("layers.0.norm.weight", (4096,), False, False),
-        ("layers.0.conv.weight", (64, 3, 3, 3), False, False),  # a conv kernel, not a stack
-        ("layers.0.mixer.conv1d.weight", (64, 1, 4), False, False),
-        ("scale", (), False, False),
-        ("members.weight", (64, 64), False, True),  # "emb" alone is not an embedding
-    ],
-)
-def test_muon_by_name_rule(name: str, shape: tuple[int, ...], tied: bool, muon: bool) -> None:
-    assert matrix_by_name(name, shape, tied) is muon
-    assert spec(name, *shape, tied=tied) == ParamSpec(name, shape, matrix=muon, tied=tied)
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_state_each_route(name: str) -> None:
+    """Each param states its route where it is made (`matrix` / `adamw`): hidden-layer weights
+    Muon's, embeddings, the head, norms and biases AdamW's (`tests/planning/test_routing.py`
+    checks the presets against `route_params` on the models they describe)."""
+    specs = by_name(preset(name))
+    for s in specs.values():
+        assert not s.matrix or len(s.shape) >= 2, s.name
+        last = s.name.split(".")[-2]
+        if last in ("wte", "wpe", "embed_tokens", "lm_head") or "norm" in s.name:
+            assert not s.matrix, s.name
+    assert specs["model.layers.0.self_attn.o_proj.weight" if name != "gpt2-small"
+                 else "transformer.h.0.attn.c_attn.weight"].matrix  # fmt: skip
+    assert matrix("w", 4, 4) == ParamSpec("w", (4, 4), matrix=True)
+    assert adamw("e", 4, 4, tied=True) == ParamSpec("e", (4, 4), matrix=False, tied=True)
+    with pytest.raises(ValueError, match=">= 2 dims"):
+        matrix("b", 4)
 
 
 def test_unknown_preset_names_the_choices() -> None:
@@ -122,7 +104,7 @@ def test_unknown_preset_names_the_choices() -> None:
 @pytest.mark.parametrize("name", sorted(set(PRESETS) - {"moe-256x"}))
 def test_every_dense_preset_plans(name: str) -> None:
     specs = preset(name)
-    plan = plan_buffers(specs, 16, bucket_size=40_000_000, shard_group_size=8)
+    plan = plan_exactly(specs, 16, bucket_size=40_000_000, shard_group_size=8)
     plan.check(specs)
     fused_experts = name == "qwen3-30b-a3b"
     kinds = ["matrix", "stacked", "adamw"] if fused_experts else ["matrix", "adamw"]

@@ -192,7 +192,9 @@ def shapes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def base_argv(tmp_path_factory: pytest.TempPathFactory, shapes_dir: Path) -> dict[str, list[str]]:
     """Per command, flags that make a run valid apart from the one under test."""
-    small = {"params": [{"name": f"h.{i}.weight", "shape": [16, 8]} for i in range(6)]}
+    small = {
+        "params": [{"name": f"h.{i}.weight", "shape": [16, 8], "matrix": True} for i in range(6)]
+    }
     (shapes_dir / "small.json").write_text(json.dumps(small))
     out = tmp_path_factory.mktemp("train-out")
     return {
@@ -307,8 +309,8 @@ def test_nastiest_values_name_the_flag(base_argv) -> None:
 NAMES = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
 DIMS = st.lists(st.integers(1, 64), max_size=4)
 GOOD_ENTRY = st.fixed_dictionaries(
-    {"name": NAMES, "shape": DIMS},
-    optional={"matrix": st.booleans(), "tied": st.booleans()},
+    {"name": NAMES, "shape": DIMS, "matrix": st.booleans()},
+    optional={"tied": st.booleans()},
 )
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -326,7 +328,7 @@ BAD_ENTRY = st.one_of(
         )
     ),
     GOOD_ENTRY.flatmap(
-        lambda e: st.sampled_from(["name", "shape"]).map(
+        lambda e: st.sampled_from(["name", "shape", "matrix"]).map(
             lambda field: {k: v for k, v in e.items() if k != field}
         )
     ),
@@ -422,18 +424,22 @@ def test_shapes_edge_cases(shapes_dir: Path) -> None:
     rejected([{"name": "w", "shape": [2.0, 2]}], "list of ints")
     rejected([{"name": "w", "shape": "4x4"}], "list of ints")
     rejected([{"name": "w", "shape": [10**30, 10**30]}], "more than a torch tensor")
-    rejected([{"name": "w", "shape": [2**62]}, {"name": "v", "shape": [2**62]}], "together")
+    big = [{"name": n, "shape": [2**62], "matrix": False} for n in ("w", "v")]
+    rejected(big, "together")
     # a stack of 2**38 matrices would take the planner days; refused up front
     rejected([{"name": "experts.w", "shape": [2] * 40, "matrix": True}], "matrices")
     rejected([{"name": "w", "shape": [4, 4], "matrix": "yes"}], "matrix")
     rejected([{"name": "", "shape": [4]}], "name")
     rejected([{"shape": [4]}], "missing field 'name'")
     rejected([{"name": "w"}], "missing field 'shape'")
+    rejected([{"name": "w", "shape": [4, 4]}], 'missing field "matrix"', '"matrix": true')
 
 
 def test_thousands_of_params_plan(shapes_dir: Path) -> None:
-    params = [{"name": f"layers.{i}.w", "shape": [32 + i % 7, 16]} for i in range(3000)]
-    params += [{"name": f"layers.{i}.b", "shape": [16]} for i in range(3000)]
+    params = [
+        {"name": f"layers.{i}.w", "shape": [32 + i % 7, 16], "matrix": True} for i in range(3000)
+    ]
+    params += [{"name": f"layers.{i}.b", "shape": [16], "matrix": False} for i in range(3000)]
     result = plan_shapes(write_shapes(shapes_dir, {"params": params}), dp=8)
     assert result.code == 0, result.err
     assert len(json.loads(result.out)["params"]) == 6000

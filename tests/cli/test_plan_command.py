@@ -17,7 +17,7 @@ from wholeshard.capacity.costs import OPS, Mode, plan_costs
 from wholeshard.capacity.presets import preset
 from wholeshard.capacity.projection import project
 from wholeshard.cli import plan as plan_tool
-from wholeshard.planning import default_bucket_size, plan_buffers
+from wholeshard.planning import default_bucket_size, plan_exactly
 from wholeshard.planning.targets import bucket_size_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,12 +40,12 @@ def write(tmp_path: Path, content: object) -> str:
 
 SMALL = {
     "params": [
-        {"name": "wte.weight", "shape": [100, 32], "tied": True},
-        {"name": "h.0.fc.weight", "shape": [64, 32]},
-        {"name": "h.0.fc.bias", "shape": [64]},
+        {"name": "wte.weight", "shape": [100, 32], "matrix": False, "tied": True},
+        {"name": "h.0.fc.weight", "shape": [64, 32], "matrix": True},
+        {"name": "h.0.fc.bias", "shape": [64], "matrix": False},
         {"name": "h.0.proj.weight", "shape": [32, 64], "matrix": False},
-        {"name": "h.1.fc.weight", "shape": [64, 32]},
-        {"name": "scale", "shape": []},
+        {"name": "h.1.fc.weight", "shape": [64, 32], "matrix": True},
+        {"name": "scale", "shape": [], "matrix": False},
     ]
 }
 
@@ -156,7 +156,7 @@ def test_json_costs_are_the_plans_in_the_mode_the_flags_name(
     doc = json.loads(out)
     specs = preset("qwen3-30b-a3b")
     bucket_size = default_bucket_size(sum(s.numel for s in specs), 32)
-    plan = plan_buffers(specs, 32, bucket_size=bucket_size, shard_group_size=8)
+    plan = plan_exactly(specs, 32, bucket_size=bucket_size, shard_group_size=8)
     costs = plan_costs(plan, specs, mode)
     worst = costs.worst_rank
     assert doc["mode"]["reshard_after_forward"] == mode.reshard_after_forward
@@ -181,7 +181,7 @@ def test_table_tells_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> N
     code, out, _ = run([*argv, "--param-dtype", "bfloat16"], capsys)
     assert code == 0
     specs = preset("gpt2-small")
-    plan = plan_buffers(specs, 8, bucket_size=default_bucket_size(sum(s.numel for s in specs), 8))
+    plan = plan_exactly(specs, 8, bucket_size=default_bucket_size(sum(s.numel for s in specs), 8))
     costs = plan_costs(plan, specs, Mode(reshard_after_forward=True, param_dtype="bfloat16"))
     mine = costs.persistent[costs.worst_rank]
     assert "mode: fully sharded, params bfloat16, grads reduced in float32" in out
@@ -199,7 +199,7 @@ def test_fabric_adds_a_projection(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run([*argv, *flags, "--json"], capsys)
     assert code == 0
     specs = preset("llama3-8b")
-    plan = plan_buffers(specs, 16, bucket_size=default_bucket_size(sum(s.numel for s in specs), 16),
+    plan = plan_exactly(specs, 16, bucket_size=default_bucket_size(sum(s.numel for s in specs), 16),
                         shard_group_size=8)  # fmt: skip
     expected = project(plan_costs(plan, specs, Mode()), "nvlink4-ndr400", "h200")
     assert json.loads(out)["projection"] == expected.as_dict()
@@ -217,14 +217,14 @@ def test_sizes_read_in_binary_units() -> None:
     ]
 
 
-def test_json_matches_plan_buffers_for_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_matches_plan_exactly_for_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["--preset", "gpt2-small", "--dp", "8", "--strategy", "size_match",
                         "--shard-group-size", "8", "--json"], capsys)  # fmt: skip
     assert code == 0
     doc = json.loads(out)
     specs = preset("gpt2-small")
     bucket_size = default_bucket_size(sum(s.numel for s in specs), 8)  # DataParallel's default
-    plan = plan_buffers(specs, 8, bucket_size=bucket_size, strategy="size_match")
+    plan = plan_exactly(specs, 8, bucket_size=bucket_size, strategy="size_match")
     assert doc["strategy"] == "size_match" and doc["shard_group_size"] == 8
     assert doc["bucket_size"] == bucket_size
     assert doc["padding_fraction"] == plan.padding_fraction
@@ -236,7 +236,7 @@ def test_json_matches_plan_buffers_for_a_preset(capsys: pytest.CaptureFixture[st
 def test_table_lists_every_bucket(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["--preset", "llama3-8b", "--dp", "64", "--shard-group-size", "8"], capsys)
     assert code == 0 and err == ""
-    plan = plan_buffers(preset("llama3-8b"), 64, bucket_size=40_000_000, shard_group_size=8)
+    plan = plan_exactly(preset("llama3-8b"), 64, bucket_size=40_000_000, shard_group_size=8)
     assert "8 shard group(s) of 8 ranks" in out
     assert f"padding {plan.padding_fraction:.3%}" in out
     assert f"imbalance {plan.ns_cost_imbalance:.3f}" in out
@@ -288,8 +288,22 @@ def test_png_with_json_keeps_stdout_json(
         ('{"params": [', r"not valid JSON \(line 1, column 13"),
         ("", "not valid JSON"),
         (
-            {"params": [{"name": "w", "shape": [4]}, {"name": "w", "shape": [2]}]},
+            {
+                "params": [
+                    {"name": "w", "shape": [4], "matrix": False},
+                    {"name": "w", "shape": [2], "matrix": False},
+                ]
+            },
             "duplicate param name 'w'",
+        ),
+        (
+            {"params": [{"name": "b", "shape": [4]}]},
+            r"\('b'\): missing field \"matrix\"; add \"matrix\": false \(shape \[4\] has fewer",
+        ),
+        (
+            {"params": [{"name": "h.0.fc.weight", "shape": [64, 32]}]},
+            r"missing field \"matrix\".*add \"matrix\": true if it is the weight of a hidden layer"
+            r".*\"matrix\": false if it is an embedding, the output head",
         ),
     ],
 )
@@ -327,7 +341,7 @@ def test_auto_shard_groups_say_which_and_why(capsys: pytest.CaptureFixture[str])
     )
     assert choice["largest_bucket"] <= choice["bucket_limit"]
     specs = preset("llama3-70b")
-    want = plan_buffers(
+    want = plan_exactly(
         specs,
         256,
         bucket_size=bucket_size_for(sum(s.numel for s in specs), 128, "owners"),

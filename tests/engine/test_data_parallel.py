@@ -25,7 +25,7 @@ from support import (
 
 import wholeshard
 from wholeshard.distributed import collectives
-from wholeshard.planning import ParamSpec, plan_buffers
+from wholeshard.planning import ONE_BUCKET, ParamSpec, plan_exactly
 
 STEPS = 5
 
@@ -244,7 +244,7 @@ def test_tied_embedding_costs_no_padding() -> None:
         *(ParamSpec(f"l{i}.w", (768, 768), matrix=True) for i in range(8)),
         *(ParamSpec(f"l{i}.b", (768,), matrix=False) for i in range(8)),
     ]
-    plan = plan_buffers(specs, 8)
+    plan = plan_exactly(specs, 8, bucket_size=ONE_BUCKET)
     adamw = next(b for b in plan.buffers if b.kind == "adamw")
     assert adamw.numel - adamw.used < 8 * 64 * len(adamw.buckets) + 64 * len(adamw.placements)
     assert plan.padding_fraction < 0.001

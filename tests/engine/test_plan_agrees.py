@@ -40,7 +40,7 @@ from wholeshard import DataParallelConfig
 from wholeshard.capacity.costs import Mode, dtype_name, plan_costs, ring_bytes, step_collectives
 from wholeshard.distributed import collectives
 from wholeshard.engine import _storage
-from wholeshard.planning import ParamSpec, plan_buffers
+from wholeshard.planning import ParamSpec, plan_exactly
 
 BUCKET = 3000  # 4-5 buckets: the AdamW bucket holding `emb` (its grad lands last) is early in
 # reduce order, so the reductions wait for it and every full grad lives until backward ends
@@ -204,7 +204,7 @@ def test_the_plan_tells_memory_collectives_and_bytes_of_a_real_run(name: str) ->
     k = ddp_kw.get("shard_group_size")
     strategy = results[0]["plan"].strategy  # the automatic strategy's choice, or the one named
     assert strategy == ddp_kw.get("strategy", strategy)
-    plan = plan_buffers(
+    plan = plan_exactly(
         specs, world, bucket_size=bucket_size, shard_group_size=k, strategy=strategy
     )
     assert plan == results[0]["plan"]  # what DataParallel planned, from the specs alone

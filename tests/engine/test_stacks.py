@@ -26,7 +26,7 @@ from support import (
 )
 from torch import nn
 
-from wholeshard.planning import Buffer, ParamSpec, plan_buffers
+from wholeshard.planning import ONE_BUCKET, Buffer, ParamSpec, plan_exactly
 from wholeshard.planning.specs import Bucket, Placement, matrices, ns_cost
 
 EXPERTS, HIDDEN = 4, 16
@@ -176,7 +176,7 @@ def qwen3_moe_layer(i: int, experts: int = 128, hidden: int = 2048, inter: int =
 @pytest.mark.parametrize("dp", [8, 64, 256])
 def test_fused_experts_of_qwen3_moe_tile_shards_without_padding(dp: int) -> None:
     specs = [s for i in range(4) for s in qwen3_moe_layer(i)]
-    plan = plan_buffers(specs, dp, bucket_size=40_000_000)
+    plan = plan_exactly(specs, dp, bucket_size=40_000_000)
     stacked = next(b for b in plan.buffers if b.kind == "stacked")
     assert stacked.used == stacked.numel  # gate_up (2IH) and down (IH) share shards exactly
     costs = [0] * dp
@@ -195,13 +195,13 @@ stack_shapes = st.lists(
 @given(
     shapes=stack_shapes,
     k=st.integers(1, 5),
-    bucket_size=st.one_of(st.none(), st.integers(1, 20_000)),
+    bucket_size=st.one_of(st.just(ONE_BUCKET), st.integers(1, 20_000)),
     align=st.sampled_from([1, 16, 64]),
 )
 def test_stacked_plans_keep_invariants(shapes, k, bucket_size, align) -> None:
     specs = [ParamSpec(f"s{i}", shape, True) for i, shape in enumerate(shapes)]
     specs.append(ParamSpec("norm", (8,), False))
-    plan = plan_buffers(specs, k, bucket_size=bucket_size, align=align)
+    plan = plan_exactly(specs, k, bucket_size=bucket_size, align=align)
     plan.check(specs)  # includes: every matrix inside one shard, stacks contiguous, ordered
     stacked = next(b for b in plan.buffers if b.kind == "stacked")
     owned = [(p.name, offset) for r in range(k) for p, offset, _ in stacked.owned(r)]
@@ -212,7 +212,7 @@ def test_stacked_plans_keep_invariants(shapes, k, bucket_size, align) -> None:
 
 def test_stack_bucket_membership_and_order() -> None:
     specs = [ParamSpec("a", (6, 8, 8), True), ParamSpec("b", (2, 8, 8), True)]
-    plan = plan_buffers(specs, 2, bucket_size=256)
+    plan = plan_exactly(specs, 2, bucket_size=256)
     stacked = plan.buffers[0]
     a, b = stacked.placements
     assert b.start == 0 and a.start == b.end  # backprop order: the later param first

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wholeshard.planning import Bucket, ParamSpec, plan_buffers
+from wholeshard.planning import Bucket, ParamSpec, plan_exactly
 from wholeshard.planning.specs import matrices, matrix_shape, ns_cost, round_up
 from wholeshard.planning.targets import largest_unit
 
@@ -44,7 +44,7 @@ def stacks(draw: st.DrawFn) -> list[ParamSpec]:
 def test_stacks_in_owner_buckets_run_contiguously_and_balance(
     specs: list[ParamSpec], k: int, bucket_size: int
 ) -> None:
-    plan = plan_buffers(specs, k, bucket_size=bucket_size, strategy="owners")
+    plan = plan_exactly(specs, k, bucket_size=bucket_size, strategy="owners")
     stacked = next(b for b in plan.buffers if b.kind == "stacked")
     # Every storage unit is one stack, and no bucket is padded beyond alignment.
     assert len(stacked.storage_units()) == len(stacked.placements)
@@ -75,7 +75,7 @@ def test_whole_tensors_in_owner_buckets_are_bounded_unpadded_and_dealt_by_cost(
     shapes: list[tuple[int, int]], k: int, bucket_size: int
 ) -> None:
     specs = [ParamSpec(f"l{i}.w", shape, matrix=True) for i, shape in enumerate(shapes)]
-    plan = plan_buffers(specs, k, bucket_size=bucket_size, strategy="owners")
+    plan = plan_exactly(specs, k, bucket_size=bucket_size, strategy="owners")
     [muon] = plan.buffers
     widest = max(round_up(math.prod(s), 64) for s in shapes)
     assert largest_unit(plan) < bucket_size + widest  # closes once it holds bucket_size
@@ -96,8 +96,8 @@ def test_owner_buckets_need_no_room_per_rank(dp: int) -> None:
     specs = [
         ParamSpec(f"layers.{i}.w{j}", (1024, 1024), matrix=True) for i in range(8) for j in range(4)
     ]
-    equal = plan_buffers(specs, dp, bucket_size=4_000_000, strategy="balanced")
-    owned = plan_buffers(specs, dp, bucket_size=4_000_000, strategy="owners")
+    equal = plan_exactly(specs, dp, bucket_size=4_000_000, strategy="balanced")
+    owned = plan_exactly(specs, dp, bucket_size=4_000_000, strategy="owners")
     assert largest_unit(equal) >= dp * 1024 * 1024
     assert largest_unit(owned) <= 4 * 1024 * 1024 and owned.padding_fraction == 0
     assert len({p.owner for p in owned.buffers[0].placements}) == min(dp, len(specs))

@@ -12,7 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import round_up, spec, verify_whole_buffer
 
-from wholeshard.planning import Bucket, Buffer, ParamSpec, Placement, Plan, plan_buffers
+from wholeshard.engine.config import DataParallelConfig, Variant
+from wholeshard.planning import (
+    ONE_BUCKET,
+    Bucket,
+    Buffer,
+    ParamSpec,
+    Placement,
+    Plan,
+    default_bucket_size,
+    plan_exactly,
+    plan_for,
+)
 from wholeshard.planning.specs import ns_cost
 
 
@@ -100,7 +111,7 @@ def verify_ownership(buffer: Buffer, p: Placement) -> None:
 
 def test_tied_embedding_adds_no_padding() -> None:
     specs = [spec("wte", 1000, 64, matrix=False, tied=True), spec("fc", 64, 64), spec("ln", 64)]
-    plan = plan_buffers(specs, 8)
+    plan = plan_exactly(specs, 8, bucket_size=ONE_BUCKET)
     verify(plan, specs)
     muon, adamw = plan.buffers
     assert adamw.kind == "adamw" and adamw.used == 64 + 64_000
@@ -112,7 +123,7 @@ def test_tied_embedding_adds_no_padding() -> None:
 
 def test_elementwise_params_straddle_shards() -> None:
     specs = [spec("emb", 10, 30, matrix=False), spec("w", 16, 16), spec("b", 100)]
-    plan = plan_buffers(specs, 4, align=1)
+    plan = plan_exactly(specs, 4, align=1, bucket_size=ONE_BUCKET)
     verify(plan, specs)
     adamw = plan.buffers[1]
     assert adamw.buckets == (Bucket(0, 0, 400, 100),)
@@ -130,7 +141,7 @@ def test_elementwise_params_straddle_shards() -> None:
 
 def test_elementwise_alignment_and_bucket_padding() -> None:
     specs = [spec("a", 100), spec("b", 3), spec("c", 70)]
-    plan = plan_buffers(specs, 3, align=64)
+    plan = plan_exactly(specs, 3, align=64, bucket_size=ONE_BUCKET)
     verify(plan, specs)
     (adamw,) = plan.buffers
     assert [(p.name, p.start) for p in adamw.placements] == [("a", 192), ("b", 128), ("c", 0)]
@@ -139,7 +150,7 @@ def test_elementwise_alignment_and_bucket_padding() -> None:
 
 def test_elementwise_buckets_close_at_bucket_size() -> None:
     specs = [spec(f"v{i}", 1001) for i in range(10)]
-    plan = plan_buffers(specs, 2, bucket_size=2500, align=8)
+    plan = plan_exactly(specs, 2, bucket_size=2500, align=8)
     verify(plan, specs)
     (adamw,) = plan.buffers
     # 1001 -> 1008 aligned: a bucket closes with its third param (3024 >= 2500).
@@ -150,7 +161,7 @@ def test_elementwise_buckets_close_at_bucket_size() -> None:
 
 def test_owned_range_of_whole_tensor_buffer_and_bad_rank() -> None:
     specs = [spec("w1", 64, 64), spec("w2", 64, 64)]
-    plan = plan_buffers(specs, 2, strategy="size_match")
+    plan = plan_exactly(specs, 2, strategy="size_match", bucket_size=ONE_BUCKET)
     (muon,) = plan.buffers
     for p in muon.placements:
         assert muon.owned_range(p, p.owner) == (0, 4096)
@@ -165,7 +176,7 @@ def test_owned_range_of_whole_tensor_buffer_and_bad_rank() -> None:
 @pytest.mark.core
 def test_shard_groups_plan_over_k_ranks() -> None:
     specs = [spec(f"w{i}", 128, 128) for i in range(16)] + [spec("ln", 256)]
-    plan = plan_buffers(specs, 8, shard_group_size=4)
+    plan = plan_exactly(specs, 8, shard_group_size=4, bucket_size=ONE_BUCKET)
     verify(plan, specs)
     assert plan.shard_group_size == 4 and plan.dp_size == 8
     muon = plan.buffers[0]
@@ -174,28 +185,50 @@ def test_shard_groups_plan_over_k_ranks() -> None:
     assert [plan.shard_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="not in 0..7"):
         plan.shard_rank(8)
-    assert plan_buffers(specs, 8).shard_group_size == 8
+    assert plan_exactly(specs, 8, bucket_size=ONE_BUCKET).shard_group_size == 8
 
 
 @pytest.mark.parametrize("k", [3, 0, -2, 16, 2.0, True])
 def test_shard_group_size_must_divide_dp(k: object) -> None:
     with pytest.raises(ValueError, match=r"must be an int dividing dp_size=8.*\[1, 2, 4, 8\]"):
-        plan_buffers([spec("w", 4, 4)], 8, shard_group_size=k)  # type: ignore[arg-type]
+        plan_exactly([spec("w", 4, 4)], 8, shard_group_size=k, bucket_size=ONE_BUCKET)  # type: ignore[arg-type]
 
 
 def test_bad_inputs_are_value_errors() -> None:
     with pytest.raises(ValueError, match="strategy must be one of"):
-        plan_buffers([spec("w", 4, 4)], 2, strategy="greedy")
+        plan_exactly([spec("w", 4, 4)], 2, strategy="greedy", bucket_size=ONE_BUCKET)
     with pytest.raises(ValueError, match="duplicate param name 'w'"):
-        plan_buffers([spec("w", 4, 4), spec("w", 4)], 2)
+        plan_exactly([spec("w", 4, 4), spec("w", 4)], 2, bucket_size=ONE_BUCKET)
     with pytest.raises(ValueError, match="negative size"):
-        plan_buffers([spec("b", -4)], 2)
+        plan_exactly([spec("b", -4)], 2, bucket_size=ONE_BUCKET)
+
+
+@pytest.mark.parametrize("size", [None, 0, -1, 2.5, True, "40M"])
+def test_plan_exactly_takes_no_default_bucket_size(size: object) -> None:
+    """None is `plan_for`'s default size, never one bucket: `plan_exactly` refuses it."""
+    with pytest.raises(ValueError, match="pass an int > 0 .* or ONE_BUCKET.*plan_for"):
+        plan_exactly([spec("w", 4, 4)], 2, bucket_size=size)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="strategy='auto'.*plan_for"):
+        plan_exactly([spec("w", 4, 4)], 2, bucket_size=ONE_BUCKET, strategy="auto")
+
+
+def test_plan_for_makes_data_parallels_plan_with_its_defaults() -> None:
+    """`plan_for`'s defaults are `DataParallel`'s: the default bucket size (not one bucket), the
+    automatic strategy, one shard group."""
+    cfg, variant = DataParallelConfig(), Variant()
+    assert (cfg.bucket_size, variant.strategy, cfg.shard_group_size) == (None, "auto", None)
+    specs = [spec(f"w{i}", 256, 256) for i in range(16)] + [spec(f"b{i}", 256) for i in range(16)]
+    plan = plan_for(specs, 2)
+    size = default_bucket_size(sum(s.numel for s in specs), 2)
+    assert plan.bucket_size == size and plan.strategy == "balanced"
+    assert plan == plan_exactly(specs, 2, bucket_size=size, strategy="balanced")
+    assert plan != plan_exactly(specs, 2, bucket_size=ONE_BUCKET)
 
 
 def test_only_one_kind_and_empty() -> None:
-    only_muon = plan_buffers([spec("w", 8, 8)], 2)
+    only_muon = plan_exactly([spec("w", 8, 8)], 2, bucket_size=ONE_BUCKET)
     assert [b.kind for b in only_muon.buffers] == ["matrix"]
-    empty = plan_buffers([], 4)
+    empty = plan_exactly([], 4, bucket_size=ONE_BUCKET)
     assert empty.buffers == () and empty.padding_fraction == 0.0
     assert empty.ns_cost_imbalance == 1.0
 
@@ -204,12 +237,12 @@ def test_imbalance_counts_muon_costs_per_rank() -> None:
     # Two matrices of different cost: imbalance = max / mean over the two ranks.
     specs = [spec("big", 64, 256), spec("small", 64, 64)]
     big, small = 256 * 64**2, 64**3
-    balanced = plan_buffers(specs, 2, strategy="balanced")
+    balanced = plan_exactly(specs, 2, strategy="balanced", bucket_size=ONE_BUCKET)
     verify(balanced, specs)
     assert sorted(balanced.rank_costs()) == [small, big]
     assert math.isclose(balanced.ns_cost_imbalance, big / ((big + small) / 2))
     # Size matching finds no partner for either and stacks both rows on rank 0.
-    size_match = plan_buffers(specs, 2, strategy="size_match")
+    size_match = plan_exactly(specs, 2, strategy="size_match", bucket_size=ONE_BUCKET)
     verify(size_match, specs)
     assert size_match.rank_costs() == [big + small, 0] and size_match.ns_cost_imbalance == 2.0
 
@@ -236,7 +269,7 @@ def models(draw: st.DrawFn) -> list[ParamSpec]:
     specs=models(),
     dp=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]),
     data=st.data(),
-    bucket_size=st.one_of(st.none(), st.integers(1, 200_000)),
+    bucket_size=st.one_of(st.just(ONE_BUCKET), st.integers(1, 200_000)),
     align=st.sampled_from([1, 8, 64]),
     strategy=st.sampled_from(["size_match", "balanced"]),
 )
@@ -244,12 +277,12 @@ def test_random_plans_keep_invariants(
     specs: list[ParamSpec],
     dp: int,
     data: st.DataObject,
-    bucket_size: int | None,
+    bucket_size: int | float,
     align: int,
     strategy: str,
 ) -> None:
     k = data.draw(st.sampled_from([d for d in range(1, dp + 1) if dp % d == 0]))
-    plan = plan_buffers(
+    plan = plan_exactly(
         specs, dp, bucket_size=bucket_size, align=align, strategy=strategy, shard_group_size=k
     )
     plan.check(specs)
@@ -262,7 +295,7 @@ def test_random_plans_keep_invariants(
 
 def good_plan() -> tuple[Plan, list[ParamSpec]]:
     specs = [spec("emb", 50, 4, matrix=False), spec("w", 16, 16), spec("b", 30), spec("g", 5)]
-    return plan_buffers(specs, 2, align=8), specs
+    return plan_exactly(specs, 2, align=8, bucket_size=ONE_BUCKET), specs
 
 
 def with_adamw(plan: Plan, **changes: object) -> Plan:

@@ -3,7 +3,7 @@
 Unit tests, no process group. Tiny transformers models are built offline from configs with
 random init: weights of hidden layers with >= 2 dims go to Muon whatever their module class
 (`nn.Linear`, GPT-2's `Conv1D`, a bare router param, fused expert stacks); embeddings, the output
-head (tied or not), norms and biases go to AdamW. The name-based rule (`matrix_by_name`) agrees.
+head (tied or not), norms and biases go to AdamW. The presets state the same routes.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from support import make_model
 from torch import nn
 
 import wholeshard
+from wholeshard.capacity.presets import PRESETS
 from wholeshard.planning.routing import (
     Route,
-    matrix_by_name,
     route_params,
     routing_summary,
     routing_table,
@@ -140,14 +140,15 @@ def test_a_tied_head_is_adamw() -> None:
     assert embed.tied and not embed.matrix
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_name_rule_agrees_with_the_module_rule(name: str) -> None:
-    model = MODELS[name]()
-    routes = route_params(model)
-    tied = {r.name: r.tied for r in routes}
-    muon = {r.name: r.matrix for r in routes}
-    for n, p in model.named_parameters():  # a tied tensor once, under its first name
-        assert matrix_by_name(n, tuple(p.shape), tied[n]) is muon[n], n
+@pytest.mark.parametrize(
+    "name, preset", [("gpt2", "gpt2-small"), ("llama", "llama3-8b"), ("qwen3_moe", "qwen3-30b-a3b")]
+)
+def test_presets_state_the_module_rules_routes(name: str, preset: str) -> None:
+    """A preset's explicit `matrix` is what `route_params` decides on the model it describes."""
+    stated = {s.name: s.matrix for s in PRESETS[preset]()}
+    routes = route_params(MODELS[name]())
+    assert all(r.name in stated for r in routes)
+    assert {r.name: stated[r.name] for r in routes} == {r.name: r.matrix for r in routes}
 
 
 @pytest.mark.core
@@ -160,10 +161,6 @@ def test_tinylm_head_and_root_params_are_adamw() -> None:
     }
     for n in ("head.weight", "pos", "emb.weight", "ln.weight", "blocks.0.fc.bias"):
         assert not routes[n].matrix, n
-    # names cannot tell that `emb` is an nn.Embedding, nor that `pos` is a root param
-    for r in routes.values():
-        if r.name not in ("emb.weight", "pos"):
-            assert matrix_by_name(r.name, tuple(r.param.shape), r.tied) is r.matrix, r.name
 
 
 def test_compiled_model_routes_like_the_model() -> None:
@@ -192,9 +189,6 @@ def test_module_class_does_not_matter_but_convs_and_heads_do() -> None:
         "body.attn.in_proj_weight",
         "body.attn.out_proj.weight",
     }
-    for r in routes.values():
-        if r.name != "cls_token":  # names cannot tell a param of the root module
-            assert matrix_by_name(r.name, tuple(r.param.shape), r.tied) is r.matrix, r.name
 
 
 def test_get_output_embeddings_names_the_head() -> None:
@@ -296,8 +290,6 @@ def test_embedding_tables_are_told_by_name(where: str) -> None:
         f"body.{where}.weight": False,
         f"body.tables.{where}": False,
     }
-    for name, muon in routes.items():  # shapes files tell the same from the names
-        assert matrix_by_name(name, (16, 8) if "bias" not in name else (8,)) == muon
 
 
 def test_routing_table_lists_frozen_params() -> None:

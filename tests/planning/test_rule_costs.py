@@ -16,7 +16,7 @@ from wholeshard.capacity.choice import auto_shard_group_size
 from wholeshard.cli.flags import field_kind
 from wholeshard.engine.config import ConfigError
 from wholeshard.optim import SOAP, NorMuon
-from wholeshard.planning import ParamSpec, plan_buffers
+from wholeshard.planning import ONE_BUCKET, ParamSpec, plan_exactly
 from wholeshard.planning.auto import MAX_IMBALANCE, plan_for
 from wholeshard.planning.specs import cost_imbalance, newton_schulz_cost, ns_cost, shape_cost
 from wholeshard.train import jobfile
@@ -45,14 +45,16 @@ def test_balanced_plan_balances_the_rules_cost(dp: int, layers: int) -> None:
     """Measured SOAP imbalance: Newton-Schulz-balanced plan 1.190 (dp 4) and 1.569 (dp 8);
     SOAP-balanced 1.030 and 1.090, at the same padding."""
     specs = mixed(layers)
-    ns = plan_buffers(specs, dp)
-    soap = plan_buffers(specs, dp, matrix_cost=SOAP.matrix_cost)
+    ns = plan_exactly(specs, dp, bucket_size=ONE_BUCKET)
+    soap = plan_exactly(specs, dp, matrix_cost=SOAP.matrix_cost, bucket_size=ONE_BUCKET)
     assert ns.ns_cost_imbalance <= MAX_IMBALANCE  # Newton-Schulz is balanced for Muon...
     assert soap_imbalance(ns) > MAX_IMBALANCE  # ...which leaves SOAP's work uneven
     assert soap.matrix_cost is SOAP.matrix_cost
     assert soap.ns_cost_imbalance == soap_imbalance(soap) <= MAX_IMBALANCE
     assert soap.padding_fraction <= ns.padding_fraction
-    assert plan_buffers(specs, dp, matrix_cost=newton_schulz_cost) == ns  # the same default
+    assert (
+        plan_exactly(specs, dp, matrix_cost=newton_schulz_cost, bucket_size=ONE_BUCKET) == ns
+    )  # the same default
 
 
 def test_costs_come_from_one_place() -> None:

@@ -10,10 +10,10 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import round_up, shape_lists, spec_lists, verify_whole_buffer, whole_buffer
+from support import round_up, shape_lists, spec, spec_lists, verify_whole_buffer, whole_buffer
 
-from wholeshard.capacity.presets import moe_256x, spec
-from wholeshard.planning import STRATEGIES, Buffer, ParamSpec, plan_buffers
+from wholeshard.capacity.presets import moe_256x
+from wholeshard.planning import STRATEGIES, Buffer, ParamSpec, plan_exactly
 from wholeshard.planning._packing import FirstFit
 from wholeshard.planning.specs import ns_cost, spec_cost
 
@@ -135,7 +135,9 @@ def test_balanced_carries_cost_across_buckets() -> None:
 
 
 def test_balanced_isolates_tied_params() -> None:
-    specs = [spec("emb", 1000, 64, tied=True)] + [spec(f"w{i}", 64, 64) for i in range(6)]
+    specs = [spec("emb", 1000, 64, matrix=False, tied=True)] + [
+        spec(f"w{i}", 64, 64) for i in range(6)
+    ]
     buffer = whole_buffer(specs, 3, strategy="balanced", bucket_size=10)
     verify_whole_buffer(buffer, specs)
     emb = buffer.placements[0]
@@ -150,7 +152,7 @@ def transformer(rng: random.Random) -> list[ParamSpec]:
     ffn = rng.choice([4 * d, d * 8 // 3 // 256 * 256, d * 7 // 2 // 128 * 128])
     glu = rng.random() < 0.7
     tied = rng.random() < 0.3
-    specs = [spec("embed.weight", rng.choice([32000, 50304, 128256]), d, tied=tied)]
+    specs = [spec("embed.weight", rng.choice([32000, 50304, 128256]), d, matrix=False, tied=tied)]
     for i in range(rng.randint(8, 48)):
         p = f"layers.{i}."
         specs += [spec(p + "q", d, d), spec(p + "k", kv, d), spec(p + "v", kv, d)]
@@ -177,7 +179,7 @@ def test_balanced_beats_size_matching_on_random_transformers() -> None:
             if k > 2 and 4 * k * widest > total:
                 continue
             plans = {
-                strategy: plan_buffers(specs, k, bucket_size=40_000_000, strategy=strategy)
+                strategy: plan_exactly(specs, k, bucket_size=40_000_000, strategy=strategy)
                 for strategy in ("size_match", "balanced")
             }
             for plan in plans.values():
@@ -193,7 +195,7 @@ def test_balanced_beats_size_matching_on_random_transformers() -> None:
 
 def test_moe_preset_at_dp_1024_plans_with_little_padding() -> None:
     specs = moe_256x()
-    plan = plan_buffers(specs, 1024, bucket_size=40_000_000, shard_group_size=128)
+    plan = plan_exactly(specs, 1024, bucket_size=40_000_000, shard_group_size=128)
     plan.check(specs)
     assert plan.padding_fraction < 0.01
     assert plan.ns_cost_imbalance <= 1.10

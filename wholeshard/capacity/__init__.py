@@ -6,6 +6,6 @@ plan costs each rank in a mode: memory, collectives, bytes; with `_lifetimes` fo
 sharded peak), `projection` (a step-time estimate from those), `tensor_parallel` (each rank's
 slices and Newton-Schulz traffic under tensor parallelism) and `choice` (the report of the
 automatic choice `planning.auto.decide` made: `ShardGroupChoice`, `plan_and_choice`).
-Invariant: every plan here is the one `planning.auto.plan_for` (what `DataParallel` calls)
+Invariant: every plan here is the one `planning.plan_for` (what `DataParallel` calls)
 makes for the same inputs.
 """

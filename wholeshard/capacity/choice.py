@@ -2,7 +2,7 @@
 `shard_group_choice`): built from the record `planning.auto.decide` returns, after deciding, so
 `DataParallel`, which calls only the decision, never computes it.
 
-Invariants: the plan of `plan_and_choice` is the plan `planning.auto.plan_for` (what
+Invariants: the plan of `plan_and_choice` is the plan `planning.plan_for` (what
 `DataParallel` calls) makes for the same arguments; every figure of a `ShardGroupChoice` is
 its plan's own, its `ns_imbalance` the very `Plan.ns_cost_imbalance` the planner balanced.
 """
@@ -137,14 +137,14 @@ def auto_shard_group_size(
 ) -> ShardGroupChoice:
     """The report of `planning.auto.search` over the ladder (its keywords): the shard-group
     size (and, for `strategy="auto"`, the strategy) for `specs` on `dp_size` ranks. Raises
-    ValueError, as `plan_buffers` does, on bad input."""
+    ValueError, as `plan_exactly` does, on bad input."""
     return report(search(specs, dp_size, **settings))
 
 
 def plan_and_choice(
     specs: Sequence[ParamSpec], dp_size: int, **settings: Any
 ) -> tuple[Plan, ShardGroupChoice | None]:
-    """The plan `planning.auto.plan_for` makes for these settings (`planning.auto.decide`'s
+    """The plan `planning.plan_for` makes for these settings (`planning.auto.decide`'s
     keywords; what `DataParallel` and `wholeshard plan` use), with the report of the choice
     behind it when the strategy or `shard_group_size` is "auto"."""
     plan, found = decide(specs, dp_size, **settings)

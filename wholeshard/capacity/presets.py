@@ -2,9 +2,11 @@
 
 Nothing here allocates a tensor: a preset is a list of `ParamSpec` in registration order, as
 `model.named_parameters()` of the published model would list them (a tied tensor appears once,
-under its first name, with `tied=True`). Shapes carry no module types, so `spec` routes by
-`routing.matrix_by_name`, the default rule told from names ([Note: the routing rule] in
-`routing`). Experts are listed one matrix per param, as the published checkpoints do, except
+under its first name, with `tied=True`). Shapes carry no module types, so each param states its
+route where it is made, as `routing.route_params` would decide it on the published model ([Note:
+the routing rule] in `routing`): `matrix` for the weights of hidden layers (>= 2 dims: attention
+and MLP projections, MoE routers and expert stacks), `adamw` for embeddings, the output head,
+norms and biases. Experts are listed one matrix per param, as the published checkpoints do, except
 `qwen3-30b-a3b`, whose fused expert stacks (E, out, in) are stacked Muon params.
 """
 
@@ -12,13 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..planning.routing import matrix_by_name
 from ..planning.specs import ParamSpec
 
 
-def spec(name: str, *shape: int, tied: bool = False) -> ParamSpec:
-    """A `ParamSpec` routed by `routing.matrix_by_name` (see the module note)."""
-    return ParamSpec(name, tuple(shape), matrix=matrix_by_name(name, shape, tied), tied=tied)
+def matrix(name: str, *shape: int) -> ParamSpec:
+    """A hidden layer's weight, Muon's (the matrix rule's): `shape` has >= 2 dims."""
+    if len(shape) < 2:
+        raise ValueError(f"{name}: a matrix has >= 2 dims, got shape {shape}")
+    return ParamSpec(name, tuple(shape), matrix=True)
+
+
+def adamw(name: str, *shape: int, tied: bool = False) -> ParamSpec:
+    """An embedding, the output head, a norm or a bias: AdamW's."""
+    return ParamSpec(name, tuple(shape), matrix=False, tied=tied)
 
 
 def gpt2_small() -> list[ParamSpec]:
@@ -27,25 +35,25 @@ def gpt2_small() -> list[ParamSpec]:
     HF names; `Conv1D` weights are given in `nn.Linear` (out, in) orientation.
     """
     d, vocab, ctx = 768, 50257, 1024
-    specs = [spec("transformer.wte.weight", vocab, d, tied=True)]
-    specs.append(spec("transformer.wpe.weight", ctx, d))
+    specs = [adamw("transformer.wte.weight", vocab, d, tied=True)]
+    specs.append(adamw("transformer.wpe.weight", ctx, d))
     for i in range(12):
         p = f"transformer.h.{i}."
         specs += [
-            spec(p + "ln_1.weight", d),
-            spec(p + "ln_1.bias", d),
-            spec(p + "attn.c_attn.weight", 3 * d, d),
-            spec(p + "attn.c_attn.bias", 3 * d),
-            spec(p + "attn.c_proj.weight", d, d),
-            spec(p + "attn.c_proj.bias", d),
-            spec(p + "ln_2.weight", d),
-            spec(p + "ln_2.bias", d),
-            spec(p + "mlp.c_fc.weight", 4 * d, d),
-            spec(p + "mlp.c_fc.bias", 4 * d),
-            spec(p + "mlp.c_proj.weight", d, 4 * d),
-            spec(p + "mlp.c_proj.bias", d),
+            adamw(p + "ln_1.weight", d),
+            adamw(p + "ln_1.bias", d),
+            matrix(p + "attn.c_attn.weight", 3 * d, d),
+            adamw(p + "attn.c_attn.bias", 3 * d),
+            matrix(p + "attn.c_proj.weight", d, d),
+            adamw(p + "attn.c_proj.bias", d),
+            adamw(p + "ln_2.weight", d),
+            adamw(p + "ln_2.bias", d),
+            matrix(p + "mlp.c_fc.weight", 4 * d, d),
+            adamw(p + "mlp.c_fc.bias", 4 * d),
+            matrix(p + "mlp.c_proj.weight", d, 4 * d),
+            adamw(p + "mlp.c_proj.bias", d),
         ]
-    specs += [spec("transformer.ln_f.weight", d), spec("transformer.ln_f.bias", d)]
+    specs += [adamw("transformer.ln_f.weight", d), adamw("transformer.ln_f.bias", d)]
     return specs
 
 
@@ -63,26 +71,26 @@ def _llama_like(
     """A Llama-style decoder (GQA attention, SwiGLU MLP, RMSNorm) with HF names."""
     head_dim = d // heads
     kv = kv_heads * head_dim
-    specs = [spec("model.embed_tokens.weight", vocab, d, tied=tied)]
+    specs = [adamw("model.embed_tokens.weight", vocab, d, tied=tied)]
     for i in range(layers):
         p = f"model.layers.{i}."
         specs += [
-            spec(p + "self_attn.q_proj.weight", heads * head_dim, d),
-            *([spec(p + "self_attn.q_proj.bias", heads * head_dim)] if qkv_bias else []),
-            spec(p + "self_attn.k_proj.weight", kv, d),
-            *([spec(p + "self_attn.k_proj.bias", kv)] if qkv_bias else []),
-            spec(p + "self_attn.v_proj.weight", kv, d),
-            *([spec(p + "self_attn.v_proj.bias", kv)] if qkv_bias else []),
-            spec(p + "self_attn.o_proj.weight", d, heads * head_dim),
-            spec(p + "mlp.gate_proj.weight", ffn, d),
-            spec(p + "mlp.up_proj.weight", ffn, d),
-            spec(p + "mlp.down_proj.weight", d, ffn),
-            spec(p + "input_layernorm.weight", d),
-            spec(p + "post_attention_layernorm.weight", d),
+            matrix(p + "self_attn.q_proj.weight", heads * head_dim, d),
+            *([adamw(p + "self_attn.q_proj.bias", heads * head_dim)] if qkv_bias else []),
+            matrix(p + "self_attn.k_proj.weight", kv, d),
+            *([adamw(p + "self_attn.k_proj.bias", kv)] if qkv_bias else []),
+            matrix(p + "self_attn.v_proj.weight", kv, d),
+            *([adamw(p + "self_attn.v_proj.bias", kv)] if qkv_bias else []),
+            matrix(p + "self_attn.o_proj.weight", d, heads * head_dim),
+            matrix(p + "mlp.gate_proj.weight", ffn, d),
+            matrix(p + "mlp.up_proj.weight", ffn, d),
+            matrix(p + "mlp.down_proj.weight", d, ffn),
+            adamw(p + "input_layernorm.weight", d),
+            adamw(p + "post_attention_layernorm.weight", d),
         ]
-    specs.append(spec("model.norm.weight", d))
+    specs.append(adamw("model.norm.weight", d))
     if not tied:
-        specs.append(spec("lm_head.weight", vocab, d))
+        specs.append(adamw("lm_head.weight", vocab, d))
     return specs
 
 
@@ -125,38 +133,38 @@ def moe_256x() -> list[ParamSpec]:
 
     def mlp(prefix: str, ffn: int) -> list[ParamSpec]:
         return [
-            spec(prefix + "gate_proj.weight", ffn, d),
-            spec(prefix + "up_proj.weight", ffn, d),
-            spec(prefix + "down_proj.weight", d, ffn),
+            matrix(prefix + "gate_proj.weight", ffn, d),
+            matrix(prefix + "up_proj.weight", ffn, d),
+            matrix(prefix + "down_proj.weight", d, ffn),
         ]
 
-    specs = [spec("model.embed_tokens.weight", vocab, d)]
+    specs = [adamw("model.embed_tokens.weight", vocab, d)]
     for i in range(61):
         p = f"model.layers.{i}."
         specs += [
-            spec(p + "self_attn.q_a_proj.weight", q_rank, d),
-            spec(p + "self_attn.q_a_layernorm.weight", q_rank),
-            spec(p + "self_attn.q_b_proj.weight", heads * (nope + rope), q_rank),
-            spec(p + "self_attn.kv_a_proj_with_mqa.weight", kv_rank + rope, d),
-            spec(p + "self_attn.kv_a_layernorm.weight", kv_rank),
-            spec(p + "self_attn.kv_b_proj.weight", heads * (nope + v_dim), kv_rank),
-            spec(p + "self_attn.o_proj.weight", d, heads * v_dim),
+            matrix(p + "self_attn.q_a_proj.weight", q_rank, d),
+            adamw(p + "self_attn.q_a_layernorm.weight", q_rank),
+            matrix(p + "self_attn.q_b_proj.weight", heads * (nope + rope), q_rank),
+            matrix(p + "self_attn.kv_a_proj_with_mqa.weight", kv_rank + rope, d),
+            adamw(p + "self_attn.kv_a_layernorm.weight", kv_rank),
+            matrix(p + "self_attn.kv_b_proj.weight", heads * (nope + v_dim), kv_rank),
+            matrix(p + "self_attn.o_proj.weight", d, heads * v_dim),
         ]
         if i < 3:
             specs += mlp(p + "mlp.", dense_ffn)
         else:
             specs += [
-                spec(p + "mlp.gate.weight", experts, d),
-                spec(p + "mlp.gate.e_score_correction_bias", experts),
+                matrix(p + "mlp.gate.weight", experts, d),
+                adamw(p + "mlp.gate.e_score_correction_bias", experts),
             ]
             for e in range(experts):
                 specs += mlp(p + f"mlp.experts.{e}.", expert_ffn)
             specs += mlp(p + "mlp.shared_experts.", expert_ffn)
         specs += [
-            spec(p + "input_layernorm.weight", d),
-            spec(p + "post_attention_layernorm.weight", d),
+            adamw(p + "input_layernorm.weight", d),
+            adamw(p + "post_attention_layernorm.weight", d),
         ]
-    specs += [spec("model.norm.weight", d), spec("lm_head.weight", vocab, d)]
+    specs += [adamw("model.norm.weight", d), adamw("lm_head.weight", vocab, d)]
     return specs
 
 
@@ -166,23 +174,23 @@ def qwen3_30b_a3b() -> list[ParamSpec]:
     2048) and 128 experts of FFN 768 stored as stacks `gate_up_proj` (128, 1536, 2048) and
     `down_proj` (128, 2048, 768), each a stack of (out, in) matrices."""
     d, vocab, experts, ffn, heads, kv_heads, head_dim = 2048, 151936, 128, 768, 32, 4, 128
-    specs = [spec("model.embed_tokens.weight", vocab, d)]
+    specs = [adamw("model.embed_tokens.weight", vocab, d)]
     for i in range(48):
         p = f"model.layers.{i}."
         specs += [
-            spec(p + "self_attn.q_proj.weight", heads * head_dim, d),
-            spec(p + "self_attn.k_proj.weight", kv_heads * head_dim, d),
-            spec(p + "self_attn.v_proj.weight", kv_heads * head_dim, d),
-            spec(p + "self_attn.o_proj.weight", d, heads * head_dim),
-            spec(p + "self_attn.q_norm.weight", head_dim),
-            spec(p + "self_attn.k_norm.weight", head_dim),
-            spec(p + "mlp.experts.gate_up_proj", experts, 2 * ffn, d),
-            spec(p + "mlp.experts.down_proj", experts, d, ffn),
-            spec(p + "mlp.gate.weight", experts, d),
-            spec(p + "input_layernorm.weight", d),
-            spec(p + "post_attention_layernorm.weight", d),
+            matrix(p + "self_attn.q_proj.weight", heads * head_dim, d),
+            matrix(p + "self_attn.k_proj.weight", kv_heads * head_dim, d),
+            matrix(p + "self_attn.v_proj.weight", kv_heads * head_dim, d),
+            matrix(p + "self_attn.o_proj.weight", d, heads * head_dim),
+            adamw(p + "self_attn.q_norm.weight", head_dim),
+            adamw(p + "self_attn.k_norm.weight", head_dim),
+            matrix(p + "mlp.experts.gate_up_proj", experts, 2 * ffn, d),
+            matrix(p + "mlp.experts.down_proj", experts, d, ffn),
+            matrix(p + "mlp.gate.weight", experts, d),
+            adamw(p + "input_layernorm.weight", d),
+            adamw(p + "post_attention_layernorm.weight", d),
         ]
-    specs += [spec("model.norm.weight", d), spec("lm_head.weight", vocab, d)]
+    specs += [adamw("model.norm.weight", d), adamw("lm_head.weight", vocab, d)]
     return specs
 
 

@@ -2,9 +2,11 @@
 
     {"params": [{"name": str, "shape": [int, ...], "matrix": bool, "tied": bool}, ...]}
 
-in registration order; `matrix` and `tied` are optional (`tied` defaults to false, `matrix` to
-`routing.matrix_by_name`). `load_shapes` raises `ShapesError` naming the file, the entry and what
-is wrong.
+in registration order. `matrix` is required: a file states each param's route, as
+`routing.route_params` would decide it on the model (true for the weights of hidden layers with
+>= 2 dims; false for embeddings, the output head, norms and biases); nothing guesses it from the
+name. `tied` is optional (false). `load_shapes` raises `ShapesError` naming the file, the entry
+and what is wrong (for a missing `matrix`, what to write).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import math
 from typing import Any
 
 from ..planning.plan import shape_problem
-from ..planning.routing import matrix_by_name
 from ..planning.specs import ParamSpec, matrix_count
 
 MAX_NUMEL = (1 << 63) - 1
@@ -30,8 +31,8 @@ class ShapesError(ValueError):
 
 
 def load_shapes(path: str) -> list[ParamSpec]:
-    """The specs in the shapes file at `path`, routed by `matrix_by_name` where `matrix` is absent.
-    Raises ShapesError naming the file, the entry and what is wrong."""
+    """The specs in the shapes file at `path`, each routed by its `matrix` field. Raises
+    ShapesError naming the file, the entry and what is wrong."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -44,14 +45,14 @@ def load_shapes(path: str) -> list[ParamSpec]:
     except json.JSONDecodeError as e:
         raise ShapesError(
             f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); expected "
-            '{"params": [{"name": ..., "shape": [...]}, ...]}'
+            '{"params": [{"name": ..., "shape": [...], "matrix": ...}, ...]}'
         ) from None
     except RecursionError:
         raise ShapesError(f"{path}: JSON nested too deeply to be a shapes file") from None
     if not isinstance(data, dict) or not isinstance(data.get("params"), list):
         raise ShapesError(
             f'{path}: expected an object with a "params" list, e.g. {{"params": [{{"name": '
-            f'"fc.weight", "shape": [1024, 256]}}]}}'
+            f'"fc.weight", "shape": [1024, 256], "matrix": true}}]}}'
         )
     specs = [_spec(path, i, entry) for i, entry in enumerate(data["params"])]
     total = sum(spec.numel for spec in specs)
@@ -98,6 +99,22 @@ def _spec(path: str, i: int, entry: Any) -> ParamSpec:
     for field in ("matrix", "tied"):
         if field in entry and not isinstance(entry[field], bool):
             raise ShapesError(f"{where}: {field} must be true or false, got {entry[field]!r}")
-    tied = entry.get("tied", False)
-    matrix = entry.get("matrix", matrix_by_name(name, shape, tied))
-    return ParamSpec(name, tuple(shape), matrix=matrix, tied=tied)
+    if "matrix" not in entry:
+        raise ShapesError(f"{where}: {_missing_matrix(shape)}")
+    return ParamSpec(name, tuple(shape), matrix=entry["matrix"], tied=entry.get("tied", False))
+
+
+def _missing_matrix(shape: list[int]) -> str:
+    """What to write for a missing `matrix` field: the module rule's answer where the shape alone
+    decides it, else the rule itself (`routing.route_params`, [Note: the routing rule])."""
+    if len(shape) < 2:
+        return (
+            f'missing field "matrix"; add "matrix": false (shape {shape} has fewer than 2 dims: '
+            "a norm, a bias or a scalar goes to AdamW by the routing rule)"
+        )
+    return (
+        f'missing field "matrix" (the route of this {len(shape)}-D param); add "matrix": true '
+        'if it is the weight of a hidden layer (Muon, the matrix rule), or "matrix": false if '
+        "it is an embedding, the output head (tied or not) or a convolution kernel (AdamW), as "
+        "wholeshard.route_params decides on the model"
+    )

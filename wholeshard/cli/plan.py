@@ -7,11 +7,12 @@
                       [--png FILE]
 
 A shapes file is `{"params": [{"name": str, "shape": [int, ...], "matrix": bool, "tied": bool},
-...]}` in registration order; `matrix` and `tied` are optional (`tied` defaults to false, `matrix`
-to `routing.matrix_by_name`). Besides the plan it reports what the plan costs each rank in the
-mode the flags name (`wholeshard.capacity.costs`): persistent bytes by kind, the peak of
-transient full buckets, and one step's collectives and bytes sent; with `--fabric`, a
-projection of the step's communication and optimizer time (`capacity.projection`). Exit codes:
+...]}` in registration order; `matrix` is required (the route: true for hidden-layer weights
+with >= 2 dims, false for embeddings, the head, norms and biases), `tied` optional. Besides
+the plan it reports what the plan costs each rank in the mode the flags name
+(`wholeshard.capacity.costs`): persistent bytes by kind, the peak of transient full buckets, and
+one step's collectives and bytes sent; with `--fabric`, a projection of the step's
+communication and optimizer time (`capacity.projection`). Exit codes:
 0 planned, 2 bad input (argparse errors, an unreadable or malformed shapes file, a model no
 torch process could hold, a model no plan can serve).
 """
@@ -217,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--shapes",
         metavar="FILE.json",
-        help='{"params": [{"name", "shape", optional "matrix", "tied"}, ...]}, registration order',
+        help='{"params": [{"name", "shape", "matrix", optional "tied"}, ...]}, registration order',
     )
     source.add_argument("--preset", choices=sorted(PRESETS), help="a published model's shapes")
     parser.add_argument(

@@ -1,6 +1,7 @@
 """Automatic choices, from shapes: the strategy (equal shards or owner buckets) and the
-shard-group size k a plan should use on dp ranks. `plan_for` is the one planning entry point of
-`DataParallel` and the train job; `decide` is the same decision with its record (`Search`),
+shard-group size k a plan should use on dp ranks. `plan_for` is the public planning call
+(`wholeshard.planning.plan_for`), the one of `DataParallel` and the train job, with
+`DataParallel`'s defaults; `decide` is the same decision with its record (`Search`),
 from which `wholeshard.capacity.choice` builds the report `wholeshard plan` shows. Nothing
 here computes more than deciding needs: padding, the bucket bound and the planner's own
 Newton-Schulz cost balance.
@@ -31,7 +32,7 @@ cannot balance). `shard_group_size="auto"` picks k:
   state per rank, all-reduces less across replicas and spreads the Newton-Schulz work over more
   ranks;
 - if none does: the planned candidate with the least overshoot; ties go to the larger k.
-The plan returned is the one `plan_buffers(specs, dp, bucket_size=choice.bucket_size,
+The plan returned is the one `plan_exactly(specs, dp, bucket_size=choice.bucket_size,
 strategy=choice.plan.strategy, shard_group_size=choice.k)` makes, checked.
 """
 
@@ -49,7 +50,7 @@ from .plan import (
     Scheme,
     Strategy,
     _group_size,
-    plan_buffers,
+    plan_exactly,
     validate_specs,
 )
 from .specs import MatrixCost, ParamSpec, is_int
@@ -165,7 +166,7 @@ def search(
     size `k`, or over the ladder (k None), by [Note: automatic shard groups]. `bucket_size`
     None: `targets.bucket_size_for` each candidate; `bucket_limit` None: `bucket_target(specs)`;
     `matrix_cost` given: it, not `ns_cost`, is balanced and measured. Raises ValueError, as
-    `plan_buffers` does, on bad input."""
+    `plan_exactly` does, on bad input."""
     specs = tuple(specs)
     _group_size(dp_size, k, bucket_size, align, strategy, "whole")
     if bucket_limit is not None and (not is_int(bucket_limit) or bucket_limit < 1):
@@ -217,10 +218,26 @@ def decide(
         k = shard_group_size if is_int(shard_group_size) and shard_group_size > 0 else dp_size
         bucket_size = bucket_size_for(sum(s.numel for s in specs), k, strategy)  # type: ignore[arg-type]
     sizes: dict[str, Any] = dict(bucket_size=bucket_size, shard_group_size=shard_group_size)
-    return plan_buffers(specs, dp_size, scheme=scheme, **sizes, **common), None
+    return plan_exactly(specs, dp_size, scheme=scheme, **sizes, **common), None
 
 
-def plan_for(specs: Sequence[ParamSpec], dp_size: int, **settings: Any) -> Plan:
-    """The plan `DataParallel` makes for these settings (`decide`'s keywords): `decide`'s,
-    without its record."""
-    return decide(specs, dp_size, **settings)[0]
+def plan_for(
+    specs: Sequence[ParamSpec],
+    dp_size: int,
+    *,
+    bucket_size: int | None = None,
+    strategy: Strategy = DEFAULT_STRATEGY,
+    shard_group_size: int | str | None = None,
+    scheme: Scheme = "whole",
+    matrix_cost: MatrixCost | None = None,
+) -> Plan:
+    """The plan `DataParallel` makes for `specs` (registration order) on `dp_size` ranks with
+    these settings, whose defaults are `DataParallel`'s (`DataParallelConfig`, `Variant`):
+    `bucket_size` None is the default size (`targets.bucket_size_for`: `default_bucket_size` of
+    the params over the shard group for equal shards, over one rank for owner buckets),
+    `strategy` "auto" and `shard_group_size` None (one group of dp ranks; "auto": searched).
+    `decide`'s plan, without its record; ValueError, saying how to fix it, on bad input."""
+    return decide(
+        specs, dp_size, bucket_size=bucket_size, strategy=strategy,
+        shard_group_size=shard_group_size, scheme=scheme, matrix_cost=matrix_cost,
+    )[0]  # fmt: skip

@@ -1,4 +1,6 @@
-"""`plan_buffers`: every param of a model placed in buffers, buckets and shards; `Plan` holds it.
+"""`plan_exactly`: every param of a model placed in buffers, buckets and shards, by exactly the
+strategy, bucket size and shard-group size it is told; `Plan` holds it. `auto.plan_for`, the public
+planning call, decides those settings (what `DataParallel` makes) and plans through it.
 
 Pure planning: param specs in, plain data out. One routing decision (`ParamSpec.matrix`) puts every
 param in exactly one buffer of one kind (`Buffer`, which also checks each kind's invariants):
@@ -19,9 +21,10 @@ all-reduced across groups. `Plan.shard_rank(rank)` maps a global rank to its ran
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from ._elementwise import plan_elementwise
 from ._owners import plan_owned
@@ -34,8 +37,8 @@ from .specs import MatrixCost, ParamSpec, cost_imbalance, is_int
 Strategy = Literal["auto", "balanced", "owners", "size_match"]
 STRATEGIES: tuple[Strategy, ...] = ("auto", "balanced", "owners", "size_match")
 DEFAULT_STRATEGY: Strategy = "auto"
-"""What `DataParallel`, `wholeshard plan` and the train job use (`auto.plan_for` resolves it);
-`plan_buffers` plans one named strategy and defaults to "balanced"."""
+"""What `DataParallel`, `wholeshard plan`, the train job and `auto.plan_for` use (`plan_for`
+resolves it); `plan_exactly` plans one named strategy and defaults to "balanced"."""
 Scheme = Literal["whole", "ping_pong"]
 SCHEMES: tuple[Scheme, ...] = ("whole", "ping_pong")
 
@@ -44,13 +47,14 @@ SCHEMES: tuple[Scheme, ...] = ("whole", "ping_pong")
 class Plan:
     """Every param's buffer, bucket, range and owner, for `dp_size` ranks in shard groups of
     `shard_group_size`. `buffers` holds at most one buffer per kind, in `KINDS` order, none
-    empty. `matrix_cost` is the cost the plan balanced (None: Newton-Schulz cost)."""
+    empty. `bucket_size` is the one planned: elements, or `ONE_BUCKET`. `matrix_cost` is the
+    cost the plan balanced (None: Newton-Schulz cost)."""
 
     dp_size: int
     shard_group_size: int
     strategy: Strategy
     align: int
-    bucket_size: int | None
+    bucket_size: int | float
     buffers: tuple[Buffer, ...]
     matrix_cost: MatrixCost | None = field(default=None, compare=False, repr=False)
 
@@ -134,45 +138,56 @@ def default_bucket_size(numel: int, dp_size: int) -> int:
     return min(max(-(-numel // DEFAULT_BUCKETS), MIN_BUCKET_SIZE), megatron)
 
 
-def plan_buffers(
+ONE_BUCKET: Final[float] = math.inf
+"""`plan_exactly(..., bucket_size=ONE_BUCKET)`: one bucket per buffer (or per run between tied
+params). A bucket size is an int or this, never None: None is `plan_for`'s default size."""
+
+
+def plan_exactly(
     params: Sequence[ParamSpec],
     dp_size: int,
     *,
-    bucket_size: int | None = None,
+    bucket_size: int | float,
     align: int = 64,
     strategy: Strategy = "balanced",
     shard_group_size: int | None = None,
     scheme: Scheme = "whole",
     matrix_cost: MatrixCost | None = None,
 ) -> Plan:
-    """Plan the buffers for `params` (registration order) on `dp_size` ranks.
+    """Plan the buffers for `params` (registration order) on `dp_size` ranks with exactly these
+    settings: nothing is chosen here (`auto.plan_for` chooses, as `DataParallel` does).
 
     Matrix-routed params go to whole-tensor buffers planned by `strategy` over
     `k = shard_group_size or dp_size` ranks ("balanced" and "owners" balance `matrix_cost`,
     None: Newton-Schulz cost; "auto" is `auto.plan_for`'s to resolve), the others to an
-    element-wise buffer (module docstring). Buckets close near `bucket_size` elements (None: one
-    bucket per buffer, or per run between tied params).
+    element-wise buffer (module docstring). Buckets close near `bucket_size` elements (an int,
+    required; `ONE_BUCKET`: one bucket per buffer, or per run between tied params).
     `scheme="ping_pong"` plans the legacy baseline instead: one unaligned buffer (`align` 1,
     size matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
     result passes `Plan.check(params)`.
     """
     specs = tuple(params)
     validate_specs(specs)
-    k = _group_size(dp_size, shard_group_size, bucket_size, align, strategy, scheme)
+    if bucket_size != ONE_BUCKET and not (is_int(bucket_size) and bucket_size > 0):
+        raise ValueError(
+            f"plan_exactly plans the bucket size it is told: pass an int > 0 (elements) or "
+            f"ONE_BUCKET (one bucket per buffer), got {bucket_size!r}; for DataParallel's "
+            "default size use wholeshard.planning.plan_for"
+        )
+    size = None if bucket_size == ONE_BUCKET else int(bucket_size)
+    k = _group_size(dp_size, shard_group_size, size, align, strategy, scheme)
     if strategy == "auto":
         raise ValueError(
-            "strategy='auto' chooses between plans: use wholeshard.planning.auto.plan_for (what "
+            "strategy='auto' chooses between plans: use wholeshard.planning.plan_for (what "
             "DataParallel uses), or name one of 'balanced', 'owners', 'size_match'"
         )
     if scheme == "ping_pong":
-        plan = Plan(
-            dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, bucket_size),)
-        )
+        plan = Plan(dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, size),))
         plan.check(specs)
         return plan
     by_kind = specs_by_kind(specs)
     buffers = tuple(
-        plan_buffer(kind, tuple(by_kind[kind]), k, bucket_size, align, strategy, matrix_cost)
+        plan_buffer(kind, tuple(by_kind[kind]), k, size, align, strategy, matrix_cost)
         for kind in KINDS
         if kind in by_kind
     )
@@ -191,7 +206,8 @@ def plan_buffer(
     matrix_cost: MatrixCost | None = None,
 ) -> Buffer:
     """The buffer of one kind (not "unaligned") of validated `specs` over `k` ranks, planned by
-    `strategy` (not "auto"), not yet checked."""
+    `strategy` (not "auto"), not yet checked; `bucket_size` None: one bucket (the private
+    planners' spelling of `ONE_BUCKET`)."""
     if kind == "adamw":
         return plan_elementwise(specs, k, bucket_size, align)
     if strategy == "owners":
@@ -221,8 +237,9 @@ def buffer_kind(spec: ParamSpec) -> BufferKind:
 def _group_size(
     dp_size: int, k: int | None, bucket_size: int | None, align: int, strategy: str, scheme: str
 ) -> int:
-    """The shard group size the options ask for (`k`, None: `dp_size`), once they are valid;
-    ValueError, saying how to fix it, otherwise."""
+    """The shard group size the options ask for (`k`, None: `dp_size`), once they are valid
+    (`bucket_size` None: chosen by the caller, or one bucket); ValueError, saying how to fix
+    it, otherwise."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if scheme not in SCHEMES:
@@ -235,7 +252,8 @@ def _group_size(
         raise ValueError(f"align must be an int >= 1 (elements; 64 is typical), got {align!r}")
     if bucket_size is not None and (not is_int(bucket_size) or bucket_size <= 0):
         raise ValueError(
-            f"bucket_size must be None (one bucket) or an int > 0 (elements), got {bucket_size!r}"
+            f"bucket_size must be None (the default size) or an int > 0 (elements), got "
+            f"{bucket_size!r}"
         )
     if k is None:
         return dp_size

@@ -1,8 +1,7 @@
 """The one decision of which optimizer updates each parameter: Muon or AdamW.
 
 The plan, DataParallel and LayerwiseOptimizer all read the routes computed here, so they can
-never disagree about a parameter. torch is imported when a module is routed, not before: the
-name rule below serves shapes files and presets, which need no torch.
+never disagree about a parameter. torch is imported when a module is routed, not before.
 
 [Note: the routing rule]
 The field's rule (KellerJordan/Muon, Moonlight, Megatron, torchtitan, dion): Muon updates the
@@ -28,18 +27,8 @@ dims, each orthogonalized on its own. `Route.transposed` marks weights stored (i
 (transformers' `Conv1D`), so the optimizer can give Muon's shape-dependent scaling the (out, in)
 shape. `matrix_params(name, param)` replaces the matrix/AdamW decision (not `transposed`).
 
-`matrix_by_name` is the same rule from names and shapes alone, for shapes files and presets,
-which carry no modules. It agrees with `route_params` on transformers' GPT-2, Llama, Qwen3-MoE
-and Mixtral (`tests/test_routing.py`); where it must guess, it guesses from names:
-- a component containing "embed", or one of `emb`, `wte`, `wpe`, `tok_emb`, `pos_emb`, is an
-  embedding;
-- a tied param is an embedding (the shared tensor of a tied head);
-- the last-but-one component is the module's name: `lm_head`, `output`, `head`, `classifier`
-  make it the head;
-- a param with more than 2 dims and a component containing "conv" is a convolution kernel.
-It does not apply the root-module rule: a one-component name in a shapes file (`w0`) is more
-often a flat naming than a param of the root module, so such a file says `"matrix": false` for a
-root param itself.
+Shapes files and presets carry no modules: they state each param's route (`ParamSpec.matrix`)
+as this rule decides it; nothing guesses a route from names alone.
 """
 
 from __future__ import annotations
@@ -138,20 +127,6 @@ def clean_name(fqn: str) -> str:
     """`fqn` without the `_orig_mod.` components `torch.compile(m)` adds, so a compiled model's
     routes, optimizer state and checkpoints use the model's own names."""
     return ".".join(part for part in fqn.split(".") if part != _COMPILE_WRAPPER)
-
-
-def matrix_by_name(name: str, shape: Sequence[int], tied: bool = False) -> bool:
-    """The routing rule from a param's name and shape alone (see the module note), for shapes
-    files and presets: True iff >= 2 dims, not tied, not an embedding, not the head and not a
-    conv kernel, as far as the name tells."""
-    if len(shape) < 2 or tied:
-        return False
-    parts = name.lower().split(".")
-    if len(parts) >= 2 and parts[-2] in HEAD_NAMES:
-        return False
-    if _embedding_name(*parts):
-        return False
-    return not (len(shape) > 2 and any("conv" in part for part in parts))
 
 
 def _embedding_name(*parts: str) -> bool:

@@ -147,7 +147,7 @@ class Shapes:
     def plan(
         self, dp: int, k: int, bucket_size: int, strategy: str, elementwise: Buffer | None
     ) -> Plan:
-        """What `plan_buffers` makes of the specs at k with `strategy` (not "auto"), not yet
+        """What `plan_exactly` makes of the specs at k with `strategy` (not "auto"), not yet
         checked (the specs are validated), given its element-wise buffer."""
         by_kind, cost = self.by_kind, self.matrix_cost
         buffers = tuple(
