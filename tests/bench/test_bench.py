@@ -19,7 +19,7 @@ import pytest
 
 from wholeshard.bench.builders import unavailable
 from wholeshard.bench.configs import CONFIGS, REFERENCE
-from wholeshard.bench.rules import KJ_RULE
+from wholeshard.bench.rule_optimizers import KJ_RULE
 from wholeshard.bench.workloads import WORKLOADS, get_workload
 
 ROW_TYPES = {

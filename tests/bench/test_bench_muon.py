@@ -25,7 +25,7 @@ from wholeshard.bench.floor import muon_matrices, torch_muon
 from wholeshard.bench.flops import bf16_peak_tflops, ns_flops, total_ns_flops
 from wholeshard.bench.report import Row, fill_ratios, footer, from_ranks, markdown, merge_rounds
 from wholeshard.bench.timing import Timer, max_memory_allocated
-from wholeshard.bench.waits import WaitClock
+from wholeshard.bench.wait_clock import WaitClock
 from wholeshard.bench.workloads import get_workload
 from wholeshard.cli import bench as cli
 from wholeshard.distributed.launch import launch

@@ -1,4 +1,5 @@
-"""Matrix rules in the bench (`wholeshard/bench/rules.py`): rows per rule, `ddp_kj_rule`."""
+"""Matrix rules in the bench (`wholeshard/bench/rule_optimizers.py`): rows per rule,
+`ddp_kj_rule`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from wholeshard.bench import configs
 from wholeshard.bench.builders import MATRIX_CLASSES, unavailable
 from wholeshard.bench.configs import CONFIGS, MUON_KW
 from wholeshard.bench.report import Row, fill_ratios, markdown
-from wholeshard.bench.rules import KJ_RULE, Rule, by_size, rule_optimizer, rule_sensitive
+from wholeshard.bench.rule_optimizers import KJ_RULE, Rule, by_size, rule_optimizer, rule_sensitive
 from wholeshard.cli import bench as cli
 from wholeshard.optim import BatchedMuon, Muon, NorMuon
 

@@ -17,7 +17,7 @@ from wholeshard import DataParallelConfig
 from wholeshard.bench import builders
 from wholeshard.bench.builders import build, every_param, unavailable
 from wholeshard.bench.configs import CONFIGS, with_overrides
-from wholeshard.bench.memory import (
+from wholeshard.bench.memory_figures import (
     optimizer_state_bytes,
     peak_rss_bytes,
     persistent_bytes,
@@ -33,7 +33,7 @@ from wholeshard.bench.report import (
     merge_rounds,
 )
 from wholeshard.bench.traffic import TrafficCounter, bytes_sent
-from wholeshard.bench.waits import WaitClock
+from wholeshard.bench.wait_clock import WaitClock
 from wholeshard.bench.workloads import get_workload
 from wholeshard.cli.bench import add_parser, flag_overrides, main
 from wholeshard.distributed import collectives

@@ -427,7 +427,7 @@ def test_tp_plans_each_ranks_slices_and_reports_newton_schulz_traffic(
     plan of one rank's slices, and what each tp mode sends per step (the sums of
     `traffic_bytes`, which tests/optim/test_tensor_parallel_muon.py checks against the bytes
     really sent)."""
-    from wholeshard.capacity.tensor_parallel import local_specs, ns_traffic, traffic_bytes
+    from wholeshard.capacity.tp_traffic import local_specs, ns_traffic, traffic_bytes
 
     code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "2", "--json"], capsys)
     assert code == 0

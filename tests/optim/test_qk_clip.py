@@ -367,7 +367,7 @@ def test_train_job_with_qk_clip(tmp_path) -> None:
 
     from support import train_config
 
-    from wholeshard.train import report
+    from wholeshard.train import outputs
     from wholeshard.train.trainer import train
 
     data = tmp_path / "text.txt"
@@ -382,7 +382,7 @@ def test_train_job_with_qk_clip(tmp_path) -> None:
         )  # fmt: skip
         summary = train(cfg)
         assert math.isfinite(summary["final_loss"])
-        lines = (out / report.METRICS).read_text().splitlines()
+        lines = (out / outputs.METRICS).read_text().splitlines()
         losses[tau] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
     assert losses[None][0] == losses[1e-4][0]  # the same first forward ...
     assert losses[None][-1] != losses[1e-4][-1]  # ... then the clipped weights

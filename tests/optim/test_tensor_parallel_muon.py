@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from wholeshard.capacity.tensor_parallel import traffic_bytes
+from wholeshard.capacity.tp_traffic import traffic_bytes
 from wholeshard.optim import Muon
 from wholeshard.optim.normuon import QUINTIC
 from wholeshard.optim.tensor_parallel import (

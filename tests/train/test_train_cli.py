@@ -11,7 +11,7 @@ from wholeshard import DataParallelConfig
 from wholeshard.cli import build_parser, main
 from wholeshard.cli.flags import field_docs
 from wholeshard.cli.train import config_from_args
-from wholeshard.train import report
+from wholeshard.train import outputs
 from wholeshard.train.config import (
     SECTIONS,
     CheckpointConfig,
@@ -94,10 +94,10 @@ def test_empty_data(capsys, tmp_path: Path, kind: str) -> None:
 def test_existing_run_is_not_overwritten(capsys, tmp_path: Path, text_file: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
-    (out / report.METRICS).write_text('{"step": 1}\n')
+    (out / outputs.METRICS).write_text('{"step": 1}\n')
     err = _error(capsys, ["--data", str(text_file), "--out", str(out)])
     assert "--out" in err and "--overwrite" in err
-    assert (out / report.METRICS).read_text() == '{"step": 1}\n'
+    assert (out / outputs.METRICS).read_text() == '{"step": 1}\n'
     with pytest.raises(AssertionError, match="workers were started"):  # --overwrite passes checks
         main(["train", "--data", str(text_file), "--out", str(out), "--overwrite"])
 

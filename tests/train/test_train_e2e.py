@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_restarts import _assert_bitwise_equal, _final_state
 
-from wholeshard.train import report
+from wholeshard.train import outputs
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "WHOLESHARD_TRAIN_TEST_MARKER"
@@ -86,7 +86,7 @@ def _summary(proc: subprocess.CompletedProcess) -> dict:
 
 
 def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / report.METRICS).read_text().splitlines()]
+    return [json.loads(line) for line in (out / outputs.METRICS).read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +103,8 @@ def _check_run(out: Path, summary: dict, optimizer: str) -> None:
     assert summary["world_size"] == 2 and summary["optimizer"] == optimizer
     assert summary["steps"] == 4 and summary["tokens"] == 4 * 4 * 16
     assert summary["final_val_loss"] < summary["first_val_loss"]
-    assert json.loads((out / report.SUMMARY).read_text()) == summary
-    assert (out / report.PLOT).stat().st_size > 0
+    assert json.loads((out / outputs.SUMMARY).read_text()) == summary
+    assert (out / outputs.PLOT).stat().st_size > 0
     recs = _records(out)
     steps = [r for r in recs if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -175,7 +175,7 @@ def test_crashed_worker_stops_the_run(text_file: Path, tmp_path: Path, kind: str
     if kind == "raise":  # (a killed worker leaves no traceback; its peer's error may come first)
         assert "rank 1 failed" in proc.stderr and "Traceback" in proc.stderr
         assert "RuntimeError: injected fault on rank 1 at step 2" in proc.stderr
-    assert not (tmp_path / report.SUMMARY).exists()
+    assert not (tmp_path / outputs.SUMMARY).exists()
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", pytest.param("parent-killed", marks=pytest.mark.slow)])
@@ -192,7 +192,7 @@ def test_interrupt_stops_every_worker(text_file: Path, tmp_path: Path, how: str)
     )
     try:
         deadline = time.monotonic() + HANG_GUARD_S
-        metrics = tmp_path / report.METRICS
+        metrics = tmp_path / outputs.METRICS
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "training never started"

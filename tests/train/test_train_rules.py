@@ -14,7 +14,7 @@ import torch
 from support import train_config
 
 from wholeshard.optim.rules import MATRIX_RULES, matrix_kwargs, matrix_rule
-from wholeshard.train import report
+from wholeshard.train import outputs
 from wholeshard.train.config import ConfigError, OptimConfig, TrainConfig
 from wholeshard.train.trainer import train
 
@@ -30,7 +30,7 @@ def _run(tmp_path: Path, name: str, **flags) -> tuple[dict, list[dict]]:
         eval_batches=1, progress=False, threads=1, param_dtype="float32", model="micro", **flags,
     )  # fmt: skip
     summary = train(cfg)
-    records = [json.loads(line) for line in (out / report.METRICS).read_text().splitlines()]
+    records = [json.loads(line) for line in (out / outputs.METRICS).read_text().splitlines()]
     return summary, records
 
 

@@ -14,9 +14,9 @@ import wholeshard.distributed.launch
 from wholeshard import cli
 from wholeshard.checkpoint.directory import CheckpointError
 from wholeshard.cli.train import config_from_args
-from wholeshard.train import report
+from wholeshard.train import outputs
 from wholeshard.train.env import torchrun_restart_warning
-from wholeshard.train.schedule import lr_factor
+from wholeshard.train.lr_schedule import lr_factor
 from wholeshard.train.trainer import train
 
 SMALL = [
@@ -46,7 +46,7 @@ def _argv(text_file: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / report.METRICS).read_text().splitlines()]
+    return [json.loads(line) for line in (out / outputs.METRICS).read_text().splitlines()]
 
 
 def _exit_2(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
@@ -70,7 +70,7 @@ def saved(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _copy(saved: Path, to: Path, *, run_files: bool = True) -> Path:
     shutil.copytree(saved, to)
     if not run_files:
-        for name in report.RUN_FILES:
+        for name in outputs.RUN_FILES:
             (to / name).unlink()
     return to
 
@@ -80,7 +80,7 @@ def test_resume_auto_starts_over_a_run_without_checkpoints(
 ) -> None:
     out = tmp_path / "run"
     out.mkdir()
-    (out / report.METRICS).write_text('{"step": 7}\n')  # a run that died before its first save
+    (out / outputs.METRICS).write_text('{"step": 7}\n')  # a run that died before its first save
     assert cli.main(_argv(text_file, out, "--steps", "1", "--resume", "auto")) == 0
     err = capsys.readouterr().err
     want = f"--resume auto: no checkpoint in {out / 'checkpoints'}; starting at step 0, "
@@ -93,12 +93,12 @@ def test_resume_auto_at_the_last_step_keeps_the_summary(
 ) -> None:
     """A relaunch after a crash between the last save and the summary finishes the run."""
     out = _copy(saved, tmp_path / "run")
-    (out / report.SUMMARY).unlink()
+    (out / outputs.SUMMARY).unlink()
     assert cli.main(_argv(text_file, out, "--steps", "2", "--resume", "auto")) == 0
     assert f"--resume auto: resumed from {out / 'checkpoints' / 'step-2'} at step 2" in (
         capsys.readouterr().err
     )
-    got, want = (json.loads((d / report.SUMMARY).read_text()) for d in (out, saved))
+    got, want = (json.loads((d / outputs.SUMMARY).read_text()) for d in (out, saved))
     for key in ("final_loss", "final_val_loss", "first_val_loss"):
         assert got[key] == want[key], key
     assert _records(out) == _records(saved)

@@ -11,7 +11,7 @@ from support import run, train_config
 
 import wholeshard
 from wholeshard.engine.config import ConfigError
-from wholeshard.train import report
+from wholeshard.train import outputs
 from wholeshard.train.config import ModelConfig, OptimConfig, TrainConfig
 from wholeshard.train.trainer import train
 
@@ -25,7 +25,7 @@ def _losses(tmp: str, tp: int, ckpt: bool, rule: str = "muon") -> list[float]:
         checkpoint_every=2 if ckpt else None, matrix_optimizer=rule,
     )  # fmt: skip
     train(cfg)
-    lines = (out / report.METRICS).read_text().splitlines()
+    lines = (out / outputs.METRICS).read_text().splitlines()
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 

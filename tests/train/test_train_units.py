@@ -12,9 +12,9 @@ from support import train_config
 
 from wholeshard import DataParallelConfig
 from wholeshard.models.gpt import GPT, SIZES, model_config, num_params
-from wholeshard.train import data, report
+from wholeshard.train import data, outputs
 from wholeshard.train.config import CheckpointConfig, ConfigError, OptimConfig, TrainConfig
-from wholeshard.train.schedule import lr_factor
+from wholeshard.train.lr_schedule import lr_factor
 from wholeshard.train.trainer import train
 
 TEXT = (Path(__file__).resolve().parents[2] / "wholeshard" / "train" / "trainer.py").read_bytes()
@@ -150,15 +150,15 @@ def test_config_validation_names_the_field() -> None:
 
 
 def test_out_dir_with_a_run_is_refused(tmp_path: Path) -> None:
-    report.check_out_dir(tmp_path / "new")
-    report.check_out_dir(tmp_path)  # exists but holds no run
-    (tmp_path / report.SUMMARY).write_text("{}")
+    outputs.check_out_dir(tmp_path / "new")
+    outputs.check_out_dir(tmp_path)  # exists but holds no run
+    (tmp_path / outputs.SUMMARY).write_text("{}")
     with pytest.raises(ValueError, match="--overwrite"):
-        report.check_out_dir(tmp_path)
-    report.check_out_dir(tmp_path, overwrite=True)
+        outputs.check_out_dir(tmp_path)
+    outputs.check_out_dir(tmp_path, overwrite=True)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="not a directory"):
-        report.check_out_dir(tmp_path / "file")
+        outputs.check_out_dir(tmp_path / "file")
 
 
 # -- the loop, one process -------------------------------------------------------------------
@@ -173,7 +173,7 @@ def _tiny(text_file: Path, out: Path, **kw) -> TrainConfig:
 
 
 def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / report.METRICS).read_text().splitlines()]
+    return [json.loads(line) for line in (out / outputs.METRICS).read_text().splitlines()]
 
 
 @pytest.mark.parametrize("optimizer", [pytest.param("muon", marks=pytest.mark.slow), "adamw"])
@@ -184,7 +184,7 @@ def test_single_process_run_is_reproducible(tmp_path: Path, text_file: Path, opt
     assert [r.get("loss") for r in ra] == [r.get("loss") for r in rb]
     assert a["final_val_loss"] == b["final_val_loss"] < a["first_val_loss"]
     assert a["world_size"] == 1 and a["optimizer"] == optimizer and a["steps"] == 4
-    for name in report.RUN_FILES:
+    for name in outputs.RUN_FILES:
         assert (tmp_path / "a" / name).is_file()
     steps = [r for r in ra if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]

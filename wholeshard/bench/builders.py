@@ -25,9 +25,17 @@ from ..optim import BatchedMuon, LayerwiseOptimizer
 from ..planning.routing import Route, route_params
 from .configs import ADAMW_KW, MUON_KW, BenchConfig
 from .floor import OwnedOptimizers, copy_with_grad
-from .rules import DEFAULT_RULE, KJ_RULE, MATRIX_KWARGS, RoundRobin, Rule, by_size, rule_optimizer
-from .rules import rule_unavailable as _rule_unavailable
-from .waits import WaitClock
+from .rule_optimizers import (
+    DEFAULT_RULE,
+    KJ_RULE,
+    MATRIX_KWARGS,
+    RoundRobin,
+    Rule,
+    by_size,
+    rule_optimizer,
+)
+from .rule_optimizers import rule_unavailable as _rule_unavailable
+from .wait_clock import WaitClock
 from .workloads import Workload
 
 MATRIX_CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -82,7 +90,8 @@ def torch_pair(
     muon: list, other: list, matrix: str = "torch", rule: Rule = DEFAULT_RULE
 ) -> list[torch.optim.Optimizer]:
     """The `matrix` optimizer (`MATRIX_CLASSES`; torch's Muon by default) under `rule`
-    (`rules.rule_optimizer`) on `muon` and `torch.optim.AdamW` on `other`, each if not empty."""
+    (`rule_optimizers.rule_optimizer`) on `muon` and `torch.optim.AdamW` on `other`, each if not
+    empty."""
     opts: list[torch.optim.Optimizer] = []
     if muon:
         cls, kwargs = rule_optimizer(rule, matrix)
@@ -181,7 +190,8 @@ def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
 
 
 def _build_ddp_kj_rule(workload: Workload, clock: WaitClock, rule: Rule) -> Setup:
-    """`rules.RoundRobin` of `rule` over DDP's replicated params (`rules` module note)."""
+    """`rule_optimizers.RoundRobin` of `rule` over DDP's replicated params (`rule_optimizers`
+    module note)."""
     model = workload.make_model()
     ddp, book_tail = _ddp(model, clock)
     muon, other = split_params(model, workload)

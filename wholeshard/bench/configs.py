@@ -50,13 +50,13 @@ NS_ALGORITHMS = ("standard", "gram")
 NS_COEFFICIENTS = ("quintic", "polar_express")
 """`wholeshard.optim.normuon.SCHEDULES` (a test checks)."""
 KJ_RULE = "ddp_kj_rule"
-"""The KJ-style peer of every rule (`rules` module note)."""
+"""The KJ-style peer of every rule (`rule_optimizers` module note)."""
 
 
 @dataclass(frozen=True)
 class Rule:
     """A matrix rule: its optimizer (`MATRIX_RULES`) and Newton–Schulz choices (module note of
-    `rules`); the default builds every configuration as before rules existed."""
+    `rule_optimizers`); the default builds every configuration as before rules existed."""
 
     optimizer: str = "muon"
     ns_algorithm: str = "standard"

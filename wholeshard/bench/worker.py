@@ -30,11 +30,11 @@ from . import floor
 from .builders import build, every_param
 from .configs import with_overrides
 from .launches import FIELDS, StepProfile
-from .memory import optimizer_state_bytes, peak_rss_bytes, persistent_bytes, rss_bytes
-from .rules import Rule
+from .memory_figures import optimizer_state_bytes, peak_rss_bytes, persistent_bytes, rss_bytes
+from .rule_optimizers import Rule
 from .timing import Timer, max_memory_allocated
 from .traffic import TrafficCounter
-from .waits import WaitClock
+from .wait_clock import WaitClock
 from .workloads import get_workload
 
 

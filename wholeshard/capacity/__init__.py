@@ -3,7 +3,7 @@
 Above the engine: nothing under `planning` or `engine` imports it, so `DataParallel` never
 computes a report. Modules: `presets` and `shapes` (specs without a model), `costs` (what a
 plan costs each rank in a mode: memory, collectives, bytes; with `_lifetimes` for the fully
-sharded peak), `projection` (a step-time estimate from those), `tensor_parallel` (each rank's
+sharded peak), `projection` (a step-time estimate from those), `tp_traffic` (each rank's
 slices and Newton-Schulz traffic under tensor parallelism) and `choice` (the report of the
 automatic choice `planning.auto.decide` made: `ShardGroupChoice`, `plan_and_choice`).
 Invariant: every plan here is the one `planning.plan_for` (what `DataParallel` calls)

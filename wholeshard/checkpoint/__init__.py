@@ -31,18 +31,18 @@ format depends on the plan, the world size or the sharding strategy, so DCP resh
 
 What a checkpoint needs of the optimizer is `Checkpointable`: its owned pieces, their state and
 its param groups (`wholeshard.optim.pieces`). Modules: `directory` (the directory protocol),
-`export` (a checkpoint's weights as safetensors), `export_hf` (a checkpoint of a transformers
-model as a transformers model directory; `hf_extra` is what it needs in `extra`), and the
-private `_save`, `_load`, `_chunks` (geometry and DCP planners), `_arrival` (every rank made the
-call), `_consensus` (same outcome on every rank), `_model_table` (the model's description and
-checks).
+`export_safetensors` (a checkpoint's weights as safetensors), `export_hf` (a checkpoint of a
+transformers model as a transformers model directory; `hf_extra` is what it needs in `extra`),
+and the private `_save`, `_load`, `_chunks` (geometry and DCP planners), `_arrival` (every rank
+made the call), `_consensus` (same outcome on every rank), `_model_table` (the model's
+description and checks).
 """
 
 from ._load import load_checkpoint, load_consolidated
 from ._save import save_checkpoint
 from .directory import CheckpointError, resolve_checkpoint
-from .export import export_checkpoint, write_safetensors
 from .export_hf import export_hf, hf_extra
+from .export_safetensors import export_checkpoint, write_safetensors
 
 __all__ = [
     "CheckpointError",

@@ -26,7 +26,7 @@ from torch import nn
 from ..engine.data_parallel import DataParallel
 from ._load import load_consolidated
 from .directory import TRAINER, CheckpointError, _plain_name, fsync_dir, resolve_checkpoint
-from .export import refuse_existing
+from .export_safetensors import refuse_existing
 
 HF = "hf"
 """The key of `extra` that holds `hf_extra`'s dict."""

@@ -14,8 +14,8 @@ ranks sharing GPUs. Step times then come from CUDA events, and rows add
 `--count-launches` profiles one more step per configuration and adds its kernel launches.
 
 `--matrix-optimizer`, `--ns-algorithm` and `--ns-coefficients` (each taking one or more values)
-bench every combination as a matrix rule (`bench.rules`): each wholeshard configuration and
-`ddp_kj_rule` (the rule run KJ-style, round-robin over DDP's replicated params) runs once per
+bench every combination as a matrix rule (`bench.rule_optimizers`): each wholeshard configuration
+and `ddp_kj_rule` (the rule run KJ-style, round-robin over DDP's replicated params) runs once per
 rule, its rows labelled `config[rule]` unless the rule is the default (torch's Muon, standard
 quintic), with `vs ddp_kj_rule` and the optimizer's share; the other peers run once.
 """

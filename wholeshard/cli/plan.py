@@ -31,7 +31,7 @@ from ..capacity.costs import Costs, Mode, fully_sharded, plan_costs
 from ..capacity.presets import PRESETS
 from ..capacity.projection import FABRICS, GPUS, project
 from ..capacity.shapes import load_shapes
-from ..capacity.tensor_parallel import TP_MODES, local_specs, ns_traffic
+from ..capacity.tp_traffic import TP_MODES, local_specs, ns_traffic
 from ..planning import DEFAULT_STRATEGY, STRATEGIES, Bucket, ParamSpec, Plan
 from ..planning.specs import matrices
 from . import positive_int

@@ -178,7 +178,7 @@ def _source(args: argparse.Namespace, path: str) -> str:
 
 def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
     """Everything that can be checked before any worker starts; exits 2 like argparse."""
-    from ..train import extras, report
+    from ..train import extras, outputs
 
     parser: argparse.ArgumentParser = args.parser
     if cfg.data.batch_size % world:
@@ -192,7 +192,7 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
         _check_data(parser, cfg, where)
     _check_start(parser, cfg, args.overwrite)
     try:
-        report.check_out_dir(cfg.output.out, args.overwrite or cfg.checkpoint.resume is not None)
+        outputs.check_out_dir(cfg.output.out, args.overwrite or cfg.checkpoint.resume is not None)
     except ValueError as e:
         parser.error(f"argument --out: {e}")
     lost = extras.missing()
@@ -299,7 +299,7 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
     Every process runs `worker(config)`, by default `loop.train`; another worker (e.g. one that
     installs hooks) must be picklable to reach spawned processes.
     """
-    from ..train import report
+    from ..train import outputs
     from ..train.env import torchrun_env
     from ..train.trainer import train
 
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
     under_torchrun = torchrun_env()
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     if cfg.output.out is None and cfg.checkpoint.resume is None:
-        cfg.output.out = report.default_out_dir()
+        cfg.output.out = outputs.default_out_dir()
     _check(args, cfg, world)
     if args.overwrite and (not under_torchrun or os.environ["RANK"] == "0"):
         from ..train.resume import remove_checkpoints

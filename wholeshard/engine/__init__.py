@@ -9,8 +9,8 @@ FSDP2's `FSDPParamGroup`), `_init` (the construction steps; `_meta`:
 from the meta device), `_storage` (a unit's storage, states and collectives; `_fp8_storage`
 and `_unaligned_storage` are its kinds), `_owned` (what a rank updates), `_schedule` (when
 collectives run; `_waits`: how long waits hold the step up; `_skips`: modules some rank
-skipped), `_hooks` (module hooks), `_guard` (misuse checks), `_memory`, `_experts` (experts
-over "ep": their group, layout and values).
+skipped), `_hooks` (module hooks), `_guard` (misuse checks; `_tp_check`: which DTensor params it can
+hold), `_memory`, `_experts` (experts over "ep": their group, layout and values).
 Import the public names from `wholeshard`; this package re-exports nothing, so that importing
 `wholeshard.engine.config` (the CLI does) does not import torch.
 """

@@ -26,7 +26,6 @@ from ..distributed.mesh import ModelRanks, mesh_data_parallel, model_ranks
 from ..planning import Plan
 from ..planning.routing import Route, route_params
 from . import _hooks as hooks
-from ._dtensor import check_tensor_parallel
 from ._experts import ExpertLayout, expert_group, split_experts, split_rest
 from ._fp8_storage import has_fp8_weights
 from ._guard import claim, unclaim
@@ -35,6 +34,7 @@ from ._memory import memory
 from ._meta import fill_frozen, materialise, target_device
 from ._sharded_group import ShardedGroup
 from ._storage import StorageUnit
+from ._tp_check import check_tensor_parallel
 from .config import DataParallelConfig, Variant
 from .step_protocol import StepProtocol
 

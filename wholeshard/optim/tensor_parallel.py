@@ -13,7 +13,7 @@ Newton–Schulz needs the other slices, in one of two ways (`tp_mode`):
   m the unsharded dim's length) in float32. Equal in exact arithmetic (p(X Xᵀ) X = X p(Xᵀ X));
   in bf16 within rounding. Traffic: ns_steps Gram matrices, 2 (tp - 1) / tp of each per rank;
   less than duplicated when the unsharded side is short, more when it is long
-  (`capacity.tensor_parallel.traffic_bytes`; `wholeshard plan --tp N` sums it over a model).
+  (`capacity.tp_traffic.traffic_bytes`; `wholeshard plan --tp N` sums it over a model).
 Muon's shape scaling (`adjust_lr_fn`) reads the DTensor's logical shape. Supported: a DTensor
 sharded on exactly one mesh dim, on dim 0 or 1 of a 2-D param, replicated on any other dims.
 

@@ -357,7 +357,7 @@ class TrainConfig:
 
     @property
     def lr_schedule(self) -> dict[str, Any]:
-        """The learning-rate schedule's settings (`schedule.lr_factor`'s keyword arguments)."""
+        """The learning-rate schedule's settings (`lr_schedule.lr_factor`'s keyword arguments)."""
         o = self.optim
         return dict(
             steps=o.steps, warmup=self.warmup_steps, schedule=o.schedule, min_ratio=o.min_lr_ratio

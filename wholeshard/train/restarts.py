@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from ..distributed.launch import WorkerFailed
-from . import report
+from . import outputs
 from .config import TrainConfig
 from .trainer import train
 
@@ -69,6 +69,6 @@ def _relaunch_config(cfg: TrainConfig, failure: WorkerFailed, restart: int) -> T
         "resume_step": step,
         "time": time.time(),
     }
-    report.append_event(cfg.output.out, event)
+    outputs.append_event(cfg.output.out, event)
     resume = None if ckpt is None else str(ckpt)
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..planning.routing import routing_summary
-from . import data, report
+from . import data, outputs
 from .baseline import build_ddp_adamw, step_or_skip
 from .config import TrainConfig
 from .env import (
@@ -40,10 +40,10 @@ from .env import (
     setup_distributed,
     torchrun_restart_warning,
 )
+from .loss_plot import plot_losses
+from .lr_schedule import adopt_schedule, make_scheduler
 from .model import JobModel, build_model
-from .plot import plot_losses
 from .resume import AUTO, check_start, find_checkpoint
-from .schedule import adopt_schedule, make_scheduler
 
 BEFORE_SAVE, AFTER_STEP = "before_save", "after_step"
 Hook = Callable[[str, int, int], None]
@@ -95,7 +95,7 @@ class Trainer:
                 f"batch_size={cfg.data.batch_size} is not divisible by the "
                 f"{self.data_world} data-parallel ranks"
             )
-        self.out = cfg.output.out or report.default_out_dir()
+        self.out = cfg.output.out or outputs.default_out_dir()
         self._build()
         self.corpus = self._load_data()
         d, evals = cfg.data, cfg.output.eval_batches
@@ -269,9 +269,9 @@ class Trainer:
         cfg, env = self.cfg, self.env
         ckpt = find_checkpoint(cfg)
         check_start(cfg, ckpt)
-        replaced = env.rank == 0 and ckpt is None and report.existing_run(self.out)
+        replaced = env.rank == 0 and ckpt is None and outputs.existing_run(self.out)
         resumed = None if ckpt is None else self.resume(ckpt)
-        log = report.RunLog(
+        log = outputs.RunLog(
             self.out,
             cfg.optim.steps,
             enabled=env.rank == 0,
@@ -285,7 +285,7 @@ class Trainer:
                 f"{auto}no checkpoint in {cfg.checkpoint_dir}; starting at step 0"
                 + (f", replacing the run in {self.out}" if replaced else "")
             )
-        tracer = report.start_trace(cfg.output.trace, env.rank, env.device.type == "cuda")
+        tracer = outputs.start_trace(cfg.output.trace, env.rank, env.device.type == "cuda")
         try:
             if resumed is None:
                 first_val = self.evaluate()
@@ -311,7 +311,7 @@ class Trainer:
                 tracer.stop()
             log.close()
 
-    def _announce(self, log: report.RunLog) -> None:
+    def _announce(self, log: outputs.RunLog) -> None:
         cfg, env, corpus = self.cfg, self.env, self.corpus
         log.note(
             f"wholeshard train: {self.job.label} ({self.params / 1e6:.2f}M params), "
@@ -327,7 +327,7 @@ class Trainer:
             log.note(f"wholeshard train: {warning}")
 
     def _step_and_log(
-        self, step: int, progress: dict[str, Any], log: report.RunLog, tracer: Any
+        self, step: int, progress: dict[str, Any], log: outputs.RunLog, tracer: Any
     ) -> None:
         """One step, its evaluation, its checkpoint (with the hooks around it; after the
         evaluation, so that it holds the step's validation loss) and its metrics record."""
@@ -371,10 +371,10 @@ class Trainer:
             rec["val_loss"] = progress["last_val"]
         log.record(rec)
 
-    def _finish(self, log: report.RunLog, progress: dict[str, Any]) -> dict:
+    def _finish(self, log: outputs.RunLog, progress: dict[str, Any]) -> dict:
         """The summary (written to summary.json) and the loss plot."""
         cfg, env = self.cfg, self.env
-        summary = report.summary(
+        summary = outputs.summary(
             cfg,
             progress,
             wall_s=time.perf_counter() - self.start_time,
@@ -384,8 +384,8 @@ class Trainer:
             data=self.corpus.source,
             out=str(self.out),
         )
-        log.write_json(report.SUMMARY, summary)
+        log.write_json(outputs.SUMMARY, summary)
         if log.enabled:
             title = f"{self.job.label}, {cfg.optim.name}, {env.world} rank(s)"
-            plot_losses(log.records, os.path.join(self.out, report.PLOT), title)
+            plot_losses(log.records, os.path.join(self.out, outputs.PLOT), title)
         return summary
