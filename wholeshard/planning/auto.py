@@ -42,7 +42,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .plan import (
     DEFAULT_STRATEGY,
@@ -54,6 +54,10 @@ from .plan import (
     validate_specs,
 )
 from .specs import MatrixCost, ParamSpec, is_int
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 from .targets import (
     MAX_IMBALANCE,
     Figures,
@@ -186,6 +190,16 @@ def search(
     return Search(dp_size, target, k is None, chosen, tuple(attempts))
 
 
+class PlanSettings(TypedDict, total=False):
+    """`plan_for`'s keywords: `decide`'s, with its defaults."""
+
+    bucket_size: int | None
+    strategy: Strategy
+    shard_group_size: int | str | None
+    scheme: Scheme
+    matrix_cost: MatrixCost | None
+
+
 def decide(
     specs: Sequence[ParamSpec],
     dp_size: int,
@@ -221,23 +235,14 @@ def decide(
     return plan_exactly(specs, dp_size, scheme=scheme, **sizes, **common), None
 
 
-def plan_for(
-    specs: Sequence[ParamSpec],
-    dp_size: int,
-    *,
-    bucket_size: int | None = None,
-    strategy: Strategy = DEFAULT_STRATEGY,
-    shard_group_size: int | str | None = None,
-    scheme: Scheme = "whole",
-    matrix_cost: MatrixCost | None = None,
-) -> Plan:
+def plan_for(specs: Sequence[ParamSpec], dp_size: int, **settings: Unpack[PlanSettings]) -> Plan:
     """The plan `DataParallel` makes for `specs` (registration order) on `dp_size` ranks with
     these settings, whose defaults are `DataParallel`'s (`DataParallelConfig`, `Variant`):
     `bucket_size` None is the default size (`targets.bucket_size_for`: `default_bucket_size` of
     the params over the shard group for equal shards, over one rank for owner buckets),
     `strategy` "auto" and `shard_group_size` None (one group of dp ranks; "auto": searched).
     `decide`'s plan, without its record; ValueError, saying how to fix it, on bad input."""
-    return decide(
-        specs, dp_size, bucket_size=bucket_size, strategy=strategy,
-        shard_group_size=shard_group_size, scheme=scheme, matrix_cost=matrix_cost,
-    )[0]  # fmt: skip
+    return decide(specs, dp_size, **settings)[0]
+
+
+# fmt: skip
