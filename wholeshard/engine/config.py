@@ -249,7 +249,7 @@ class Variant:
             ("fp8_param_gather", "it has no shards"),
         ):
             value = getattr(config, name)
-            if value is True or value == "auto":
+            if value:
                 raise ConfigError(
                     name, f"scheme={self.scheme!r} cannot take {name}={value!r}: {why}"
                 )
