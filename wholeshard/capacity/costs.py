@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from ..planning.plan import Plan
 from ..planning.specs import ParamSpec, matrices, matrix_shape
-from ..planning.units import storage_units
+from ..planning.units import Unit, storage_units
 from . import _lifetimes
 
 ELEMENT_BYTES = {
@@ -132,6 +132,14 @@ def owned(plan: Plan, transposed: frozenset[str] = frozenset()) -> list[Owned]:
             else:
                 raise ValueError("the ping-pong scheme's costs are not modelled")
     return out
+
+
+def _units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
+    """The plan's storage units, as the engine builds them; the ping-pong baseline's are not
+    modelled."""
+    if any(b.kind == "unaligned" for b in plan.buffers):
+        raise ValueError("the ping-pong scheme's costs are not modelled")
+    return storage_units(plan, specs)
 
 
 def fully_sharded(plan: Plan, mode: Mode) -> bool:
@@ -221,7 +229,7 @@ def step_collectives(
     dp, k = plan.dp_size, plan.shard_group_size
     if dp == 1:
         return []
-    units = storage_units(plan, specs)
+    units = _units(plan, specs)
     grad, param = mode.grad_reduce_dtype, mode.param_dtype
     out = []
     for u in units:
@@ -299,7 +307,7 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     """The costs of `plan` (planned from `specs`, registration order) in `mode` (default:
     `Mode()`, ZeRO-1/2 in float32)."""
     mode = mode or Mode()
-    units = storage_units(plan, specs)
+    units = _units(plan, specs)
     kept = _kept(plan, mode)
     per_rank = tuple(
         _persistent(mode, mine, kept[r]) for r, mine in enumerate(owned(plan, mode.transposed))

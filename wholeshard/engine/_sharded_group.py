@@ -28,9 +28,10 @@ from torch.utils.hooks import RemovableHandle
 from ..distributed import collectives
 from ..distributed.dtensor import local
 from ..distributed.groups import make_groups, resolve_group
-from ..planning import ParamSpec, Placement, Plan
+from ..planning import ParamSpec, Plan
 from ..planning.auto import plan_for
 from ..planning.routing import Route
+from ..planning.units import storage_units
 from . import _hooks as hooks
 from ._fp8_storage import fp8_storage_factory
 from ._meta import fill_owned
@@ -81,8 +82,9 @@ class ShardedGroup:
     ) -> None:
         self.routes = routes
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
+        specs = [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in routes]
         self.plan = plan_for(
-            [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in routes],
+            specs,
             self.dp_size,
             bucket_size=cfg.bucket_size,
             strategy=variant.strategy,
@@ -115,6 +117,7 @@ class ShardedGroup:
         storages = build_storage(
             self.plan,
             routes,
+            specs,
             lambda kind: UnalignedStorage if kind == "unaligned" else fp8,
             self._fill_initial,
             groups=groups,
@@ -168,29 +171,20 @@ class ShardedGroup:
 def build_storage(
     plan: Plan,
     routes: list[Route],
+    specs: Sequence[ParamSpec],
     make: Callable[[str], Callable[..., StorageUnit]],
     fill_initial: Callable[[StorageUnit], None],
     **kwargs: Any,
 ) -> list[StorageUnit]:
-    """One storage per storage unit of every buffer of `plan`, built by `make(buffer kind)`, in
-    reduce (backprop) order: the unit holding the latest-registered param first. Each gets its
-    initial values (`fill_initial`) before the next is built. `kwargs` go to it after the
-    unit's own arguments."""
-    registered = {r.name: i for i, r in enumerate(routes)}
+    """One storage per storage unit of `plan` (`planning.units.storage_units`, in reduce
+    order), built by `make(buffer kind)`. Each gets its initial values (`fill_initial`) before
+    the next is built. `kwargs` go to it after the unit's own arguments."""
     param_of = {r.name: r.param for r in routes}
-    units = []  # (kind, buckets, [(param, placement)])
-    for buffer in plan.buffers:
-        bucket_runs = buffer.storage_units()
-        run_of = {b: n for n, run in enumerate(bucket_runs) for b in run}
-        members: list[list[tuple[nn.Parameter, Placement]]] = [[] for _ in bucket_runs]
-        for p in buffer.placements:
-            members[run_of[p.bucket]].append((param_of[p.name], p))
-        for run, params in zip(bucket_runs, members, strict=True):
-            units.append((buffer.kind, buffer.buckets[run.start : run.stop], params))
-    units.sort(key=lambda unit: -max(registered[p.name] for _, p in unit[2]))
+    placement = {p.name: p for buffer in plan.buffers for p in buffer.placements}
     storages = []
-    for index, (kind, buckets, params) in enumerate(units):
-        storage = make(kind)(index, kind, buckets, params, **kwargs)
+    for unit in storage_units(plan, specs):
+        params = [(param_of[name], placement[name]) for name in unit.names]
+        storage = make(unit.kind)(unit.index, unit.kind, unit.buckets, params, **kwargs)
         fill_initial(storage)
         storages.append(storage)
     return storages

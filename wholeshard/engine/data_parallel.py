@@ -146,6 +146,9 @@ class DataParallel(nn.Module):
         for name in SHARDING:  # the dense params' group's
             setattr(self, name, getattr(dense, name))
         claim((r.name, r.param) for r in self.routes)
+        self._copy_of = {
+            r.name: g.rank // g.shard_group_size for g in self._groups for r in g.routes
+        }
         self.step_protocol = StepProtocol(self._groups, self.routes, module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -170,10 +173,9 @@ class DataParallel(nn.Module):
         """Which of the identical copies of param `name`'s owned elements this rank holds: its
         shard group's place among the dp / k groups (0 without hybrid sharding). Checkpoints
         write copy 0 alone."""
-        for g in self._groups:
-            if any(r.name == name for r in g.routes):
-                return g.rank // g.shard_group_size
-        raise KeyError(f"{name!r} is not a trainable param of this model")
+        if name not in self._copy_of:
+            raise KeyError(f"{name!r} is not a trainable param of this model")
+        return self._copy_of[name]
 
     @property
     def device(self) -> torch.device:

@@ -36,8 +36,6 @@ def storage_units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
     registered = {s.name: i for i, s in enumerate(specs)}
     found = []
     for buffer in plan.buffers:
-        if buffer.kind == "unaligned":
-            raise ValueError("the ping-pong scheme's costs are not modelled")
         runs = buffer.storage_units()
         run_of = {b: n for n, run in enumerate(runs) for b in run}
         members: list[list[str]] = [[] for _ in runs]
