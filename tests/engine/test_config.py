@@ -64,7 +64,6 @@ def test_config_and_keywords_together_or_unknown_keywords_are_refused() -> None:
         (dict(mp_policy=MixedPrecisionPolicy(reduce_dtype="fp32")), "mp_policy", "reduce_dtype"),
         (dict(overlap_grad_reduce=1), "overlap_grad_reduce", "True or False"),
         (dict(matrix_params="fc"), "matrix_params", "a function"),
-        (dict(matrix_cost=3), "matrix_cost", "a function"),
     ],
 )
 def test_bad_values_name_their_field(options: dict, field: str, message: str) -> None:

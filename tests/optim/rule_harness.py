@@ -4,7 +4,8 @@ the shared harness of the rule tests (NorMuon, SOAP, bring-your-own).
 `one_process` is the reference: the full batch, `rule` on the matrix-routed params (whole
 matrices, fp32), torch's AdamW on the rest, the unsharded model. `distributed` is the same
 training through `DataParallel(**ddp_kw)` on this rank's slice of every batch; a rule with a
-`matrix_cost` is planned with it. `save_after` / `load_and_continue` cut a run by a checkpoint.
+`matrix_cost` is laid out for it (`DataParallel.balance_for`). `save_after` /
+`load_and_continue` cut a run by a checkpoint.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ def one_process(steps: int, rule: type, kw: dict) -> dict:
 
 
 def setup(rule: type, kw: dict, ddp_kw: dict | None = None, seed: int = 0):
-    """(model, ddp, opt) on this rank, planned with the rule's own `matrix_cost`."""
+    """(model, ddp, opt) on this rank, laid out for the rule's own `matrix_cost`."""
     model = make_model(seed)
-    cost = getattr(rule, "matrix_cost", None)
-    ddp = data_parallel(model, **({"matrix_cost": cost} | (ddp_kw or {})))
+    ddp = data_parallel(model, **(ddp_kw or {}))
     opt = wholeshard.LayerwiseOptimizer(ddp, matrix=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
     return model, ddp, opt
 
@@ -126,8 +126,7 @@ def stacked_round_trip(root: str, rule: type, kw: dict) -> dict[str, bool]:
     back: for each owned matrix, whether every state tensor came back to the bit."""
     from test_stacks import make_moe  # tests/engine (on sys.path: see stacked_state_survives)
 
-    cost = getattr(rule, "matrix_cost", None)
-    ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500, matrix_cost=cost)
+    ddp = wholeshard.DataParallel(make_moe(), bucket_size=1500)
     opt = wholeshard.LayerwiseOptimizer(ddp, matrix=kw, adamw=ADAMW_KW, matrix_optimizer=rule)
     train(ddp, opt, range(2))
     before = {p.key: dict(opt.piece_state(p)) for p in opt.owned_pieces() if p.kind == "matrix"}

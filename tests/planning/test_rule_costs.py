@@ -1,20 +1,20 @@
 """The planner's cost as a property of the matrix rule: a `MatrixCost` (`SOAP.matrix_cost`,
-Newton-Schulz by default) threaded from `DataParallelConfig.matrix_cost` to the balanced planner,
-`rank_costs` and the automatic shard-group choice."""
+Newton-Schulz by default) taken from the rule `LayerwiseOptimizer` is given
+(`DataParallel.balance_for`) to the balanced planner, `rank_costs` and the automatic shard-group
+choice."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
-from support import data_parallel, make_model
+import torch
+from support import run
+from torch import nn
 
 import wholeshard
 from wholeshard import DataParallelConfig
 from wholeshard.capacity.choice import auto_shard_group_size
-from wholeshard.cli.flags import field_kind
-from wholeshard.engine.config import ConfigError
 from wholeshard.optim import SOAP, NorMuon
 from wholeshard.planning import ONE_BUCKET, ParamSpec, plan_exactly
 from wholeshard.planning.auto import MAX_IMBALANCE, plan_for
@@ -73,26 +73,38 @@ def test_auto_shard_groups_measure_the_rules_cost() -> None:
     assert plan.matrix_cost is SOAP.matrix_cost
 
 
-def test_config_takes_a_cost_function_and_no_flag() -> None:
-    field = {f.name: f for f in dataclasses.fields(DataParallelConfig)}["matrix_cost"]
-    assert field_kind(DataParallelConfig, field) is None
+def mixed_model(layers: int) -> nn.Module:
+    """`mixed(layers)` as a module of linear layers (only read, never run)."""
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.ModuleList(nn.Linear(n, m, bias=False) for m, n in SHAPES) for _ in range(layers)
+    )
+
+
+def _relaid(reshard: bool) -> dict:
+    ddp = wholeshard.DataParallel(mixed_model(6), reshard_after_forward=reshard)
+    with ddp.full_params():
+        before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    plan = ddp.plan
+    wholeshard.LayerwiseOptimizer(ddp, matrix_optimizer=NorMuon)  # Newton-Schulz: kept
+    kept = ddp.plan is plan
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix_optimizer=SOAP)
+    specs = [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in ddp.routes]
+    planned = plan_for(specs, ddp.dp_size, matrix_cost=SOAP.matrix_cost)
+    with ddp.full_params():
+        same = all(torch.equal(p, before[n]) for n, p in ddp.module.named_parameters())
+    with pytest.raises(RuntimeError, match="already has an optimizer"):
+        ddp.balance_for(wholeshard.optim.BatchedMuon)
+    del opt
+    moved = plan != ddp.plan and ddp.plan.matrix_cost is SOAP.matrix_cost
+    return {"kept": kept, "moved": moved, "as_planned": ddp.plan == planned, "values": same}
+
+
+@pytest.mark.parametrize("reshard", [False, True], ids=["zero", "fully-sharded"])
+def test_the_layout_follows_the_rule_the_optimizer_is_given(reshard: bool) -> None:
+    """One source of truth: no config field or flag; the optimizer's rule lays the params out
+    again (they keep their values); a rule costing Newton-Schulz keeps the plan."""
+    assert "matrix_cost" not in {f.name for f in dataclasses.fields(DataParallelConfig)}
     assert "matrix_cost" not in jobfile.keys()["parallel"]
-    with pytest.raises(ConfigError, match="matrix_cost"):
-        DataParallelConfig(matrix_cost=3)
-    ddp = wholeshard.DataParallel(make_model(), matrix_cost=SOAP.matrix_cost)
-    assert ddp.plan.matrix_cost is SOAP.matrix_cost
-    assert wholeshard.DataParallel(make_model()).plan.matrix_cost is None
-
-
-def make_ddp(**kw) -> wholeshard.DataParallel:
-    return data_parallel(make_model(), **kw)
-
-
-def test_layerwise_warns_when_planned_for_another_rule() -> None:
-    with pytest.warns(UserWarning, match=r"matrix_cost=SOAP\.matrix_cost"):
-        wholeshard.LayerwiseOptimizer(make_ddp(), matrix_optimizer=SOAP)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        wholeshard.LayerwiseOptimizer(make_ddp(matrix_cost=SOAP.matrix_cost), matrix_optimizer=SOAP)
-        wholeshard.LayerwiseOptimizer(make_ddp(), matrix_optimizer=NorMuon)
-        wholeshard.LayerwiseOptimizer(make_ddp())  # torch's Muon: no matrix_cost, Newton-Schulz
+    for out in run(_relaid, 4, reshard):
+        assert out == {"kept": True, "moved": True, "as_planned": True, "values": True}

@@ -142,9 +142,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 OVERRIDE = "override."
-NOT_OVERRIDABLE = frozenset({"matrix_params", "mp_policy", "fp8_param_gather", "matrix_cost"})
+NOT_OVERRIDABLE = frozenset({"matrix_params", "mp_policy", "fp8_param_gather"})
 """Fields each configuration decides for itself: the workload's routing, its dtypes, FP8 with
-its recipe, the rule's cost."""
+its recipe."""
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -87,21 +87,25 @@ def split_experts(
 
 
 def expert_group(
-    dense: Any, experts: list[Route], meshed: MeshGroups, rest: list[torch.Tensor], dtypes: dict
+    dense: Any,
+    cfg: DataParallelConfig,
+    experts: list[Route],
+    meshed: MeshGroups,
+    kwargs: dict[str, Any],
 ) -> tuple[ShardedGroup, ExpertLayout]:
     """The experts' `ShardedGroup` (over the expert-data-parallel group, its gradients divided
     by dp x ep: `dense.dp_size`) and the layout checkpoints read, for the `DataParallel`
-    `dense` (its dense params' group built); `rest` and `dtypes` go to `ShardedGroup`."""
+    `dense` (its dense params' group built) configured by `cfg`; `kwargs` go to `ShardedGroup`."""
     mine, group = {id(r) for r in experts}, meshed.expert_group
     flags = tuple(id(r) in mine for r in dense.routes)
-    rule = dense.dp_config.expert_params
+    rule = cfg.expert_params
     layout = ExpertLayout(meshed.ep_rank, meshed.ep, dist.get_rank(group), rule, flags)
-    cfg = dataclasses.replace(dense.dp_config, shard_group_size=meshed.expert_shard_group_size)
+    cfg = dataclasses.replace(cfg, shard_group_size=meshed.expert_shard_group_size)
     if cfg.param_init is not None:
         shapes = {r.name: r.shape for r in experts}
         cfg = dataclasses.replace(cfg, param_init=whole_moe_init(cfg.param_init, layout, shapes))
     check_model(dense.module, experts, group, dist.get_world_size(group), placed=True)
-    kwargs = {"rest": rest, "divide_by": dense.dp_size, **dtypes}
+    kwargs = {**kwargs, "divide_by": dense.dp_size}
     return ShardedGroup(dense.module, experts, cfg, dense._variant, group, **kwargs), layout
 
 

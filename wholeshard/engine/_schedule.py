@@ -244,7 +244,12 @@ class Scheduler:
         """Gather every unit whose params are not all materialised and up to date, in forward
         order, in full precision; return them."""
         self.finish_param_sync()
-        todo = [b for b in self.forward_order if not b.readable]
+        return self.gather(self.forward_order)
+
+    def gather(self, units: Iterable[StorageUnit]) -> list[StorageUnit]:
+        """Gather those of `units` whose params are not all materialised and up to date, in
+        full precision (no param sync pending); return them."""
+        todo = [b for b in units if not b.readable]
         for b in todo:
             self._start_gather(b, full=True)
         for b in todo:

@@ -18,7 +18,7 @@ built (initial values in place, gathered where the first forward would not gathe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from ..distributed.groups import make_groups, resolve_group
 from ..planning import ParamSpec, Plan
 from ..planning.auto import plan_for
 from ..planning.routing import Route
+from ..planning.specs import MatrixCost
 from ..planning.units import storage_units
 from . import _hooks as hooks
 from ._fp8_storage import fp8_storage_factory
@@ -42,6 +43,15 @@ from ._unaligned_storage import UnalignedStorage
 from .config import DataParallelConfig, Variant
 
 
+class CommGroupsMade(NamedTuple):
+    """What `make_groups` made for `key` (shard group size, a separate gather group)."""
+
+    key: tuple[int, bool]
+    shard_group: ProcessGroup | None
+    replica_group: ProcessGroup | None
+    gather_group: ProcessGroup | None
+
+
 class ShardedGroup:
     """The params `routes` of `module`, synced over `process_group` as `cfg` and `variant` say.
 
@@ -50,6 +60,10 @@ class ShardedGroup:
         rest: frozen params and buffers this group gives every rank from its first.
         divide_by: what the summed gradients divide by; 0: the ranks they are summed over
             (the experts': dp x ep).
+        matrix_cost: the matrix rule's work per matrix, which the plan evens out across ranks
+            (None: Newton-Schulz's; `DataParallel.balance_for` sets the rule's).
+        previous: the comm groups of the group this one replaces (a new layout of the same
+            params), made again only if this plan needs others.
     """
 
     routes: list[Route]  # this group's trainable params, in registration order
@@ -62,6 +76,7 @@ class ShardedGroup:
     shard_group: ProcessGroup | None  # `make_groups`' three, from `process_group`
     replica_group: ProcessGroup | None
     gather_group: ProcessGroup | None
+    made: CommGroupsMade  # the three, for a new layout of the group to reuse
     reshard_after_forward: bool  # what the config asks, where there is anything to gather
     fp8_param_gather: bool  # likewise
     scheduler: Scheduler  # its units, in reduce order, and their collectives
@@ -79,6 +94,8 @@ class ShardedGroup:
         grad_dtype: torch.dtype,
         rest: Sequence[torch.Tensor],
         divide_by: int = 0,
+        matrix_cost: MatrixCost | None = None,
+        previous: CommGroupsMade | None = None,
     ) -> None:
         self.routes = routes
         self.process_group, self.dp_size, self.rank = resolve_group(process_group)
@@ -90,7 +107,7 @@ class ShardedGroup:
             strategy=variant.strategy,
             shard_group_size=cfg.shard_group_size,
             scheme=variant.scheme,
-            matrix_cost=cfg.matrix_cost,
+            matrix_cost=matrix_cost,
         )
         self.shard_group_size = self.plan.shard_group_size
         self.shard_rank = self.plan.shard_rank(self.rank)
@@ -101,9 +118,11 @@ class ShardedGroup:
         separate = variant.separate_all_gather_group
         if separate is None:
             separate = cfg.reshard_after_forward or cfg.pipelined_step
-        self.shard_group, self.replica_group, self.gather_group = make_groups(
-            self.process_group, self.dp_size, self.shard_group_size, separate and gathers
-        )
+        key = (self.shard_group_size, separate and gathers)
+        if previous is None or previous.key != key:
+            previous = CommGroupsMade(key, *make_groups(self.process_group, self.dp_size, *key))
+        self.made = previous
+        _, self.shard_group, self.replica_group, self.gather_group = previous
         groups = CommGroups(
             self.shard_group,
             self.shard_rank,

@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ..planning.specs import MatrixCost
-
     ParamInit = Callable[[str, torch.Tensor], None]
 
 
@@ -117,11 +115,6 @@ class DataParallelConfig:
     frozen one), under torch's RNG seeded from the name, so values do not depend on the world
     size or mode; buffers are left for the model's own init after wrapping ([Note: meta-device
     construction] in `engine/_meta.py`)."""
-    matrix_cost: MatrixCost | None = None
-    """`cost(rows, cols) -> int`, the per-step work of the matrix rule on one matrix, which the
-    planner evens out across ranks (and `shard_group_size="auto"` measures): the rule's own
-    `matrix_cost`, e.g. `wholeshard.optim.SOAP.matrix_cost`. None: Newton-Schulz cost (Muon's).
-    Set it with a rule other than Muon whose cost grows otherwise with the matrix's sides."""
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and not (
@@ -148,7 +141,6 @@ class DataParallelConfig:
             ("matrix_params", "a function matrix_params(name, param) -> bool"),
             ("expert_params", "a function expert_params(name, param) -> bool"),
             ("param_init", "a function fn(name, tensor)"),
-            ("matrix_cost", "a function cost(rows, cols) -> int (e.g. SOAP.matrix_cost)"),
         ):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ConfigError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +25,7 @@ from ..distributed.groups import resolve_group
 from ..distributed.mesh import ModelRanks, mesh_data_parallel, model_ranks
 from ..planning import Plan
 from ..planning.routing import Route, route_params
+from ..planning.specs import MatrixCost, newton_schulz_cost
 from . import _hooks as hooks
 from ._experts import ExpertLayout, expert_group, split_experts, split_rest
 from ._fp8_storage import has_fp8_weights
@@ -32,7 +33,7 @@ from ._guard import claim, unclaim
 from ._init import cast_frozen, check_model, common_dtype
 from ._memory import memory
 from ._meta import fill_frozen, materialise, target_device
-from ._sharded_group import ShardedGroup
+from ._sharded_group import CommGroupsMade, ShardedGroup
 from ._storage import StorageUnit
 from ._tp_check import check_tensor_parallel
 from .config import DataParallelConfig, Variant
@@ -135,21 +136,41 @@ class DataParallel(nn.Module):
         self.frozen = cast_frozen(module, param_dtype)
         dtypes = {"param_dtype": param_dtype, "grad_dtype": policy.reduce_dtype or param_dtype}
         rest = [*self.frozen, *module.buffers()]
+        experts_rest: list[torch.Tensor] = []
         if experts:  # each group broadcasts its own
             rest, experts_rest = split_rest(module, self.frozen, cfg.expert_params)
-        dense = ShardedGroup(module, routes, cfg, variant, self.process_group, rest=rest, **dtypes)
+        self._group_inputs = (routes, experts, meshed, rest, experts_rest, dtypes)
+        self._build_groups(cfg, matrix_cost=None)
+        self._hooks = hooks.cast_forward(module, policy)
+
+    def _build_groups(
+        self,
+        cfg: DataParallelConfig,
+        matrix_cost: MatrixCost | None,
+        previous: Sequence[CommGroupsMade] = (),
+    ) -> None:
+        """Plan the params for `matrix_cost` (None: Newton-Schulz's), build their groups from
+        the module's current values (reusing `previous` groups' comm groups where they fit) and
+        the step protocol over them."""
+        routes, experts, meshed, rest, experts_rest, dtypes = self._group_inputs
+        kwargs = {"matrix_cost": matrix_cost, **dtypes}
+        before = iter(previous)
+        dense = ShardedGroup(
+            self.module, routes, cfg, self._variant, self.process_group, rest=rest,
+            previous=next(before, None), **kwargs,
+        )  # fmt: skip
         self._groups, self.expert_layout = [dense], None  # `units` lists the experts' after
         if meshed is not None and experts:
-            group, self.expert_layout = expert_group(self, experts, meshed, experts_rest, dtypes)
+            kwargs |= {"rest": experts_rest, "previous": next(before, None)}
+            group, self.expert_layout = expert_group(self, cfg, experts, meshed, kwargs)
             self._groups.append(group)
-        self._hooks = hooks.cast_forward(module, policy)
         for name in SHARDING:  # the dense params' group's
             setattr(self, name, getattr(dense, name))
         claim((r.name, r.param) for r in self.routes)
         self._copy_of = {
             r.name: g.rank // g.shard_group_size for g in self._groups for r in g.routes
         }
-        self.step_protocol = StepProtocol(self._groups, self.routes, module)
+        self.step_protocol = StepProtocol(self._groups, self.routes, self.module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -227,19 +248,52 @@ class DataParallel(nn.Module):
         its own holding its current value, every hook is removed, and the module can be wrapped
         again (after freezing or unfreezing params, say). Do not use this wrapper or its
         optimizer afterwards."""
-        self.free_overlap_buffers()  # nothing in flight
-        for s in self.step_protocol.schedulers:
-            s.gather_all()
-        for b in self.units:
-            for param, _ in b.params:
-                set_local(param, local(param.data).clone())
-        for handle in [*self._hooks, *(h for g in self._groups for h in g.hooks)]:
+        self._give_back_params()
+        for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        return self.module
+
+    def balance_for(self, rule: type) -> None:
+        """Lay the params out again if the plan evens out another matrix rule's work than
+        `rule`'s (its static `matrix_cost(rows, cols)`; Newton-Schulz's without one), so each
+        rank's share of the matrix work is even: the layout decides which rank owns which
+        matrix, so it follows the rule the optimizer is given. `LayerwiseOptimizer` calls it
+        (every rank must), before it holds any state: the params keep their values, every
+        unit's gradients are dropped and, for the moment, each rank holds a copy of the whole
+        model besides its storage."""
+        cost = getattr(rule, "matrix_cost", None)
+        cost = None if cost is None or cost == newton_schulz_cost else cost
+        if cost == self.plan.matrix_cost:
+            return
+        if self.step_protocol.optimizer is not None:
+            name = getattr(rule, "__name__", rule)
+            raise RuntimeError(
+                f"this DataParallel already has an optimizer, whose state follows its layout; "
+                f"build its one LayerwiseOptimizer with matrix_optimizer={name}"
+            )
+        self._give_back_params()
+        previous = [g.made for g in self._groups]
+        del self._groups, self.step_protocol  # the old units go before the new are built
+        self._build_groups(dataclasses.replace(self.dp_config, param_init=None), cost, previous)
+
+    def _give_back_params(self) -> None:
+        """Give every trainable param storage of its own holding its current value, one unit
+        at a time (fully sharded: gathered, copied, released), and remove the groups' hooks."""
+        self.free_overlap_buffers()  # nothing in flight
+        for s in self.step_protocol.schedulers:
+            s.finish_param_sync()
+            for unit in s.forward_order:
+                gathered = s.gather([unit])
+                values = [local(param.data).clone() for param, _ in unit.params]
+                s.release(gathered)  # empties the params: they get their values after
+                for (param, _), value in zip(unit.params, values, strict=True):
+                    set_local(param, value)
         for g in self._groups:
+            for handle in g.hooks:
+                handle.remove()
             g.hooks = []
         unclaim(r.param for r in self.routes)
-        return self.module
 
     def free_overlap_buffers(self) -> None:
         """Wait for anything in flight, then drop temporary buffers and (fully sharded) full

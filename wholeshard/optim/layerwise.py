@@ -25,7 +25,6 @@ from torch.utils.hooks import RemovableHandle
 from ..distributed import collectives
 from ..engine.data_parallel import DataParallel
 from ._inner import States, holding
-from ._rule_cost import check_cost
 from ._step_check import (
     NONFINITE_POLICIES,
     NonfinitePolicy,
@@ -55,8 +54,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             `torch.optim.Muon`, or `wholeshard.optim.BatchedMuon` (the same maths and state,
             same-shape matrices orthogonalized together). Checkpoints reshard state shaped like
             the param, so an optimizer whose update of a param reads only that param, its grad
-            and such state runs distributed unchanged. One whose `matrix_cost` is not the one
-            `ddp` was planned with (`DataParallelConfig.matrix_cost`) gets a warning.
+            and such state runs distributed unchanged. Its static `matrix_cost(rows, cols)`
+            (Newton-Schulz's without one) is the work `ddp`'s layout evens out across ranks:
+            `ddp.balance_for(matrix_optimizer)` lays it out again if planned for another.
         adamw: keyword arguments of `torch.optim.AdamW`.
         nonfinite: what an inf or nan in the averaged gradients does: "error" raises
             `FloatingPointError` on every rank naming the param and the step; "skip" leaves
@@ -105,9 +105,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
+        ddp.balance_for(matrix_optimizer)
         self.ddp = ddp
         self._protocol = ddp.step_protocol  # the step's verbs (`engine.step_protocol`)
-        check_cost(ddp.dp_config.matrix_cost, matrix_optimizer)
         self.nonfinite = nonfinite
         self.steps = 0  # step() calls taken (skipped ones included)
         self.skipped_steps = 0

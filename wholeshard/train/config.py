@@ -180,11 +180,9 @@ class OutputConfig:
     """Write a Chrome trace (torch.profiler) of a few steps to this file (rank 0)."""
 
 
-PARALLEL_SET_BY_THE_JOB = frozenset(
-    {"matrix_params", "mp_policy", "fp8_param_gather", "matrix_cost"}
-)
-"""`DataParallelConfig` fields the job sets itself (from `model.param_dtype`, `model.fp8`,
-`optim.matrix_optimizer`), so they are not flags."""
+PARALLEL_SET_BY_THE_JOB = frozenset({"matrix_params", "mp_policy", "fp8_param_gather"})
+"""`DataParallelConfig` fields the job sets itself (the routing, from `model.param_dtype` and
+`model.fp8`), so they are not flags."""
 
 
 @dataclass

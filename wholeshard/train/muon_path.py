@@ -25,8 +25,8 @@ def build_wholeshard(
 ) -> tuple[DataParallel, LayerwiseOptimizer, Callable[[float], torch.Tensor]]:
     """(the module to call, the optimizer, the gradient clipper) of `model` as `cfg` says, on
     `mesh` (a ("dp", "tp") `DeviceMesh` for a tensor-parallel model; None: the default group).
-    The planner balances the rule's own cost per matrix (`matrix_cost`; Newton-Schulz's if the
-    rule defines none)."""
+    The layout evens out the rule's own work per matrix (`DataParallel.balance_for`, which the
+    optimizer calls)."""
     optim = cfg.optim
     ns = optim.ns_coefficients, optim.ns_algorithm
     rule = matrix_rule(optim.matrix_optimizer, *ns)
@@ -34,7 +34,6 @@ def build_wholeshard(
         cfg.parallel,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         fp8_param_gather=cfg.model.fp8 is not None,
-        matrix_cost=getattr(rule, "matrix_cost", None),
     )
     ddp = DataParallel(model, parallel, mesh=mesh)
     lr, weight_decay = cfg.peak_lr, optim.weight_decay
