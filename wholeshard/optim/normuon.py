@@ -55,7 +55,7 @@ from torch.optim._muon import _adjust_lr
 from torch.optim.optimizer import ParamsT, _to_scalar
 
 from ..planning.specs import newton_schulz_cost
-from .gram_ns import NsAlgorithm, check_ns_algorithm, gram_newton_schulz
+from .gram_ns import Coefficients, NsAlgorithm, check_ns_algorithm, gram_newton_schulz
 from .matrix_rule import Group, MatrixRule, MuonRule
 from .tensor_parallel import (
     TpMode,
@@ -67,7 +67,6 @@ from .tensor_parallel import (
     tp_shard,
 )
 
-Coefficients = tuple[float, float, float]
 Schedule = str | Coefficients | Sequence[Coefficients]
 
 QUINTIC: Coefficients = (3.4445, -4.7750, 2.0315)
@@ -109,8 +108,7 @@ def ns_schedule(ns_coefficients: Schedule, steps: int) -> tuple[list[Coefficient
             return [QUINTIC] * steps, 1.0
         if ns_coefficients == "polar_express":
             return _repeat_last(POLAR_EXPRESS, steps), POLAR_EXPRESS_SAFETY
-        raise ValueError(f"ns_coefficients must be one of {SCHEDULES} or (a, b, c) triples")
-    triples = list(ns_coefficients)
+    triples = [] if isinstance(ns_coefficients, str) else list(ns_coefficients)
     if len(triples) == 3 and all(isinstance(x, (int, float)) for x in triples):
         triples = [tuple(triples)]  # type: ignore[list-item]
     if not triples or any(len(t) != 3 for t in triples):
