@@ -124,9 +124,8 @@ def _orthogonalize(
     x: Tensor, group: Group, matmul_dtype: torch.dtype, ns_algorithm: NsAlgorithm
 ) -> Tensor:
     """torch's `_zeropower_via_newtonschulz` with `group`'s settings on each matrix of the bf16
-    stack `x` (n, A, B), which it may overwrite: transposed when A > B, divided by its Frobenius
-    norm (clamped by `eps`), then `ns_steps` quintic iterations whose every product is rounded to
-    bf16 ("gram": by `gram_newton_schulz`, in bf16). Returns the (n, A, B) result in bf16."""
+    stack `x` (n, A, B), which it may overwrite, every product rounded to bf16 ("gram": by
+    `gram_newton_schulz`). Returns the (n, A, B) result in bf16."""
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
     a, b, c = coefficients
     tall = x.size(1) > x.size(2)

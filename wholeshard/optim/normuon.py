@@ -36,10 +36,9 @@ As in the reference, a param whose `.grad` is None gets `p.grad = zeros` and is 
 that zero gradient (momentum decays, the update is applied) without weight decay. (Through
 `LayerwiseOptimizer` that never happens: a param no rank got a gradient for is not stepped.)
 
-The update of a param reads only that param, its grad and its own state, so
-`wholeshard.LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=NorMuon)` runs it
-distributed unchanged. Its state per param is `momentum_buffer` (shaped like the param) and
-`second_momentum_buffer` (the param's shape with the last dim 1), the reference's keys:
+A `MatrixRule`: `LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=NorMuon)` runs it
+distributed unchanged. Its state per param, `momentum_buffer` (shaped like the param) and
+`second_momentum_buffer` (the param's shape with the last dim 1), has the reference's keys:
 state dicts load into the reference's optimizer and back. wholeshard checkpoints save the
 second moment whole with its matrix (one value per row, not per element).
 """

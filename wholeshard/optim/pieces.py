@@ -1,17 +1,10 @@
 """The optimizer's pieces, and the contract between an optimizer and checkpoints.
 
-`OwnedPiece` is what the optimizer steps: a whole tensor this rank owns, one matrix of a stacked
-param, or a flat slice of an element-wise one, with its fp32 master (`pieces_of` makes them from
-the engine's `OwnedRange`s).
-
-`Checkpointable` is the whole contract between checkpoints and an optimizer: the pieces of
-params this rank updates, each piece's torch optimizer state, the param groups' hyperparameters,
-and optionally a step count (`step_count`). `LayerwiseOptimizer` satisfies it; so can any
-optimizer whose pieces are `OwnedPiece`s.
-
-`install_state` is the single path by which loaded values replace the live ones, used by
-`LayerwiseOptimizer.load_state_dict` (same plan) and `wholeshard.checkpoint.load_checkpoint`
-(any plan).
+`OwnedPiece` is what the optimizer steps, with its fp32 master (`pieces_of` makes them from the
+engine's `OwnedRange`s). `Checkpointable` is the whole contract between checkpoints and an
+optimizer: `LayerwiseOptimizer` satisfies it; so can any optimizer whose pieces are `OwnedPiece`s.
+`install_state` is the single path by which loaded values replace the live ones
+(`LayerwiseOptimizer.load_state_dict`, same plan; `wholeshard.checkpoint.load_checkpoint`, any).
 
 [Note: what Muon sees]
 Muon's update depends on the matrix's orientation (`adjust_lr_fn` scales by its shape) and only
@@ -66,8 +59,8 @@ class OwnedPiece:
     matrix: int | None = None  # index of the matrix within a stacked param
     transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
     rows: tuple[int, int] | None = None  # a row block [a, b) of its (out, in) matrix (ns_split)
-    tp_param: torch.Tensor | None = None  # tensor parallel: a DTensor over `master` (below)
-    replica: torch.Tensor | None = None  # tensor parallel, any rule: the logical matrix (below)
+    tp_param: torch.Tensor | None = None  # tensor parallel: a DTensor over `master` (and grad)
+    replica: torch.Tensor | None = None  # tensor parallel, other rules: the logical matrix
 
     @property
     def key(self) -> str:
@@ -78,11 +71,9 @@ class OwnedPiece:
 
     @property
     def stepped(self) -> torch.Tensor:
-        """What the torch optimizer steps (and keys its state by): `master`, or for a slice of
-        a tensor-parallel matrix a DTensor over it with the logical shape, whose `.grad` is one
-        over `master.grad` ([Note: tensor-parallel Muon] in `optim.tensor_parallel`); for a
-        rule that steps only whole matrices, the `replica` of the logical matrix that every
-        tensor-parallel rank steps alike ([Note: replicas of tensor-parallel matrices])."""
+        """What the torch optimizer steps (and keys its state by): `replica`, else `tp_param`,
+        else `master` ([Note: tensor-parallel Muon], [Note: replicas of tensor-parallel
+        matrices] in `optim.tensor_parallel`)."""
         if self.replica is not None:
             return self.replica
         return self.master if self.tp_param is None else self.tp_param

@@ -1,11 +1,10 @@
 """The matrix rules by name: what `wholeshard train --matrix-optimizer` and `wholeshard bench`
 choose from, and the keyword arguments the train job gives each.
 
-Every rule steps each owned matrix from that matrix, its gradient and its own state alone, so
-`LayerwiseOptimizer(ddp, matrix=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs it
-distributed with no communication of its own. `muon` with the fixed quintic is
-`torch.optim.Muon` itself; with another Newton-Schulz schedule or algorithm,
-`wholeshard.optim.Muon`. `tensor_parallel_rule`: the rule that steps tensor-parallel matrices.
+`LayerwiseOptimizer(ddp, matrix=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs a
+rule distributed (`matrix_rule.MatrixRule`). `muon` with the fixed quintic is `torch.optim.Muon`
+itself; with another Newton-Schulz schedule or algorithm, `wholeshard.optim.Muon`.
+`tensor_parallel_rule`: the rule that steps tensor-parallel matrices.
 """
 
 from __future__ import annotations

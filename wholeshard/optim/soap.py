@@ -38,10 +38,9 @@ Where this departs from the reference, and why:
   `precondition_1d` (which only change such params, or merge a matrix's two dims into one) must
   be False, their defaults.
 
-The update of a param reads only that param, its grad and its own state, so
-`wholeshard.LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=SOAP)` runs it distributed
-unchanged; plan with `DataParallel(model, matrix_cost=SOAP.matrix_cost)` so that the planner
-balances SOAP's work rather than Newton-Schulz's. A checkpoint reshards `exp_avg` and
+A `MatrixRule`: `LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=SOAP)` runs it
+distributed unchanged; plan with `DataParallel(model, matrix_cost=SOAP.matrix_cost)` so that the
+planner balances SOAP's work rather than Newton-Schulz's. A checkpoint reshards `exp_avg` and
 `exp_avg_sq` with the param and saves `step`, `GG*` and `Q*` whole with their matrix.
 """
 
