@@ -6,8 +6,7 @@ count, whether some rank's model changed after wrapping, and which params got a 
 some rank. So every rank takes the same decision: raise (a changed model, ranks at different
 steps, a non-finite gradient under `nonfinite="error"`), skip the update (`nonfinite="skip"`),
 or step exactly the params that got a gradient. One `MAX` all-reduce of float64 values (four,
-then one flag per param) carries it all (a minimum travels as a negated maximum); it is built
-in pinned memory and copied without blocking.
+then one flag per param) carries it all (a minimum travels as a negated maximum).
 
 [Note: host syncs in a step]
 Reading the check's result on the host waits for the device: the one sync of a step. With

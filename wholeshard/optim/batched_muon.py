@@ -83,38 +83,27 @@ class BatchedMuon(MuonRule):
         if group["weight_decay"] != 0:  # else torch multiplies by exactly 1
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         for batch in _batches(params, self.batch_numel):
-            _update_batch(
-                group,
-                lr,
-                [params[i] for i in batch],
-                [grads[i] for i in batch],
-                [bufs[i] for i in batch],
-                self.matmul_dtype,
-                self.ns_algorithm,
-            )
+            self._update_batch(group, lr, *([xs[i] for i in batch] for xs in (params, grads, bufs)))
 
-
-def _update_batch(
-    group: Group,
-    lr: float | Tensor,
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor],
-    matmul_dtype: torch.dtype,
-    ns_algorithm: NsAlgorithm = "standard",
-) -> None:
-    """Nesterov, Newton-Schulz and the update of same-shape `params`, whose momentum buffers
-    `bufs` hold this step's momentum. Its temporaries die with it."""
-    sources = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
-    # One cat and one cast (`stack(out=bf16)` would cast on CPU but copy each input on CUDA).
-    stacked = torch.stack(sources).bfloat16()
-    del sources
-    coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
-    update = _orthogonalize(stacked, coefficients, steps, eps, matmul_dtype, ns_algorithm)
-    # The cast `param.add_` would do, contiguous so that foreach ops take their fast path.
-    update = update.to(params[0].dtype, memory_format=torch.contiguous_format)
-    alpha = -_adjust_lr(lr, group["adjust_lr_fn"], params[0].shape)
-    torch._foreach_add_(params, list(update.unbind(0)), alpha=alpha)
+    def _update_batch(
+        self,
+        group: Group,
+        lr: float | Tensor,
+        params: list[Tensor],
+        grads: list[Tensor],
+        bufs: list[Tensor],
+    ) -> None:
+        """Nesterov, Newton-Schulz and the update of same-shape `params`, whose momentum buffers
+        `bufs` hold this step's momentum. Its temporaries die with it."""
+        sources = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
+        # One cat and one cast (`stack(out=bf16)` would cast on CPU but copy each input on CUDA).
+        stacked = torch.stack(sources).bfloat16()
+        del sources
+        update = _orthogonalize(stacked, group, self.matmul_dtype, self.ns_algorithm)
+        # The cast `param.add_` would do, contiguous so that foreach ops take their fast path.
+        update = update.to(params[0].dtype, memory_format=torch.contiguous_format)
+        alpha = -_adjust_lr(lr, group["adjust_lr_fn"], params[0].shape)
+        torch._foreach_add_(params, list(update.unbind(0)), alpha=alpha)
 
 
 def _batches(params: list[Tensor], batch_numel: int) -> list[list[int]]:
@@ -132,22 +121,17 @@ def _batches(params: list[Tensor], batch_numel: int) -> list[list[int]]:
 
 
 def _orthogonalize(
-    x: Tensor,
-    coefficients: tuple[float, float, float],
-    steps: int,
-    eps: float,
-    matmul_dtype: torch.dtype,
-    ns_algorithm: NsAlgorithm = "standard",
+    x: Tensor, group: Group, matmul_dtype: torch.dtype, ns_algorithm: NsAlgorithm
 ) -> Tensor:
-    """torch's `_zeropower_via_newtonschulz` on each matrix of the bf16 stack `x` (n, A, B),
-    which it may overwrite: transposed when A > B, divided by its Frobenius norm (clamped by
-    `eps`), then `steps` quintic iterations whose every product is rounded to bf16 ("gram":
-    by `gram_newton_schulz`, in bf16). Returns the (n, A, B) result in bf16."""
+    """torch's `_zeropower_via_newtonschulz` with `group`'s settings on each matrix of the bf16
+    stack `x` (n, A, B), which it may overwrite, every product rounded to bf16 ("gram": by
+    `gram_newton_schulz`). Returns the (n, A, B) result in bf16."""
+    coefficients, steps = group["ns_coefficients"], group["ns_steps"]
     a, b, c = coefficients
     tall = x.size(1) > x.size(2)
     if tall:
         x = x.mT
-    x.div_(torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps))
+    x.div_(torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=group["eps"]))
     if ns_algorithm == "gram":
         x = gram_newton_schulz(x, [coefficients] * steps)
         return x.mT if tall else x

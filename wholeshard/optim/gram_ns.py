@@ -67,8 +67,6 @@ def symmetric_gram(x: Tensor) -> Tensor:
 
 def _symmetric_flops(m: int, n: int) -> int:
     """`symmetric_gram`'s flops on an (m, n) matrix."""
-    if m <= SYRK_BLOCK:
-        return 2 * m * m * n
     return sum(2 * (min(m, lo + SYRK_BLOCK) - lo) * (m - lo) * n for lo in range(0, m, SYRK_BLOCK))
 
 
@@ -96,7 +94,7 @@ def gram_plan(m: int, n: int, steps: int) -> str:
 def gram_ns_flops(shape: Sequence[int], steps: int) -> int:
     """Product flops of `gram_newton_schulz` on one matrix of `shape` (either orientation)."""
     m, n = sorted(shape[-2:])
-    return _plan_flops(m, n, steps)[gram_plan(m, n, steps)]
+    return min(_plan_flops(m, n, steps).values())  # the plan's: the cheaper
 
 
 def gram_newton_schulz(x: Tensor, schedule: Sequence[Coefficients]) -> Tensor:

@@ -36,10 +36,9 @@ As in the reference, a param whose `.grad` is None gets `p.grad = zeros` and is 
 that zero gradient (momentum decays, the update is applied) without weight decay. (Through
 `LayerwiseOptimizer` that never happens: a param no rank got a gradient for is not stepped.)
 
-The update of a param reads only that param, its grad and its own state, so
-`wholeshard.LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=NorMuon)` runs it
-distributed unchanged. Its state per param is `momentum_buffer` (shaped like the param) and
-`second_momentum_buffer` (the param's shape with the last dim 1), the reference's keys:
+A `MatrixRule`: `LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=NorMuon)` runs it
+distributed unchanged. Its state per param, `momentum_buffer` (shaped like the param) and
+`second_momentum_buffer` (the param's shape with the last dim 1), has the reference's keys:
 state dicts load into the reference's optimizer and back. wholeshard checkpoints save the
 second moment whole with its matrix (one value per row, not per element).
 """
@@ -55,7 +54,7 @@ from torch.optim._muon import _adjust_lr
 from torch.optim.optimizer import ParamsT, _to_scalar
 
 from ..planning.specs import newton_schulz_cost
-from .gram_ns import NsAlgorithm, check_ns_algorithm, gram_newton_schulz
+from .gram_ns import Coefficients, NsAlgorithm, check_ns_algorithm, gram_newton_schulz
 from .matrix_rule import Group, MatrixRule, MuonRule
 from .tensor_parallel import (
     TpMode,
@@ -67,7 +66,6 @@ from .tensor_parallel import (
     tp_shard,
 )
 
-Coefficients = tuple[float, float, float]
 Schedule = str | Coefficients | Sequence[Coefficients]
 
 QUINTIC: Coefficients = (3.4445, -4.7750, 2.0315)
@@ -109,8 +107,7 @@ def ns_schedule(ns_coefficients: Schedule, steps: int) -> tuple[list[Coefficient
             return [QUINTIC] * steps, 1.0
         if ns_coefficients == "polar_express":
             return _repeat_last(POLAR_EXPRESS, steps), POLAR_EXPRESS_SAFETY
-        raise ValueError(f"ns_coefficients must be one of {SCHEDULES} or (a, b, c) triples")
-    triples = list(ns_coefficients)
+    triples = [] if isinstance(ns_coefficients, str) else list(ns_coefficients)
     if len(triples) == 3 and all(isinstance(x, (int, float)) for x in triples):
         triples = [tuple(triples)]  # type: ignore[list-item]
     if not triples or any(len(t) != 3 for t in triples):

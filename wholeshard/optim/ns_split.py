@@ -31,6 +31,7 @@ Fused q/k/v rows come in model-specific orders (`split_qkv`'s `layout`):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 from typing import Literal
 
 import torch
@@ -47,8 +48,6 @@ ATTENTION_INPUT_NAMES = (
     *("q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "wq", "wk", "wv"),
 )
 """Name components of attention input projections `split_heads` splits by default."""
-
-_GROUPED_BY_DEFAULT = ("query_key_value",)
 
 
 def split_qkv(
@@ -85,10 +84,7 @@ def split_qkv(
                 f"{num_kv_heads}) * {head_dim} = {rows}: check the head counts, or leave it "
                 f"out of `names`"
             )
-        grouped = layout == "grouped" or (
-            layout is None and not set(_GROUPED_BY_DEFAULT).isdisjoint(components)
-        )
-        if grouped:
+        if layout == "grouped" or (layout is None and "query_key_value" in components):
             queries = num_heads // num_kv_heads * head_dim
             return [queries, head_dim, head_dim] * num_kv_heads
         return [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -128,7 +124,7 @@ def row_blocks(routes: Iterable[Route], ns_split: NsSplit | None) -> dict[str, t
     for route in routes:
         if not route.matrix:
             continue
-        logical = route.logical_shape  # a tensor-parallel matrix's whole (`pieces.local_blocks`)
+        logical = route.logical_shape  # a tensor-parallel matrix's whole (`pieces.pieces_of`)
         shape = (*logical[:-2], *logical[-2:][:: -1 if route.transposed else 1])
         sizes = ns_split(route.name, torch.empty(shape, dtype=route.param.dtype, device="meta"))
         if sizes is None:
@@ -141,9 +137,7 @@ def row_blocks(routes: Iterable[Route], ns_split: NsSplit | None) -> dict[str, t
                 f"sees it, (..., out, in))"
             )
         if len(sizes) > 1:
-            bounds = [0]
-            for s in sizes:
-                bounds.append(bounds[-1] + s)
+            bounds = [0, *accumulate(sizes)]
             _check_slices(route, bounds)
             blocks[route.name] = tuple(bounds)
     return blocks
@@ -153,12 +147,11 @@ def _check_slices(route: Route, bounds: list[int]) -> None:
     """A tensor-parallel matrix's blocks must lie each within one rank's slice of rows
     (ColwiseParallel), so that each rank steps its own blocks alone; raised on every rank. (With
     its columns sliced, RowwiseParallel, each block is a tensor-parallel matrix of its own.)"""
-    if route.shape[0] == route.logical_shape[0]:  # all rows here
-        return
     rows, local = route.logical_shape[0], route.shape[0]
-    if route.shape[1:] != route.logical_shape[1:] or not set(range(0, rows + 1, local)) <= set(
-        bounds
-    ):
+    if local == rows:  # all rows here
+        return
+    edges = set(range(0, rows + 1, local))  # where one rank's slice ends and the next begins
+    if route.shape[1:] != route.logical_shape[1:] or not edges <= set(bounds):
         raise NotImplementedError(
             f"ns_split on {route.name}: row blocks of a tensor-parallel matrix must each lie "
             f"within one rank's slice of rows (ColwiseParallel: slices of {local} of its {rows} "

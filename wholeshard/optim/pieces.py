@@ -1,18 +1,10 @@
 """The optimizer's pieces, and the contract between an optimizer and checkpoints.
 
-`OwnedPiece` is what the optimizer steps: a whole tensor this rank owns, one matrix of a stacked
-param, or a flat slice of an element-wise one, with its fp32 master (`pieces_of` makes them from
-the engine's `OwnedRange`s).
-
-`Checkpointable` is the whole contract between checkpoints and an optimizer: the pieces of
-params this rank updates, each piece's torch optimizer state, the param groups' hyperparameters,
-and optionally a step count (`step_count`). `LayerwiseOptimizer` satisfies it; so can any
-optimizer whose pieces are `OwnedPiece`s.
-
-`install_state` is the single path by which loaded values replace the live ones, used by
-`LayerwiseOptimizer.load_state_dict` (same plan) and `wholeshard.checkpoint.load_checkpoint`
-(any plan): masters, then params from the masters, then optimizer state, then param-group
-hyperparameters and the step count, then every rank gathers every param from its owner.
+`OwnedPiece` is what the optimizer steps, with its fp32 master (`pieces_of` makes them from the
+engine's `OwnedRange`s). `Checkpointable` is the whole contract between checkpoints and an
+optimizer: `LayerwiseOptimizer` satisfies it; so can any optimizer whose pieces are `OwnedPiece`s.
+`install_state` is the single path by which loaded values replace the live ones
+(`LayerwiseOptimizer.load_state_dict`, same plan; `wholeshard.checkpoint.load_checkpoint`, any).
 
 [Note: what Muon sees]
 Muon's update depends on the matrix's orientation (`adjust_lr_fn` scales by its shape) and only
@@ -67,8 +59,8 @@ class OwnedPiece:
     matrix: int | None = None  # index of the matrix within a stacked param
     transposed: bool = False  # stored (in, out): the master is the (out, in) transpose
     rows: tuple[int, int] | None = None  # a row block [a, b) of its (out, in) matrix (ns_split)
-    tp_param: torch.Tensor | None = None  # tensor parallel: a DTensor over `master` (below)
-    replica: torch.Tensor | None = None  # tensor parallel, any rule: the logical matrix (below)
+    tp_param: torch.Tensor | None = None  # tensor parallel: a DTensor over `master` (and grad)
+    replica: torch.Tensor | None = None  # tensor parallel, other rules: the logical matrix
 
     @property
     def key(self) -> str:
@@ -79,11 +71,9 @@ class OwnedPiece:
 
     @property
     def stepped(self) -> torch.Tensor:
-        """What the torch optimizer steps (and keys its state by): `master`, or for a slice of
-        a tensor-parallel matrix a DTensor over it with the logical shape, whose `.grad` is one
-        over `master.grad` ([Note: tensor-parallel Muon] in `optim.tensor_parallel`); for a
-        rule that steps only whole matrices, the `replica` of the logical matrix that every
-        tensor-parallel rank steps alike ([Note: replicas of tensor-parallel matrices])."""
+        """What the torch optimizer steps (and keys its state by): `replica`, else `tp_param`,
+        else `master` ([Note: tensor-parallel Muon], [Note: replicas of tensor-parallel
+        matrices] in `optim.tensor_parallel`)."""
         if self.replica is not None:
             return self.replica
         return self.master if self.tp_param is None else self.tp_param
@@ -91,11 +81,10 @@ class OwnedPiece:
     def as_stepped(self, value: Any) -> Any:
         """A state value as the optimizer keeps it: for a slice of a tensor-parallel matrix,
         one shaped like `master` becomes a DTensor laid out like `tp_param`."""
-        if self.tp_param is None or self.replica is not None:
-            return value
-        if not torch.is_tensor(value) or value.shape != self.master.shape:
-            return value
-        return _laid_out_like(value, self.tp_param)
+        sliced = self.tp_param is not None and self.replica is None
+        if sliced and torch.is_tensor(value) and value.shape == self.master.shape:
+            return _laid_out_like(value, self.tp_param, tuple(self.tp_param.shape))
+        return value
 
     @property
     def separate_master(self) -> bool:
@@ -212,28 +201,19 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
     params = owned.param.reshape(-1, rows, cols).unbind()
     grads = owned.grad.reshape(-1, rows, cols).unbind()
     stacked = len(full_shape) > 2
-    if is_tensor_parallel(route.param):
-        if route.transposed or len(full_shape) > 2:
+    sliced = is_tensor_parallel(route.param)  # each piece a tensor-parallel matrix of its own
+    if sliced:
+        if route.transposed or stacked:
             raise NotImplementedError(
                 f"{route.name}: weights stored (in, out) and stacked matrices are not supported "
                 f"with tensor parallelism yet"
             )
         place = shard_place(route.param)
-        if bounds and place is not None and place[0] == 1:  # RowwiseParallel: column-sliced
-            return [  # row blocks, each a tensor-parallel matrix of its own
-                tensor_parallel(
-                    _piece(route.name, MATRIX, full_shape, owned.offset + a * cols,
-                           params[0][a:b], grads[0][a:b], rows=(a, b)),
-                    route.param,
-                    (a, b),
-                )
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            ]  # fmt: skip
-        if bounds:  # row blocks within this rank's rows: stepped here alone, as plain matrices
-            bounds = local_blocks(bounds, place, rows)
-        else:
-            piece = _piece(route.name, MATRIX, full_shape, owned.offset, owned.param, owned.grad)
-            return [tensor_parallel(piece, route.param)]
+        if bounds and (place is None or place[0] != 1):  # columns whole (not RowwiseParallel):
+            # the row blocks within this rank's rows, stepped here alone as plain matrices
+            first_row = 0 if place is None else place[1]
+            bounds = tuple(b - first_row for b in bounds if first_row <= b <= first_row + rows)
+            sliced = False
     blocks = list(zip(bounds[:-1], bounds[1:], strict=True)) if bounds else [None]
     pieces = []
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
@@ -256,36 +236,25 @@ def pieces_of(owned: OwnedRange, bounds: tuple[int, ...] | None = None) -> list[
                     rows=block,
                 )
             )
-    return pieces
+    return [tensor_parallel(piece, route.param) for piece in pieces] if sliced else pieces
 
 
-def local_blocks(bounds: tuple[int, ...], place: tuple[int, int] | None, rows: int) -> tuple:
-    """Row-block `bounds` of a logical matrix as bounds within this rank's `rows` rows of it
-    (`place`: (0, first row); `ns_split.row_blocks` checked that blocks do not straddle)."""
-    first = 0 if place is None else place[1]
-    return tuple(b - first for b in bounds if first <= b <= first + rows)
-
-
-def tensor_parallel(
-    piece: OwnedPiece, param: torch.Tensor, rows: tuple[int, int] | None = None
-) -> OwnedPiece:
+def tensor_parallel(piece: OwnedPiece, param: torch.Tensor) -> OwnedPiece:
     """`piece` (one rank's slice of a DTensor `param`, or of its `rows` when its columns are
     sliced) with a DTensor over its master and one over the master's grad, laid out like
     `param` (that matrix of `rows`)."""
+    rows = piece.rows
     shape = tuple(param.shape) if rows is None else (rows[1] - rows[0], *param.shape[1:])
     piece.tp_param = _laid_out_like(piece.master, param, shape)
     piece.tp_param.grad = _laid_out_like(piece.master.grad, param, shape)
     return piece
 
 
-def _laid_out_like(
-    t: torch.Tensor, dtensor: torch.Tensor, shape: tuple[int, ...] | None = None
-) -> torch.Tensor:
-    """A DTensor over `t` (this rank's slice, no copy) laid out like the DTensor `dtensor`, of
-    its `shape` or the given one."""
+def _laid_out_like(t: torch.Tensor, dtensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A DTensor over `t` (this rank's slice, no copy) of logical `shape`, laid out like the
+    DTensor `dtensor`."""
     from torch.distributed.tensor import DTensor
 
-    shape = tuple(dtensor.shape) if shape is None else shape
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(
         t, dtensor.device_mesh, dtensor.placements, shape=shape, stride=stride

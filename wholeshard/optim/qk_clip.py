@@ -76,11 +76,10 @@ class QKClip:
     """QK-clip at threshold `tau` for the attentions of `model` (default: `ddp.module`); its
     records start empty (-inf).
 
-    With a `DataParallel`, `attach(optimizer)` makes every `optimizer.step()` clip: one
-    all-reduce (MAX) of all heads' max logits, then each owner scales its q/k masters before
-    the gather ([Note: qk-clip]). With `ddp=None` (one process, any optimizer), call `apply()`
-    after each optimizer step. Either way the same float32 scales multiply the same rows, so N
-    ranks clip as one process does. Constructing it turns on the model's recording.
+    With a `DataParallel`, `attach(optimizer)` makes every `optimizer.step()` clip ([Note:
+    qk-clip]). With `ddp=None` (one process, any optimizer), call `apply()` after each step.
+    Either way the same float32 scales multiply the same rows, so N ranks clip as one process
+    does. Constructing it turns on the model's recording.
     """
 
     def __init__(self, ddp: DataParallel | None, tau: float, model: nn.Module | None = None):
@@ -142,7 +141,7 @@ class QKClip:
     @torch.no_grad()
     def apply(self) -> torch.Tensor:
         """One process: clip the model's q/k params now (after the optimizer step); returns the
-        max logits it saw. With a DataParallel the clip runs inside the step: `attach`."""
+        max logits it saw."""
         if self.ddp is not None:
             raise RuntimeError(
                 "with a DataParallel, QK-clip runs inside the optimizer step, before the param "

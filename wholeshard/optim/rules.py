@@ -1,11 +1,10 @@
 """The matrix rules by name: what `wholeshard train --matrix-optimizer` and `wholeshard bench`
 choose from, and the keyword arguments the train job gives each.
 
-Every rule steps each owned matrix from that matrix, its gradient and its own state alone, so
-`LayerwiseOptimizer(ddp, matrix=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs it
-distributed with no communication of its own. `muon` with the fixed quintic is
-`torch.optim.Muon` itself; with another Newton-Schulz schedule or algorithm,
-`wholeshard.optim.Muon`. `tensor_parallel_rule`: the rule that steps tensor-parallel matrices.
+`LayerwiseOptimizer(ddp, matrix=matrix_kwargs(...), matrix_optimizer=matrix_rule(...))` runs a
+rule distributed (`matrix_rule.MatrixRule`). `muon` with the fixed quintic is `torch.optim.Muon`
+itself; with another Newton-Schulz schedule or algorithm, `wholeshard.optim.Muon`.
+`tensor_parallel_rule`: the rule that steps tensor-parallel matrices.
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ from typing import Any
 import torch
 
 from ..distributed.dtensor import is_tensor_parallel
+from .normuon import QUINTIC, Muon, NorMuon
+from .soap import SOAP
 from .tensor_parallel import check_tp_mode
 
 MATRIX_RULES = ("muon", "normuon", "soap")
@@ -36,19 +37,9 @@ def matrix_rule(
             f"ns_coefficients={ns_coefficients!r}, ns_algorithm={ns_algorithm!r}: {name} does "
             f"not orthogonalize (Newton-Schulz rules: {', '.join(NS_RULES)})"
         )
-    if name == "muon":
-        if (ns_coefficients, ns_algorithm) == ("quintic", "standard"):
-            return torch.optim.Muon
-        from .normuon import Muon
-
-        return Muon
-    if name == "normuon":
-        from .normuon import NorMuon
-
-        return NorMuon
-    from .soap import SOAP
-
-    return SOAP
+    if name == "muon" and (ns_coefficients, ns_algorithm) == ("quintic", "standard"):
+        return torch.optim.Muon
+    return {"muon": Muon, "normuon": NorMuon, "soap": SOAP}[name]
 
 
 def ns_kwargs(name: str, ns_coefficients: str, ns_algorithm: str) -> dict[str, Any]:
@@ -85,8 +76,6 @@ def tensor_parallel_rule(
     (torch's maths and state, orthogonalizing logical matrices in `tp_mode`); any other rule
     steps a replica of each logical matrix on every tensor-parallel rank ([Note: replicas of
     tensor-parallel matrices] in `optim.tensor_parallel`), "duplicated" only."""
-    from .normuon import QUINTIC, Muon
-
     mode = check_tp_mode(mode)
     kwargs = dict(kwargs or {})
     if not any(r.matrix and is_tensor_parallel(r.param) for r in routes):

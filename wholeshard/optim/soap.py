@@ -38,10 +38,9 @@ Where this departs from the reference, and why:
   `precondition_1d` (which only change such params, or merge a matrix's two dims into one) must
   be False, their defaults.
 
-The update of a param reads only that param, its grad and its own state, so
-`wholeshard.LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=SOAP)` runs it distributed
-unchanged; plan with `DataParallel(model, matrix_cost=SOAP.matrix_cost)` so that the planner
-balances SOAP's work rather than Newton-Schulz's. A checkpoint reshards `exp_avg` and
+A `MatrixRule`: `LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=SOAP)` runs it
+distributed unchanged; plan with `DataParallel(model, matrix_cost=SOAP.matrix_cost)` so that the
+planner balances SOAP's work rather than Newton-Schulz's. A checkpoint reshards `exp_avg` and
 `exp_avg_sq` with the param and saves `step`, `GG*` and `Q*` whole with their matrix.
 """
 
@@ -138,46 +137,43 @@ class SOAP(MatrixRule):
     def _step_group(
         self, group: Group, params: list[Tensor], grads: list[Tensor], kept: list[dict]
     ) -> None:
-        for p, grad, state in zip(params, grads, kept, strict=True):
-            self._step_one(p, grad, state, group)
-
-    def _step_one(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         beta1, beta2 = group["betas"]
         shampoo = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else beta2
-        if not state:  # the first step only sets up the preconditioner, as the reference's
-            state["step"] = torch.tensor(0, dtype=torch.int64)
-            state["exp_avg"] = torch.zeros_like(grad)
-            state["exp_avg_sq"] = torch.zeros_like(grad)
-            for side, d in enumerate(grad.shape):
-                if d <= group["max_precond_dim"]:
-                    state[f"GG{side}"] = grad.new_zeros(d, d)
+        for p, grad, state in zip(params, grads, kept, strict=True):
+            if not state:  # the first step only sets up the preconditioner, as the reference's
+                state["step"] = torch.tensor(0, dtype=torch.int64)
+                state["exp_avg"] = torch.zeros_like(grad)
+                state["exp_avg_sq"] = torch.zeros_like(grad)
+                for side, d in enumerate(grad.shape):
+                    if d <= group["max_precond_dim"]:
+                        state[f"GG{side}"] = grad.new_zeros(d, d)
+                _accumulate(state, grad, shampoo)
+                for side in range(2):
+                    if f"GG{side}" in state:
+                        state[f"Q{side}"] = _eigenbasis(state[f"GG{side}"])
+                continue
+            q = (state.get("Q0"), state.get("Q1"))
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            projected = rotate(grad, *q)
+            state["step"] += 1
+            step = int(state["step"])
+            exp_avg.mul_(beta1).add_(projected, alpha=1.0 - beta1)
+            exp_avg_sq.mul_(beta2).add_(projected.square(), alpha=1.0 - beta2)
+            denom = exp_avg_sq.sqrt().add_(group["eps"])
+            step_size = group["lr"]
+            if group["correct_bias"]:
+                step_size = step_size * (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
+            update = rotate_back(exp_avg / denom, *q)
+            if group["normalize_grads"]:
+                update = update / (1e-30 + torch.mean(update**2) ** 0.5)
+            p.add_(update, alpha=-step_size)
+            if group["weight_decay"] > 0.0:
+                p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+            exp_avg.copy_(rotate_back(exp_avg, *q))
             _accumulate(state, grad, shampoo)
-            for side in range(2):
-                if f"GG{side}" in state:
-                    state[f"Q{side}"] = _eigenbasis(state[f"GG{side}"])
-            return
-        q = (state.get("Q0"), state.get("Q1"))
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        projected = rotate(grad, *q)
-        state["step"] += 1
-        step = int(state["step"])
-        exp_avg.mul_(beta1).add_(projected, alpha=1.0 - beta1)
-        exp_avg_sq.mul_(beta2).add_(projected.square(), alpha=1.0 - beta2)
-        denom = exp_avg_sq.sqrt().add_(group["eps"])
-        step_size = group["lr"]
-        if group["correct_bias"]:
-            step_size = step_size * (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
-        update = rotate_back(exp_avg / denom, *q)
-        if group["normalize_grads"]:
-            update = update / (1e-30 + torch.mean(update**2) ** 0.5)
-        p.add_(update, alpha=-step_size)
-        if group["weight_decay"] > 0.0:
-            p.add_(p, alpha=-group["lr"] * group["weight_decay"])
-        exp_avg.copy_(rotate_back(exp_avg, *q))
-        _accumulate(state, grad, shampoo)
-        if step % group["precondition_frequency"] == 0:
-            _refresh(state)
-        exp_avg.copy_(rotate(exp_avg, state.get("Q0"), state.get("Q1")))
+            if step % group["precondition_frequency"] == 0:
+                _refresh(state)
+            exp_avg.copy_(rotate(exp_avg, state.get("Q0"), state.get("Q1")))
 
 
 def rotate(x: Tensor, q0: Tensor | None, q1: Tensor | None) -> Tensor:

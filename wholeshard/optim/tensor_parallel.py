@@ -44,10 +44,10 @@ from torch import Tensor
 from ..distributed import collectives
 from ..distributed.dtensor import is_tensor_parallel, sharding
 from ..planning.specs import iterate_sharded_dim
+from .gram_ns import Coefficients
 
 TpMode = Literal["duplicated", "distributed"]
 TP_MODES = ("duplicated", "distributed")
-Coefficients = tuple[float, float, float]
 
 
 class TpShard(NamedTuple):
