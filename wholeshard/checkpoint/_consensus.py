@@ -54,8 +54,7 @@ class RankConsensus:
     def all_succeed(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn` on every rank; if any rank fails, every rank raises all their errors."""
         result, error = _attempt(fn, what)
-        errors = self.all_gather(error)
-        distinct = list(dict.fromkeys(e for e in errors if e is not None))
+        distinct = list(dict.fromkeys(e for e in self.all_gather(error) if e is not None))
         if distinct:
             raise CheckpointError(" | ".join(distinct))
         return result

@@ -33,7 +33,6 @@ from .directory import (
     TRAINER,
     CheckpointError,
     check_files,
-    read_dcp_metadata,
     read_manifest,
     resolve_checkpoint,
     verify,
@@ -71,7 +70,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     )
 
     def prepare() -> tuple[dict[str, Any], _LoadPlan]:
-        metadata = read_dcp_metadata(ckpt)
+        metadata = dcp.FileSystemReader(ckpt).read_metadata()
         trainer = torch.load(ckpt / TRAINER, weights_only=True)
         check_model(ckpt, manifest, metadata, table, optimizer, trainer)
         return trainer, _plan_load(metadata, ddp, optimizer)
@@ -127,7 +126,7 @@ def load_consolidated(
     """
     ckpt = resolve_checkpoint(path)
     manifest = verify(ckpt)
-    metadata = read_dcp_metadata(ckpt)
+    metadata = dcp.FileSystemReader(ckpt).read_metadata()
     keys: dict[str, str] = {}
     for name in manifest["params"]:
         master = f"optim/{name}/master"

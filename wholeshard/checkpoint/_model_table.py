@@ -119,7 +119,18 @@ def check_model(
     """Raise naming every difference between the checkpoint and this model (its `model_table`;
     which params are frozen aside)."""
     params, others = table
-    problems = _compare_shapes({**manifest["params"], **manifest["others"]}, {**params, **others})
+    saved, model = {**manifest["params"], **manifest["others"]}, {**params, **others}
+    problems = []
+    if missing := sorted(set(model) - set(saved)):
+        problems.append(f"params or buffers missing from the checkpoint: {names(missing)}")
+    if unexpected := sorted(set(saved) - set(model)):
+        problems.append(
+            f"params or buffers in the checkpoint but not in the model: {names(unexpected)}"
+        )
+    for name in sorted(set(saved) & set(model)):
+        want, got = tuple(saved[name]["shape"]), tuple(model[name]["shape"])
+        if want != got:
+            problems.append(f"{name}: shape {want} in the checkpoint, {got} in the model")
     for name in sorted(set(manifest["params"]) & set(params)):  # trainable then and now
         want, got = manifest["params"][name]["optimizer"], params[name]["optimizer"]
         if want != got:
@@ -130,7 +141,7 @@ def check_model(
         )
     md = metadata.state_dict_metadata
     expected: dict[str, tuple[int, ...] | None] = {
-        f"model/{n}": tuple(e["shape"]) for n, e in {**params, **others}.items()
+        f"model/{n}": tuple(e["shape"]) for n, e in model.items()
     }
     for name, entry in params.items():
         if f"optim/{name}/master" in md:
@@ -138,12 +149,12 @@ def check_model(
         expected.update({f"optim/{name}/{k}": None for k in state_keys(metadata, name)})
     damaged = []
     for key, shape in sorted(expected.items()):
-        saved = md.get(key)
-        if not isinstance(saved, TensorStorageMetadata):
+        found = md.get(key)
+        if not isinstance(found, TensorStorageMetadata):
             damaged.append(f"{key} is missing")
-        elif shape is not None and tuple(saved.size) != shape:
-            damaged.append(f"{key} has shape {tuple(saved.size)}, the manifest says {shape}")
-        elif sum(math.prod(c.sizes) for c in saved.chunks) != math.prod(saved.size):
+        elif shape is not None and tuple(found.size) != shape:
+            damaged.append(f"{key} has shape {tuple(found.size)}, the manifest says {shape}")
+        elif sum(math.prod(c.sizes) for c in found.chunks) != math.prod(found.size):
             damaged.append(f"{key}'s chunks do not cover it exactly once (a shard is missing)")
     if len(trainer.get("param_groups", ())) != len(optimizer.param_groups):
         damaged.append(
@@ -165,20 +176,3 @@ def trainable_changes(manifest: dict[str, Any], table: Table) -> tuple[list[str]
 def names(xs: list[str]) -> str:
     """`xs` joined, the first 8 of them."""
     return ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")
-
-
-def _compare_shapes(saved: dict[str, Any], model: dict[str, Any]) -> list[str]:
-    problems = []
-    missing = sorted(set(model) - set(saved))
-    unexpected = sorted(set(saved) - set(model))
-    if missing:
-        problems.append(f"params or buffers missing from the checkpoint: {names(missing)}")
-    if unexpected:
-        problems.append(
-            f"params or buffers in the checkpoint but not in the model: {names(unexpected)}"
-        )
-    for name in sorted(set(saved) & set(model)):
-        want, got = tuple(saved[name]["shape"]), tuple(model[name]["shape"])
-        if want != got:
-            problems.append(f"{name}: shape {want} in the checkpoint, {got} in the model")
-    return problems

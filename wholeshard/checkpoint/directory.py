@@ -26,9 +26,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata
-
 FORMAT, VERSION = "wholeshard-checkpoint", 1
 MANIFEST, TRAINER, LATEST = "wholeshard.json", "trainer.pt", "latest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -130,10 +127,6 @@ def _file_entry(entry: Any) -> bool:
     )
 
 
-def read_dcp_metadata(ckpt: Path) -> Metadata:
-    return dcp.FileSystemReader(ckpt).read_metadata()
-
-
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -217,13 +210,6 @@ def step_of(ckpt: Path) -> int | None:
     """The step of a `step-N` checkpoint directory, else None."""
     m = STEP_DIR.match(ckpt.name)
     return int(m[1]) if m else None
-
-
-def steps_after(ckpt: Path) -> list[Path]:
-    """The checkpoints beside `ckpt` with a larger step, oldest first (none unless `ckpt` is a
-    `step-N` directory)."""
-    step = step_of(ckpt)
-    return [p for s, p in sorted(steps(ckpt.parent).items()) if step is not None and s > step]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

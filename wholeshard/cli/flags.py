@@ -15,12 +15,10 @@ import ast
 import dataclasses
 import functools
 import inspect
-import sys
-import typing
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.config import literal_choices
+from ..train.jobfile import field_type
 
 MISSING = argparse.SUPPRESS
 """The default of a flag that overrides only when given (`add_flags(..., overrides=True)`)."""
@@ -54,21 +52,12 @@ def flag_name(field: dataclasses.Field) -> str:
 
 def field_kind(cls: type, field: dataclasses.Field) -> tuple[type, tuple[Any, ...] | None] | None:
     """(`bool`, `int`, `float` or `str`; the choices of a `Literal`, else None) of a field, or
-    None when it has no flag. Annotations are evaluated one field at a time, in the class's
-    module, so an unrelated one (`torch.dtype`) is never evaluated."""
-    hint = field.type
-    if isinstance(hint, str):
-        try:
-            hint = eval(hint, vars(sys.modules[cls.__module__]))  # noqa: S307 (our own source)
-        except NameError:  # names only a type checker imports: not a flag
-            return None
-    choices = literal_choices(hint)
-    kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
-    if choices is not None and int in kinds:  # `int | Literal["auto"]`
-        return _int_or(choices), None
-    if choices is not None:
-        return type(choices[0]), choices
-    return (kinds[0], None) if kinds in ([bool], [int], [float], [str]) else None
+    None when it has no flag (`wholeshard.train.jobfile.field_type`: the job file's rule);
+    `int | Literal[...]` parses as an int or one of its words."""
+    kind = field_type(cls, field)
+    if kind is not None and kind[0] is int and kind[1] is not None:  # `int | Literal["auto"]`
+        return _int_or(kind[1]), None
+    return kind
 
 
 def add_flags(
@@ -92,10 +81,10 @@ def add_flags(
             continue
         python_type, choices = kind
         kwargs: dict[str, Any] = dict(
-            dest=dest + f.name, help=docs.get(f.name, "").replace("%", "%%")
+            dest=dest + f.name,
+            help=docs.get(f.name, "").replace("%", "%%"),
+            default=MISSING if overrides else f.default,
         )
-        default = MISSING if overrides else f.default
-        kwargs["default"] = default
         if python_type is bool:
             off_by_default = f.default is False and not overrides
             kwargs["action"] = "store_true" if off_by_default else argparse.BooleanOptionalAction

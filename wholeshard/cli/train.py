@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..engine.config import ConfigError, DataParallelConfig
+from ..engine.config import ConfigError
 from ..train import jobfile
 from ..train.config import PARALLEL_SET_BY_THE_JOB, SECTIONS, TrainConfig
 from . import MAX_NPROC, positive_int
@@ -52,8 +52,6 @@ _METAVARS = {
 
 class _Default:
     """The default of a config flag, marked: a flag not given takes the job file's value."""
-
-    __slots__ = ("value",)
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -112,7 +110,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="print the resolved config (defaults, --config, flags) as a job file and exit",
     )
     dests = add_flags(groups[""], TrainConfig, skip=frozenset(SECTIONS), metavars=_METAVARS)
-    for name in SECTIONS:
+    for name, cls in SECTIONS.items():
         if name == "parallel":
             groups[name].add_argument(
                 "--overlap",
@@ -120,11 +118,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                 action=_Overlap,
                 help="--overlap-grad-reduce and --overlap-param-gather",
             )
-            dests += add_flags(
-                groups[name], DataParallelConfig, dest="parallel.", skip=PARALLEL_SET_BY_THE_JOB
-            )
-            continue
-        dests += add_flags(groups[name], SECTIONS[name], dest=name + ".", metavars=_METAVARS)
+        skip = PARALLEL_SET_BY_THE_JOB if name == "parallel" else frozenset()
+        dests += add_flags(groups[name], cls, dest=name + ".", skip=skip, metavars=_METAVARS)
     p.set_defaults(**{dest: _Default(p.get_default(dest)) for _, dest in dests})
     output = groups["output"]
     output.add_argument(
@@ -187,9 +182,8 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
             f"evenly across {world} processes; use a multiple of {world}"
         )
     _check_model(parser, cfg, _source(args, "model.name"))
-    path, where = cfg.data.path, _source(args, "data.path")
-    if path is not None:
-        _check_data(parser, cfg, where)
+    if cfg.data.path is not None:
+        _check_data(parser, cfg, _source(args, "data.path"))
     _check_start(parser, cfg, args.overwrite)
     try:
         outputs.check_out_dir(cfg.output.out, args.overwrite or cfg.checkpoint.resume is not None)
@@ -296,7 +290,7 @@ def _print_summary(summary: dict, as_json: bool) -> None:
 def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None = None) -> int:
     """Check the flags, then train locally (spawned workers) or as one torchrun process.
 
-    Every process runs `worker(config)`, by default `loop.train`; another worker (e.g. one that
+    Every process runs `worker(config)`, by default `trainer.train`; another worker (e.g. one that
     installs hooks) must be picklable to reach spawned processes.
     """
     from ..train import outputs

@@ -1,4 +1,4 @@
 """The example training job behind `wholeshard train`: `config` (TrainConfig), `trainer`
 (Trainer, train), `resume` (where a run starts), `env`, `baseline` (the torch DDP + AdamW path),
-`data`, `lr_schedule`, `outputs` (the output directory, metrics, progress bar, trace),
-`loss_plot`, `restarts`, `extras`."""
+`data`, `lr_schedule`, `outputs` (the output directory, metrics, progress bar, trace, loss
+plot), `restarts`, `extras`."""

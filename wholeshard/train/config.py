@@ -29,12 +29,8 @@ not given (tuned on the tiny model)."""
 
 
 def _at_least(low: float, *, flag: str | None = None, high: float | None = None) -> dict:
-    meta: dict[str, Any] = {"min": low}
-    if high is not None:
-        meta["max"] = high
-    if flag is not None:
-        meta["flag"] = flag
-    return meta
+    meta = {"min": low, "max": high, "flag": flag}
+    return {k: v for k, v in meta.items() if v is not None}
 
 
 GPT_SIZES = ("micro", "tiny", "small")
@@ -212,9 +208,8 @@ class TrainConfig:
         """Raise ConfigError naming the field of the first invalid value (`section.field`)."""
         _check_fields(self, "")
         for name in SECTIONS:
-            section = getattr(self, name)
             if name != "parallel":  # DataParallelConfig checks itself (frozen: it cannot change)
-                _check_fields(section, name + ".")
+                _check_fields(getattr(self, name), name + ".")
         self._check_model()
         self._check_tp()
         optim = self.optim
@@ -343,8 +338,6 @@ class TrainConfig:
         """The checkpoint path `checkpoint.resume` names (`latest`, `auto`: this run's
         checkpoint directory)."""
         resume = self.checkpoint.resume
-        if resume is None:
-            return None
         return self.checkpoint_dir if resume in ("latest", "auto") else resume
 
     @property

@@ -144,8 +144,10 @@ def _windows(text: torch.Tensor, starts: torch.Tensor, seq_len: int):
     return seqs[:, :-1], seqs[:, 1:]
 
 
-def _unit(text: torch.Tensor) -> str:
-    return "bytes" if text.dtype == torch.uint8 else "tokens"
+def _long_enough(text: torch.Tensor, seq_len: int, part: str) -> None:
+    if len(text) <= seq_len:
+        unit = "bytes" if text.dtype == torch.uint8 else "tokens"
+        raise ValueError(f"{part} text has {len(text)} {unit}, need more than seq_len={seq_len}")
 
 
 def rank_slice(n: int, rank: int, world: int) -> slice:
@@ -160,10 +162,7 @@ def train_batch(
     text: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int, rank: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (inputs, targets) of step's global batch, each `[batch / world, seq_len]`."""
-    if len(text) <= seq_len:
-        raise ValueError(
-            f"train text has {len(text)} {_unit(text)}, need more than seq_len={seq_len}"
-        )
+    _long_enough(text, seq_len, "train")
     g = torch.Generator().manual_seed((seed << 32) + step)
     starts = torch.randint(0, len(text) - seq_len, (batch_size,), generator=g)
     return _windows(text, starts[rank_slice(batch_size, rank, world)], seq_len)
@@ -173,10 +172,7 @@ def val_batches(
     text: torch.Tensor, n_batches: int, batch_size: int, seq_len: int, rank: int, world: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's slices of `n_batches` fixed validation batches of evenly spaced windows."""
-    if len(text) <= seq_len:
-        raise ValueError(
-            f"val text has {len(text)} {_unit(text)}, need more than seq_len={seq_len}"
-        )
+    _long_enough(text, seq_len, "val")
     n = n_batches * batch_size
     starts = torch.linspace(0, len(text) - seq_len - 1, n).long().view(n_batches, batch_size)
     mine = rank_slice(batch_size, rank, world)

@@ -73,15 +73,14 @@ def torchrun_restart_warning() -> str | None:
 def setup_distributed(timeout: timedelta | None = None) -> DistEnv:
     """Join the existing process group, or create one from torchrun's env (with collective
     `timeout`), or run alone."""
-    owns = False
-    if not dist.is_initialized() and torchrun_env():
+    owns = not dist.is_initialized() and torchrun_env()
+    if owns:
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
             dist.init_process_group("gloo", timeout=timeout)
-        owns = True
     if not dist.is_initialized():
         return DistEnv(0, 1, 1, torch.device("cpu"), False)
     world = dist.get_world_size()
@@ -94,21 +93,18 @@ def setup_distributed(timeout: timedelta | None = None) -> DistEnv:
     return DistEnv(dist.get_rank(), world, local_world, device, owns)
 
 
-def fast_bf16(device: torch.device) -> bool:
-    """Whether `device` has native bf16 matmuls (CUDA with bf16, or AVX512-BF16/AMX CPUs)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    except AttributeError:  # private helpers: absent means unknown, so stay in float32
-        return False
-
-
 def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype `--param-dtype` names; `auto` is bfloat16 where `fast_bf16`, else float32."""
-    if name == "auto":
-        return torch.bfloat16 if fast_bf16(device) else torch.float32
-    return getattr(torch, name)
+    """The dtype `--param-dtype` names; `auto` is bfloat16 where `device` has native bf16
+    matmuls (CUDA with bf16, or AVX512-BF16/AMX CPUs), else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    except AttributeError:  # private helpers: absent means unknown, so stay in float32
+        fast = False
+    return torch.bfloat16 if fast else torch.float32
 
 
 def set_threads(threads: int | None, env: DistEnv) -> None:

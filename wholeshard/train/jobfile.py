@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import sys
 import textwrap
@@ -80,9 +81,12 @@ class Key:
         return f"integer | {words}" if self.kind is int else words
 
 
-def _key(cls: type, f: dataclasses.Field, path: str) -> Key | None:
-    """The key of field `f` of `cls`, or None when it is not one (the same rule as the flags:
-    `wholeshard.cli.flags.field_kind`)."""
+def field_type(cls: type, f: dataclasses.Field) -> tuple[type, tuple[Any, ...] | None] | None:
+    """(bool, int, float or str; the strings a `Literal` takes, else None) of field `f` of
+    `cls`, or None when no flag or key can hold it; `int | Literal[...]`: (int, its words). The
+    one rule for job-file keys and flags (`wholeshard.cli.flags.field_kind`). Annotations are
+    evaluated one field at a time, in the class's module, so an unrelated one (`torch.dtype`)
+    is never evaluated."""
     hint = f.type
     if isinstance(hint, str):
         try:
@@ -92,27 +96,20 @@ def _key(cls: type, f: dataclasses.Field, path: str) -> Key | None:
     choices = literal_choices(hint)
     kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
     if choices is not None:
-        return Key(path, f, int if int in kinds else type(choices[0]), choices)
-    if kinds in ([bool], [int], [float], [str]):
-        return Key(path, f, kinds[0])
-    return None
+        return int if int in kinds else type(choices[0]), choices
+    return (kinds[0], None) if kinds in ([bool], [int], [float], [str]) else None
 
 
 def keys() -> dict[str, dict[str, Key]]:
     """Every key, by table (`""`: the top level, then `SECTIONS` in order)."""
-    out = {"": {}}
-    for f in dataclasses.fields(TrainConfig):
-        key = None if f.name in SECTIONS else _key(TrainConfig, f, f.name)
-        if key is not None:
-            out[""][f.name] = key
-    for name, cls in SECTIONS.items():
-        skip = PARALLEL_SET_BY_THE_JOB if name == "parallel" else frozenset()
-        table = {}
+    out = {}
+    for table, cls in {"": TrainConfig, **SECTIONS}.items():
+        skip = PARALLEL_SET_BY_THE_JOB if table == "parallel" else ()  # (a section has no key type)
+        out[table] = {}
         for f in dataclasses.fields(cls):
-            key = None if f.name in skip else _key(cls, f, f"{name}.{f.name}")
-            if key is not None:
-                table[f.name] = key
-        out[name] = table
+            kind = None if f.name in skip else field_type(cls, f)
+            if kind is not None:
+                out[table][f.name] = Key(f"{table}.{f.name}" if table else f.name, f, *kind)
     return out
 
 
@@ -199,10 +196,8 @@ def _unknown(table: str, name: str, known: dict) -> str:
 
 
 def _toml_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    for kind, name in ((int, "an integer"), (float, "a float"), (str, "a string"),
-                       (dict, "a table"), (list, "an array")):  # fmt: skip
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a float"),
+                       (str, "a string"), (dict, "a table"), (list, "an array")):  # fmt: skip
         if isinstance(value, kind):
             return name
     return f"a {type(value).__name__}"  # dates and times
@@ -292,21 +287,12 @@ def _comment(text: str) -> list[str]:
 
 def _toml(value: Any) -> str:
     """`value` (bool, int, float or str) as a TOML value."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
         return repr(value)  # always with "." or "e": a TOML float, read back exactly
-    if isinstance(value, str):
-        return '"' + "".join(_ESCAPES.get(c, c) for c in value) + '"'
+    if isinstance(value, (bool, int, str)):  # JSON writes these as TOML does, but for DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     return repr(value)
-
-
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
-            "\r": "\\r"}  # fmt: skip
-_ESCAPES.update({chr(c): f"\\u{c:04x}" for c in [*range(0x20), 0x7F] if chr(c) not in _ESCAPES})

@@ -28,19 +28,6 @@ def lr_factor(
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def make_scheduler(
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    warmup: int,
-    schedule: str = "cosine",
-    min_ratio: float = 0.0,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A torch LambdaLR applying `lr_factor` to every param group's initial lr."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, steps, warmup, schedule, min_ratio)
-    )
-
-
 SCHEDULE_FLAGS = {
     "steps": "--steps",
     "warmup": "--warmup",

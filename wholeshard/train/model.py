@@ -51,10 +51,7 @@ class JobModel:
 def build_model(cfg: TrainConfig) -> JobModel:
     """The model `cfg.model` names, seeded by `cfg.seed`, on the CPU in fp32."""
     torch.manual_seed(cfg.seed)  # identical init on every rank
-    if cfg.is_hf:
-        job = _transformers_model(cfg)
-    else:
-        job = _byte_gpt(cfg)
+    job = _transformers_model(cfg) if cfg.is_hf else _byte_gpt(cfg)
     if cfg.model.gradient_checkpointing:
         _checkpoint_activations(job)
     return job
@@ -144,11 +141,9 @@ def _config_from_file(path: str) -> Any:
 def tokenizer_dir(cfg: TrainConfig) -> str | None:
     """The tokenizer the job reads text with: `data.tokenizer`, else an `hf:DIR` model's own
     (a directory with tokenizer files), else None: the text is read as bytes."""
-    if cfg.data.tokenizer is not None:
+    if cfg.data.tokenizer is not None or not cfg.model.name.startswith(HF_DIR):
         return cfg.data.tokenizer
     path = cfg.model.name.removeprefix(HF_DIR)
-    if not cfg.model.name.startswith(HF_DIR):
-        return None
     return path if any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES) else None
 
 

@@ -1,5 +1,5 @@
 """A run's outputs on rank 0: the output directory, `metrics.jsonl`, the progress bar, the
-trace."""
+trace, `loss.png`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wholeshard.train.extras import require
+from .extras import require
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -186,3 +186,25 @@ def start_trace(path: str | None, rank: int, cuda: bool) -> Any:
     )
     prof.start()
     return prof
+
+
+def plot_losses(records: list[dict], path: str | os.PathLike, title: str = "") -> None:
+    """Draw train loss (every logged step) and validation loss (evaluation steps) to `path`."""
+    require("matplotlib")
+    from matplotlib.figure import Figure  # drawn with Agg by savefig, without pyplot
+
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train, strict=True), lw=1, alpha=0.8, label="train")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", ms=3, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

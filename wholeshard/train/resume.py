@@ -40,13 +40,6 @@ def find_checkpoint(cfg: TrainConfig) -> Path | None:
     return resolve_checkpoint(cfg.resume_path)
 
 
-def checkpoint_step(ckpt: Path) -> int:
-    """The step a complete checkpoint was saved at (its manifest's)."""
-    from ..checkpoint.directory import read_manifest
-
-    return read_manifest(ckpt)["step"]
-
-
 def check_start(cfg: TrainConfig, ckpt: Path | None) -> None:
     """Raise CheckpointError if the run, starting from `ckpt` (None: step 0), has nothing to do
     (`ckpt` is past `optim.steps`) or would save over checkpoints in `<out>/checkpoints`: any
@@ -56,7 +49,7 @@ def check_start(cfg: TrainConfig, ckpt: Path | None) -> None:
     root = Path(cfg.checkpoint_dir)
     if ckpt is None and not holds_checkpoints(root):
         return
-    from ..checkpoint.directory import CheckpointError, read_latest, steps
+    from ..checkpoint.directory import CheckpointError, read_latest, read_manifest, steps
 
     if ckpt is None:
         names = ", ".join(p.name for _, p in sorted(steps(root).items())) or "none"
@@ -67,7 +60,7 @@ def check_start(cfg: TrainConfig, ckpt: Path | None) -> None:
             f"--resume latest), choose another --out, or pass --overwrite to delete them and "
             f"start over"
         )
-    start = checkpoint_step(ckpt)
+    start = read_manifest(ckpt)["step"]  # the step it was saved at
     if start > cfg.optim.steps:
         raise CheckpointError(
             f"{ckpt} was saved at step {start}, past --steps {cfg.optim.steps}: nothing to "

@@ -2,7 +2,7 @@
 
 [Note: tokens]
 `load_data` turns `--data` into a `Corpus`. Plain text read as bytes (no tokenizer) is
-`data.load_corpus`, in memory, as before. Everything else (record files: `.jsonl`, `.json`,
+`data.load_corpus`, in memory. Everything else (record files: `.jsonl`, `.json`,
 `.parquet`, read with Hugging Face `datasets` from local files; or any text with a tokenizer) is
 one stream: each document's ids (its utf-8 bytes without a tokenizer), documents joined by the
 tokenizer's EOS id (by b"\\n" for bytes). A plain text file is one document; empty records
@@ -346,7 +346,7 @@ def load_data(
         raise ValueError("the tokenizer has no EOS token to join documents with")
     files, reader, source = find_inputs(data.path)
     check_inputs(files, reader, data.text_field)
-    if tokenizer is None and reader is None:  # plain text as bytes: as it always was
+    if tokenizer is None and reader is None:  # plain text as bytes, in memory
         return _agreed(
             lambda: load_corpus(data.path, val_fraction=data.val_fraction),
             agree,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from ..planning.routing import routing_summary
 from . import data, outputs
@@ -40,8 +41,7 @@ from .env import (
     setup_distributed,
     torchrun_restart_warning,
 )
-from .loss_plot import plot_losses
-from .lr_schedule import adopt_schedule, make_scheduler
+from .lr_schedule import adopt_schedule, lr_factor
 from .model import JobModel, build_model
 from .resume import AUTO, check_start, find_checkpoint
 
@@ -102,7 +102,8 @@ class Trainer:
         self.val = data.val_batches(
             self.corpus.val, evals, d.batch_size, d.seq_len, self.data_rank, self.data_world
         )
-        self.scheduler = make_scheduler(self.opt, **cfg.lr_schedule)
+        schedule = cfg.lr_schedule  # applied to every param group's initial lr
+        self.scheduler = LambdaLR(self.opt, lambda s: lr_factor(s, **schedule))
 
     def _load_data(self) -> data.Corpus:
         """The text as bytes or token ids; local rank 0 tokenizes (once: a cache) while the
@@ -387,5 +388,5 @@ class Trainer:
         log.write_json(outputs.SUMMARY, summary)
         if log.enabled:
             title = f"{self.job.label}, {cfg.optim.name}, {env.world} rank(s)"
-            plot_losses(log.records, os.path.join(self.out, outputs.PLOT), title)
+            outputs.plot_losses(log.records, os.path.join(self.out, outputs.PLOT), title)
         return summary
