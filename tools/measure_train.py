@@ -46,7 +46,7 @@ SETS: dict[str, list[tuple[str, list[str]]]] = {
         ("fp8_mxfp8", ["--fp8", "mxfp8"]),
         ("fp8_tensorwise", ["--fp8", "tensorwise"]),
     ],
-    "rules": [  # each rule at its default lr (`train.config.DEFAULT_LR`), 3x below, 3x above
+    "rules": [  # each rule at its default lr (`train.sections.DEFAULT_LR`), 3x below, 3x above
         ("rule_muon", []),
         ("rule_muon_lr3e-3", ["--lr", "0.003"]),
         ("rule_muon_lr3e-2", ["--lr", "0.03"]),

@@ -15,14 +15,14 @@ from wholeshard.cli import build_parser, main
 from wholeshard.cli.train import config_from_args
 from wholeshard.engine.config import ConfigError
 from wholeshard.train import jobfile
-from wholeshard.train.config import (
+from wholeshard.train.config import TrainConfig
+from wholeshard.train.sections import (
     CheckpointConfig,
     DataConfig,
     ModelConfig,
     OptimConfig,
     OutputConfig,
     ReliabilityConfig,
-    TrainConfig,
 )
 
 ROOT = Path(__file__).resolve().parent.parent.parent

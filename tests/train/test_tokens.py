@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from wholeshard.train import data, tokens
-from wholeshard.train.config import DataConfig
+from wholeshard.train.sections import DataConfig
 
 datasets = pytest.importorskip("datasets")
 hf = pytest.importorskip("hf_support")

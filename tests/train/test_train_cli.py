@@ -12,14 +12,13 @@ from wholeshard.cli import build_parser, main
 from wholeshard.cli.flags import field_docs
 from wholeshard.cli.train import config_from_args
 from wholeshard.train import outputs
-from wholeshard.train.config import (
-    SECTIONS,
+from wholeshard.train.config import SECTIONS, TrainConfig
+from wholeshard.train.sections import (
     CheckpointConfig,
     DataConfig,
     ModelConfig,
     OptimConfig,
     OutputConfig,
-    TrainConfig,
 )
 
 pytestmark = pytest.mark.usefixtures("no_launch")

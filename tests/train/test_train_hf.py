@@ -17,8 +17,8 @@ from train_faults import Fault, metrics, train_job
 
 from wholeshard import cli
 from wholeshard.train import data
-from wholeshard.train.config import DataConfig
 from wholeshard.train.model import build_model
+from wholeshard.train.sections import DataConfig
 from wholeshard.train.tokens import load_data
 
 transformers = hf_support.transformers

@@ -14,7 +14,8 @@ from support import train_config
 
 from wholeshard.optim.rules import MATRIX_RULES, matrix_kwargs, matrix_rule
 from wholeshard.train import outputs
-from wholeshard.train.config import ConfigError, OptimConfig, TrainConfig
+from wholeshard.train.config import ConfigError, TrainConfig
+from wholeshard.train.sections import OptimConfig
 from wholeshard.train.trainer import train
 
 TEXT = (Path(__file__).resolve().parents[2] / "wholeshard" / "train" / "trainer.py").read_bytes()

@@ -12,7 +12,8 @@ from support import run, train_config
 import wholeshard
 from wholeshard.engine.config import ConfigError
 from wholeshard.train import outputs
-from wholeshard.train.config import ModelConfig, OptimConfig, TrainConfig
+from wholeshard.train.config import TrainConfig
+from wholeshard.train.sections import ModelConfig, OptimConfig
 from wholeshard.train.trainer import train
 
 

@@ -13,8 +13,9 @@ from support import train_config
 from wholeshard import DataParallelConfig
 from wholeshard.models.gpt import GPT, SIZES, model_config, num_params
 from wholeshard.train import data, outputs
-from wholeshard.train.config import CheckpointConfig, ConfigError, OptimConfig, TrainConfig
+from wholeshard.train.config import ConfigError, TrainConfig
 from wholeshard.train.lr_schedule import lr_factor
+from wholeshard.train.sections import CheckpointConfig, OptimConfig
 from wholeshard.train.trainer import train
 
 TEXT = (Path(__file__).resolve().parents[2] / "wholeshard" / "train" / "trainer.py").read_bytes()

@@ -229,7 +229,7 @@ def _check_data(parser: argparse.ArgumentParser, cfg: TrainConfig, where: str) -
 def _check_model(parser: argparse.ArgumentParser, cfg: TrainConfig, where: str) -> None:
     """A transformers model's directory or config file exists, and the `hf` extra is here."""
     from ..train import extras
-    from ..train.config import HF_CONFIG, HF_DIR
+    from ..train.sections import HF_CONFIG, HF_DIR
 
     name = cfg.model.name
     if not cfg.is_hf:

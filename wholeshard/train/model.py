@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import HF_CONFIG, HF_DIR, TrainConfig
+from .config import TrainConfig
 from .extras import require
+from .sections import HF_CONFIG, HF_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """A directory with any of these has a tokenizer."""

@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from .config import DataConfig
 from .data import (
     Corpus,
     load_corpus,
@@ -55,6 +54,7 @@ from .data import (
     text_files,
 )
 from .extras import require
+from .sections import DataConfig
 
 RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Record-file suffixes and the `datasets` builder that reads them."""
