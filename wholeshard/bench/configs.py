@@ -73,13 +73,11 @@ class Rule:
     @property
     def label(self) -> str:
         """ "" for the default rule, else its non-default parts joined by "+" ("gram")."""
-        default = Rule()
-        parts = [v for k, v in vars(self).items() if v != getattr(default, k)]
-        return "+".join(parts)
+        return "+".join(v for k, v in vars(self).items() if v != getattr(DEFAULT_RULE, k))
 
     @property
     def is_default(self) -> bool:
-        return self == Rule()
+        return self == DEFAULT_RULE
 
 
 DEFAULT_RULE = Rule()

@@ -91,7 +91,7 @@ class Row:
     final_loss: float | None = None
     error: str | None = None
     rule: str = ""
-    """The matrix rule's label (`rules.Rule.label`): "" for the default rule and for the
+    """The matrix rule's label (`configs.Rule.label`): "" for the default rule and for the
     rule-independent peers."""
     ratio_vs_kj_rule: float | None = None
     """`step_s` over that of `ddp_kj_rule` under the same rule: the rule distributed by
@@ -227,52 +227,45 @@ fmt_count = _cell("{:,}")
 fmt_share = _cell("{:.0%}")
 
 _COLUMNS = [
-    ("step s", "step_s", fmt_s),
-    ("optimizer s", "optimizer_s", fmt_s),
-    ("opt share", "optimizer_share", fmt_share),
-    ("comm wait s", "comm_wait_s", fmt_s),
-    ("sent/rank MB", "bytes_sent_per_rank", fmt_mb),
-    ("gather MB/rank", "gather_bytes_per_rank", fmt_mb),
-    ("peak RSS MB", "peak_rss_bytes", fmt_mb),
-    ("peak RSS delta MB", "peak_rss_delta_bytes", fmt_mb),
-    ("opt state MB", "optimizer_state_bytes", fmt_mb),
-    ("persistent MB/rank", "persistent_bytes", fmt_mb),
-    ("vs ddp_torch_muon", "ratio_vs_ddp_torch_muon", fmt_ratio),
-    ("floor s", "floor_s", fmt_s),
-    ("vs floor", "ratio_vs_floor", fmt_ratio),
-    ("torch Muon s", "torch_muon_owned_s", fmt_s),
-    ("opt vs torch Muon", "ratio_optimizer_vs_torch_muon", fmt_ratio),
+    ("step s", "step_s", fmt_s, "always"),
+    ("optimizer s", "optimizer_s", fmt_s, "always"),
+    ("opt share", "optimizer_share", fmt_share, "always"),
+    ("comm wait s", "comm_wait_s", fmt_s, "always"),
+    ("sent/rank MB", "bytes_sent_per_rank", fmt_mb, "always"),
+    ("gather MB/rank", "gather_bytes_per_rank", fmt_mb, "always"),
+    ("peak RSS MB", "peak_rss_bytes", fmt_mb, "always"),
+    ("peak RSS delta MB", "peak_rss_delta_bytes", fmt_mb, "always"),
+    ("opt state MB", "optimizer_state_bytes", fmt_mb, "always"),
+    ("persistent MB/rank", "persistent_bytes", fmt_mb, "always"),
+    ("vs ddp_torch_muon", "ratio_vs_ddp_torch_muon", fmt_ratio, "always"),
+    ("floor s", "floor_s", fmt_s, "always"),
+    ("vs floor", "ratio_vs_floor", fmt_ratio, "always"),
+    ("torch Muon s", "torch_muon_owned_s", fmt_s, "always"),
+    ("opt vs torch Muon", "ratio_optimizer_vs_torch_muon", fmt_ratio, "always"),
+    ("max alloc MB", "max_memory_allocated_bytes", fmt_mb, "cuda"),
+    ("NS TFLOP/s", "ns_tflops", _cell("{:.2f}"), "cuda"),
+    ("of bf16 peak", "ns_peak_fraction", _cell("{:.1%}"), "cuda"),
+    ("launches/step", "launches_per_step", fmt_count, "given"),
+    ("opt launches", "optimizer_launches_per_step", fmt_count, "given"),
+    ("CUDA launches/step", "cuda_launches_per_step", fmt_count, "given"),
+    ("opt CUDA launches", "optimizer_cuda_launches_per_step", fmt_count, "given"),
+    ("vs ddp_kj_rule", "ratio_vs_kj_rule", fmt_ratio, "given"),
+    ("final loss", "final_loss", _cell("{:.5f}"), "always"),
 ]
-"""(header, `Row` field, cell format) of every column a table always has."""
-_CUDA_COLUMNS = [
-    ("max alloc MB", "max_memory_allocated_bytes", fmt_mb),
-    ("NS TFLOP/s", "ns_tflops", _cell("{:.2f}")),
-    ("of bf16 peak", "ns_peak_fraction", _cell("{:.1%}")),
-]
-_LAUNCH_COLUMNS = [
-    ("launches/step", "launches_per_step", fmt_count),
-    ("opt launches", "optimizer_launches_per_step", fmt_count),
-]
-_CUDA_LAUNCH_COLUMNS = [
-    ("CUDA launches/step", "cuda_launches_per_step", fmt_count),
-    ("opt CUDA launches", "optimizer_cuda_launches_per_step", fmt_count),
-]
+"""(header, `Row` field, cell format, when a table has the column: always, on `device="cuda"`,
+or when some row has that figure)."""
 
 
 def markdown(rows: list[Row], flagged: list[str], device: str = "cpu") -> str:
     """The results table (README-ready), one line per row, errors and disagreements noted; on
     `device="cuda"` with the GPU columns, and with launch counts when some row has them."""
     bad = {m.split(":", 1)[0] for m in flagged}
-    columns = list(_COLUMNS)
-    if device == "cuda":
-        columns += _CUDA_COLUMNS
-    if any(r.launches_per_step is not None for r in rows):
-        columns += _LAUNCH_COLUMNS
-    if any(r.cuda_launches_per_step is not None for r in rows):
-        columns += _CUDA_LAUNCH_COLUMNS
-    if any(r.ratio_vs_kj_rule is not None for r in rows):
-        columns.append(("vs ddp_kj_rule", "ratio_vs_kj_rule", fmt_ratio))
-    columns.append(("final loss", "final_loss", _cell("{:.5f}")))
+    columns = [
+        (name, key, cell)
+        for name, key, cell, when in _COLUMNS
+        if when in ("always", device)
+        or (when == "given" and any(getattr(r, key) is not None for r in rows))
+    ]
     head = ["workload", "config", *(name for name, _, _ in columns), "note"]
     lines = [
         "| " + " | ".join(head) + " |",

@@ -33,7 +33,7 @@ def rule_optimizer(
     rule: Rule, matrix: str = "torch"
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The class and keywords stepping matrices under `rule` for a configuration whose
-    `matrix_optimizer` is `matrix`; the default rule gives exactly the pre-rule classes
+    `matrix_optimizer` is `matrix`; the default rule gives the configuration's own class
     (torch's Muon, `BatchedMuon`). ValueError for a combination that does not exist."""
     from ..optim import BatchedMuon
     from ..optim.rules import matrix_rule, ns_kwargs
