@@ -167,7 +167,9 @@ def _build_peer(name: str, workload: Workload, clock: WaitClock, rule: Rule) -> 
 
         opt = MuonWithAuxAdam(_aux_adam_groups(muon, other))
         return Setup(ddp, [opt], tail.book_tail, owned_optimizers=_kj_share)
-    # KJ_RULE: `RoundRobin` of `rule` over DDP's replicated params (`rule_optimizers` module note)
+    if name != KJ_RULE:
+        raise KeyError(f"no torch peer is called {name!r}")
+    # `RoundRobin` of `rule` over DDP's replicated params (`rule_optimizers` module note)
     ordered = by_size(muon)
     rank, world = dist.get_rank(), dist.get_world_size()
     robin = RoundRobin(torch_pair(ordered[rank::world], other, rule=rule), ordered)

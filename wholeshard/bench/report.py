@@ -122,9 +122,8 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]], rule: st
 
 
 def merge_rounds(rounds: list[Row]) -> Row:
-    """One row from the same configuration's rows of several rounds: times (`*_s`) are medians
-    over the successful rounds, sizes and counts the largest; the first error if no round
-    succeeded."""
+    """One row from the same configuration's rows of several rounds (times, `*_s`, the medians
+    over the successful ones: module note); the first error if no round succeeded."""
     done = [r for r in rounds if r.error is None]
     if not done:
         return rounds[0]
@@ -152,9 +151,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def fill_ratios(rows: list[Row], peak_tflops: float | None = None) -> None:
-    """Set `ratio_vs_ddp_torch_muon` on every row whose workload has a reference time,
-    `ratio_vs_floor` on every row with a floor, the optimizer's share and its ratio to the
-    yardstick, and the Newton–Schulz rate (against `peak_tflops`, the GPU's bf16 peak, if known)."""
+    """Set every successful row's ratios, optimizer share and Newton–Schulz rate (each `Row`
+    field says what it is), the rate also against `peak_tflops`, the GPU's bf16 peak, if known."""
     reference = {r.workload: r.step_s for r in rows if r.config == REFERENCE and r.error is None}
     kj = {(r.workload, r.rule): r.step_s for r in rows if r.config == KJ_RULE and not r.error}
     for r in rows:
@@ -225,6 +223,9 @@ fmt_s = _cell("{:.3f}")
 fmt_ratio = _cell("{:.2f}x")
 fmt_count = _cell("{:,}")
 fmt_share = _cell("{:.0%}")
+_fmt_tflops = _cell("{:.2f}")
+_fmt_peak = _cell("{:.1%}")
+_fmt_loss = _cell("{:.5f}")
 
 _COLUMNS = [
     ("step s", "step_s", fmt_s, "always"),
@@ -243,14 +244,14 @@ _COLUMNS = [
     ("torch Muon s", "torch_muon_owned_s", fmt_s, "always"),
     ("opt vs torch Muon", "ratio_optimizer_vs_torch_muon", fmt_ratio, "always"),
     ("max alloc MB", "max_memory_allocated_bytes", fmt_mb, "cuda"),
-    ("NS TFLOP/s", "ns_tflops", _cell("{:.2f}"), "cuda"),
-    ("of bf16 peak", "ns_peak_fraction", _cell("{:.1%}"), "cuda"),
+    ("NS TFLOP/s", "ns_tflops", _fmt_tflops, "cuda"),
+    ("of bf16 peak", "ns_peak_fraction", _fmt_peak, "cuda"),
     ("launches/step", "launches_per_step", fmt_count, "given"),
     ("opt launches", "optimizer_launches_per_step", fmt_count, "given"),
     ("CUDA launches/step", "cuda_launches_per_step", fmt_count, "given"),
     ("opt CUDA launches", "optimizer_cuda_launches_per_step", fmt_count, "given"),
     ("vs ddp_kj_rule", "ratio_vs_kj_rule", fmt_ratio, "given"),
-    ("final loss", "final_loss", _cell("{:.5f}"), "always"),
+    ("final loss", "final_loss", _fmt_loss, "always"),
 ]
 """(header, `Row` field, cell format, when a table has the column: always, on `device="cuda"`,
 or when some row has that figure)."""
