@@ -122,8 +122,8 @@ def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]], rule: st
 
 
 def merge_rounds(rounds: list[Row]) -> Row:
-    """One row from the same configuration's rows of several rounds (times, `*_s`, the medians
-    over the successful ones: module note); the first error if no round succeeded."""
+    """One row from the same configuration's rows of several rounds: times (`*_s`) the medians
+    over the successful rounds, sizes and counts the largest; the first error if none succeeded."""
     done = [r for r in rounds if r.error is None]
     if not done:
         return rounds[0]

@@ -212,7 +212,8 @@ def _many_matrices(quick: bool) -> Workload:
 class DenseMoE(nn.Module):
     """A residual MoE layer every token sends to every expert, weighted by a sigmoid gate of a
     router (E, dim), so every expert gets a gradient each step. The experts are two stacks,
-    `up` (E, hidden, dim) and `down` (E, dim, hidden), (out, in) per matrix."""
+    `up` (E, hidden, dim) and `down` (E, dim, hidden), (out, in) per matrix, as transformers 5
+    stores fused experts."""
 
     def __init__(self, dim: int, hidden: int, experts: int) -> None:
         super().__init__()
