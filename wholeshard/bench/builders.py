@@ -33,8 +33,9 @@ from .rule_optimizers import (
     Rule,
     by_size,
     rule_optimizer,
+    rule_sensitive,
+    rule_unavailable,
 )
-from .rule_optimizers import rule_unavailable as _rule_unavailable
 from .wait_clock import WaitClock
 from .workloads import Workload
 
@@ -81,11 +82,6 @@ def split_params(model: nn.Module, workload: Workload) -> tuple[list, list]:
     return [r.param for r in routes if r.matrix], [r.param for r in routes if not r.matrix]
 
 
-def torch_optimizers(model: nn.Module, workload: Workload) -> list[torch.optim.Optimizer]:
-    """`torch.optim.Muon` on the matrices and `torch.optim.AdamW` on the rest (if any)."""
-    return torch_pair(*split_params(model, workload))
-
-
 def torch_pair(
     muon: list, other: list, matrix: str = "torch", rule: Rule = DEFAULT_RULE
 ) -> list[torch.optim.Optimizer]:
@@ -101,14 +97,24 @@ def torch_pair(
     return opts
 
 
+def _copies(routes: list[Route], round_robin: bool = False) -> tuple[list, list]:
+    """Fresh copies with their grads of the matrices a rank steps and of the other params: every
+    matrix, or with `round_robin` the KJ-style share (the matrices sorted by size, largest first,
+    every world-th from this rank's index)."""
+    matrices = [r.param for r in routes if r.matrix]
+    if round_robin:
+        matrices = by_size(matrices)[dist.get_rank() :: dist.get_world_size()]
+    other = [r.param for r in routes if not r.matrix]
+    return [copy_with_grad(p, p.grad) for p in matrices], [copy_with_grad(p, p.grad) for p in other]
+
+
 def every_param(routes: list[Route]) -> list[torch.optim.Optimizer]:
     """The floor's share of a rank that updates every param (torch DDP; FSDP2, whose
     `torch.optim.Muon` orthogonalizes every full matrix on every rank)."""
-    copies = [(r.matrix, copy_with_grad(r.param, r.param.grad)) for r in routes]
-    return torch_pair([c for m, c in copies if m], [c for m, c in copies if not m])
+    return torch_pair(*_copies(routes))
 
 
-# -- torch DDP -----------------------------------------------------------------------------
+# -- torch peers ---------------------------------------------------------------------------
 
 
 class _HookTail:
@@ -140,17 +146,38 @@ class _HookTail:
         self.last_launch = self.last_done = 0.0
 
 
-def _ddp(model: nn.Module, clock: WaitClock) -> tuple[nn.Module, Callable[[], None]]:
+def _build_peer(name: str, workload: Workload, clock: WaitClock, rule: Rule) -> Setup:
+    """The torch peer `name`: FSDP2, or DDP with its comm hook's tail booked into `clock`."""
+    model = workload.make_model()
+    if name == "fsdp2_torch_muon":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in workload.shard_units(model):
+            fully_shard(unit)
+        fully_shard(model)
+        return Setup(model, torch_pair(*split_params(model, workload)))
     ddp = nn.parallel.DistributedDataParallel(model)
     tail = _HookTail(clock)
     ddp.register_comm_hook(None, tail.hook)
-    return ddp, tail.book_tail
+    muon, other = split_params(model, workload)
+    if name == "ddp_torch_muon":
+        return Setup(ddp, torch_pair(muon, other), tail.book_tail)
+    if name == "ddp_kj_muon":
+        from muon import MuonWithAuxAdam
 
+        opt = MuonWithAuxAdam(_aux_adam_groups(muon, other))
+        return Setup(ddp, [opt], tail.book_tail, owned_optimizers=_kj_share)
+    if name != KJ_RULE:
+        raise KeyError(f"no torch peer is called {name!r}")
+    # `RoundRobin` of `rule` over DDP's replicated params (`rule_optimizers` module note)
+    ordered = by_size(muon)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    robin = RoundRobin(torch_pair(ordered[rank::world], other, rule=rule), ordered)
 
-def _build_ddp_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
-    model = workload.make_model()
-    ddp, book_tail = _ddp(model, clock)
-    return Setup(ddp, torch_optimizers(model, workload), book_tail)
+    def share(routes: list[Route]) -> list[torch.optim.Optimizer]:
+        return torch_pair(*_copies(routes, round_robin=True), rule=rule)
+
+    return Setup(ddp, [robin], tail.book_tail, owned_optimizers=share)  # type: ignore[list-item]
 
 
 def _kj_unavailable() -> str | None:
@@ -161,70 +188,21 @@ def _kj_unavailable() -> str | None:
     return None
 
 
-def _build_ddp_kj_muon(workload: Workload, clock: WaitClock) -> Setup:
-    from muon import MuonWithAuxAdam
-
-    model = workload.make_model()
-    ddp, book_tail = _ddp(model, clock)
-    muon, other = split_params(model, workload)
-    groups = [dict(params=muon, use_muon=True, **MUON_KW)]
+def _aux_adam_groups(muon: list, other: list) -> list[dict[str, Any]]:
+    """`MuonWithAuxAdam`'s param groups: Muon on `muon`, AdamW on `other`, each if not empty."""
+    groups = [dict(params=muon, use_muon=True, **MUON_KW)] if muon else []
     if other:
         groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
-    return Setup(ddp, [MuonWithAuxAdam(groups)], book_tail, owned_optimizers=_kj_share)
+    return groups
 
 
 def _kj_share(routes: list[Route]) -> list[torch.optim.Optimizer]:
-    """`MuonWithAuxAdam`'s share: of the matrices sorted by size, largest first, every
-    world-th from this rank's index (Newton–Schulz in bf16, its own); AdamW on every other
-    param, which every rank updates."""
+    """`MuonWithAuxAdam`'s share: its round-robin matrices (Newton–Schulz in bf16, its own) and
+    AdamW on every other param, which every rank updates."""
     from muon import SingleDeviceMuonWithAuxAdam
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    matrices = sorted((r for r in routes if r.matrix), key=lambda r: r.param.size(), reverse=True)
-    mine = [copy_with_grad(r.param, r.param.grad) for r in matrices[rank::world]]
-    other = [copy_with_grad(r.param, r.param.grad) for r in routes if not r.matrix]
-    groups = [dict(params=mine, use_muon=True, **MUON_KW)] if mine else []
-    if other:
-        groups.append(dict(params=other, use_muon=False, **ADAMW_KW))
+    groups = _aux_adam_groups(*_copies(routes, round_robin=True))
     return [SingleDeviceMuonWithAuxAdam(groups)] if groups else []
-
-
-def _build_ddp_kj_rule(workload: Workload, clock: WaitClock, rule: Rule) -> Setup:
-    """`rule_optimizers.RoundRobin` of `rule` over DDP's replicated params (`rule_optimizers`
-    module note)."""
-    model = workload.make_model()
-    ddp, book_tail = _ddp(model, clock)
-    muon, other = split_params(model, workload)
-    ordered = by_size(muon)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    opt = RoundRobin(torch_pair(ordered[rank::world], other, rule=rule), ordered)
-    return Setup(ddp, [opt], book_tail, owned_optimizers=_kj_rule_share(rule))  # type: ignore[list-item]
-
-
-def _kj_rule_share(rule: Rule) -> OwnedOptimizers:
-    """`ddp_kj_rule`'s share: this rank's round-robin matrices under `rule`, AdamW on the rest."""
-
-    def build(routes: list[Route]) -> list[torch.optim.Optimizer]:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        copies = {r.param: copy_with_grad(r.param, r.param.grad) for r in routes}
-        matrices = by_size(r.param for r in routes if r.matrix)[rank::world]
-        other = [copies[r.param] for r in routes if not r.matrix]
-        return torch_pair([copies[p] for p in matrices], other, rule=rule)
-
-    return build
-
-
-# -- torch FSDP2 ---------------------------------------------------------------------------
-
-
-def _build_fsdp2_torch_muon(workload: Workload, clock: WaitClock) -> Setup:
-    from torch.distributed.fsdp import fully_shard
-
-    model = workload.make_model()
-    for unit in workload.shard_units(model):
-        fully_shard(unit)
-    fully_shard(model)
-    return Setup(model, torch_optimizers(model, workload))
 
 
 # -- wholeshard ----------------------------------------------------------------------------
@@ -255,37 +233,19 @@ def _build_wholeshard(
         nonfinite=None,  # the peers check nothing: compare like with like
         matrix_optimizer=cls,
     )
-    return Setup(
-        ddp,
-        [opt],
-        memory=ddp.memory,
-        bare_model=make_model,
-        owned_optimizers=_planned_share(opt, config.matrix_optimizer, rule),
-    )
 
-
-def _planned_share(opt: Any, matrix: str, rule: Rule) -> OwnedOptimizers:
-    """A `LayerwiseOptimizer`'s share, its owned pieces under the plan, stepped as it steps
-    them (`OwnedPiece.master` in the optimizer's orientation; a piece of a param is its range of the
-    flattened gradient; the matrices under the `matrix` optimizer)."""
-
-    def build(routes: list[Route]) -> list[torch.optim.Optimizer]:
+    def share(routes: list[Route]) -> list[torch.optim.Optimizer]:
+        """`opt`'s owned pieces under the plan, stepped as it steps them (`OwnedPiece.master` in
+        the optimizer's orientation; a piece of a param is its range of the flattened gradient)."""
         grads = {r.name: r.param.grad.reshape(-1) for r in routes}
         muon, other = [], []
         for piece in opt.owned_pieces():
             flat = grads[piece.name][piece.offset : piece.offset + piece.param.numel()]
             grad = piece.oriented(flat.view(piece.param.shape))
             (muon if piece.kind == "matrix" else other).append(copy_with_grad(piece.master, grad))
-        return torch_pair(muon, other, matrix, rule)
+        return torch_pair(muon, other, config.matrix_optimizer, rule)
 
-    return build
-
-
-_BUILDERS: dict[str, Callable[[Workload, WaitClock], Setup]] = {
-    "ddp_torch_muon": _build_ddp_torch_muon,
-    "ddp_kj_muon": _build_ddp_kj_muon,
-    "fsdp2_torch_muon": _build_fsdp2_torch_muon,
-}
+    return Setup(ddp, [opt], memory=ddp.memory, bare_model=make_model, owned_optimizers=share)
 
 
 def build(
@@ -294,9 +254,7 @@ def build(
     """Build `config` on this rank, its matrices under `rule` if it is rule-sensitive."""
     if config.parallel is not None:
         return _build_wholeshard(config, workload, clock, rule)
-    if config.name == KJ_RULE:
-        return _build_ddp_kj_rule(workload, clock, rule)
-    return _BUILDERS[config.name](workload, clock)
+    return _build_peer(config.name, workload, clock, rule)
 
 
 def unavailable(
@@ -304,17 +262,18 @@ def unavailable(
 ) -> str | None:
     """Why `config` cannot run here, or on `workload` when given, or under `rule`, or None
     (checked before any worker starts)."""
-    if config.parallel is not None or config.name == KJ_RULE:
-        reason = _rule_unavailable(rule, config.matrix_optimizer)
+    if rule_sensitive(config):
+        reason = rule_unavailable(rule, config.matrix_optimizer)
         if reason is not None:
             return reason
-    if workload is not None and workload.stacked and config.name in TORCH_MUON_PEERS:
-        return (
-            f"torch.optim.Muon steps 2-D params only, and {workload.name} has 3-D expert stacks "
-            f"(wholeshard steps each matrix of a stack as a param of its own)"
-        )
-    if workload is not None and workload.stacked and config.name == KJ_RULE:
-        return f"{KJ_RULE} steps each matrix param whole; {workload.name} has 3-D stacks"
-    if workload is not None and workload.stacked and config.fp8 is not None:
-        return f"FP8 converts nn.Linear layers, and {workload.name} has stacked params instead"
+    if workload is not None and workload.stacked:
+        if config.name in TORCH_MUON_PEERS:
+            return (
+                f"torch.optim.Muon steps 2-D params only, and {workload.name} has 3-D expert "
+                f"stacks (wholeshard steps each matrix of a stack as a param of its own)"
+            )
+        if config.name == KJ_RULE:
+            return f"{KJ_RULE} steps each matrix param whole; {workload.name} has 3-D stacks"
+        if config.fp8 is not None:
+            return f"FP8 converts nn.Linear layers, and {workload.name} has stacked params instead"
     return _kj_unavailable() if config.name == "ddp_kj_muon" else None

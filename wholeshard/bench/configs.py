@@ -56,7 +56,7 @@ KJ_RULE = "ddp_kj_rule"
 @dataclass(frozen=True)
 class Rule:
     """A matrix rule: its optimizer (`MATRIX_RULES`) and Newton–Schulz choices (module note of
-    `rule_optimizers`); the default builds every configuration as before rules existed."""
+    `rule_optimizers`); the default is torch's Muon with the standard quintic."""
 
     optimizer: str = "muon"
     ns_algorithm: str = "standard"
@@ -73,13 +73,11 @@ class Rule:
     @property
     def label(self) -> str:
         """ "" for the default rule, else its non-default parts joined by "+" ("gram")."""
-        default = Rule()
-        parts = [v for k, v in vars(self).items() if v != getattr(default, k)]
-        return "+".join(parts)
+        return "+".join(v for k, v in vars(self).items() if v != getattr(DEFAULT_RULE, k))
 
     @property
     def is_default(self) -> bool:
-        return self == Rule()
+        return self == DEFAULT_RULE
 
 
 DEFAULT_RULE = Rule()
@@ -135,6 +133,8 @@ def with_overrides(name: str, overrides: Mapping[str, Any]) -> BenchConfig:
 
 # -- the registry: benchmarks run in this order ----------------------------------------------
 
+_OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c
     for c in (
@@ -168,30 +168,26 @@ CONFIGS: dict[str, BenchConfig] = {
         wholeshard(
             "ws_overlap",
             "wholeshard with grad-reduce and param-gather overlap",
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
         ),
         wholeshard(
             "ws_pipelined",
             "ws_overlap with the pipelined step: each bucket updated as its reduction lands, "
             "gathered at once",
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
             pipelined_step=True,
         ),
         wholeshard(
             "ws_fully_sharded",
             "wholeshard fully sharded (reshard after forward) + overlap, own all-gather group",
             reshard_after_forward=True,
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
         ),
         wholeshard(
             "ws_fully_sharded_one_group",
             "ws_fully_sharded with every collective on one process group",
             reshard_after_forward=True,
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
             separate_all_gather_group=False,
         ),
         wholeshard(
@@ -199,16 +195,14 @@ CONFIGS: dict[str, BenchConfig] = {
             "wholeshard overlap, MXFP8 linears, FP8 param gather (bf16 on the wire)",
             fp8="mxfp8",
             fp8_param_gather=True,
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
         ),
         wholeshard(
             "ws_fp8_tensorwise",
             "wholeshard overlap, tensorwise FP8 linears, FP8 bytes on the wire",
             fp8="tensorwise",
             fp8_param_gather=True,
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
         ),
         wholeshard(
             "ws_ping_pong",
@@ -220,15 +214,13 @@ CONFIGS: dict[str, BenchConfig] = {
             "ws_batched_muon",
             "ws_overlap with BatchedMuon: same-shape matrices orthogonalized as one batch",
             matrix_optimizer="batched",
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
         ),
         wholeshard(
             "ws_batched_muon_fp32",
             "ws_batched_muon summing the bf16 Newton-Schulz products in fp32 GEMMs",
             matrix_optimizer="batched_fp32",
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
+            **_OVERLAP,
         ),
     )
 }

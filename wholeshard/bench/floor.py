@@ -46,12 +46,11 @@ def measure(
     owned_optimizers: OwnedOptimizers,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     warmup: int,
-    timer: Timer | None = None,
+    timer: Timer,
 ) -> dict[str, Any]:
     """This rank's floor figures and yardstick (module note): medians in s over as many
     repetitions as the timed loop has timed steps (the first `warmup` + 1 untimed, as there);
     `torch_muon_owned_s` is 0 when the share holds no Muon matrix."""
-    timer = timer or Timer(torch.device("cpu"))
     routes = route_params(bare_model, workload.matrix_params)
     forward_backward = []
     for s, (x, y) in enumerate(batches):

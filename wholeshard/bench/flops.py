@@ -1,17 +1,15 @@
 """Newton–Schulz arithmetic and GPU peaks, for the Newton–Schulz TFLOP/s figure.
 
-`torch.optim.Muon`'s `_zeropower_via_newtonschulz` (and `BatchedMuon`, `MuonWithAuxAdam`) runs
-on an (m, n) matrix with m <= n (a tall one is transposed first), per iteration:
-`G = X X^T` (2 m m n flops), `addmm(G, G, G)` (2 m^3), `addmm(X, G', X)` (2 m m n), so
-`steps * (4 m^2 n + 2 m^3)` in all (`capacity.projection.ns_flops`, the one count). Only these
-products count: the scalings, additions and the norm are O(m n) per iteration. No torch here.
+The flops of one update are `capacity.projection.ns_flops` (the one count): the products of
+`torch.optim.Muon`'s `_zeropower_via_newtonschulz` (and of `BatchedMuon`, `MuonWithAuxAdam`),
+not its O(m n) scalings, additions and norm. No torch here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..capacity.projection import NS_STEPS, ns_flops  # the one count of Newton-Schulz flops
+from ..capacity.projection import ns_flops
 
 BF16_DENSE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),
@@ -24,8 +22,8 @@ BF16_DENSE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 first match wins (NVIDIA's data sheets)."""
 
 
-def total_ns_flops(shapes: Iterable[Sequence[int]], steps: int = NS_STEPS) -> int:
-    return sum(ns_flops(s, steps) for s in shapes)
+def total_ns_flops(shapes: Iterable[Sequence[int]]) -> int:
+    return sum(ns_flops(s) for s in shapes)
 
 
 def bf16_peak_tflops(device_name: str) -> float | None:

@@ -19,7 +19,6 @@ configuration's `step()` (every optimizer of the setup), marked with `OPTIMIZER_
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -149,7 +148,5 @@ class StepProfile:
             self.counts = count(self._profile.events(), self.cuda)
 
     @staticmethod
-    @contextmanager
-    def optimizer() -> Iterator[None]:
-        with record_function(OPTIMIZER_MARK):
-            yield
+    def optimizer() -> record_function:
+        return record_function(OPTIMIZER_MARK)

@@ -52,11 +52,6 @@ def persistent_bytes(memory: Mapping[str, int]) -> int:
     return sum(memory[kind] for kind in PERSISTENT_KINDS)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a DTensor: count this rank's shard only
-    return to_local() if callable(to_local) else t
-
-
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     """Bytes of every tensor held in the optimizers' `state` on this rank (each storage once)."""
     seen: set[tuple[int, int]] = set()
@@ -65,16 +60,14 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     def visit(value: Any) -> None:
         nonlocal total
         if isinstance(value, torch.Tensor):
-            t = _local(value)
+            to_local = getattr(value, "to_local", None)  # a DTensor: count this rank's shard only
+            t = to_local() if callable(to_local) else value
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
             if key not in seen:
                 seen.add(key)
                 total += t.numel() * t.element_size()
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
+        elif isinstance(value, (dict, list, tuple)):
+            for v in value.values() if isinstance(value, dict) else value:
                 visit(v)
 
     for opt in optimizers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .configs import KJ_RULE, REFERENCE
@@ -25,39 +25,44 @@ LOSS_RTOL = 1e-2
 """Final losses agree when within this relative distance of the reference's (module note)."""
 
 
+def _per_rank() -> Any:
+    """A `Row` field each rank reports (`from_ranks`)."""
+    return field(default=None, metadata={"per_rank": True})
+
+
 @dataclass
 class Row:
     """One workload x configuration result; the JSON schema, field for field."""
 
     workload: str
     config: str
-    step_s: float | None = None
-    optimizer_s: float | None = None
-    comm_wait_s: float | None = None
-    bytes_sent_per_rank: int | None = None
-    gather_bytes_per_rank: int | None = None
+    step_s: float | None = _per_rank()
+    optimizer_s: float | None = _per_rank()
+    comm_wait_s: float | None = _per_rank()
+    bytes_sent_per_rank: int | None = _per_rank()
+    gather_bytes_per_rank: int | None = _per_rank()
     """The part of `bytes_sent_per_rank` sent by all-gathers and broadcasts
     (`TrafficCounter.gather_bytes`): param sync for wholeshard and `ddp_kj_muon`; see the note
     in `traffic.py` for what else it holds on DDP and FSDP2 rows."""
-    peak_rss_bytes: int | None = None
-    peak_rss_delta_bytes: int | None = None
+    peak_rss_bytes: int | None = _per_rank()
+    peak_rss_delta_bytes: int | None = _per_rank()
     """Peak RSS minus the RSS just before the model was built: what the model, its optimizers
     and training (first use of their kernels included) added at the peak."""
-    optimizer_state_bytes: int | None = None
-    persistent_bytes: int | None = None
+    optimizer_state_bytes: int | None = _per_rank()
+    persistent_bytes: int | None = _per_rank()
     """Params + grads + masters + optimizer state a wholeshard rank holds between steps, by
     `DataParallel.memory()`; None for other configurations."""
     persistent_bytes_all_ranks: int | None = None
     ratio_vs_ddp_torch_muon: float | None = None
     optimizer_share: float | None = None
     """`optimizer_s / step_s`: the optimizer step's share of a step."""
-    torch_muon_owned_s: float | None = None
+    torch_muon_owned_s: float | None = _per_rank()
     """The yardstick: `torch.optim.Muon` stepping the busiest rank's owned Muon matrices alone,
     each a param of its own, no collectives, in the same worker (`floor.py`)."""
     ratio_optimizer_vs_torch_muon: float | None = None
     """`optimizer_s / torch_muon_owned_s`: the configuration's whole optimizer step (its
     communication included) against torch's Muon on the same matrices alone."""
-    ns_flops_per_step: int | None = None
+    ns_flops_per_step: int | None = _per_rank()
     """Newton–Schulz product flops of the busiest rank's owned matrices per step (`flops.py`)."""
     ns_tflops: float | None = None
     """`ns_flops_per_step / optimizer_s` in TFLOP/s: the rate over the whole optimizer step, so
@@ -65,20 +70,20 @@ class Row:
     ns_peak_fraction: float | None = None
     """`ns_tflops` over the GPU's dense bf16 peak (`flops.bf16_peak_tflops`); None on CPU and
     on a GPU the table does not know."""
-    max_memory_allocated_bytes: int | None = None
+    max_memory_allocated_bytes: int | None = _per_rank()
     """`torch.cuda.max_memory_allocated` after the timed steps, fullest rank; None on CPU."""
-    launches_per_step: int | None = None
+    launches_per_step: int | None = _per_rank()
     """Kernel-running top-level aten ops of one step (`launches.py`); None without
     `--count-launches`."""
-    optimizer_launches_per_step: int | None = None
+    optimizer_launches_per_step: int | None = _per_rank()
     """The part of `launches_per_step` inside the optimizer step."""
-    cuda_launches_per_step: int | None = None
+    cuda_launches_per_step: int | None = _per_rank()
     """CUDA kernel launch calls of one step (CUDA with `--count-launches` only)."""
-    optimizer_cuda_launches_per_step: int | None = None
+    optimizer_cuda_launches_per_step: int | None = _per_rank()
     """The part of `cuda_launches_per_step` inside the optimizer step."""
-    floor_forward_backward_s: float | None = None
+    floor_forward_backward_s: float | None = _per_rank()
     """Forward + backward of one rank's micro-batch on the bare model, no communication."""
-    floor_optimizer_s: float | None = None
+    floor_optimizer_s: float | None = _per_rank()
     """One optimizer step over the busiest rank's owned share alone, no collectives."""
     floor_s: float | None = None
     """The sum of the two: the part of a step no distributed scheme can remove (`floor.py`)."""
@@ -86,7 +91,7 @@ class Row:
     final_loss: float | None = None
     error: str | None = None
     rule: str = ""
-    """The matrix rule's label (`rules.Rule.label`): "" for the default rule and for the
+    """The matrix rule's label (`configs.Rule.label`): "" for the default rule and for the
     rule-independent peers."""
     ratio_vs_kj_rule: float | None = None
     """`step_s` over that of `ddp_kj_rule` under the same rule: the rule distributed by
@@ -98,84 +103,37 @@ class Row:
         return f"{self.config}[{self.rule}]" if self.rule else self.config
 
 
+_PER_RANK = tuple(f.name for f in fields(Row) if f.metadata.get("per_rank"))
+
+
 def from_ranks(workload: str, config: str, ranks: list[dict[str, Any]], rule: str = "") -> Row:
     """Combine the per-rank figures of one run (under the rule labelled `rule`) into a row."""
-
-    def worst(key: str) -> Any:
-        return _largest([r[key] for r in ranks])
-
+    worst = {key: _largest([r[key] for r in ranks]) for key in _PER_RANK}
     persistent = [r["persistent_bytes"] for r in ranks]
-    forward_backward, optimizer = worst("floor_forward_backward_s"), worst("floor_optimizer_s")
     return Row(
-        workload=workload,
-        config=config,
-        **{key: worst(key) for key in _LARGEST_OVER_RANKS},
-        step_s=worst("step_s"),
-        optimizer_s=worst("optimizer_s"),
-        comm_wait_s=worst("comm_wait_s"),
-        bytes_sent_per_rank=worst("bytes_sent_per_rank"),
-        gather_bytes_per_rank=worst("gather_bytes_per_rank"),
-        peak_rss_bytes=worst("peak_rss_bytes"),
-        peak_rss_delta_bytes=worst("peak_rss_delta_bytes"),
-        optimizer_state_bytes=worst("optimizer_state_bytes"),
-        persistent_bytes=_largest(persistent),
+        workload,
+        config,
+        **worst,
         persistent_bytes_all_ranks=None if None in persistent else sum(persistent),
-        floor_forward_backward_s=forward_backward,
-        floor_optimizer_s=optimizer,
-        floor_s=forward_backward + optimizer,
+        floor_s=worst["floor_forward_backward_s"] + worst["floor_optimizer_s"],
         final_loss=ranks[0]["final_loss"],
         rule=rule,
     )
 
 
 def merge_rounds(rounds: list[Row]) -> Row:
-    """One row from the same configuration's rows of several rounds: times are medians over the
-    successful rounds, sizes the largest; the first error if no round succeeded."""
+    """One row from the same configuration's rows of several rounds: times (`*_s`) the medians
+    over the successful rounds, sizes and counts the largest; the first error if none succeeded."""
     done = [r for r in rounds if r.error is None]
     if not done:
         return rounds[0]
-
-    def median(key: str) -> float:
-        return statistics.median(getattr(r, key) for r in done)
-
-    def largest(key: str) -> int | None:
-        return _largest([getattr(r, key) for r in done])
-
+    merged: dict[str, Any] = {}
+    for key in (*_PER_RANK, "persistent_bytes_all_ranks", "floor_s"):
+        values = [getattr(r, key) for r in done]
+        merged[key] = _median(values) if key.endswith("_s") else _largest(values)
     return Row(
-        workload=done[0].workload,
-        config=done[0].config,
-        **{key: largest(key) for key in _LARGEST_OVER_RANKS if key not in _TIMES},
-        torch_muon_owned_s=_median_of([r.torch_muon_owned_s for r in done]),
-        step_s=median("step_s"),
-        optimizer_s=median("optimizer_s"),
-        comm_wait_s=median("comm_wait_s"),
-        bytes_sent_per_rank=largest("bytes_sent_per_rank"),
-        gather_bytes_per_rank=largest("gather_bytes_per_rank"),
-        peak_rss_bytes=largest("peak_rss_bytes"),
-        peak_rss_delta_bytes=largest("peak_rss_delta_bytes"),
-        optimizer_state_bytes=largest("optimizer_state_bytes"),
-        persistent_bytes=largest("persistent_bytes"),
-        persistent_bytes_all_ranks=largest("persistent_bytes_all_ranks"),
-        floor_forward_backward_s=median("floor_forward_backward_s"),
-        floor_optimizer_s=median("floor_optimizer_s"),
-        floor_s=median("floor_s"),
-        final_loss=done[0].final_loss,
-        rule=done[0].rule,
+        done[0].workload, done[0].config, **merged, final_loss=done[0].final_loss, rule=done[0].rule
     )
-
-
-_LARGEST_OVER_RANKS = (
-    "torch_muon_owned_s",
-    "ns_flops_per_step",
-    "max_memory_allocated_bytes",
-    "launches_per_step",
-    "optimizer_launches_per_step",
-    "cuda_launches_per_step",
-    "optimizer_cuda_launches_per_step",
-)
-"""The figures added with the yardstick, CUDA and launch counts: a row takes the largest over
-ranks (None if some rank has none), and over rounds the largest too, times excepted."""
-_TIMES = frozenset({"torch_muon_owned_s"})
 
 
 def _largest(values: list[Any]) -> Any:
@@ -183,7 +141,7 @@ def _largest(values: list[Any]) -> Any:
     return None if None in values else max(values)
 
 
-def _median_of(values: list[Any]) -> Any:
+def _median(values: list[Any]) -> Any:
     """The median of `values`, or None if any is None."""
     return None if None in values else statistics.median(values)
 
@@ -193,9 +151,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def fill_ratios(rows: list[Row], peak_tflops: float | None = None) -> None:
-    """Set `ratio_vs_ddp_torch_muon` on every row whose workload has a reference time,
-    `ratio_vs_floor` on every row with a floor, the optimizer's share and its ratio to the
-    yardstick, and the Newton–Schulz rate (against `peak_tflops`, the GPU's bf16 peak, if known)."""
+    """Set every successful row's ratios, optimizer share and Newton–Schulz rate (each `Row`
+    field says what it is), the rate also against `peak_tflops`, the GPU's bf16 peak, if known."""
     reference = {r.workload: r.step_s for r in rows if r.config == REFERENCE and r.error is None}
     kj = {(r.workload, r.rule): r.step_s for r in rows if r.config == KJ_RULE and not r.error}
     for r in rows:
@@ -257,73 +214,60 @@ def fmt_mb(x: float | None) -> str:
     return "" if x is None else f"{x / 1e6:.1f}"
 
 
-def fmt_s(x: float | None) -> str:
-    """Seconds in a table cell."""
-    return "" if x is None else f"{x:.3f}"
+def _cell(spec: str) -> Callable[[Any], str]:
+    """A table cell's format: `spec` (`str.format`) of a figure, "" when unknown (None)."""
+    return lambda x: "" if x is None else spec.format(x)
 
 
-def fmt_ratio(x: float | None) -> str:
-    """A ratio in a table cell."""
-    return "" if x is None else f"{x:.2f}x"
+fmt_s = _cell("{:.3f}")
+fmt_ratio = _cell("{:.2f}x")
+fmt_count = _cell("{:,}")
+fmt_share = _cell("{:.0%}")
+_fmt_tflops = _cell("{:.2f}")
+_fmt_peak = _cell("{:.1%}")
+_fmt_loss = _cell("{:.5f}")
 
-
-def fmt_count(x: int | None) -> str:
-    """A count in a table cell."""
-    return "" if x is None else f"{x:,}"
-
-
-def fmt_share(x: float | None) -> str:
-    """A fraction in a table cell, as a percentage."""
-    return "" if x is None else f"{x:.0%}"
-
-
-_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
-    ("step s", lambda r: fmt_s(r.step_s)),
-    ("optimizer s", lambda r: fmt_s(r.optimizer_s)),
-    ("opt share", lambda r: fmt_share(r.optimizer_share)),
-    ("comm wait s", lambda r: fmt_s(r.comm_wait_s)),
-    ("sent/rank MB", lambda r: fmt_mb(r.bytes_sent_per_rank)),
-    ("gather MB/rank", lambda r: fmt_mb(r.gather_bytes_per_rank)),
-    ("peak RSS MB", lambda r: fmt_mb(r.peak_rss_bytes)),
-    ("peak RSS delta MB", lambda r: fmt_mb(r.peak_rss_delta_bytes)),
-    ("opt state MB", lambda r: fmt_mb(r.optimizer_state_bytes)),
-    ("persistent MB/rank", lambda r: fmt_mb(r.persistent_bytes)),
-    ("vs ddp_torch_muon", lambda r: fmt_ratio(r.ratio_vs_ddp_torch_muon)),
-    ("floor s", lambda r: fmt_s(r.floor_s)),
-    ("vs floor", lambda r: fmt_ratio(r.ratio_vs_floor)),
-    ("torch Muon s", lambda r: fmt_s(r.torch_muon_owned_s)),
-    ("opt vs torch Muon", lambda r: fmt_ratio(r.ratio_optimizer_vs_torch_muon)),
+_COLUMNS = [
+    ("step s", "step_s", fmt_s, "always"),
+    ("optimizer s", "optimizer_s", fmt_s, "always"),
+    ("opt share", "optimizer_share", fmt_share, "always"),
+    ("comm wait s", "comm_wait_s", fmt_s, "always"),
+    ("sent/rank MB", "bytes_sent_per_rank", fmt_mb, "always"),
+    ("gather MB/rank", "gather_bytes_per_rank", fmt_mb, "always"),
+    ("peak RSS MB", "peak_rss_bytes", fmt_mb, "always"),
+    ("peak RSS delta MB", "peak_rss_delta_bytes", fmt_mb, "always"),
+    ("opt state MB", "optimizer_state_bytes", fmt_mb, "always"),
+    ("persistent MB/rank", "persistent_bytes", fmt_mb, "always"),
+    ("vs ddp_torch_muon", "ratio_vs_ddp_torch_muon", fmt_ratio, "always"),
+    ("floor s", "floor_s", fmt_s, "always"),
+    ("vs floor", "ratio_vs_floor", fmt_ratio, "always"),
+    ("torch Muon s", "torch_muon_owned_s", fmt_s, "always"),
+    ("opt vs torch Muon", "ratio_optimizer_vs_torch_muon", fmt_ratio, "always"),
+    ("max alloc MB", "max_memory_allocated_bytes", fmt_mb, "cuda"),
+    ("NS TFLOP/s", "ns_tflops", _fmt_tflops, "cuda"),
+    ("of bf16 peak", "ns_peak_fraction", _fmt_peak, "cuda"),
+    ("launches/step", "launches_per_step", fmt_count, "given"),
+    ("opt launches", "optimizer_launches_per_step", fmt_count, "given"),
+    ("CUDA launches/step", "cuda_launches_per_step", fmt_count, "given"),
+    ("opt CUDA launches", "optimizer_cuda_launches_per_step", fmt_count, "given"),
+    ("vs ddp_kj_rule", "ratio_vs_kj_rule", fmt_ratio, "given"),
+    ("final loss", "final_loss", _fmt_loss, "always"),
 ]
-_CUDA_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
-    ("max alloc MB", lambda r: fmt_mb(r.max_memory_allocated_bytes)),
-    ("NS TFLOP/s", lambda r: "" if r.ns_tflops is None else f"{r.ns_tflops:.2f}"),
-    ("of bf16 peak", lambda r: "" if r.ns_peak_fraction is None else f"{r.ns_peak_fraction:.1%}"),
-]
-_LAUNCH_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
-    ("launches/step", lambda r: fmt_count(r.launches_per_step)),
-    ("opt launches", lambda r: fmt_count(r.optimizer_launches_per_step)),
-]
-_CUDA_LAUNCH_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
-    ("CUDA launches/step", lambda r: fmt_count(r.cuda_launches_per_step)),
-    ("opt CUDA launches", lambda r: fmt_count(r.optimizer_cuda_launches_per_step)),
-]
+"""(header, `Row` field, cell format, when a table has the column: always, on `device="cuda"`,
+or when some row has that figure)."""
 
 
 def markdown(rows: list[Row], flagged: list[str], device: str = "cpu") -> str:
     """The results table (README-ready), one line per row, errors and disagreements noted; on
     `device="cuda"` with the GPU columns, and with launch counts when some row has them."""
     bad = {m.split(":", 1)[0] for m in flagged}
-    columns = list(_COLUMNS)
-    if device == "cuda":
-        columns += _CUDA_COLUMNS
-    if any(r.launches_per_step is not None for r in rows):
-        columns += _LAUNCH_COLUMNS
-    if any(r.cuda_launches_per_step is not None for r in rows):
-        columns += _CUDA_LAUNCH_COLUMNS
-    if any(r.ratio_vs_kj_rule is not None for r in rows):
-        columns.append(("vs ddp_kj_rule", lambda r: fmt_ratio(r.ratio_vs_kj_rule)))
-    columns.append(("final loss", lambda r: "" if r.final_loss is None else f"{r.final_loss:.5f}"))
-    head = ["workload", "config", *(name for name, _ in columns), "note"]
+    columns = [
+        (name, key, cell)
+        for name, key, cell, when in _COLUMNS
+        if when in ("always", device)
+        or (when == "given" and any(getattr(r, key) is not None for r in rows))
+    ]
+    head = ["workload", "config", *(name for name, _, _ in columns), "note"]
     lines = [
         "| " + " | ".join(head) + " |",
         "|---|---|" + "---:|" * len(columns) + "---|",
@@ -331,7 +275,7 @@ def markdown(rows: list[Row], flagged: list[str], device: str = "cpu") -> str:
     for r in rows:
         note = r.error or ("LOSS DISAGREES" if f"{r.workload}/{r.name}" in bad else "")
         note = note.replace("|", "\\|").replace("\n", " ")
-        cells = [r.workload, r.name, *(cell(r) for _, cell in columns), note]
+        cells = [r.workload, r.name, *(cell(getattr(r, key)) for _, key, cell in columns), note]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

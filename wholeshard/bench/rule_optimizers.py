@@ -1,12 +1,7 @@
-"""Matrix rules in the bench: which optimizer steps the matrix-routed matrices (`Rule`), and the
-peer every rule is compared with, `ddp_kj_rule`: torch DDP with the rule run KJ-style.
-
-`Rule` and the rule-sensitive configurations are in `configs` (no torch there, for the CLI).
-A run benches one or more rules (`wholeshard bench --matrix-optimizer/--ns-algorithm/
---ns-coefficients`, every combination). The default rule (torch's Muon, standard quintic) builds
-every configuration exactly as before; another rule replaces the class stepping the owned
-matrices of every wholeshard configuration and of `ddp_kj_rule` (the other peers are
-rule-independent and run once). Rows of a non-default rule carry its `label`.
+"""Matrix rules in the bench: which optimizer steps the matrix-routed matrices (`Rule`, in
+`configs`: no torch there, for the CLI), and the peer every rule is compared with, `ddp_kj_rule`:
+torch DDP with the rule run KJ-style. A rule replaces the class stepping the owned matrices of
+every wholeshard configuration and of `ddp_kj_rule`; the other peers are rule-independent.
 
 `ddp_kj_rule` generalises `ddp_kj_muon`'s ownership (`muon.MuonWithAuxAdam`) to any rule whose
 update of a matrix reads only that matrix, its gradient and its state: DDP all-reduces every
@@ -38,7 +33,7 @@ def rule_optimizer(
     rule: Rule, matrix: str = "torch"
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The class and keywords stepping matrices under `rule` for a configuration whose
-    `matrix_optimizer` is `matrix`; the default rule gives exactly the pre-rule classes
+    `matrix_optimizer` is `matrix`; the default rule gives the configuration's own class
     (torch's Muon, `BatchedMuon`). ValueError for a combination that does not exist."""
     from ..optim import BatchedMuon
     from ..optim.rules import matrix_rule, ns_kwargs

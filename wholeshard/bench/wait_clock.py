@@ -21,7 +21,7 @@ import functools
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -73,34 +73,31 @@ class WaitClock:
             if self._depth == 0:
                 self.seconds += time.perf_counter() - start
 
-    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn`, with every call counted as blocked."""
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self.blocked():
-                return fn(*args, **kwargs)
-
-        return wrapper
-
     @contextmanager
     def watch(self) -> Iterator[WaitClock]:
         """Patch the blocking entry points (module note) for the duration of the context."""
         patches: list[tuple[Any, str, Any]] = []
 
-        def patch(owner: Any, name: str, new: Callable[..., Any]) -> None:
-            patches.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, new)
+        def patch(owner: Any, name: str) -> None:
+            """Count every call of `owner.name` as blocked."""
+            original = getattr(owner, name)
+
+            @functools.wraps(original)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                with self.blocked():
+                    return original(*args, **kwargs)
+
+            patches.append((owner, name, original))
+            setattr(owner, name, timed)
 
         for name in _TORCH_COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                patch(dist, name, self.timed(fn))
+            if hasattr(dist, name):
+                patch(dist, name)
         for name, fn in list(vars(collectives).items()):
             if inspect.isfunction(fn) and fn.__module__ == collectives.__name__:
-                patch(collectives, name, self.timed(fn))
-        patch(dist.Work, "wait", self.timed(dist.Work.wait))
-        patch(funcol, "wait_tensor", self.timed(funcol.wait_tensor))
+                patch(collectives, name)
+        patch(dist.Work, "wait")
+        patch(funcol, "wait_tensor")
         try:
             yield self
         finally:

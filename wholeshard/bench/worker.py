@@ -61,10 +61,10 @@ class Job:
     steps: int
     warmup: int
     quick: bool
-    overrides: dict[str, Any] | None = None
-    device: str = "cpu"
-    count_launches: bool = False
-    rule: dict[str, str] | None = None
+    overrides: dict[str, Any]
+    device: str
+    count_launches: bool
+    rule: dict[str, str]
 
 
 def run_rank(job: Job) -> dict:
@@ -76,13 +76,13 @@ def run_rank(job: Job) -> dict:
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())  # launch set it
     workload = get_workload(job.workload, job.quick).on(dev)
-    config = with_overrides(job.config, job.overrides or {})
+    config = with_overrides(job.config, job.overrides)
     timer = Timer(dev)
     clock = WaitClock()
     batches = [workload.local_batch(s, rank, world) for s in range(warmup + 1 + steps)]
     preload()
     rss_before_build = rss_bytes()
-    setup = build(config, workload, clock, Rule(**(job.rule or {})))
+    setup = build(config, workload, clock, Rule(**job.rule))
     counter = TrafficCounter()
     step_s: list[float] = []
     optimizer_s: list[float] = []

@@ -1,15 +1,10 @@
-"""The work every configuration runs: model, Muon routing, data and loss.
+"""The work every configuration runs (`configs.WORKLOADS` says what each is): model, Muon
+routing, data and loss.
 
-`gpt` is the training job's model (`wholeshard.models.gpt.GPT`) on bytes from a random Markov
-chain; `mlp` is a stack of square linear layers regressing a fixed random teacher, where
-Newton–Schulz dominates the step; `many-matrices` is 512 small linear layers side by side, each
-regressing the teacher on its own slice of the input (a rank owns hundreds of 64x64 matrices:
-torch's Muon is launch-bound); `experts` is a dense-gated MoE layer whose 64 experts are stored
-as stacks (E, out, in), as transformers 5 stores fused experts. They learn visibly within a
-benchmark's few steps, so the final-loss agreement check would catch a configuration that does
-not train. Each workload is seeded:
-every configuration starts from the same weights and sees the same global batches, and rank r
-of n takes the r-th contiguous 1/n of each global batch.
+Every workload learns visibly within a benchmark's few steps, so the final-loss agreement check
+would catch a configuration that does not train. Each is seeded: every configuration starts from
+the same weights and sees the same global batches, and rank r of n takes the r-th contiguous 1/n
+of each global batch.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +75,29 @@ def get_workload(name: str, quick: bool = False) -> Workload:
     return builders[name](quick)
 
 
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _seeded(module: Callable[..., nn.Module], *args: Any) -> Callable[[], nn.Module]:
+    """A `Workload.make_model`: `module(*args)` built after seeding torch with `SEED`."""
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(SEED)
+        return module(*args)
+
+    return make_model
+
+
+def _teacher_batch(
+    dim: int, rows: int, shape: tuple[int, ...], step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs of `shape` (last dim `dim`, first `rows`) and the fixed teacher's targets."""
+    teacher = torch.randn(dim, dim, generator=_gen(SEED)) / dim**0.5
+    x = torch.randn(rows, *shape, dim, generator=_gen(SEED * 1_000_003 + step))
+    return x, torch.tanh(x @ teacher)
+
+
 # -- gpt --------------------------------------------------------------------------------------
 
 MARKOV_BRANCHING = 4
@@ -98,10 +117,6 @@ def markov_bytes(rows: int, length: int, step: int) -> torch.Tensor:
     return out
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def _gpt(quick: bool) -> Workload:
     if quick:
         cfg = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32)
@@ -109,10 +124,6 @@ def _gpt(quick: bool) -> Workload:
     else:
         cfg = model_config("tiny", seq_len=128)
         batch = 8
-
-    def make_model() -> nn.Module:
-        torch.manual_seed(SEED)
-        return GPT(cfg)
 
     def make_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         data = markov_bytes(batch * world, cfg.seq_len + 1, step)
@@ -123,7 +134,7 @@ def _gpt(quick: bool) -> Workload:
 
     return Workload(
         name="gpt",
-        make_model=make_model,
+        make_model=_seeded(GPT, cfg),
         matrix_params=None,  # the default rule: the blocks' matrices; embeddings, head, norms AdamW
         shard_units=lambda model: list(model.blocks),
         make_batch=make_batch,
@@ -154,34 +165,15 @@ class MLP(nn.Module):
 
 def _mlp(quick: bool) -> Workload:
     dim, layers, batch = (64, 3, 8) if quick else (1024, 8, 64)
-
-    def make_model() -> nn.Module:
-        torch.manual_seed(SEED)
-        return MLP(dim, layers)
-
-    def make_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        teacher = torch.randn(dim, dim, generator=_gen(SEED)) / dim**0.5
-        x = torch.randn(batch * world, dim, generator=_gen(SEED * 1_000_003 + step))
-        return x, torch.tanh(x @ teacher)
-
     return Workload(
         name="mlp",
-        make_model=make_model,
+        make_model=_seeded(MLP, dim, layers),
         matrix_params=lambda name, p: p.ndim == 2,
         shard_units=lambda model: list(model.layers),
-        make_batch=make_batch,
+        make_batch=lambda step, world: _teacher_batch(dim, batch * world, (), step),
         loss=F.mse_loss,
         per_rank_batch=batch,
     )
-
-
-def _teacher_batch(
-    dim: int, rows: int, shape: tuple[int, ...], step: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs of `shape` (last dim `dim`, first `rows`) and the fixed teacher's targets."""
-    teacher = torch.randn(dim, dim, generator=_gen(SEED)) / dim**0.5
-    x = torch.randn(rows, *shape, dim, generator=_gen(SEED * 1_000_003 + step))
-    return x, torch.tanh(x @ teacher)
 
 
 # -- many-matrices ----------------------------------------------------------------------------
@@ -203,13 +195,9 @@ class SideBySide(nn.Module):
 def _many_matrices(quick: bool) -> Workload:
     dim, count, batch = (32, 16, 4) if quick else (64, 512, 8)  # FP8 (MXFP8) needs 32 | dim
 
-    def make_model() -> nn.Module:
-        torch.manual_seed(SEED)
-        return SideBySide(dim, count)
-
     return Workload(
         name="many-matrices",
-        make_model=make_model,
+        make_model=_seeded(SideBySide, dim, count),
         matrix_params=lambda name, p: p.ndim == 2,
         shard_units=lambda model: list(model.layers),
         make_batch=lambda step, world: _teacher_batch(dim, batch * world, (count,), step),
@@ -224,7 +212,8 @@ def _many_matrices(quick: bool) -> Workload:
 class DenseMoE(nn.Module):
     """A residual MoE layer every token sends to every expert, weighted by a sigmoid gate of a
     router (E, dim), so every expert gets a gradient each step. The experts are two stacks,
-    `up` (E, hidden, dim) and `down` (E, dim, hidden), (out, in) per matrix."""
+    `up` (E, hidden, dim) and `down` (E, dim, hidden), (out, in) per matrix, as transformers 5
+    stores fused experts."""
 
     def __init__(self, dim: int, hidden: int, experts: int) -> None:
         super().__init__()
@@ -242,13 +231,9 @@ class DenseMoE(nn.Module):
 def _experts(quick: bool) -> Workload:
     dim, hidden, experts, batch = (16, 16, 8, 4) if quick else (64, 64, 64, 16)
 
-    def make_model() -> nn.Module:
-        torch.manual_seed(SEED)
-        return DenseMoE(dim, hidden, experts)
-
     return Workload(
         name="experts",
-        make_model=make_model,
+        make_model=_seeded(DenseMoE, dim, hidden, experts),
         matrix_params=lambda name, p: p.ndim >= 2,  # the stacks and the router
         shard_units=lambda model: [],  # one unit: the layer
         make_batch=lambda step, world: _teacher_batch(dim, batch * world, (), step),

@@ -173,11 +173,11 @@ def _run_one(
     steps: int,
     warmup: int,
     quick: bool,
-    overrides: dict[str, Any] | None = None,
-    device: str = "cpu",
-    backend: str = "gloo",
-    count_launches: bool = False,
-    rule: Rule | None = None,
+    overrides: dict[str, Any],
+    device: str,
+    backend: str,
+    count_launches: bool,
+    rule: Rule,
 ) -> tuple[report.Row, list[str]]:
     """One configuration (wholeshard keywords replaced by `overrides`, matrices under `rule`) on
     fresh workers: its row, and any collectives the traffic model could not charge. A
@@ -187,10 +187,9 @@ def _run_one(
     from ..bench.workloads import get_workload
     from ..distributed.launch import WorkerFailed, launch
 
-    rule = rule or Rule()
     label = rule.label
     try:
-        overridden = with_overrides(config, overrides or {})
+        overridden = with_overrides(config, overrides)
         reason = unavailable(overridden, get_workload(workload, quick), rule)
     except ValueError as e:  # overrides no DataParallelConfig accepts
         reason = str(e)
