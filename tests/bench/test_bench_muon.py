@@ -13,7 +13,7 @@ from support import bench_machine, bench_rank
 from torch.utils.flop_counter import FlopCounterMode
 
 from wholeshard.bench import launches, machine
-from wholeshard.bench.builders import MATRIX_CLASSES, build, unavailable
+from wholeshard.bench.builders import MATRIX_CLASSES, _aux_adam_groups, build, unavailable
 from wholeshard.bench.configs import (
     CONFIGS,
     MATRIX_OPTIMIZERS,
@@ -139,7 +139,7 @@ def test_yardstick_is_torch_muon_on_every_matrix_of_the_share_alone() -> None:
         p.grad = torch.randn_like(p)
     share = [
         BatchedMuon([matrix], lr=0.1),
-        SimpleNamespace(param_groups=[{"params": [stack], "matrix_params": True}]),
+        SimpleNamespace(param_groups=_aux_adam_groups([stack], [])),  # MuonWithAuxAdam's
         torch.optim.AdamW([bias]),
     ]
     found = muon_matrices(share)

@@ -92,11 +92,11 @@ def _timed_steps(optimizers: list[torch.optim.Optimizer], timer: Timer) -> float
 
 def muon_matrices(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The params the share's optimizers orthogonalize: those of a `torch.optim.Muon` (or
-    subclass), and of a group marked `matrix_params` (`MuonWithAuxAdam`'s)."""
+    subclass), and of a group marked `use_muon` (`MuonWithAuxAdam`'s)."""
     out: list[torch.Tensor] = []
     for opt in optimizers:
         for group in opt.param_groups:
-            if isinstance(opt, torch.optim.Muon) or group.get("matrix_params"):
+            if isinstance(opt, torch.optim.Muon) or group.get("use_muon"):
                 out += group["params"]
     return out
 
