@@ -44,12 +44,13 @@ MANY = [
     "--no-progress", "--trace", "t.json",
 ]  # fmt: skip
 """Flags that set every job-file key to a value other than its default, except those below."""
-NOT_IN_MANY = {"data.tokenizer", "optim.name", "tp"}
-"""(A tokenizer needs a transformers model; `adamw` takes no DataParallel option; tensor
-parallelism takes neither FP8 nor QK-clip.)"""
+NOT_IN_MANY = {"data.tokenizer", "optim.name", "optim.newton_schulz", "tp"}
+"""(A tokenizer needs a transformers model; `adamw` takes no DataParallel option; only `muon`
+takes a Newton-Schulz implementation; tensor parallelism takes neither FP8 nor QK-clip.)"""
 OTHERS = [
     ["--model", "hf-config:llama.json", "--tokenizer", "tok"],
     ["--optimizer", "adamw", "--bucket-size", "1000"],
+    ["--newton-schulz", "batched_fp32"],
     ["--tp", "2"],
 ]
 
@@ -106,7 +107,7 @@ def test_every_key_of_many_is_not_its_default() -> None:
 @pytest.mark.parametrize(
     "argv",
     [[], MANY, ["--shard-group-size", "auto", "--lr", "1e-16"], *OTHERS],
-    ids=["default", "many", "auto", "tokenizer", "adamw", "tp"],
+    ids=["default", "many", "auto", "tokenizer", "adamw", "newton-schulz", "tp"],
 )
 def test_print_config_round_trips(capsys, tmp_path: Path, argv: list[str]) -> None:
     cfg = _config(*argv)

@@ -15,6 +15,8 @@ from support import train_config
 from wholeshard.optim.rules import MATRIX_RULES, matrix_kwargs, matrix_rule
 from wholeshard.train import outputs
 from wholeshard.train.config import ConfigError, TrainConfig
+from wholeshard.train.newton_schulz import IMPLEMENTATIONS, implementation
+from wholeshard.train.resume import newton_schulz_warning
 from wholeshard.train.sections import OptimConfig
 from wholeshard.train.trainer import train
 
@@ -37,6 +39,7 @@ def _run(tmp_path: Path, name: str, **flags) -> tuple[dict, list[dict]]:
 def test_each_rule_trains_the_byte_gpt(tmp_path: Path) -> None:
     base, base_records = _run(tmp_path, "muon")
     assert base["matrix_optimizer"] == "muon"
+    assert base["newton_schulz"] in IMPLEMENTATIONS  # auto: measured
     for flags in (
         dict(matrix_optimizer="normuon", ns_coefficients="polar_express"),
         dict(matrix_optimizer="muon", ns_coefficients="polar_express", ns_algorithm="gram"),
@@ -44,10 +47,30 @@ def test_each_rule_trains_the_byte_gpt(tmp_path: Path) -> None:
     ):
         summary, records = _run(tmp_path, "-".join(flags.values()), **flags)
         assert summary["matrix_optimizer"] == flags["matrix_optimizer"]
+        assert summary["newton_schulz"] == (
+            "torch_bf16" if flags["matrix_optimizer"] == "muon" else None
+        )  # only torch's Muon runs Polar Express
         assert math.isfinite(summary["final_loss"])
         assert summary["final_val_loss"] < summary["first_val_loss"]
         assert records[1]["loss"] == base_records[1]["loss"]  # the same first forward ...
         assert records[-1]["loss"] != base_records[-1]["loss"]  # ... then the rule's updates
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_each_newton_schulz_trains_the_byte_gpt(tmp_path: Path, name: str) -> None:
+    summary, _ = _run(tmp_path, name, newton_schulz=name)
+    assert summary["newton_schulz"] == name
+    assert math.isfinite(summary["final_loss"])
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+
+
+def test_a_resume_with_another_newton_schulz_is_named() -> None:
+    now = implementation("batched_fp32")
+    warning = newton_schulz_warning("torch_bf16", now)
+    assert "--newton-schulz torch_bf16 to continue it bit for bit" in warning
+    assert newton_schulz_warning("batched_fp32", now) is None
+    assert newton_schulz_warning(None, now) is None  # a checkpoint from before the choice
+    assert newton_schulz_warning("torch_bf16", None) is None  # not muon
 
 
 def test_rules_resolve_to_their_classes() -> None:
@@ -76,3 +99,10 @@ def test_bad_rule_combinations_are_named() -> None:
     assert e.value.field == "optim.matrix_optimizer"
     with pytest.raises(ValueError, match="must be one of"):
         matrix_rule("lion")
+    with pytest.raises(ConfigError, match="normuon has its own") as e:
+        TrainConfig(optim=OptimConfig(matrix_optimizer="normuon", newton_schulz="batched_fp32"))
+    assert e.value.field == "optim.newton_schulz"
+    with pytest.raises(ConfigError, match="runs torch's quintic only"):
+        TrainConfig(
+            optim=OptimConfig(ns_coefficients="polar_express", newton_schulz="batched_bf16")
+        )

@@ -46,7 +46,8 @@ class TrainConfig:
     (call `validate()` again after changing a field)."""
 
     seed: int = field(default=0, metadata=at_least(0, high=2**31 - 1))
-    """Seeds the model init and the batch order; same seed and world size give the same losses."""
+    """Seeds the model init and the batch order; the same seed, world size and machine give the
+    same losses."""
     threads: int | None = field(default=None, metadata=at_least(1, high=1024))
     """CPU threads per process; None divides the available cores among the local processes."""
     tp: int = field(default=1, metadata=at_least(1, high=1024, flag="tp"))
@@ -101,6 +102,18 @@ class TrainConfig:
                     f"{name} needs a Newton-Schulz rule (--matrix-optimizer muon or normuon); "
                     f"soap does not orthogonalize",
                 )
+        if optim.newton_schulz != "auto" and optim.matrix_optimizer != "muon":
+            raise ConfigError(
+                "optim.newton_schulz",
+                f"newton_schulz picks how muon runs Newton-Schulz; {optim.matrix_optimizer} "
+                f"has its own: leave it auto, or use --matrix-optimizer muon",
+            )
+        if optim.newton_schulz.startswith("batched") and optim.ns_coefficients != "quintic":
+            raise ConfigError(
+                "optim.newton_schulz",
+                f"newton_schulz {optim.newton_schulz} runs torch's quintic only, not "
+                f"{optim.ns_coefficients}: use torch_bf16 (or auto) with it",
+            )
         if self.checkpoint.resume in ("latest", "auto") and self.output.out is None:
             raise ConfigError(
                 "checkpoint.resume",

@@ -1,7 +1,8 @@
 """The muon path of the train job (`--optimizer muon`, the default): the model wrapped in
 wholeshard's `DataParallel` and stepped by `LayerwiseOptimizer`, the hidden matrices by the rule
-`optim.matrix_optimizer` names (`wholeshard.optim.rules`), the rest by AdamW; with
-`optim.qk_clip`, MuonClip after every update (`wholeshard.optim.QKClip`)."""
+`optim.matrix_optimizer` names (`wholeshard.optim.rules`; `muon` run as `optim.newton_schulz`
+says: `newton_schulz`), the rest by AdamW; with `optim.qk_clip`, MuonClip after every update
+(`wholeshard.optim.QKClip`)."""
 
 from __future__ import annotations
 
@@ -10,40 +11,69 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..engine.data_parallel import DataParallel
 from ..optim import LayerwiseOptimizer, QKClip
 from ..optim.rules import matrix_kwargs, matrix_rule
+from ..planning.specs import matrix_count, matrix_shape
 from .baseline import ADAMW_BETAS
 from .config import TrainConfig
+from .newton_schulz import NewtonSchulz, choose
+from .sections import OptimConfig
 
 
 def build_wholeshard(
     model: nn.Module, cfg: TrainConfig, param_dtype: torch.dtype, mesh: Any = None
-) -> tuple[DataParallel, LayerwiseOptimizer, Callable[[float], torch.Tensor]]:
-    """(the module to call, the optimizer, the gradient clipper) of `model` as `cfg` says, on
-    `mesh` (a ("dp", "tp") `DeviceMesh` for a tensor-parallel model; None: the default group).
-    The layout evens out the rule's own work per matrix (`DataParallel.balance_for`, which the
-    optimizer calls)."""
+) -> tuple[DataParallel, LayerwiseOptimizer, Callable[[float], torch.Tensor], NewtonSchulz | None]:
+    """(the module to call, the optimizer, the gradient clipper, how `muon` runs Newton-Schulz
+    (None for the other rules)) of `model` as `cfg` says, on `mesh` (a ("dp", "tp")
+    `DeviceMesh` for a tensor-parallel model; None: the default group). The layout evens out the
+    rule's own work per matrix (`DataParallel.balance_for`, which the optimizer calls)."""
     optim = cfg.optim
     ns = optim.ns_coefficients, optim.ns_algorithm
-    rule = matrix_rule(optim.matrix_optimizer, *ns)
     parallel = dataclasses.replace(
         cfg.parallel,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         fp8_param_gather=cfg.model.fp8 is not None,
     )
     ddp = DataParallel(model, parallel, mesh=mesh)
+    implementation = newton_schulz_of(ddp, optim) if optim.matrix_optimizer == "muon" else None
+    rule, extra = matrix_rule(optim.matrix_optimizer, *ns), {}
+    if implementation is not None:
+        rule, extra = implementation.rule, implementation.kwargs
     lr, weight_decay = cfg.peak_lr, optim.weight_decay
     opt = LayerwiseOptimizer(
         ddp,
         matrix_optimizer=rule,
-        matrix=matrix_kwargs(optim.matrix_optimizer, lr, weight_decay, *ns),
+        matrix=matrix_kwargs(optim.matrix_optimizer, lr, weight_decay, *ns) | extra,
         adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay),
         nonfinite=optim.on_nonfinite,
     )
     if optim.qk_clip is not None:
         QKClip(ddp, optim.qk_clip).attach(opt)
-    return ddp, opt, opt.clip_grad_norm_
+    return ddp, opt, opt.clip_grad_norm_, implementation
+
+
+def newton_schulz_of(ddp: DataParallel, optim: OptimConfig) -> NewtonSchulz:
+    """How `muon` runs Newton-Schulz: `optim.newton_schulz`, or for `auto` the fastest on the
+    matrices this rank owns (every rank measures at once, as they will step; rank 0's choice
+    holds everywhere). A tensor-parallel model keeps torch's Muon: it orthogonalizes logical
+    matrices."""
+    setting = optim.newton_schulz
+    if setting == "auto" and ddp.tensor_parallel:
+        setting = "torch_bf16"
+    shapes = []
+    for owned in ddp.step_protocol.owned():
+        if owned.route.matrix:
+            shape = owned.param.shape
+            shapes += [matrix_shape(shape)] * (matrix_count(shape) if len(shape) > 2 else 1)
+    ns = optim.ns_coefficients, optim.ns_algorithm
+    chosen = choose(setting, shapes, ddp.device, *ns)
+    if setting == "auto" and dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = [chosen]
+        dist.broadcast_object_list(agreed, src=0)
+        chosen = agreed[0]
+    return chosen

@@ -1,6 +1,7 @@
 """Where a run starts: `find_checkpoint` (the checkpoint `checkpoint.resume` names, or None for
-step 0), `check_start` (the run's checkpoint directory holds nothing its saves would replace)
-and `remove_checkpoints` (`--overwrite`).
+step 0), `check_start` (the run's checkpoint directory holds nothing its saves would replace),
+`remove_checkpoints` (`--overwrite`) and `newton_schulz_warning` (a resumed run stepping Muon
+otherwise).
 
 `find_checkpoint` and `check_start` only read files, and nothing writes checkpoints before the
 first step, so every rank that calls them at the start of a run gets the same answer: an error
@@ -11,8 +12,12 @@ not exist reads nothing (nor imports torch.distributed.checkpoint).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import TrainConfig
+
+if TYPE_CHECKING:
+    from .newton_schulz import NewtonSchulz
 
 AUTO = "auto"
 """`checkpoint.resume` that resumes from `<out>/checkpoints`' latest checkpoint if there is one,
@@ -88,3 +93,15 @@ def remove_checkpoints(root: Path) -> None:
     for ckpt in steps(root).values():
         remove(root, ckpt)
     clean_leftovers(root)
+
+
+def newton_schulz_warning(saved: str | None, now: NewtonSchulz | None) -> str | None:
+    """A warning when a resumed run runs Muon's Newton-Schulz with implementation `now` where the
+    run it continues ran `saved` (`--newton-schulz auto` measures again at every start)."""
+    if now is None or saved is None or saved == now.name:
+        return None
+    return (
+        f"the checkpoint's run ran --newton-schulz {saved}, this one {now.name}: its updates "
+        f"differ from an uninterrupted run's by a few bf16 roundings; pass --newton-schulz "
+        f"{saved} to continue it bit for bit"
+    )

@@ -93,6 +93,12 @@ class OptimConfig:
     """How `muon` and `normuon` run Newton-Schulz: `standard`, or `gram` (the same iterations in
     fewer flops, on symmetric Gram products: `wholeshard.optim.gram_ns`; not bitwise the
     standard's)."""
+    newton_schulz: Literal["auto", "torch_bf16", "batched_bf16", "batched_fp32"] = "auto"
+    """How `muon` runs Newton-Schulz: `torch_bf16` (torch's Muon: a matrix at a time, bf16
+    products), `batched_bf16` or `batched_fp32` (`wholeshard.optim.BatchedMuon`: same-shape
+    matrices together, products in bf16 or summed in fp32, fast on CPUs without bf16 units);
+    `auto` times each at start on this rank's matrices and keeps torch's Muon unless another
+    is 1.5x faster (`wholeshard.train.newton_schulz`)."""
     qk_clip: float | None = field(default=None, metadata=at_least(0, flag="qk-clip"))
     """MuonClip: after each step, scale the query and key rows of every attention head whose
     largest pre-softmax logit exceeded this (needs a model that reports them: the byte GPT);

@@ -43,7 +43,8 @@ from .env import (
 )
 from .lr_schedule import adopt_schedule, lr_factor
 from .model import JobModel, build_model
-from .resume import AUTO, check_start, find_checkpoint
+from .newton_schulz import NewtonSchulz
+from .resume import AUTO, check_start, find_checkpoint, newton_schulz_warning
 
 BEFORE_SAVE, AFTER_STEP = "before_save", "after_step"
 Hook = Callable[[str, int, int], None]
@@ -82,6 +83,7 @@ class Trainer:
     params: int  # counted before wrapping: a fully sharded wrapper releases params
     param_dtype: torch.dtype
     autocast: torch.dtype | None  # the adamw path's compute dtype under autocast
+    newton_schulz: NewtonSchulz | None  # how the muon rule runs it (muon path, `muon` only)
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, hooks: Sequence[Hook] = ()) -> None:
         self.start_time = time.perf_counter()
@@ -133,7 +135,7 @@ class Trainer:
 
             convert(self.model, cfg.model.fp8)
         self.param_dtype = resolve_param_dtype(cfg.model.param_dtype, env.device)
-        self.autocast = None
+        self.autocast, self.newton_schulz = None, None
         self.data_rank, mesh = env.rank, None
         if cfg.tp > 1:  # ranks (dp, tp) in row-major order: tp peers are consecutive
             from torch.distributed.device_mesh import init_device_mesh
@@ -148,7 +150,7 @@ class Trainer:
             from .muon_path import build_wholeshard
 
             built = build_wholeshard(self.model, cfg, self.param_dtype, mesh)
-            self.module, self.opt, self.clip = built
+            self.module, self.opt, self.clip, self.newton_schulz = built
             return
         self.module, self.opt, self.clip = build_ddp_adamw(
             self.model, env, cfg.peak_lr, cfg.optim.weight_decay, cfg.parallel.bucket_size
@@ -239,6 +241,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "schedule": self.cfg.lr_schedule,
             "rng": torch.get_rng_state(),
+            "newton_schulz": self.newton_schulz and self.newton_schulz.name,
             **progress,
         }
         if self.job.export is not None:  # for `wholeshard export --format hf`
@@ -250,16 +253,18 @@ class Trainer:
 
     def resume(self, path: os.PathLike) -> dict[str, Any]:
         """Load checkpoint `path` into the model, optimizer and scheduler; returns its `extra`
-        (with `path`, and `warning` when this run's schedule settings differ from the saved
-        ones: the run then follows its own schedule from the next step). The data position is
-        the step: batch `s` is a pure function of (seed, s, rank, world)."""
+        (with `path`, and `warnings` where this run's schedule settings differ from the saved
+        ones, which it follows from the next step, or its Newton-Schulz does). The data position
+        is the step: batch `s` is a pure function of (seed, s, rank, world)."""
         from ..checkpoint import load_checkpoint
 
         extra = load_checkpoint(path, self.module, self.opt)
         self.scheduler.load_state_dict(extra["scheduler"])  # keeps this run's lr function
         torch.set_rng_state(extra["rng"])
         schedule = extra.get("schedule"), self.cfg.lr_schedule, extra["step"]
-        return dict(extra, path=str(path), warning=adopt_schedule(self.scheduler, *schedule))
+        warnings = [adopt_schedule(self.scheduler, *schedule)]
+        warnings.append(newton_schulz_warning(extra.get("newton_schulz"), self.newton_schulz))
+        return dict(extra, path=str(path), warnings=[w for w in warnings if w is not None])
 
     # -- the job ----------------------------------------------------------------------------------
 
@@ -299,8 +304,8 @@ class Trainer:
                 start = 1
             else:
                 log.note(f"{auto}resumed from {resumed['path']} at step {resumed['step']}")
-                if resumed["warning"] is not None:
-                    log.note(f"wholeshard train: {resumed['warning']}")
+                for warning in resumed["warnings"]:
+                    log.note(f"wholeshard train: {warning}")
                 progress = {k: resumed.get(k, math.nan) for k in PROGRESS}
                 progress["skipped_steps"] = resumed.get("skipped_steps", 0)
                 start = resumed["step"] + 1
@@ -321,11 +326,11 @@ class Trainer:
             f"({corpus.files} files, {len(corpus.train) + len(corpus.val):,} {corpus.unit}); "
             f"out: {self.out}"
         )
-        if cfg.optim.name == "muon":
-            log.note(routing_summary(self.module.routes))
-        warning = torchrun_restart_warning()
-        if warning is not None:
-            log.note(f"wholeshard train: {warning}")
+        notes = [routing_summary(self.module.routes)] if cfg.optim.name == "muon" else []
+        notes += [self.newton_schulz.describe()] if self.newton_schulz is not None else []
+        notes += [f"wholeshard train: {w}" for w in [torchrun_restart_warning()] if w is not None]
+        for note in notes:
+            log.note(note)
 
     def _step_and_log(
         self, step: int, progress: dict[str, Any], log: outputs.RunLog, tracer: Any
@@ -382,6 +387,7 @@ class Trainer:
             world_size=env.world,
             params=self.params,
             param_dtype=str(self.param_dtype).removeprefix("torch."),
+            newton_schulz=self.newton_schulz and self.newton_schulz.name,
             data=self.corpus.source,
             out=str(self.out),
         )
