@@ -61,28 +61,21 @@ def _whole(
 ) -> Buffer:
     """The "matrix" buffer of params in buffer `order`, buckets closing at `limit` elements."""
     owners = _deal(order, k, matrix_cost)
-    groups: list[list[int]] = []  # backprop positions of each bucket's params
-    current: list[int] = []
+    groups: list[list[int]] = [[]]  # backprop positions of each bucket's params
     size = 0
     for pos, s in enumerate(order):
-        if s.tied:
-            groups += [current] if current else []
-            groups.append([pos])
-            current, size = [], 0
-            continue
-        current.append(pos)
+        if s.tied and groups[-1]:  # a tied param sits alone in its bucket
+            groups.append([])
+        groups[-1].append(pos)
         size += round_up(s.numel, align)
-        if size >= limit:
-            groups.append(current)
-            current, size = [], 0
-    if current:
-        groups.append(current)
+        if s.tied or size >= limit:
+            groups.append([])
+            size = 0
 
     buckets: list[Bucket] = []
     placed: dict[int, Placement] = {}
     start = 0
-    for members in groups:
-        index = len(buckets)
+    for index, members in enumerate(filter(None, groups)):
         listed: list[tuple[int, int]] = []
         at = start
         for pos in sorted(members, key=lambda pos: (owners[pos], pos)):
