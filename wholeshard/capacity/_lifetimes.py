@@ -20,7 +20,7 @@ in flight) over the units' full param and grad buffers, counting bytes after eac
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from ..planning.specs import ParamSpec
@@ -74,10 +74,8 @@ class _Replay:
         self.units_of = {
             m: sorted({self.unit_of[name] for name in names}) for m, names in self.params_of.items()
         }
-        self.users = [0] * n
-        for units_used in self.units_of.values():
-            for i in units_used:
-                self.users[i] += 1
+        modules_using = Counter(i for used in self.units_of.values() for i in used)
+        self.users = [modules_using[i] for i in range(n)]
         self.overlap_grad, self.overlap_param = overlap_grad, overlap_param
         self.state = ["released"] * n  # "released", "gathering" or "fresh"
         self.param_alive = [False] * n

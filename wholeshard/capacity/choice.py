@@ -13,20 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..planning.auto import MAX_IMBALANCE, Search, decide, search
+from ..planning.auto import Search, decide, search
 from ..planning.plan import Plan
 from ..planning.specs import ParamSpec
-from ..planning.targets import Figures
+from ..planning.targets import MAX_IMBALANCE, Figures
 from .costs import owned
 from .projection import rank_ns_flops
-
-__all__ = [
-    "MAX_IMBALANCE",
-    "ShardGroupChoice",
-    "auto_shard_group_size",
-    "plan_and_choice",
-    "report",
-]
 
 
 @dataclass(frozen=True)

@@ -203,8 +203,7 @@ class Collective:
 def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
     """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
     bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather, and a
-    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S. The same arithmetic
-    as `wholeshard.bench.traffic`."""
+    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S."""
     ring = (ranks - 1) / ranks
     if op == "all_reduce":
         return round(2 * ring * nbytes)

@@ -4,6 +4,7 @@ is broken."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -110,9 +111,7 @@ def _check_owners(buffer: Buffer, b: Bucket, where: str) -> None:
         raise AssertionError(
             f"{where}: owner starts {starts} must run from its start to before its end"
         )
-    if any(x >= y for x, y in zip(starts, starts[1:], strict=False)) or any(
-        x >= y for x, y in zip(ranks, ranks[1:], strict=False)
-    ):
+    if not all(r < r2 and x < x2 for (r, x), (r2, x2) in itertools.pairwise(listed)):
         raise AssertionError(f"{where}: owners {listed} must ascend in rank and start")
     if ranks[0] < 0 or ranks[-1] >= k:
         raise AssertionError(f"{where}: owners {ranks} are not ranks of the group 0..{k - 1}")

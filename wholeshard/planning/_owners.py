@@ -111,7 +111,6 @@ def _stacked(
     for s in order:
         starts.append(at)
         at = round_up(at + s.numel, align)
-    end = at
     # Every matrix in buffer order: (start, end, cost).
     mats: list[tuple[int, int, int]] = []
     for s, lo in zip(order, starts, strict=True):
@@ -127,7 +126,7 @@ def _stacked(
     for lo, _, _ in mats[1:]:
         if lo in stack_starts or (lo - cuts[-1] >= limit and lo % align == 0):
             cuts.append(lo)
-    cuts.append(end)
+    cuts.append(at)  # the buffer's end
 
     # (rank, start) of every rank's run, its first matrix's start; empty runs left out.
     runs = [(r, mats[f][0]) for r, f in enumerate(owner_starts) if f < len(mats)]
@@ -153,14 +152,12 @@ def _runs(mats: Sequence[tuple[int, int, int]], k: int) -> list[int]:
     if not any(weights):
         weights = [hi - lo for lo, hi, _ in mats]
     total = sum(weights)
-    firsts, before = [0] * k, 0
-    owner = 0
+    firsts = [0] + [len(mats)] * (k - 1)  # a rank no matrix reaches starts past the last
+    before = owner = 0
     for i, w in enumerate(weights):
         mine = min(k - 1, (2 * before + w) * k // (2 * total))
         while owner < mine:
             owner += 1
             firsts[owner] = i
         before += w
-    for r in range(owner + 1, k):
-        firsts[r] = len(mats)
     return firsts

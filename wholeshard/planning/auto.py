@@ -229,8 +229,7 @@ def decide(
 def plan_for(specs: Sequence[ParamSpec], dp_size: int, **settings: Unpack[PlanSettings]) -> Plan:
     """The plan `DataParallel` makes for `specs` (registration order) on `dp_size` ranks with
     these settings, whose defaults are `DataParallel`'s (`DataParallelConfig`, `Variant`):
-    `bucket_size` None is the default size (`targets.bucket_size_for`: `default_bucket_size` of
-    the params over the shard group for equal shards, over one rank for owner buckets),
-    `strategy` "auto" and `shard_group_size` None (one group of dp ranks; "auto": searched).
-    `decide`'s plan, without its record; ValueError, saying how to fix it, on bad input."""
+    `bucket_size` None (`targets.bucket_size_for`), `strategy` "auto" and `shard_group_size`
+    None (one group of dp ranks; "auto": searched). `decide`'s plan, without its record;
+    ValueError, saying how to fix it, on bad input."""
     return decide(specs, dp_size, **settings)[0]

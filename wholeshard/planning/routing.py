@@ -34,6 +34,7 @@ as this rule decides it; nothing guesses a route from names alone.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -90,9 +91,7 @@ def _route(module: nn.Module, matrix_params: MatrixParams | None) -> list[Route]
         for attr, p in mod._parameters.items():
             if p is not None:
                 holders.setdefault(id(p), []).append((mod, attr))
-    aliases: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        aliases[id(p)] = aliases.get(id(p), 0) + 1
+    aliases = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     roots = _roots(module)
     heads = _head_modules(roots[-1])
     last_name = {id(m): name.rsplit(".", 1)[-1] for name, m in module.named_modules()}

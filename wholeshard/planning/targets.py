@@ -62,8 +62,7 @@ def bucket_target(specs: Sequence[ParamSpec]) -> int:
 
 def bucket_limit_at(target: int, elementwise: Buffer | None) -> int:
     """The bucket limit of a plan whose element-wise buffer is `elementwise`: `target`, or the
-    largest element-wise bucket holding a param wider than `target` (the element-wise planner
-    keeps a param inside one bucket, so no plan makes that bucket smaller than the param)."""
+    largest element-wise bucket holding a param wider than `target` ([Note: plan targets])."""
     if elementwise is None:
         return target
     wide = {p.bucket for p in elementwise.placements if p.numel > target}
