@@ -20,21 +20,11 @@ in flight) over the units' full param and grad buffers, counting bytes after eac
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
-from typing import Protocol
 
 from ..planning.specs import ParamSpec
 from ..planning.units import Unit
-
-
-class Overlap(Protocol):
-    """The options of a `costs.Mode` that change lifetimes."""
-
-    @property
-    def overlap_grad_reduce(self) -> bool: ...
-    @property
-    def overlap_param_gather(self) -> bool: ...
 
 
 def module_of(name: str) -> str:
@@ -69,8 +59,8 @@ def _events(specs: Sequence[ParamSpec]) -> list[tuple[str, str]]:
 class _Replay:
     """The engine's fully sharded scheduler over units, tracking allocations only."""
 
-    def __init__(self, units: Sequence[Unit], specs: Sequence[ParamSpec], mode: Overlap,
-                 param_bytes: int, grad_bytes: int) -> None:  # fmt: skip
+    def __init__(self, units: Sequence[Unit], specs: Sequence[ParamSpec], param_bytes: int,
+                 grad_bytes: int, overlap_grad: bool, overlap_param: bool) -> None:  # fmt: skip
         n = len(units)
         self.full = [(u.numel * param_bytes, u.numel * grad_bytes) for u in units]
         self.unit_of = {name: u.index for u in units for name in u.names}
@@ -84,19 +74,16 @@ class _Replay:
         self.units_of = {
             m: sorted({self.unit_of[name] for name in names}) for m, names in self.params_of.items()
         }
-        self.users = [0] * n
-        for units_used in self.units_of.values():
-            for i in units_used:
-                self.users[i] += 1
-        self.overlap_grad = mode.overlap_grad_reduce
-        self.overlap_param = mode.overlap_param_gather
+        modules_using = Counter(i for used in self.units_of.values() for i in used)
+        self.users = [modules_using[i] for i in range(n)]
+        self.overlap_grad, self.overlap_param = overlap_grad, overlap_param
         self.state = ["released"] * n  # "released", "gathering" or "fresh"
         self.param_alive = [False] * n
         self.grad_alive = [False] * n
         self.reducing = [False] * n
         self.n_final = [0] * n
         self.forward_left = [0] * n
-        self.kept: set[int] = set()
+        self.kept = {0}  # units kept gathered from forward to backward (`kept_units`)
         self.queue: deque[int] = deque()
         self.queued: set[int] = set()
         self.gathering = 0
@@ -185,14 +172,13 @@ class _Replay:
             self.forward_left[i] -= 1
             if module == "":  # the root's outputs announce no backward
                 self.kept.add(i)
-            keep = i == 0 or i in self.kept
-            if self.forward_left[i] <= 0 and not keep and self.param_alive[i]:
+            if self.forward_left[i] <= 0 and i not in self.kept and self.param_alive[i]:
                 self.release(i)
 
     def root_post_forward(self) -> None:
         self.finish_param_sync()
         for i in range(len(self.full)):
-            if self.param_alive[i] and not (i == 0 or i in self.kept):
+            if self.param_alive[i] and i not in self.kept:
                 self.release(i)
 
     # -- backward -----------------------------------------------------------------------------
@@ -217,26 +203,23 @@ class _Replay:
             return
         self.release(i)
         if self.overlap_grad:
-            while self.next_reduce < len(self.full) and self._complete(self.next_reduce):
-                self.start_reduce()
+            self.start_reduces()
 
-    def _complete(self, i: int) -> bool:
-        return self.n_final[i] == self.size[i]
-
-    def start_reduce(self) -> None:
-        n = self.next_reduce
-        if n >= 1 and self.reducing[n - 1]:  # one reduction in flight (REDUCES_IN_FLIGHT)
-            self.reducing[n - 1] = False
-            self._free(n - 1, grad=True)
-        if not self.grad_alive[n]:
-            self._alloc(n, grad=True)
-        self.reducing[n] = True
-        self.next_reduce += 1
+    def start_reduces(self) -> None:
+        """Reduce, in order, each unit from the next on whose grads are all final."""
+        while (n := self.next_reduce) < len(self.full) and self.n_final[n] == self.size[n]:
+            if n >= 1 and self.reducing[n - 1]:  # one reduction in flight (REDUCES_IN_FLIGHT)
+                self.reducing[n - 1] = False
+                self._free(n - 1, grad=True)
+            if not self.grad_alive[n]:
+                self._alloc(n, grad=True)
+            self.reducing[n] = True
+            self.next_reduce += 1
 
     def backward_done(self) -> None:
         self.in_backward = False
         self.finish_param_sync()
-        self.kept.clear()
+        self.kept = {0}
         for i in range(len(self.full)):
             if self.param_alive[i]:
                 self.release(i)
@@ -247,13 +230,15 @@ def peak_bytes(
     specs: Sequence[ParamSpec],
     param_bytes: int,
     grad_bytes: int,
-    mode: Overlap,
+    overlap_grad_reduce: bool,
+    overlap_param_gather: bool,
 ) -> int:
     """The most bytes of full units (params and grads, `param_bytes` and `grad_bytes` per
     element) alive at once through one fully sharded training step, on [Note: the module
-    model]; `mode` gives `overlap_grad_reduce` and `overlap_param_gather`. The step's
-    reductions after backward only free."""
-    replay = _Replay(units, specs, mode, param_bytes, grad_bytes)
+    model], with `costs.Mode`'s two overlap options. The step's reductions after backward only
+    free."""
+    replay = _Replay(units, specs, param_bytes, grad_bytes, overlap_grad_reduce,
+                     overlap_param_gather)  # fmt: skip
     events = _events(specs)
     replay.root_pre_forward()
     for kind, module in events:

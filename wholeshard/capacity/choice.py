@@ -2,38 +2,31 @@
 `shard_group_choice`): built from the record `planning.auto.decide` returns, after deciding, so
 `DataParallel`, which calls only the decision, never computes it.
 
-Invariants: the plan of `plan_and_choice` is the plan `planning.plan_for` (what
-`DataParallel` calls) makes for the same arguments; every figure of a `ShardGroupChoice` is
-its plan's own, its `ns_imbalance` the very `Plan.ns_cost_imbalance` the planner balanced.
+Invariant: the plan of `plan_and_choice` is the plan `planning.plan_for` (what `DataParallel`
+calls) makes for the same arguments.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..planning.auto import MAX_IMBALANCE, Search, decide, search
+from ..planning.auto import Search, decide, search
 from ..planning.plan import Plan
 from ..planning.specs import ParamSpec
-from ..planning.targets import Figures
+from ..planning.targets import MAX_IMBALANCE, Figures
 from .costs import owned
 from .projection import rank_ns_flops
-
-__all__ = [
-    "MAX_IMBALANCE",
-    "ShardGroupChoice",
-    "auto_shard_group_size",
-    "plan_and_choice",
-    "report",
-]
 
 
 @dataclass(frozen=True)
 class ShardGroupChoice:
     """The shard-group size `k` and strategy (`plan.strategy`) chosen for `dp_size` ranks and
     the figures of its plan (`plan`, made with `bucket_size`); `reason` says why. Invariants:
-    `k` divides `dp_size`; every figure is the plan's own; `meets_targets` iff `largest_bucket
+    `k` divides `dp_size`; every figure is the plan's own (`ns_imbalance` the very
+    `Plan.ns_cost_imbalance` the planner balanced); `meets_targets` iff `largest_bucket
     <= bucket_limit`, `padding_fraction <= padding_limit` and `ns_imbalance <= MAX_IMBALANCE`;
     `tried` lists the candidate k, largest first."""
 
@@ -46,7 +39,7 @@ class ShardGroupChoice:
     bucket_target: int  # max(100M, 2 x largest layer), before the element-wise floor
     padding_fraction: float
     padding_limit: float  # 1% beyond the alignment padding of the specs
-    ns_imbalance: float  # `Plan.ns_cost_imbalance`: of the cost the planner balanced
+    ns_imbalance: float
     ns_flops: int  # Newton-Schulz flops (or `matrix_cost`) per step of the busiest rank
     optimizer_state: int  # fp32 values the busiest rank keeps (Muon: 1, AdamW: 2 per element)
     meets_targets: bool
@@ -102,14 +95,9 @@ def report(found: Search) -> ShardGroupChoice:
     why = f"strategy {f.plan.strategy}, {why}" + (f" ({why_not[f.k]})" if why_not[f.k] else "")
     if f.limit > target:
         why += f"; bucket limit {f.limit:.3g}, not {target:.3g}: an element-wise param's bucket"
-    groups: list[tuple[list[int], str]] = []  # runs of larger k passed over for one reason
-    for k, missed in why_not.items():
-        if k > f.k:
-            if groups and groups[-1][1] == missed:
-                groups[-1][0].append(k)
-            else:
-                groups.append(([k], missed))
-    larger = "; ".join(f"{', '.join(map(str, ks))}: {missed}" for ks, missed in groups)
+    # runs of larger k passed over for one reason
+    runs = itertools.groupby([(k, m) for k, m in why_not.items() if k > f.k], key=lambda km: km[1])
+    larger = "; ".join(f"{', '.join(str(k) for k, _ in run)}: {missed}" for missed, run in runs)
     plan = f.plan
     flops = rank_ns_flops(plan) if plan.matrix_cost is None else f.costs
     return ShardGroupChoice(

@@ -25,11 +25,10 @@ a broadcast of each non-empty shard) in the param dtype when k > 1, twice when f
 (forward and backward) except for the units kept gathered from forward to backward: the first
 in reduce order and those holding params of the root module (names without a dot); fully
 sharded with `overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit (which
-units every rank ran all the modules of: [Note: collective order] in the engine's
-`_schedule`); one float64 step
-check of 4 + (number of params) values over dp ranks; one fp32 norm over the shard group when
-clipping and k > 1. `ring_bytes` charges each what a bandwidth-optimal ring sends per rank (the
-table of `wholeshard.bench.traffic`, which counts real runs; here over the op's own group).
+units every rank ran all the modules of: [Note: collective order] in the engine's `_schedule`);
+one float64 step check of 4 + (number of params) values over dp ranks; one fp32 norm over the
+shard group when clipping and k > 1. `ring_bytes` charges each what a bandwidth-optimal ring
+sends per rank (the table of `wholeshard.bench.traffic`; here over the op's own group).
 
 Not modelled: frozen params and module buffers (not in a plan), FP8 param gather, the ping-pong
 scheme, activation checkpointing (re-gathers in backward), evaluation forwards, the gloo or
@@ -46,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..planning.plan import Plan
-from ..planning.specs import ParamSpec, matrices, matrix_shape
+from ..planning.specs import ParamSpec, matrices
 from ..planning.units import Unit, storage_units
 from . import _lifetimes
 
@@ -120,9 +119,8 @@ def owned(plan: Plan, transposed: frozenset[str] = frozenset()) -> list[Owned]:
                 out[p.owner].matrix += p.numel
                 out[p.owner].transposed += p.numel if p.name in transposed else 0
             elif buffer.kind == "stacked":
-                unit = matrix_shape(p.shape)[0] * matrix_shape(p.shape)[1]
                 for m in matrices(p, buffer.buckets):
-                    out[m.owner].matrix += unit
+                    out[m.owner].matrix += m.end - m.start
             elif buffer.kind == "adamw":
                 b = buffer.buckets[p.bucket]
                 for r in range(b.owner(p.start), b.owner(p.end - 1) + 1):
@@ -147,13 +145,6 @@ def fully_sharded(plan: Plan, mode: Mode) -> bool:
     return mode.reshard_after_forward and plan.dp_size > 1 and plan.shard_group_size > 1
 
 
-def persistent_bytes(plan: Plan, mode: Mode, rank: int) -> dict[str, int]:
-    """Bytes shard-group rank `rank` holds between steps, by kind, and their `total`
-    ([Note: plan costs]); `params`, `grads`, `masters` and `optimizer_state` are what
-    `DataParallel.memory()` reports there after a step."""
-    return _persistent(mode, owned(plan, mode.transposed)[rank], _kept(plan, mode)[rank])
-
-
 def _kept(plan: Plan, mode: Mode) -> list[int]:
     """Per shard-group rank, the buffer elements it keeps between steps: all of them, or its
     shards when fully sharded (one pass over the buckets: an owner bucket lists its owners)."""
@@ -172,6 +163,8 @@ def _kept(plan: Plan, mode: Mode) -> list[int]:
 
 
 def _persistent(mode: Mode, mine: Owned, kept: int) -> dict[str, int]:
+    """Bytes a rank owning `mine` and keeping `kept` buffer elements holds between steps, by
+    kind, and their `total` ([Note: plan costs])."""
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
     elements = mine.matrix + mine.adamw
     masters = elements if mode.param_dtype != "float32" else mine.transposed
@@ -210,8 +203,7 @@ class Collective:
 def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
     """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
     bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather, and a
-    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S. The same arithmetic
-    as `wholeshard.bench.traffic`."""
+    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S."""
     ring = (ranks - 1) / ranks
     if op == "all_reduce":
         return round(2 * ring * nbytes)
@@ -239,17 +231,12 @@ def step_collectives(
                         for _, lo, hi in b.shards()]  # fmt: skip
             else:
                 out.append(Collective("reduce_scatter", k, b.numel, grad, "grads", "shard"))
-            if dp > k and b.shard_len(rank):
-                replicas = Collective(
-                    "all_reduce", dp // k, b.shard_len(rank), grad, "grads", "replica"
-                )
-                out.append(replicas)
-    if k > 1:
-        gathers = [1] * len(units)
-        if fully_sharded(plan, mode):
-            kept = _lifetimes.kept_units(units)
-            gathers = [1 if u.index in kept else 2 for u in units]
-        for u, times in zip(units, gathers, strict=True):
+            if dp > k and (mine := b.shard_len(rank)):
+                out.append(Collective("all_reduce", dp // k, mine, grad, "grads", "replica"))
+    if k > 1:  # fully sharded, a unit not kept from forward to backward is gathered twice
+        kept = _lifetimes.kept_units(units) if fully_sharded(plan, mode) else range(len(units))
+        for u in units:
+            times = 1 if u.index in kept else 2
             for b in u.buckets:
                 if mode.param_sync == "allgather" and not b.owners:
                     sync = [Collective("all_gather", k, b.numel, param, "params", "shard")]
@@ -267,12 +254,13 @@ def step_collectives(
 
 @dataclass(frozen=True)
 class Costs:
-    """What `plan` costs in `mode` ([Note: plan costs]). `persistent[r]`: `persistent_bytes`
-    of shard-group rank r; `transient_unit`: the largest unit's full params and grads (what
-    `memory()` reports as `transient_unit`), `peak_transient`: the most bytes of full units
-    alive at once in a step (0 unless fully sharded); `collectives`: one step's, of
-    `worst_rank` (`step_collectives` of another rank differs only in the owner buckets'
-    all-reduces across replicas)."""
+    """What `plan` costs in `mode` ([Note: plan costs]). `persistent[r]`: the bytes shard-group
+    rank r holds between steps, by kind (`params`, `grads`, `masters` and `optimizer_state` are
+    what `DataParallel.memory()` reports after a step), and their `total`; `transient_unit`: the
+    largest unit's full params and grads (`memory()`'s `transient_unit`), `peak_transient`: the
+    most bytes of full units alive at once in a step (0 unless fully sharded); `collectives`:
+    one step's, of `worst_rank` (`step_collectives` of another rank differs only in the owner
+    buckets' all-reduces across replicas)."""
 
     plan: Plan
     mode: Mode
@@ -316,7 +304,8 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     transient = peak = 0
     if fully_sharded(plan, mode):
         transient = max(u.numel for u in units) * (pb + gb)
-        peak = _lifetimes.peak_bytes(units, specs, pb, gb, mode)
+        overlap = (mode.overlap_grad_reduce, mode.overlap_param_gather)
+        peak = _lifetimes.peak_bytes(units, specs, pb, gb, *overlap)
     collectives = tuple(step_collectives(plan, specs, mode, _worst(per_rank)))
     return Costs(plan, mode, per_rank, transient, peak, collectives)
 

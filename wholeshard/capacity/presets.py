@@ -1,12 +1,8 @@
-"""Param specs of published models from shapes alone, routed from names.
-
-Nothing here allocates a tensor: a preset is a list of `ParamSpec` in registration order, as
-`model.named_parameters()` of the published model would list them (a tied tensor appears once,
-under its first name, with `tied=True`). Shapes carry no module types, so each param states its
-route where it is made, as `routing.route_params` would decide it on the published model ([Note:
-the routing rule] in `routing`): `matrix` for the weights of hidden layers (>= 2 dims: attention
-and MLP projections, MoE routers and expert stacks), `adamw` for embeddings, the output head,
-norms and biases. Experts are listed one matrix per param, as the published checkpoints do, except
+"""Param specs of published models from shapes alone, no tensor allocated: a preset lists
+`ParamSpec`s in registration order, as the model's `named_parameters()` would (a tied tensor
+once, under its first name, with `tied=True`), each param's route (`matrix` or `adamw`) stated
+where it is made, as [Note: the routing rule] in `routing` decides it on the published model.
+Experts are listed one matrix per param, as the published checkpoints do, except
 `qwen3-30b-a3b`, whose fused expert stacks (E, out, in) are stacked Muon params.
 """
 
@@ -30,10 +26,8 @@ def adamw(name: str, *shape: int, tied: bool = False) -> ParamSpec:
 
 
 def gpt2_small() -> list[ParamSpec]:
-    """GPT-2 small (124M): 12 layers, d 768, vocab 50257, 1024 positions, head tied to `wte`.
-
-    HF names; `Conv1D` weights are given in `nn.Linear` (out, in) orientation.
-    """
+    """GPT-2 small (124M): 12 layers, d 768, vocab 50257, 1024 positions, head tied to `wte`;
+    HF names, `Conv1D` weights in `nn.Linear` (out, in) orientation."""
     d, vocab, ctx = 768, 50257, 1024
     specs = [adamw("transformer.wte.weight", vocab, d, tied=True)]
     specs.append(adamw("transformer.wpe.weight", ctx, d))
@@ -65,10 +59,11 @@ def _llama_like(
     kv_heads: int,
     ffn: int,
     vocab: int,
-    tied: bool,
-    qkv_bias: bool,
+    tied: bool = False,
+    qkv_bias: bool = False,
 ) -> list[ParamSpec]:
-    """A Llama-style decoder (GQA attention, SwiGLU MLP, RMSNorm) with HF names."""
+    """A Llama-style decoder (GQA attention, SwiGLU MLP, RMSNorm) with HF names, untied and
+    without biases unless asked."""
     head_dim = d // heads
     kv = kv_heads * head_dim
     specs = [adamw("model.embed_tokens.weight", vocab, d, tied=tied)]
@@ -96,38 +91,26 @@ def _llama_like(
 
 def llama3_8b() -> list[ParamSpec]:
     """Llama 3 8B: 32 layers, d 4096, 32 heads / 8 KV heads, FFN 14336, vocab 128256, untied."""
-    return _llama_like(
-        layers=32, d=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False,
-        qkv_bias=False,
-    )  # fmt: skip
+    return _llama_like(layers=32, d=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
 
 
 def llama3_70b() -> list[ParamSpec]:
     """Llama 3 70B: 80 layers, d 8192, 64 heads / 8 KV heads, FFN 28672, vocab 128256, untied."""
-    return _llama_like(
-        layers=80, d=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, tied=False,
-        qkv_bias=False,
-    )  # fmt: skip
+    return _llama_like(layers=80, d=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 
 
 def qwen25_7b() -> list[ParamSpec]:
     """Qwen2.5 7B: 28 layers, d 3584, 28 heads / 4 KV heads, FFN 18944, vocab 152064, untied
     embeddings (`tie_word_embeddings: false` for 7B), biases on q/k/v only."""
     return _llama_like(
-        layers=28, d=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064, tied=False,
-        qkv_bias=True,
-    )  # fmt: skip
+        layers=28, d=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064, qkv_bias=True
+    )
 
 
 def moe_256x() -> list[ParamSpec]:
-    """A DeepSeek-V3-like MoE (~671B params, ~45k tensors), HF names, MTP layer left out.
-
-    61 layers, d 7168, vocab 129280, untied head. Attention is MLA: q_a (1536 x 7168), q_b
-    (128 heads x 192, 1536), kv_a (512 + 64 rope, 7168), kv_b (128 x 256, 512), o (7168,
-    128 x 128), with RMSNorms on the q and kv latents. Layers 0-2 are dense (SwiGLU FFN 18432);
-    layers 3-60 have a router gate (256 x 7168) with its score-correction bias (256), 256
-    routed experts and 1 shared expert, each a SwiGLU of FFN 2048.
-    """
+    """A DeepSeek-V3-like MoE (~671B params, ~45k tensors), HF names, MTP layer left out: 61
+    layers of MLA attention (RMSNorms on the q and kv latents), 0-2 dense, 3-60 with a router
+    (and its score-correction bias), 256 routed experts and 1 shared expert; untied head."""
     d, vocab, experts, expert_ffn, dense_ffn = 7168, 129280, 256, 2048, 18432
     heads, q_rank, kv_rank, rope, nope, v_dim = 128, 1536, 512, 64, 128, 128
 

@@ -27,10 +27,10 @@ NVLS, in-network reductions), congestion and topology beyond one node level, and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..planning.plan import Plan
-from ..planning.specs import matrices, matrix_shape
+from ..planning.specs import matrix_count, matrix_shape
 from .costs import ELEMENT_BYTES, Collective, Costs, owned
 
 NS_STEPS = 5
@@ -77,31 +77,14 @@ def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
     param of fewer than two dims (routed to Muon by a shapes file, it has no matrix)."""
     if len(shape) < 2:
         return 0
-    count = 1
-    for d in shape[:-2]:
-        count *= d
     m, n = sorted(matrix_shape(shape))
-    return count * steps * (4 * m * m * n + 2 * m**3)
+    return matrix_count(shape) * steps * (4 * m * m * n + 2 * m**3)
 
 
 def rank_ns_flops(plan: Plan) -> list[int]:
-    """Newton-Schulz flops per step of the Muon matrices each shard-group rank owns (a Muon
-    param of more than two dims outside a stack is one matrix, as the optimizer flattens it)."""
-    out = [0] * plan.shard_group_size
-    cache: dict[tuple[int, ...], int] = {}
-    for buffer in plan.buffers:
-        if buffer.kind not in ("matrix", "stacked"):
-            continue
-        for p in buffer.placements:
-            shape = matrix_shape(p.shape) if len(p.shape) >= 2 else ()
-            if shape not in cache:
-                cache[shape] = ns_flops(shape)
-            if buffer.kind == "matrix":
-                out[p.owner] += cache[shape]  # type: ignore[index]
-            else:
-                for m in matrices(p, buffer.buckets):
-                    out[m.owner] += cache[shape]
-    return out
+    """Newton-Schulz flops per step of the Muon matrices each shard-group rank owns: the plan's
+    `rank_costs` with `ns_flops` as the matrix cost."""
+    return replace(plan, matrix_cost=lambda m, n: ns_flops((m, n))).rank_costs()
 
 
 def collective_seconds(c: Collective, plan: Plan, fabric: Fabric) -> float:

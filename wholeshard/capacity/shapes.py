@@ -3,10 +3,9 @@
     {"params": [{"name": str, "shape": [int, ...], "matrix": bool, "tied": bool}, ...]}
 
 in registration order. `matrix` is required: a file states each param's route, as
-`routing.route_params` would decide it on the model (true for the weights of hidden layers with
->= 2 dims; false for embeddings, the output head, norms and biases); nothing guesses it from the
-name. `tied` is optional (false). `load_shapes` raises `ShapesError` naming the file, the entry
-and what is wrong (for a missing `matrix`, what to write).
+`routing.route_params` would decide it on the model; nothing guesses it from the name. `tied` is
+optional (false). `load_shapes` raises `ShapesError` naming the file, the entry and what is
+wrong (for a missing `matrix`, what to write).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""`wholeshard plan`: plan the buffers of a model given by shapes alone, and show the plan.
-
-    wholeshard plan (--shapes FILE.json | --preset NAME) --dp N [--bucket-size N]
-                      [--strategy S] [--shard-group-size K] [--reshard-after-forward]
-                      [--param-dtype D] [--grad-reduce-dtype D] [--no-overlap-grad-reduce]
-                      [--overlap-param-gather] [--fabric F [--gpu G]] [--tp N] [--json]
-                      [--png FILE]
-
-A shapes file is `{"params": [{"name": str, "shape": [int, ...], "matrix": bool, "tied": bool},
-...]}` in registration order; `matrix` is required (the route: true for hidden-layer weights
-with >= 2 dims, false for embeddings, the head, norms and biases), `tied` optional. Besides
-the plan it reports what the plan costs each rank in the mode the flags name
-(`wholeshard.capacity.costs`): persistent bytes by kind, the peak of transient full buckets, and
-one step's collectives and bytes sent; with `--fabric`, a projection of the step's
-communication and optimizer time (`capacity.projection`). Exit codes:
-0 planned, 2 bad input (argparse errors, an unreadable or malformed shapes file, a model no
-torch process could hold, a model no plan can serve).
+"""`wholeshard plan`: plan the buffers of a model given by shapes alone (a shapes file,
+`capacity.shapes`, or a preset), and show the plan and what it costs each rank in the mode the
+flags name (`capacity.costs`): persistent bytes by kind, the peak of transient full buckets, one
+step's collectives and bytes sent; with `--fabric`, a projection of the step's communication and
+optimizer time (`capacity.projection`). Exit codes: 0 planned, 2 bad input (argparse errors, an
+unreadable or malformed shapes file, a model no torch process could hold, a model no plan can
+serve).
 """
 
 from __future__ import annotations
@@ -74,11 +64,10 @@ def plan_json(
     """The `--json` document: plan summary, buffers with their buckets, the params in the
     order of `specs` (the specs `plan` was planned from), and with `costs` (of this plan) their
     `mode`, `per_rank` and `per_step` (`costs_json`)."""
-    where = {p.name: (i, p) for i, b in enumerate(plan.buffers) for p in b.placements}
+    where = {p.name: (i, b, p) for i, b in enumerate(plan.buffers) for p in b.placements}
     params = []
     for spec in specs:
-        index, p = where[spec.name]
-        buffer = plan.buffers[index]
+        index, buffer, p = where[spec.name]
         entry = {
             "name": p.name,
             "shape": list(p.shape),
@@ -101,11 +90,7 @@ def plan_json(
         "ns_cost_imbalance": plan.ns_cost_imbalance,
         "plan_seconds": seconds,
         "buffers": [
-            {
-                "kind": b.kind,
-                "numel": b.numel,
-                "buckets": [bucket_json(c) for c in b.buckets],
-            }
+            {"kind": b.kind, "numel": b.numel, "buckets": [bucket_json(c) for c in b.buckets]}
             for b in plan.buffers
         ],
         "params": params,
@@ -227,7 +212,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-size",
         type=positive_int(),
-        default=None,
         metavar="N",
         help="elements per bucket, at least (default: what DataParallel takes, "
         "default_bucket_size: about 1/8 of the params, at least 65,536, at most "
@@ -242,7 +226,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shard-group-size",
         type=_group_size,
-        default=None,
         metavar="K",
         help="shard params within groups of K ranks, replicated across the dp/K groups; "
         "K divides N (default N, as DataParallel's); 'auto': the largest K whose plan bounds "
@@ -353,10 +336,7 @@ def main(args: argparse.Namespace) -> int:
         if projected is not None:
             doc["projection"] = projected.as_dict()
         if traffic is not None:
-            doc["tensor_parallel"] = {
-                "tp": args.tp,
-                **{f"{m}_bytes": b for m, b in traffic.items()},
-            }
+            doc["tensor_parallel"] = {"tp": args.tp} | {f"{m}_bytes": b for m, b in traffic.items()}
         sys.stdout.write(json.dumps(doc, allow_nan=False) + "\n")
     else:
         if choice is not None:

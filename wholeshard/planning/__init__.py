@@ -1,19 +1,11 @@
 """Planning: the two decisions made for every parameter, once: which optimizer updates it
-(`routing`) and where it lives, and so which rank owns it (`plan_for` -> `Plan`).
-
-`routing.route_params(model)` routes a model's params (the only module here that reads a model,
-and it imports torch only when it does); `plan_for(specs, dp_size, ...)` takes `ParamSpec`s
-(from routes, a shapes file or a preset) and returns the `Plan` `DataParallel` makes with the
-same settings, from shapes alone (its defaults are `DataParallel`'s). `plan_exactly` plans
-exactly the strategy, bucket size (an int, or `ONE_BUCKET`) and shard-group size it is told.
-Modules: `routing`, `specs` (the records), `buffer` (one buffer, its owner rule and invariant
-checks), `plan` (`plan_exactly` and the one validator), `units` (the plan's storage units),
-`targets` (what a good plan is) and `auto` (the automatic strategy and shard-group size:
-`plan_for`, the one entry point of `DataParallel`). What a plan costs (presets, shapes files,
-memory, traffic, the choice's report) is `wholeshard.capacity`'s, above the engine: nothing here
-imports it.
-The planners are private: `_whole` (with `_rows`, `_balanced`, `_packing`), `_owners`,
-`_stacked`, `_elementwise`, `_unaligned`, and `_invariants` checks them.
+(`routing.route_params`, the only module here that reads a model, importing torch only when it
+does) and where it lives, and so which rank owns it (`plan_for` -> `Plan`, from `ParamSpec`s of
+routes, a shapes file or a preset: the plan `DataParallel` makes with the same settings).
+`plan_exactly` plans exactly the strategy, bucket size and shard-group size it is told. What a
+plan costs is `wholeshard.capacity`'s, above the engine: nothing here imports it. The planners
+are private (`_whole`, `_rows`, `_balanced`, `_packing`, `_owners`, `_stacked`, `_elementwise`,
+`_unaligned`); `_invariants` checks them.
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ._packing import FirstFit, Packing, pack
@@ -67,16 +66,14 @@ def plan_balanced(
         align=align,
     )
     planned: list[_Planned] = []
-    head = 0
-    while True:
-        while head < n and plan.taken[head]:
-            head += 1
-        if head == n:
-            return [[plan.row(bucket.assignment)] for bucket in planned]
+    for head in range(n):
+        if plan.taken[head]:
+            continue
         planned.append(plan.bucket(head, bucket_size))
         plan.take(planned[-1].assignment)
         if len(planned) > 1 and plan.finished_run(planned[-2].head, head):
             _merge_tail(plan, planned, bucket_size)
+    return [[plan.row(bucket.assignment)] for bucket in planned]
 
 
 def _merge_tail(plan: _Balancer, planned: list[_Planned], bucket_size: int | None) -> None:
@@ -90,7 +87,7 @@ def _merge_tail(plan: _Balancer, planned: list[_Planned], bucket_size: int | Non
             return
         tail = planned[-m:]
         for bucket in reversed(tail):
-            plan.undo(bucket.assignment)
+            plan.take(bucket.assignment, undo=True)
         merged = plan.bucket(tail[0].head, bucket_size, absorb=True)
         if merged.padded < sum(bucket.padded for bucket in tail):
             plan.take(merged.assignment)
@@ -123,9 +120,6 @@ class _Try:
     cost: list[int]  # cost per rank, carried included
     loads: list[int]  # elements per rank, before filling
 
-    def assignment(self) -> Assignment:
-        return list(zip(self.ranks, self.items, strict=True))
-
 
 class _Balancer:
     """State of a balanced plan over backprop positions: which are taken, first-fit trees over
@@ -157,9 +151,7 @@ class _Balancer:
         # packing_order[q]: where position q comes in step 2's order (largest cost first).
         by_width = sorted(range(n), key=widths.__getitem__, reverse=True)  # stable: ties by q
         by_cost = sorted(by_width, key=costs.__getitem__, reverse=True)
-        self.packing_order = [0] * n
-        for i, q in enumerate(by_cost):
-            self.packing_order[q] = i
+        self.packing_order = {q: i for i, q in enumerate(by_cost)}
         # `_pack` results by input, for the run planned last: `_merge_tail` packs again what
         # its buckets packed (same params and carried cost).
         self.packed: dict[tuple[tuple[int, ...], tuple[int, ...]], Packing] = {}
@@ -197,7 +189,7 @@ class _Balancer:
                 if latest.padding < best.padding:
                     best = latest
             fills = self._fill(chunk.positions[best.length - 1] + 1, best.cost, best.loads)
-            assignment = best.assignment() + fills
+            assignment = [*zip(best.ranks, best.items, strict=True), *fills]
             shard = max(best.loads)  # filling stays below it
             used = best.total + sum(self.widths[q] for _, q in fills)
         return _Planned(head, assignment, shard, self.dp_size * shard - used)
@@ -252,11 +244,8 @@ class _Balancer:
         but not by far, again under caps between it and the largest load that came out. The
         best packing (remembered; callers do not change it)."""
         key = (tuple(items), tuple(self.carried))
-        if key not in self.packed:
-            self.packed[key] = self._best_packing(items, total, widest)
-        return self.packed[key]
-
-    def _best_packing(self, items: list[int], total: int, widest: int) -> Packing:
+        if key in self.packed:
+            return self.packed[key]
         dp, align = self.dp_size, self.align
         widths = [self.widths[q] for q in items]
         costs = [self.costs[q] for q in items]
@@ -279,37 +268,23 @@ class _Balancer:
                 best, high = packed, max(packed[2])
             else:
                 low = cap
+        self.packed[key] = best
         return best
 
-    def undo(self, assignment: Assignment) -> None:
-        """Free the params `take` took, as if their bucket had never been planned."""
+    def take(self, assignment: Assignment, undo: bool = False) -> None:
+        """Take the params of a bucket: (rank, position) pairs; `undo`: free them, as if their
+        bucket had never been planned."""
         taken, carried, costs = self.taken, self.carried, self.costs
+        sign = -1 if undo else 1
         for r, q in assignment:
-            taken[q] = 0
-            carried[r] -= costs[q]
+            taken[q] = 0 if undo else 1
+            carried[r] += sign * costs[q]
         untied = [q for _, q in assignment if not self.tied[q]]
-        for end, width in self._run_widths(untied):
-            self.run_free[end] += width
-        self.fit.update(untied, [self.widths[q] for q in untied])
-        self.negated.update(untied, [-self.widths[q] for q in untied])
-
-    def take(self, assignment: Assignment) -> None:
-        """Take the params of a bucket: (rank, position) pairs."""
-        taken, carried, costs = self.taken, self.carried, self.costs
-        for r, q in assignment:
-            taken[q] = 1
-            carried[r] += costs[q]
-        untied = [q for _, q in assignment if not self.tied[q]]
-        for end, width in self._run_widths(untied):
-            self.run_free[end] -= width
-        removed = [math.inf] * len(untied)
-        self.fit.update(untied, removed)
-        self.negated.update(untied, removed)
-
-    def _run_widths(self, untied: list[int]) -> Iterator[tuple[int, int]]:
-        """(run end, elements) of consecutive params of one run."""
         for end, run in itertools.groupby(untied, key=self.run_end.__getitem__):
-            yield end, sum(map(self.widths.__getitem__, run))
+            self.run_free[end] -= sign * sum(map(self.widths.__getitem__, run))
+        removed = [math.inf] * len(untied)
+        self.fit.update(untied, [self.widths[q] for q in untied] if undo else removed)
+        self.negated.update(untied, [-self.widths[q] for q in untied] if undo else removed)
 
 
 class _Chunk:
@@ -329,26 +304,22 @@ class _Chunk:
         """Whether the chunk reaches the end of the run."""
         return self.cursor == self.run_end
 
-    def holds(self, target: float) -> bool:
-        """Whether the chunk holds `>= target` elements and `>= dp` times its widest param."""
-        return self.total >= target and self.total >= self.plan.dp_size * self.widest
-
     def grow(self, target: float) -> None:
-        """Take free params until the chunk `holds(target)`; then, if too little is left in
-        the run for a bucket of its own, take the rest of the run too. Its params stay free
-        (in the trees) until the bucket is taken."""
+        """Take free params until the chunk holds `>= target` elements and `>= dp` times its
+        widest param; then, if too little is left in the run for a bucket of its own, take the
+        rest of the run too. Its params stay free (in the trees) until the bucket is taken."""
         self._take_until(target)
-        if self.holds(target) and self._too_little_left():
-            self._take_until(math.inf)
-
-    def _too_little_left(self) -> bool:
         plan = self.plan
+        if self.total < target or self.total < plan.dp_size * self.widest:
+            return
         left = plan.run_free[self.run_end] - self.total
         left_widest = -plan.negated.range_min(self.cursor, self.run_end)
-        return left < max(self.wanted, plan.dp_size * left_widest)
+        if left < max(self.wanted, plan.dp_size * left_widest):
+            self._take_until(math.inf)
 
     def _take_until(self, target: float) -> None:
-        """Take the next free params until the chunk `holds(target)` or the run ends."""
+        """Take the next free params until the chunk holds `target` (as `grow` says) or the
+        run ends."""
         taken, widths, dp = self.plan.taken, self.plan.widths, self.plan.dp_size
         positions, q, end = self.positions, self.cursor, self.run_end
         total, widest = self.total, self.widest

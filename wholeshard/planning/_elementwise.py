@@ -1,20 +1,16 @@
 """The element-wise ("adamw") buffer: params packed tightly, each rank owning a contiguous slice.
 
-Params are packed in backprop order (reverse registration order), each starting on an
-`align`-element boundary, and cut into buckets that close once they hold `>= bucket_size`
-elements or where the next param belongs to another layer (`specs.layer_of`: the embedding, the
-final norm and the head, outside numbered modules, count as one "layer" each run of them), so a
-bucket completes as backward leaves its layer: packed across layers, the norms of every layer
-would share the embedding's bucket, which completes last and, reduced in order, would hold every
-later reduction (and, fully sharded, every full grad bucket) until backward ends; each bucket is
-then padded to a multiple of `k * align`, so its `k` equal shards start
-aligned. Rank r owns the contiguous r-th shard of every bucket, so a param may straddle shards
-(`owner` is None), and the only padding is alignment (< `align` per param) plus < `k * align`
-per bucket: a tied embedding costs nothing.
-
-Why params here start aligned too: every param view then starts on a 64-element (128-byte at
-bf16) boundary, as in whole-tensor buffers, which vectorised kernels and the 32-element MXFP8
-blocks rely on; it costs < `align` elements per param.
+Params are packed in backprop order, each starting on an `align`-element boundary (as in
+whole-tensor buffers, so every view starts on a 128-byte boundary at bf16, which vectorised
+kernels and the 32-element MXFP8 blocks rely on), and cut into buckets that close once they hold
+`>= bucket_size` elements or where the next param belongs to another layer (`specs.layer_of`:
+each run of params outside numbered modules counts as one), so a bucket completes as backward
+leaves its layer: packed across layers, the norms of every layer would share the embedding's
+bucket, which completes last and, reduced in order, would hold every later reduction (and, fully
+sharded, every full grad bucket) until backward ends. Each bucket is padded to a multiple of
+`k * align`, so its `k` equal shards start aligned. Rank r owns the r-th shard of every bucket,
+so a param may straddle shards (`owner` is None), and the only padding is alignment (< `align`
+per param) plus < `k * align` per bucket: a tied embedding costs nothing.
 """
 
 from __future__ import annotations

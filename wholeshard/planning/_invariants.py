@@ -4,6 +4,7 @@ is broken."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -36,7 +37,7 @@ def check_buffer(buffer: Buffer, specs: Sequence[ParamSpec] | None = None) -> No
         "matrix": _check_whole,
         "stacked": _check_stacked,
         "adamw": _check_elementwise,
-        "unaligned": _check_unaligned,
+        "unaligned": _check_whole,
     }[buffer.kind](buffer)
     if specs is None:
         return
@@ -71,8 +72,7 @@ def _check_buckets(buffer: Buffer) -> None:
     expected_start = 0
     for i, b in enumerate(buffer.buckets):
         where = f"{buffer.kind} bucket {i} [{b.start}, {b.end})"
-        if b.index != i:
-            raise AssertionError(f"{where} has index {b.index}; number buckets 0.. in buffer order")
+        _expect(b.index == i, f"{where} has index {b.index}; number buckets 0.. in buffer order")
         if b.start != expected_start:
             raise AssertionError(
                 f"{where} starts at {b.start} but must start at {expected_start}, where the "
@@ -82,8 +82,7 @@ def _check_buckets(buffer: Buffer) -> None:
             _check_owners(buffer, b, where)
             expected_start = b.end
             continue
-        if b.shard_numel <= 0:
-            raise AssertionError(f"{where} has shard_numel {b.shard_numel}; it must be > 0")
+        _expect(b.shard_numel > 0, f"{where} has shard_numel {b.shard_numel}; it must be > 0")
         if b.shard_numel % align:
             raise AssertionError(
                 f"{where} has shard_numel {b.shard_numel}, not a multiple of align={align}, "
@@ -112,14 +111,11 @@ def _check_owners(buffer: Buffer, b: Bucket, where: str) -> None:
         raise AssertionError(
             f"{where}: owner starts {starts} must run from its start to before its end"
         )
-    if any(x >= y for x, y in zip(starts, starts[1:], strict=False)) or any(
-        x >= y for x, y in zip(ranks, ranks[1:], strict=False)
-    ):
+    if not all(r < r2 and x < x2 for (r, x), (r2, x2) in itertools.pairwise(listed)):
         raise AssertionError(f"{where}: owners {listed} must ascend in rank and start")
     if ranks[0] < 0 or ranks[-1] >= k:
         raise AssertionError(f"{where}: owners {ranks} are not ranks of the group 0..{k - 1}")
-    if b.shard_numel != 0:
-        raise AssertionError(f"{where} lists owners and has shard_numel {b.shard_numel}; 0")
+    _expect(b.shard_numel == 0, f"{where} lists owners and has shard_numel {b.shard_numel}; 0")
     if buffer.kind == "matrix" and any(x % buffer.align for x in starts):
         raise AssertionError(f"{where}: owner starts {starts} not on align={buffer.align} elements")
 
@@ -173,8 +169,8 @@ def _check_backprop_order(buffer: Buffer, last_registered: list[int]) -> None:
 
 
 def _check_whole(buffer: Buffer) -> None:
-    """Every param wholly inside the shard of its owner, the owner by `Bucket.owner`; buckets
-    in backprop order."""
+    """Every param whole: inside the shard of its owner, the owner by `Bucket.owner` (unaligned:
+    inside its bucket, owned by a rank of the group); buckets in backprop order."""
     last_registered = [-1] * len(buffer.buckets)
     names: set[str] = set()
     for i, p in enumerate(buffer.placements):
@@ -182,6 +178,16 @@ def _check_whole(buffer: Buffer) -> None:
             raise AssertionError(f"param {p.name!r}: name placed twice; names must be unique")
         names.add(p.name)
         b = _check_placement(buffer, p)
+        if buffer.kind == "unaligned":
+            if p.end > b.end:
+                raise AssertionError(f"param {p.name!r} runs past the end of bucket {b.index}")
+            if p.owner is None or not 0 <= p.owner < buffer.shard_group_size:
+                raise AssertionError(
+                    f"param {p.name!r} has owner {p.owner}, not a rank of the shard group "
+                    f"0..{buffer.shard_group_size - 1}"
+                )
+            last_registered[p.bucket] = i
+            continue
         owner = b.owner(p.start)
         if p.owner != owner:
             raise AssertionError(
@@ -195,24 +201,6 @@ def _check_whole(buffer: Buffer) -> None:
                 f"param {p.name!r} [{p.start}, {p.end}) straddles shards {owner} [{shard_lo}, "
                 f"{shard_hi}) and {owner + 1} of bucket {b.index}; every param must lie wholly "
                 "inside one shard"
-            )
-        last_registered[p.bucket] = i
-    _check_disjoint(buffer.placements)
-    _check_backprop_order(buffer, last_registered)
-
-
-def _check_unaligned(buffer: Buffer) -> None:
-    """Every param whole inside its bucket, owned by a rank of the group; buckets in backprop
-    order."""
-    last_registered = [-1] * len(buffer.buckets)
-    for i, p in enumerate(buffer.placements):
-        b = _check_placement(buffer, p)
-        if p.end > b.end:
-            raise AssertionError(f"param {p.name!r} runs past the end of bucket {b.index}")
-        if p.owner is None or not 0 <= p.owner < buffer.shard_group_size:
-            raise AssertionError(
-                f"param {p.name!r} has owner {p.owner}, not a rank of the shard group "
-                f"0..{buffer.shard_group_size - 1}"
             )
         last_registered[p.bucket] = i
     _check_disjoint(buffer.placements)

@@ -61,28 +61,21 @@ def _whole(
 ) -> Buffer:
     """The "matrix" buffer of params in buffer `order`, buckets closing at `limit` elements."""
     owners = _deal(order, k, matrix_cost)
-    groups: list[list[int]] = []  # backprop positions of each bucket's params
-    current: list[int] = []
+    groups: list[list[int]] = [[]]  # backprop positions of each bucket's params
     size = 0
     for pos, s in enumerate(order):
-        if s.tied:
-            groups += [current] if current else []
-            groups.append([pos])
-            current, size = [], 0
-            continue
-        current.append(pos)
+        if s.tied and groups[-1]:  # a tied param sits alone in its bucket
+            groups.append([])
+        groups[-1].append(pos)
         size += round_up(s.numel, align)
-        if size >= limit:
-            groups.append(current)
-            current, size = [], 0
-    if current:
-        groups.append(current)
+        if s.tied or size >= limit:
+            groups.append([])
+            size = 0
 
     buckets: list[Bucket] = []
     placed: dict[int, Placement] = {}
     start = 0
-    for members in groups:
-        index = len(buckets)
+    for index, members in enumerate(filter(None, groups)):
         listed: list[tuple[int, int]] = []
         at = start
         for pos in sorted(members, key=lambda pos: (owners[pos], pos)):
@@ -118,7 +111,6 @@ def _stacked(
     for s in order:
         starts.append(at)
         at = round_up(at + s.numel, align)
-    end = at
     # Every matrix in buffer order: (start, end, cost).
     mats: list[tuple[int, int, int]] = []
     for s, lo in zip(order, starts, strict=True):
@@ -134,7 +126,7 @@ def _stacked(
     for lo, _, _ in mats[1:]:
         if lo in stack_starts or (lo - cuts[-1] >= limit and lo % align == 0):
             cuts.append(lo)
-    cuts.append(end)
+    cuts.append(at)  # the buffer's end
 
     # (rank, start) of every rank's run, its first matrix's start; empty runs left out.
     runs = [(r, mats[f][0]) for r, f in enumerate(owner_starts) if f < len(mats)]
@@ -160,14 +152,12 @@ def _runs(mats: Sequence[tuple[int, int, int]], k: int) -> list[int]:
     if not any(weights):
         weights = [hi - lo for lo, hi, _ in mats]
     total = sum(weights)
-    firsts, before = [0] * k, 0
-    owner = 0
+    firsts = [0] + [len(mats)] * (k - 1)  # a rank no matrix reaches starts past the last
+    before = owner = 0
     for i, w in enumerate(weights):
         mine = min(k - 1, (2 * before + w) * k // (2 * total))
         while owner < mine:
             owner += 1
             firsts[owner] = i
         before += w
-    for r in range(owner + 1, k):
-        firsts[r] = len(mats)
     return firsts

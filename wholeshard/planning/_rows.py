@@ -49,13 +49,9 @@ def plan_rows(
     buckets: list[list[Row]] = []
     current: list[Row] = []
     current_shard = 0
-    head = 0
-    while True:
-        while head < n and taken[head]:
-            head += 1
-        if head == n:
-            break
-        seed = head
+    for seed in range(n):
+        if taken[seed]:
+            continue
         width = widths[seed]
         taken[seed] = 1
         entries = [(0, seed, 0)]

@@ -1,11 +1,6 @@
-"""The stacked buffer: Muon params with more than 2 dims (fused MoE experts), where the matrix,
-not the tensor, is owned.
-
-A matrix-routed param with more than 2 dims is a stack of matrices over its leading dims: a
-`(E, m, n)` tensor holds E matrices of `(m, n)` (transformers 5 stores experts this way,
-`gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I)). Muon orthogonalizes each matrix on its own,
-so each matrix, not the tensor, needs to be whole on one rank. Such params go to a "stacked"
-buffer planned here.
+"""The stacked buffer: Muon params with more than 2 dims (fused MoE experts, transformers 5's
+`gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I)), stacks of matrices over their leading dims.
+Muon orthogonalizes each matrix on its own, so the matrix, not the tensor, is owned whole.
 
 [Note: stacked buffers]
 The stacks are laid out as one stream, in backprop order (reverse registration), each stack
@@ -13,8 +8,7 @@ contiguous (its param is one view of the buffer) and starting on an `align` boun
 is cut into shards of one width `S`; `k` consecutive shards form a bucket. A matrix never
 straddles a shard boundary, and a stack may continue from the end of one shard into the start of
 the next, so a stack spreads its matrices over consecutive shards (ranks), even across buckets.
-The owner of a matrix is `Bucket.owner(matrix start)`, i.e. `(matrix start - bucket.start) //
-shard_numel`, the same rule as every whole-tensor buffer.
+The owner of a matrix is `Bucket.owner(matrix start)`, as in every whole-tensor buffer.
 
 For a stack to continue across a boundary its matrices must tile the shard exactly, so `S` is a
 multiple of `L = lcm(align, matrix numel of every stack)`: then every stack fills whole shards,

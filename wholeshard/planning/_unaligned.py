@@ -19,21 +19,13 @@ from .specs import ParamSpec
 
 
 def plan_unaligned(specs: tuple[ParamSpec, ...], k: int, bucket_size: int | None) -> Buffer:
-    """The `"unaligned"` buffer of validated `specs` (every param) over `k` ranks."""
+    """The `"unaligned"` buffer of validated `specs` (every param) over `k` ranks; owners dealt
+    by snake order (ties keep registration order)."""
     one_rank = buffer_of_rows(specs, 1, 1, plan_rows(specs, 1, bucket_size, 1))
-    owners = snake_owners([p.numel for p in one_rank.placements], k)
-    placements = tuple(
-        dataclasses.replace(p, owner=owner)
-        for p, owner in zip(one_rank.placements, owners, strict=True)
-    )
-    return Buffer("unaligned", k, 1, one_rank.buckets, placements)
-
-
-def snake_owners(numels: list[int], k: int) -> list[int]:
-    """The owner of each param: largest first, dealt to ranks 0..k-1, k-1..0, 0..k-1, ...
-    (ties keep registration order)."""
-    owners = [0] * len(numels)
-    for i, n in enumerate(sorted(range(len(numels)), key=lambda n: -numels[n])):
+    placements = list(one_rank.placements)
+    by_size = sorted(range(len(placements)), key=lambda n: -placements[n].numel)
+    for i, n in enumerate(by_size):
         lap, pos = divmod(i, k)
-        owners[n] = pos if lap % 2 == 0 else k - 1 - pos
-    return owners
+        owner = pos if lap % 2 == 0 else k - 1 - pos
+        placements[n] = dataclasses.replace(placements[n], owner=owner)
+    return Buffer("unaligned", k, 1, one_rank.buckets, tuple(placements))

@@ -19,7 +19,6 @@ def plan_whole(
     specs: tuple[ParamSpec, ...],
     k: int,
     strategy: str,
-    *,
     bucket_size: int | None,
     align: int,
     matrix_cost: MatrixCost | None,

@@ -1,10 +1,7 @@
 """Automatic choices, from shapes: the strategy (equal shards or owner buckets) and the
-shard-group size k a plan should use on dp ranks. `plan_for` is the public planning call
-(`wholeshard.planning.plan_for`), the one of `DataParallel` and the train job, with
-`DataParallel`'s defaults; `decide` is the same decision with its record (`Search`),
-from which `wholeshard.capacity.choice` builds the report `wholeshard plan` shows. Nothing
-here computes more than deciding needs: padding, the bucket bound and the planner's own
-Newton-Schulz cost balance.
+shard-group size k of a plan on dp ranks. `plan_for` (`wholeshard.planning.plan_for`, what
+`DataParallel` and the train job call) decides with `DataParallel`'s defaults; `decide` also
+returns the record (`Search`) from which `wholeshard.capacity.choice` builds the report.
 
 [Note: automatic strategy]
 `strategy="auto"` (the default) plans the balanced strategy's equal shards, which reduce-scatter
@@ -106,8 +103,7 @@ class Search:
 
 
 def ladder(dp_size: int) -> list[int]:
-    """Candidate k, largest first: dp, and for each power of two p < dp the largest divisor of
-    dp at most p (so every power of two dividing dp; at most log2(dp) + 2 candidates)."""
+    """Candidate k, largest first ([Note: automatic shard groups])."""
     small = [d for d in range(1, math.isqrt(dp_size) + 1) if dp_size % d == 0]
     divisors = sorted({*small, *(dp_size // d for d in small)})
     out = [dp_size]
@@ -149,12 +145,6 @@ def _candidates(
     return attempts
 
 
-def _best(planned: list[Figures]) -> Figures:
-    """The first that meets every target, else the least overshoot (ties: the earlier)."""
-    met = [f for f in planned if f.ok]
-    return met[0] if met else min(planned, key=lambda f: f.overshoot)
-
-
 def search(
     specs: Sequence[ParamSpec],
     dp_size: int,
@@ -185,7 +175,9 @@ def search(
         attempts += found
         if found[-1].figures is not None and found[-1].figures.ok:
             break
-    chosen = _best([a.figures for a in attempts if a.figures is not None])
+    # the first planned that meets every target, else the least overshoot (ties: the earlier)
+    planned = [a.figures for a in attempts if a.figures is not None]
+    chosen = next((f for f in planned if f.ok), None) or min(planned, key=lambda f: f.overshoot)
     chosen.plan.check(specs)
     return Search(dp_size, target, k is None, chosen, tuple(attempts))
 
@@ -214,11 +206,10 @@ def decide(
     strategy or `shard_group_size` is "auto". `bucket_size` None: `targets.bucket_size_for` the
     shard group size (dp when None) and strategy; `matrix_cost`: the cost balanced (None:
     `ns_cost`)."""
-    if scheme != "whole" and shard_group_size == "auto":
-        shard_group_size = None  # the ping-pong baseline has no shard groups: one
+    if scheme != "whole":  # the ping-pong baseline: no shard groups, its own strategy
+        shard_group_size = None if shard_group_size == "auto" else shard_group_size
+        strategy = "size_match" if strategy == "auto" else strategy
     auto_k = shard_group_size == "auto"
-    if scheme != "whole" and strategy == "auto":
-        strategy = "size_match"  # the ping-pong baseline's own, whatever is asked
     if isinstance(shard_group_size, str) and not auto_k:
         raise ValueError(
             f"shard_group_size must be an int, 'auto' or None, got {shard_group_size!r}"
@@ -238,11 +229,7 @@ def decide(
 def plan_for(specs: Sequence[ParamSpec], dp_size: int, **settings: Unpack[PlanSettings]) -> Plan:
     """The plan `DataParallel` makes for `specs` (registration order) on `dp_size` ranks with
     these settings, whose defaults are `DataParallel`'s (`DataParallelConfig`, `Variant`):
-    `bucket_size` None is the default size (`targets.bucket_size_for`: `default_bucket_size` of
-    the params over the shard group for equal shards, over one rank for owner buckets),
-    `strategy` "auto" and `shard_group_size` None (one group of dp ranks; "auto": searched).
-    `decide`'s plan, without its record; ValueError, saying how to fix it, on bad input."""
+    `bucket_size` None (`targets.bucket_size_for`), `strategy` "auto" and `shard_group_size`
+    None (one group of dp ranks; "auto": searched). `decide`'s plan, without its record;
+    ValueError, saying how to fix it, on bad input."""
     return decide(specs, dp_size, **settings)[0]
-
-
-# fmt: skip

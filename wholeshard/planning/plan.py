@@ -2,15 +2,10 @@
 strategy, bucket size and shard-group size it is told; `Plan` holds it. `auto.plan_for`, the public
 planning call, decides those settings (what `DataParallel` makes) and plans through it.
 
-Pure planning: param specs in, plain data out. One routing decision (`ParamSpec.matrix`) puts every
-param in exactly one buffer of one kind (`Buffer`, which also checks each kind's invariants):
-
-- `"matrix"`: matrix-routed params with 2 dims, each wholly inside one rank's shard (`_whole`);
-- `"stacked"`: matrix-routed params with more than 2 dims (fused MoE experts), each matrix
-  wholly inside one shard (`_stacked`);
-- `"adamw"`: the other params, sharded element-wise (`_elementwise`);
-- `"unaligned"`: with `scheme="ping_pong"`, every param in the legacy baseline's buffer
-  (`_unaligned`).
+Pure planning: param specs in, plain data out. `specs_by_kind` puts every param in exactly one
+buffer of one kind (`buffer`): 2-D matrix-routed params in "matrix" (`_whole`), those with more
+dims (fused MoE experts) in "stacked" (`_stacked`), the others in "adamw" (`_elementwise`); with
+`scheme="ping_pong"`, every param in the legacy baseline's "unaligned" buffer (`_unaligned`).
 
 [Note: shard groups]
 With `shard_group_size=k` (k divides dp) the dp ranks form dp/k shard groups of k consecutive
@@ -108,15 +103,13 @@ class Plan:
                 )
             if not b.placements:
                 raise AssertionError(f"{b.kind} buffer holds no params; leave it out")
-        if specs is None:
-            for b in self.buffers:
-                b.check()
-            return
-        unaligned = kinds == ["unaligned"]
+        by_kind: dict[BufferKind, list[ParamSpec]] | None = None
+        if specs is not None:
+            by_kind = {"unaligned": list(specs)} if kinds == ["unaligned"] else specs_by_kind(specs)
         for b in self.buffers:
-            b.check([s for s in specs if unaligned or buffer_kind(s) == b.kind])
+            b.check(None if by_kind is None else by_kind.get(b.kind, []))
         placed = sum(len(b.placements) for b in self.buffers)
-        if placed != len(specs):
+        if specs is not None and placed != len(specs):
             raise AssertionError(f"{len(specs)} specs but {placed} placements")
 
 
@@ -154,18 +147,13 @@ def plan_exactly(
     scheme: Scheme = "whole",
     matrix_cost: MatrixCost | None = None,
 ) -> Plan:
-    """Plan the buffers for `params` (registration order) on `dp_size` ranks with exactly these
-    settings: nothing is chosen here (`auto.plan_for` chooses, as `DataParallel` does).
-
-    Matrix-routed params go to whole-tensor buffers planned by `strategy` over
-    `k = shard_group_size or dp_size` ranks ("balanced" and "owners" balance `matrix_cost`,
-    None: Newton-Schulz cost; "auto" is `auto.plan_for`'s to resolve), the others to an
-    element-wise buffer (module docstring). Buckets close near `bucket_size` elements (an int,
-    required; `ONE_BUCKET`: one bucket per buffer, or per run between tied params).
-    `scheme="ping_pong"` plans the legacy baseline instead: one unaligned buffer (`align` 1,
-    size matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
-    result passes `Plan.check(params)`.
-    """
+    """Plan the buffers for `params` (registration order) on `dp_size` ranks in shard groups of
+    `k = shard_group_size or dp_size` with exactly these settings: nothing is chosen here
+    (`auto.plan_for` chooses, as `DataParallel` does, and resolves strategy "auto"). "balanced"
+    and "owners" balance `matrix_cost` (None: Newton-Schulz cost). `bucket_size`: an int, or
+    `ONE_BUCKET`. `scheme="ping_pong"` plans the legacy baseline instead (`align` 1, size
+    matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
+    result passes `Plan.check(params)`."""
     specs = tuple(params)
     validate_specs(specs)
     if bucket_size != ONE_BUCKET and not (is_int(bucket_size) and bucket_size > 0):
@@ -183,15 +171,14 @@ def plan_exactly(
         )
     if scheme == "ping_pong":
         plan = Plan(dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, size),))
-        plan.check(specs)
-        return plan
-    by_kind = specs_by_kind(specs)
-    buffers = tuple(
-        plan_buffer(kind, tuple(by_kind[kind]), k, size, align, strategy, matrix_cost)
-        for kind in KINDS
-        if kind in by_kind
-    )
-    plan = Plan(dp_size, k, strategy, align, bucket_size, buffers, matrix_cost)
+    else:
+        by_kind = specs_by_kind(specs)
+        buffers = tuple(
+            plan_buffer(kind, tuple(by_kind[kind]), k, size, align, strategy, matrix_cost)
+            for kind in KINDS
+            if kind in by_kind
+        )
+        plan = Plan(dp_size, k, strategy, align, bucket_size, buffers, matrix_cost)
     plan.check(specs)
     return plan
 
@@ -214,24 +201,17 @@ def plan_buffer(
         return plan_owned(kind, specs, k, bucket_size, align, matrix_cost)
     if kind == "stacked":
         return plan_stacked(specs, k, bucket_size, align)
-    return plan_whole(
-        specs, k, strategy, bucket_size=bucket_size, align=align, matrix_cost=matrix_cost
-    )
+    return plan_whole(specs, k, strategy, bucket_size, align, matrix_cost)
 
 
 def specs_by_kind(specs: Sequence[ParamSpec]) -> dict[BufferKind, list[ParamSpec]]:
-    """`specs` grouped by `buffer_kind`, each group in registration order."""
+    """`specs` grouped by the kind of buffer each goes to (with the default scheme), each group
+    in registration order."""
     by_kind: dict[BufferKind, list[ParamSpec]] = {}
     for s in specs:
-        by_kind.setdefault(buffer_kind(s), []).append(s)
+        kind: BufferKind = "adamw" if not s.matrix else "stacked" if len(s.shape) > 2 else "matrix"
+        by_kind.setdefault(kind, []).append(s)
     return by_kind
-
-
-def buffer_kind(spec: ParamSpec) -> BufferKind:
-    """The kind of buffer `spec` goes to (with the default scheme)."""
-    if not spec.matrix:
-        return "adamw"
-    return "stacked" if len(spec.shape) > 2 else "matrix"
 
 
 def _group_size(

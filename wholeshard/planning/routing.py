@@ -34,9 +34,12 @@ as this rule decides it; nothing guesses a route from names alone.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from .specs import matrix_count
 
 if TYPE_CHECKING:
     from torch import nn
@@ -72,13 +75,9 @@ class Route:
 
 
 def route_params(module: nn.Module, matrix_params: MatrixParams | None = None) -> list[Route]:
-    """Routes for every `requires_grad` parameter of `module`, in registration order.
-
-    Default rule (see the module note): weights of hidden layers with >= 2 dims go to Muon;
-    embeddings, the output head (tied or not), params of the root module, conv kernels, norms
-    and biases go to AdamW. `matrix_params(name, param)` replaces the matrix/AdamW decision. Raises
-    ValueError if nothing goes to Muon or a Muon param has fewer than 2 dims.
-    """
+    """Routes for every `requires_grad` parameter of `module`, in registration order, by
+    [Note: the routing rule] (`matrix_params(name, param)` replaces its matrix/AdamW decision).
+    Raises ValueError if nothing goes to Muon or a Muon param has fewer than 2 dims."""
     routes = _route(module, matrix_params)
     _validate(routes)
     return routes
@@ -92,9 +91,7 @@ def _route(module: nn.Module, matrix_params: MatrixParams | None) -> list[Route]
         for attr, p in mod._parameters.items():
             if p is not None:
                 holders.setdefault(id(p), []).append((mod, attr))
-    aliases: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        aliases[id(p)] = aliases.get(id(p), 0) + 1
+    aliases = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     roots = _roots(module)
     heads = _head_modules(roots[-1])
     last_name = {id(m): name.rsplit(".", 1)[-1] for name, m in module.named_modules()}
@@ -136,11 +133,9 @@ def _embedding_name(*parts: str) -> bool:
 
 def routing_table(routes: nn.Module | Sequence[Route]) -> str:
     """A readable table of every route (name, shape, optimizer, markers), for errors and logs.
-
-    `routes` is a list of `Route`, or a module, which is routed by the default rule first
-    (without `route_params`' checks, so the table of a model that routes nothing to Muon shows)
-    and whose frozen params (`requires_grad=False`) are listed too, as "frozen".
-    """
+    `routes`: a list of `Route`, or a module, routed by the default rule first (without
+    `route_params`' checks, so the table of a model that routes nothing to Muon shows), its
+    frozen params listed too, as "frozen"."""
     frozen: list[tuple[str, tuple[int, ...]]] = []
     if not isinstance(routes, Sequence):  # a module
         module = routes
@@ -156,7 +151,7 @@ def routing_table(routes: nn.Module | Sequence[Route]) -> str:
         shape = _shape_text(r.shape)
         marks = []
         if r.matrix and r.param.ndim > 2:
-            marks.append(f"stack of {_matrices(r)}")
+            marks.append(f"stack of {matrix_count(r.shape)}")
         if r.tied:
             marks.append("tied")
         if r.transposed:
@@ -169,13 +164,11 @@ def routing_table(routes: nn.Module | Sequence[Route]) -> str:
 
 
 def routing_summary(routes: Sequence[Route]) -> str:
-    """One line: how many matrices and params go to Muon and how many tensors to AdamW.
-
-    A stack (ndim > 2) counts as its matrices; a tied param counts once.
-    """
+    """One line: how many matrices and params go to Muon and how many tensors to AdamW (a stack
+    counts as its matrices; a tied param once)."""
     muon = [r for r in routes if r.matrix]
     adamw = [r for r in routes if not r.matrix]
-    matrices = sum(_matrices(r) for r in muon)
+    matrices = sum(matrix_count(r.shape) for r in muon)
     return (
         f"routing: {_count(matrices, 'matrix', 'matrices')} "
         f"({_size(sum(math.prod(r.shape) for r in muon))} params) to Muon, "
@@ -213,11 +206,6 @@ def _head_modules(root: nn.Module) -> set[int]:
         for name, m in root.named_modules()
         if name and name.rsplit(".", 1)[-1].lower() in HEAD_NAMES
     }
-
-
-def _matrices(route: Route) -> int:
-    """Matrices in a Muon param: the product of its leading dims (1 for a matrix)."""
-    return math.prod(route.shape[:-2])
 
 
 def _shape_text(shape: Sequence[int]) -> str:

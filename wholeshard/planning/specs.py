@@ -101,13 +101,9 @@ class Bucket:
 
     def shards(self) -> Iterator[tuple[int, int, int]]:
         """`(rank, start, end)` of every non-empty shard, by rank."""
-        if not self.owner_starts:
-            for rank in range(self.numel // self.shard_numel):
-                yield rank, *self.shard(rank)
-            return
-        listed = self.owner_starts
-        for i, (rank, lo) in enumerate(listed):
-            yield rank, lo, listed[i + 1][1] if i + 1 < len(listed) else self.end
+        ranks = [r for r, _ in self.owner_starts] or range(self.numel // self.shard_numel)
+        for rank in ranks:
+            yield rank, *self.shard(rank)
 
     def owner(self, element: int) -> int:
         """The rank whose shard holds buffer element `element`: the only owner rule."""
@@ -156,8 +152,7 @@ def matrix_count(shape: Sequence[int]) -> int:
 
 def matrices(placement: Placement, buckets: Sequence[Bucket]) -> Iterator[Matrix]:
     """Every matrix of a stacked `placement`, in order, with its bucket and owner."""
-    rows, cols = matrix_shape(placement.shape)
-    unit = rows * cols
+    unit = math.prod(matrix_shape(placement.shape))
     b = placement.bucket
     for index in range(matrix_count(placement.shape)):
         start = placement.start + index * unit

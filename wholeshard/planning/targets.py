@@ -2,17 +2,15 @@
 shard-group size, in `auto`) holds a plan to, and one planned candidate's figures against them.
 
 [Note: plan targets]
-- largest bucket (storage unit: the buckets a stacked param runs across count as one, since
-  they complete and are materialised together) <= the bucket limit, max(100M elements, 2 x the
-  largest layer) (a layer: the params sharing a name prefix up to the first numbered module,
-  `model.layers.7`, MoE experts included), or, where larger, the element-wise bucket of a param
+- largest storage unit (a bucket, or the buckets a stacked param runs across: they complete
+  and are materialised together) <= the bucket limit, max(100M elements, 2 x the largest layer,
+  `specs.layer_of`, MoE experts included), or, where larger, the element-wise bucket of a param
   wider than that (the element-wise planner keeps a param inside one bucket, so no plan shrinks
   it);
 - padding <= 1% beyond the alignment padding every plan has (each param rounded up to `align`
   elements: none for the presets, a few % for toy models);
 - Newton-Schulz imbalance (max / mean over the shard group of the cost of owned matrices, the
-  very cost the planners balance: `Plan.rank_costs`, `specs.ns_cost` or the plan's
-  `matrix_cost`) <= 1.10.
+  very cost the planners balance: `Plan.rank_costs`) <= 1.10.
 A candidate misses by its overshoot, max(largest bucket / bucket limit, (1 - padding limit) /
 (1 - padding), imbalance / 1.10): each the factor by which what its target protects grows
 (bucket bytes, buffer memory, the busiest rank's Newton-Schulz time).
@@ -20,6 +18,7 @@ A candidate misses by its overshoot, max(largest bucket / bucket limit, (1 - pad
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -46,10 +45,8 @@ MAX_IMBALANCE = 1.10
 
 
 def largest_layer(specs: Sequence[ParamSpec]) -> int:
-    """Elements of the largest layer: params grouped by their name's prefix up to the first
-    numbered module (`model.layers.7.mlp.experts.3.up.weight` -> `model.layers.7`). Params
-    outside numbered modules (embeddings, final norm, head) belong to no layer; with no
-    numbered module at all, the largest param. 0 for no specs."""
+    """Elements of the largest layer (`specs.layer_of`; params outside numbered modules belong
+    to none); with no numbered module at all, the largest param. 0 for no specs."""
     groups: dict[str, int] = {}
     for s in specs:
         layer = layer_of(s.name)
@@ -65,8 +62,7 @@ def bucket_target(specs: Sequence[ParamSpec]) -> int:
 
 def bucket_limit_at(target: int, elementwise: Buffer | None) -> int:
     """The bucket limit of a plan whose element-wise buffer is `elementwise`: `target`, or the
-    largest element-wise bucket holding a param wider than `target` (the element-wise planner
-    keeps a param inside one bucket, so no plan makes that bucket smaller than the param)."""
+    largest element-wise bucket holding a param wider than `target` ([Note: plan targets])."""
     if elementwise is None:
         return target
     wide = {p.bucket for p in elementwise.placements if p.numel > target}
@@ -74,9 +70,7 @@ def bucket_limit_at(target: int, elementwise: Buffer | None) -> int:
 
 
 def largest_unit(plan: Plan) -> int:
-    """Elements of the plan's largest storage unit: a bucket, or the buckets a stacked param
-    runs across (`Buffer.storage_units`), which are reduced as backward completes them together
-    and, fully sharded, materialised together."""
+    """Elements of the plan's largest storage unit (`Buffer.storage_units`)."""
     return max(
         (
             buffer.buckets[run.stop - 1].end - buffer.buckets[run.start].start
@@ -110,11 +104,9 @@ class Shapes:
         self.whole_used = sum(s.numel for s in whole)
         self.widest = max((round_up(s.numel, align) for s in whole), default=0)
         self.widest_tied = max((round_up(s.numel, align) for s in whole if s.tied), default=0)
+        stacked = self.by_kind.get("stacked", [])
         self.widest_matrix = max(
-            (round_up(math.prod(matrix_shape(s.shape)), align) for s in self.by_kind["stacked"])
-            if "stacked" in self.by_kind
-            else (),
-            default=0,
+            (round_up(math.prod(matrix_shape(s.shape)), align) for s in stacked), default=0
         )
         muon = [s for s in specs if s.matrix and len(s.shape) >= 2]
         # the planners' own cost of one matrix (`Plan.rank_costs`), per Muon spec
@@ -172,14 +164,11 @@ class Figures:
         self.padding_limit = padding_limit
         self.largest = largest_unit(plan)
         self.padding = plan.padding_fraction
-        self._costs: list[int] | None = None
 
-    @property
+    @functools.cached_property
     def costs(self) -> list[int]:
         """`Plan.rank_costs`: each rank's cost of its matrices, as the planner counts it."""
-        if self._costs is None:
-            self._costs = self.plan.rank_costs()
-        return self._costs
+        return self.plan.rank_costs()
 
     @property
     def imbalance(self) -> float:

@@ -13,21 +13,15 @@ from .specs import Bucket, ParamSpec
 
 @dataclass(frozen=True)
 class Unit:
-    """One storage unit ([Note: storage units] in the engine's `_storage`): consecutive buckets
-    of one buffer, `names` its params in registration order, `index` its place in reduce order."""
+    """One storage unit: consecutive buckets of one buffer, `names` its params in registration
+    order, `index` its place in reduce order; `numel` elements, `shard_numel` of one shard."""
 
     index: int
     kind: str
     names: tuple[str, ...]
     buckets: tuple[Bucket, ...]
-
-    @property
-    def shard_numel(self) -> int:
-        return sum(b.shard_numel for b in self.buckets)
-
-    @property
-    def numel(self) -> int:
-        return self.buckets[-1].end - self.buckets[0].start
+    numel: int
+    shard_numel: int
 
 
 def storage_units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
@@ -44,4 +38,8 @@ def storage_units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
         for run, names in zip(runs, members, strict=True):
             found.append((buffer.kind, buffer.buckets[run.start : run.stop], tuple(names)))
     found.sort(key=lambda unit: -max(registered[n] for n in unit[2]))
-    return [Unit(i, kind, names, buckets) for i, (kind, buckets, names) in enumerate(found)]
+    units = []
+    for i, (kind, buckets, names) in enumerate(found):
+        numel = buckets[-1].end - buckets[0].start
+        units.append(Unit(i, kind, names, buckets, numel, sum(b.shard_numel for b in buckets)))
+    return units
