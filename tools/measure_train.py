@@ -13,8 +13,8 @@ the other sets in the file stay. `python tools/make_docs.py` renders the tables 
 - `rules`: the default job with each matrix rule (`--matrix-optimizer`) at its default learning
   rate, 3x below and 3x above it; Muon also with `--ns-algorithm gram`. (On a CPU without bf16
   GEMM units torch's standard bf16 iteration takes most of the step: 26 minutes a run there.)
-- `modes`: 100 steps in each DataParallel mode (sync, overlap, pipelined step, fully sharded,
-  the ping-pong baseline).
+- `modes`: 100 steps in each DataParallel mode (sync, overlap, pipelined step, fully sharded;
+  the seeds' baselines are `wholeshard bench`'s).
 
 Each run also leaves `measure_train.json` (its flags and output) in its directory; `--reuse`
 builds the records from runs already finished there instead of running them again.
@@ -59,16 +59,11 @@ SETS: dict[str, list[tuple[str, list[str]]]] = {
         ("rule_soap_lr1e-2", ["--matrix-optimizer", "soap", "--lr", "0.01"]),
     ],
     "modes": [
-        ("sync", MODES_FLAGS),
+        ("sync", [*MODES_FLAGS, "--no-overlap-grad-reduce"]),
         ("overlap", [*MODES_FLAGS, "--overlap"]),
         ("pipelined", [*MODES_FLAGS, "--overlap", "--pipelined-step"]),
         ("fully_sharded", [*MODES_FLAGS, "--reshard-after-forward"]),
         ("fully_sharded_overlap", [*MODES_FLAGS, "--overlap", "--reshard-after-forward"]),
-        ("ping_pong", [*MODES_FLAGS, "--scheme", "ping_pong"]),
-        (
-            "ping_pong_broadcast",
-            [*MODES_FLAGS, "--scheme", "ping_pong", "--param-sync", "broadcast"],
-        ),
     ],
 }
 SKIP_STEPS = 5

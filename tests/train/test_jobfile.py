@@ -14,16 +14,8 @@ from wholeshard import DataParallelConfig
 from wholeshard.cli import build_parser, main
 from wholeshard.cli.train import config_from_args
 from wholeshard.engine.config import ConfigError
-from wholeshard.train import jobfile
+from wholeshard.train import jobfile, sections
 from wholeshard.train.config import TrainConfig
-from wholeshard.train.sections import (
-    CheckpointConfig,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    OutputConfig,
-    ReliabilityConfig,
-)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -140,9 +132,9 @@ def test_flags_given_override_the_file_and_only_they(tmp_path: Path) -> None:
     )
     assert _config("--config", str(job)) == TrainConfig(
         seed=5,
-        data=DataConfig(batch_size=64, seq_len=64),
-        optim=OptimConfig(steps=40),
-        output=OutputConfig(progress=False),
+        data=sections.DataConfig(batch_size=64, seq_len=64),
+        optim=sections.OptimConfig(steps=40),
+        output=sections.OutputConfig(progress=False),
         parallel=DataParallelConfig(overlap_grad_reduce=False),
     )
     cfg = _config("--config", str(job), "--batch-size", "32", "--progress", "--overlap")
@@ -219,25 +211,27 @@ def test_what_no_key_holds_is_not_written() -> None:
         jobfile.dumps(TrainConfig(parallel=DataParallelConfig(mp_policy=MixedPrecisionPolicy())))
     assert exc.value.field == "parallel.mp_policy"
     with pytest.raises(ConfigError, match="TOML has no null") as exc:
-        jobfile.dumps(TrainConfig(checkpoint=CheckpointConfig(keep_last=None)))
+        jobfile.dumps(TrainConfig(checkpoint=sections.CheckpointConfig(keep_last=None)))
     assert exc.value.field == "checkpoint.keep_last"
 
 
 def test_strings_are_escaped_exactly() -> None:
     odd = 'a"b\\c\td\ne\x7ff\x00g\u00e9\U0001f600'
-    cfg = TrainConfig(data=DataConfig(path=odd), output=OutputConfig(out="x'y"))
+    cfg = TrainConfig(data=sections.DataConfig(path=odd), output=sections.OutputConfig(out="x'y"))
     assert jobfile.make_config(jobfile.loads(jobfile.dumps(cfg))) == cfg
 
 
 def test_the_example_job_file() -> None:
     assert jobfile.read(ROOT / "examples" / "train_tiny.toml") == TrainConfig(
-        model=ModelConfig(name="tiny", param_dtype="auto"),
-        data=DataConfig(batch_size=32, seq_len=128),
-        optim=OptimConfig(name="muon", steps=300, lr=0.01, schedule="cosine", clip_grad=1.0),
+        model=sections.ModelConfig(name="tiny", param_dtype="auto"),
+        data=sections.DataConfig(batch_size=32, seq_len=128),
+        optim=sections.OptimConfig(
+            name="muon", steps=300, lr=0.01, schedule="cosine", clip_grad=1.0
+        ),
         parallel=DataParallelConfig(overlap_grad_reduce=True, overlap_param_gather=True),
-        checkpoint=CheckpointConfig(every=100, keep_last=3, resume="auto"),
-        reliability=ReliabilityConfig(collective_timeout=300.0, max_restarts=2),
-        output=OutputConfig(out="runs/tiny", eval_every=50),
+        checkpoint=sections.CheckpointConfig(every=100, keep_last=3, resume="auto"),
+        reliability=sections.ReliabilityConfig(collective_timeout=300.0, max_restarts=2),
+        output=sections.OutputConfig(out="runs/tiny", eval_every=50),
     )
 
 

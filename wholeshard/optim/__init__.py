@@ -2,7 +2,7 @@
 matrix rules it steps (the skeleton `matrix_rule.MatrixRule`; by name: `rules`): `Muon`, torch's
 with a choice of Newton-Schulz schedule and algorithm (`gram_ns`), and `NorMuon`, with per-row
 second-moment normalisation; `BatchedMuon`, same-shape matrices orthogonalized together; `SOAP`
-(plan with `DataParallel(model, matrix_cost=SOAP.matrix_cost)`); `tensor_parallel`, Muon on
+(`LayerwiseOptimizer` lays the params out for its `matrix_cost`); `tensor_parallel`, Muon on
 DTensor matrices (`Muon(tp_mode=)`). `QKClip`: MuonClip's per-head clip inside the step;
 `split_qkv`, `split_heads`: row blocks stepped as separate matrices (`ns_split`); `pieces`: the
 contract checkpoints need (`OwnedPiece`, `Checkpointable`); `first_nonfinite`: the non-finite

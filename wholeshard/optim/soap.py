@@ -39,8 +39,8 @@ Where this departs from the reference, and why:
   be False, their defaults.
 
 A `MatrixRule`: `LayerwiseOptimizer(ddp, matrix=dict(...), matrix_optimizer=SOAP)` runs it
-distributed unchanged; plan with `DataParallel(model, matrix_cost=SOAP.matrix_cost)` so that the
-planner balances SOAP's work rather than Newton-Schulz's. A checkpoint reshards `exp_avg` and
+distributed unchanged, its construction laying the params out so that the planner balances
+SOAP's work (`matrix_cost`) rather than Newton-Schulz's. A checkpoint reshards `exp_avg` and
 `exp_avg_sq` with the param and saves `step`, `GG*` and `Q*` whole with their matrix.
 """
 
