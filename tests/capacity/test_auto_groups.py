@@ -1,16 +1,19 @@
 """`wholeshard.planning.auto`: the automatic shard-group size, from shapes alone.
 
 Issue 20's targets over the presets at dp 8-1024 (checked against `plan_exactly` itself, and
-every larger candidate shown to miss them), small runs left at k = dp, the planning time, and a
+every larger candidate shown to miss them), small runs left at k = dp, the planning time, a
 property test on random specs: the choice divides dp, its figures are its plan's, its plan is
-`plan_exactly`'s, and no larger candidate meets the targets.
+`plan_exactly`'s, and no larger candidate meets the targets; and the automatic strategy's
+choices and figures as docs/planning.md gives them.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -23,10 +26,12 @@ from wholeshard.capacity.choice import (
     optimizer_state,
     plan_and_choice,
 )
-from wholeshard.capacity.costs import owned, storage_units
+from wholeshard.capacity.costs import Mode, owned, plan_costs, storage_units
+from wholeshard.capacity.presets import PRESETS as ALL_PRESETS
 from wholeshard.capacity.presets import preset
-from wholeshard.capacity.projection import rank_ns_flops
-from wholeshard.planning import ParamSpec, Plan, plan_exactly
+from wholeshard.capacity.projection import project, rank_ns_flops
+from wholeshard.cli.plan import size
+from wholeshard.planning import ParamSpec, Plan, plan_exactly, plan_for
 from wholeshard.planning.auto import ladder
 from wholeshard.planning.routing import route_params
 from wholeshard.planning.specs import round_up
@@ -285,3 +290,55 @@ def test_choice_is_a_divisor_with_its_plans_figures(
             )
 
         assert all(overshoot(plan) <= overshoot(plans[k]) for k in choice.tried)
+
+
+PLANNING_MD = Path(__file__).resolve().parents[2] / "docs" / "planning.md"
+
+
+def documented_table(marker: str) -> list[list[str]]:
+    """The cells of the table under `<!-- {marker}: checked by ... -->` in docs/planning.md."""
+    text = PLANNING_MD.read_text()
+    assert f"<!-- {marker}: checked by tests/capacity/test_auto_groups.py -->" in text, marker
+    block = text.split(f"<!-- {marker}:")[1].split("\n\n")[0]
+    rows = [line for line in block.splitlines() if line.startswith("| ")][1:]  # below the head
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_documented_automatic_strategies_are_the_planners() -> None:
+    """docs/planning.md says which strategy `auto` takes for each preset at k = dp from 2 to 64
+    ranks (llama3-70b's owner buckets from dp 8, not "past a few dozen ranks"): the planner's."""
+    rows = documented_table("auto strategies")
+    assert sorted(r[0] for r in rows) == sorted(ALL_PRESETS)
+    for name, *strategies in rows:
+        specs = preset(name)
+        got = [plan_for(specs, dp).strategy for dp in (2, 4, 8, 16, 32, 64)]
+        assert got == strategies, name
+    pages = [PLANNING_MD, *PLANNING_MD.parent.glob("*.md"), PLANNING_MD.parents[1] / "README.md"]
+    for page in pages:  # the claim the table replaced
+        assert "few dozen ranks" not in re.sub(r"\s+", " ", page.read_text()), page
+
+
+def test_documented_figures_of_the_automatic_strategy_are_the_plans() -> None:
+    """The figures docs/planning.md gives for choosing owner buckets at dp 8 (bf16 params, fp32
+    grads, `nvlink4-ndr400`) are those of the plans `auto` weighs."""
+    rows = documented_table("auto figures")
+    assert {(r[0], r[1]) for r in rows} == {
+        (p, s) for p in ("llama3-70b", "qwen2.5-7b") for s in ("balanced", "owners")
+    }
+    for name, strategy, *cells in rows:
+        specs = preset(name)
+        used = sum(s.numel for s in specs)
+        plan = plan_exactly(specs, 8, bucket_size=bucket_size_for(used, 8, strategy),
+                            strategy=strategy)  # fmt: skip
+        assert plan_for(specs, 8).strategy == "owners"
+        zero = plan_costs(plan, specs, Mode(param_dtype="bfloat16"))
+        sharded = plan_costs(plan, specs, Mode(param_dtype="bfloat16", reshard_after_forward=True))
+        comm = project(zero, "nvlink4-ndr400", "h100").comm_s
+        assert cells == [
+            f"{largest_bucket(plan, specs) / 1e6:,.0f}M",
+            f"{len(zero.collectives):,}",
+            size(zero.bytes_sent),
+            f"{comm:.3f} s",
+            size(zero.persistent[zero.worst_rank]["total"]),
+            size(sharded.peak_transient),
+        ], (name, strategy)

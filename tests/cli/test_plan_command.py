@@ -1,5 +1,6 @@
-"""Tests for `wholeshard plan` (`wholeshard.cli.plan`): JSON fields and types, the table,
-the PNG, and clear errors with exit code 2 for bad shapes files."""
+"""Tests for `wholeshard plan` (`wholeshard.cli.plan`): JSON fields and types, the table (what
+a user decides on first, the detail after), the default dtypes, `--model hf:DIR`, the PNG, and
+clear errors with exit code 2 for bad shapes files and models."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from wholeshard.capacity.costs import OPS, Mode, plan_costs
 from wholeshard.capacity.presets import preset
 from wholeshard.capacity.projection import project
 from wholeshard.cli import plan as plan_tool
-from wholeshard.planning import default_bucket_size, plan_exactly
+from wholeshard.planning import default_bucket_size, plan_exactly, plan_for
 from wholeshard.planning.targets import bucket_size_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +73,7 @@ def test_json_has_every_field_with_its_type(
         "mode",
         "per_rank",
         "per_step",
+        "assumed_dtypes",
     }
     assert (doc["dp"], doc["shard_group_size"], doc["strategy"]) == (4, 2, "balanced")
     assert doc["bucket_size"] == 4096
@@ -104,7 +106,7 @@ def test_json_has_every_field_with_its_type(
     assert by_name["wte.weight"]["kind"] == "adamw" and by_name["h.0.fc.weight"]["kind"] == "matrix"
     assert doc["mode"] == {
         "reshard_after_forward": False,
-        "param_dtype": "float32",
+        "param_dtype": "bfloat16",
         "grad_reduce_dtype": "float32",
         "shard_group_size": 2,
         "overlap_grad_reduce": True,
@@ -118,7 +120,8 @@ def test_json_has_every_field_with_its_type(
     kinds = {"params", "grads", "masters", "optimizer_state", "master_grads", "total"}
     assert set(per_rank["persistent_bytes"]) == kinds
     assert all(isinstance(v, int) and v >= 0 for v in per_rank["persistent_bytes"].values())
-    assert per_rank["persistent_bytes"]["params"] == 4 * sum(b["numel"] for b in doc["buffers"])
+    assert per_rank["persistent_bytes"]["params"] == 2 * sum(b["numel"] for b in doc["buffers"])
+    assert doc["assumed_dtypes"] == {"param_dtype": "bfloat16", "grad_reduce_dtype": "float32"}
     assert per_rank["peak_transient_bytes"] == per_rank["transient_unit_bytes"] == 0
     assert set(per_step) == {"collectives", "bytes_sent", "bytes_sent_by_op"}
     assert set(per_step["collectives"]) <= set(OPS) and isinstance(per_step["bytes_sent"], int)
@@ -136,14 +139,15 @@ def test_json_has_every_field_with_its_type(
 @pytest.mark.parametrize(
     "flags, mode",
     [
-        ([], Mode()),
+        ([], Mode(param_dtype="bfloat16")),
+        (["--param-dtype", "float32"], Mode()),
         (
             ["--reshard-after-forward", "--param-dtype", "bfloat16", "--overlap-grad-reduce"],
             Mode(reshard_after_forward=True, param_dtype="bfloat16", overlap_grad_reduce=True),
         ),
         (
             ["--grad-reduce-dtype", "bfloat16", "--overlap-param-gather"],
-            Mode(grad_reduce_dtype="bfloat16", overlap_param_gather=True),
+            Mode(param_dtype="bfloat16", grad_reduce_dtype="bfloat16", overlap_param_gather=True),
         ),
     ],
 )
@@ -176,21 +180,166 @@ def test_json_costs_are_the_plans_in_the_mode_the_flags_name(
         assert doc["per_rank"]["peak_transient_bytes"] >= doc["per_rank"]["transient_unit_bytes"]
 
 
+def lead(out: str) -> str:
+    """The table's lines before the plan's detail, unwrapped: one line per label."""
+    head = out.split("\nplan ")[0]
+    return re.sub(r"\n {19}", " ", head)
+
+
 def test_table_tells_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--preset", "gpt2-small", "--dp", "8", "--reshard-after-forward"]
-    code, out, _ = run([*argv, "--param-dtype", "bfloat16"], capsys)
+    code, out, _ = run([*argv, "--grad-reduce-dtype", "float32"], capsys)
     assert code == 0
     specs = preset("gpt2-small")
     plan = plan_exactly(specs, 8, bucket_size=default_bucket_size(sum(s.numel for s in specs), 8))
     costs = plan_costs(plan, specs, Mode(reshard_after_forward=True, param_dtype="bfloat16"))
     mine = costs.persistent[costs.worst_rank]
-    assert "mode: fully sharded, params bfloat16, grads reduced in float32" in out
-    assert f"params {plan_tool.size(mine['params'])}, grads {plan_tool.size(mine['grads'])}" in out
-    assert f"peak transient {plan_tool.size(costs.peak_transient)}" in out
+    text = lead(out)
+    assert (
+        "fully sharded, each rank keeps its shards; params bfloat16, grads reduced in "
+        "float32 (the default: --param-dtype bfloat16)" in text
+    )
+    assert f"memory per rank    {plan_tool.size(mine['total'])} between steps" in text
+    assert f"params {plan_tool.size(mine['params'])}, grads {plan_tool.size(mine['grads'])}" in text
+    assert f"up to {plan_tool.size(costs.peak_transient)} of gathered buckets" in text
     counts = costs.counts()
-    assert f"per step: {sum(counts.values())} collectives (" in out
-    assert f"{counts['all_gather']} all_gather" in out
-    assert f"{plan_tool.size(costs.bytes_sent)} sent per rank" in out
+    assert f"in {sum(counts.values())} collectives (" in text
+    assert f"{counts['all_gather']} all_gather" in text
+    assert f"traffic per step   {plan_tool.size(costs.bytes_sent)} sent per rank" in text
+
+
+def test_the_table_leads_with_what_a_user_decides_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """The model and its ranks, then the mode, memory per rank, step time (here: how to project
+    it) and traffic; the plan's detail (strategy and why, buckets, padding, Newton-Schulz) and
+    the bucket tables after them."""
+    code, out, _ = run(["--preset", "llama3-8b", "--dp", "8"], capsys)
+    assert code == 0
+    labels = [line.split("  ")[0] for line in out.splitlines() if line[:1] not in ("", " ")]
+    assert labels[:11] == [
+        "llama3-8b: 8.03B params (291 tensors) on 8 ranks, one shard group",
+        "mode",
+        "memory per rank",
+        "step time",
+        "traffic per step",
+        "plan",
+        "shard groups",
+        "buckets",
+        "padding",
+        "Newton-Schulz",
+        "planned in",
+    ]
+    assert labels[11].startswith("buffer 0 (matrix, whole tensors)")
+    assert "not projected: name the network with --fabric (nvlink3-hdr200," in lead(out)
+    specs = preset("llama3-8b")
+    costs = plan_costs(plan_for(specs, 8), specs, Mode(param_dtype="bfloat16"))
+    mine = costs.persistent[costs.worst_rank]
+    assert f"memory per rank    {plan_tool.size(mine['total'])} between steps" in lead(out)
+
+
+def test_buckets_line_gives_the_sizes_the_plan_has(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bucket size is where a bucket closes, not a floor: llama3-8b's norms sit in
+    element-wise buckets of a layer each, far below its 40M-element bucket size."""
+    code, out, _ = run(["--preset", "llama3-8b", "--dp", "8"], capsys)
+    assert code == 0
+    plan = plan_for(preset("llama3-8b"), 8)
+    text = re.sub(r"\s+", " ", out)
+    for b in plan.buffers:
+        sizes = [c.numel for c in b.buckets]
+        assert f"{len(sizes)} {b.kind} buckets of {min(sizes):,} to {max(sizes):,} elements" in text
+    assert f"bucket size {plan.bucket_size:,}: a bucket closes once it holds about" in text
+    assert min(c.numel for b in plan.buffers for c in b.buckets) < plan.bucket_size
+    assert ">=" not in out
+
+
+@pytest.mark.parametrize(
+    "flags, assumed",
+    [
+        ([], {"param_dtype": "bfloat16", "grad_reduce_dtype": "float32"}),
+        (["--param-dtype", "float32"], {"grad_reduce_dtype": "float32"}),
+        (["--param-dtype", "bfloat16", "--grad-reduce-dtype", "bfloat16"], {}),
+    ],
+)
+def test_dtypes_default_as_users_train_and_the_json_says_what_it_assumed(
+    capsys: pytest.CaptureFixture[str], flags: list[str], assumed: dict[str, str]
+) -> None:
+    """bf16 params and grads reduced in fp32 (the train job's), unless the flags say; the JSON's
+    `assumed_dtypes` lists the dtypes no flag named, and the table says them."""
+    argv = ["--preset", "gpt2-small", "--dp", "4", *flags]
+    code, out, _ = run([*argv, "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["assumed_dtypes"] == assumed
+    named = dict(zip(flags[::2], flags[1::2], strict=True))
+    for field, default in (("param_dtype", "bfloat16"), ("grad_reduce_dtype", "float32")):
+        assert doc["mode"][field] == named.get(f"--{field.replace('_', '-')}", default)
+    numel = sum(b["numel"] for b in doc["buffers"])
+    element = {"bfloat16": 2, "float32": 4}[doc["mode"]["param_dtype"]]
+    assert doc["per_rank"]["persistent_bytes"]["params"] == element * numel
+    code, out, _ = run(argv, capsys)
+    mode = lead(out).splitlines()[2]
+    for field, dtype in assumed.items():
+        assert f"--{field.replace('_', '-')} {dtype}" in mode
+    assert ("the default" in mode) == bool(assumed)
+
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 tie_word_embeddings=False)  # fmt: skip
+"""Llama 3 8B's published config, the fields that shape its params."""
+
+
+def test_model_hf_dir_plans_what_the_preset_does_as_docs_show(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--model hf:DIR` builds the causal LM of DIR/config.json on the meta device and routes it:
+    Llama 3 8B's config gives exactly the `llama3-8b` preset's plan and costs, and the table
+    and figures of docs/planning.md's worked example."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    transformers.LlamaConfig(**LLAMA3_8B).save_pretrained("llama3-8b")
+    argv = ["--dp", "16", "--reshard-after-forward", "--json"]
+    code, out, err = run(["--model", "hf:llama3-8b", *argv], capsys)
+    assert code == 0, err
+    got = json.loads(out)
+    code, out, _ = run(["--preset", "llama3-8b", *argv], capsys)
+    want = json.loads(out)
+    assert got.pop("plan_seconds") >= 0 and want.pop("plan_seconds") >= 0
+    assert got == want
+    docs = (REPO / "docs" / "planning.md").read_text()
+    command = ["--model", "hf:llama3-8b", "--dp", "16", "--fabric", "nvlink4-ndr400"]
+    assert f"wholeshard plan {' '.join(command)}\n" in docs
+    code, out, _ = run(command, capsys)
+    marker = "<!-- plan example: checked by tests/cli/test_plan_command.py -->\n```text\n"
+    assert code == 0 and out.startswith(docs.split(marker)[1].split("```")[0])
+    total, peak = (
+        got["per_rank"]["persistent_bytes"]["total"],
+        got["per_rank"]["peak_transient_bytes"],
+    )
+    reading = f"{plan_tool.size(total)} a rank between steps, plus up to {plan_tool.size(peak)} of"
+    assert reading in re.sub(r"\s+", " ", docs)
+
+
+@pytest.mark.parametrize("what", ["no config", "not a causal LM", "nothing for Muon"])
+def test_a_model_that_cannot_be_planned_exits_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    if what == "not a causal LM":
+        transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64).save_pretrained(tmp_path)  # fmt: skip
+    elif what == "nothing for Muon":  # no layers: embedding, norm and head only
+        config = dict(LLAMA3_8B, num_hidden_layers=0, hidden_size=64, vocab_size=100)
+        transformers.LlamaConfig(**config).save_pretrained(tmp_path)
+    code, out, err = run(["--model", f"hf:{tmp_path}", "--dp", "2"], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"wholeshard plan: error: --model hf:{tmp_path}: ")
+    assert err.count("\n") == 1
+    expected = {
+        "no config": "no config.json in",
+        "not a causal LM": "transformers cannot build a causal LM from its config",
+        "nothing for Muon": "Muon",
+    }
+    assert expected[what] in err
 
 
 def test_fabric_adds_a_projection(capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,10 +350,11 @@ def test_fabric_adds_a_projection(capsys: pytest.CaptureFixture[str]) -> None:
     specs = preset("llama3-8b")
     plan = plan_exactly(specs, 16, bucket_size=default_bucket_size(sum(s.numel for s in specs), 16),
                         shard_group_size=8)  # fmt: skip
-    expected = project(plan_costs(plan, specs, Mode()), "nvlink4-ndr400", "h200")
+    expected = project(plan_costs(plan, specs, Mode(param_dtype="bfloat16")), "nvlink4-ndr400",
+                       "h200")  # fmt: skip
     assert json.loads(out)["projection"] == expected.as_dict()
     code, out, _ = run([*argv, *flags], capsys)
-    assert code == 0 and expected.describe() in out
+    assert code == 0 and f"step time          {expected.describe()}" in lead(out)
 
 
 def test_sizes_read_in_binary_units() -> None:
@@ -238,9 +388,9 @@ def test_table_lists_every_bucket(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and err == ""
     plan = plan_exactly(preset("llama3-8b"), 64, bucket_size=40_000_000, shard_group_size=8)
     assert "8 shard group(s) of 8 ranks" in out
-    assert f"padding {plan.padding_fraction:.3%}" in out
+    assert f"\npadding            {plan.padding_fraction:.3%}" in out
     assert f"imbalance {plan.ns_cost_imbalance:.3f}" in out
-    rows = [line for line in out.splitlines() if line.startswith("  ") and "%" in line]
+    rows = [line for line in out.splitlines() if re.match(r"^ +\d+ +[\d,]+ +[\d,]+ ", line)]
     assert len(rows) == sum(len(b.buckets) for b in plan.buffers)
     assert "lm_head.weight (128256x4096)" in out
     assert "buffer 1 (adamw, element-wise)" in out
@@ -355,15 +505,16 @@ def test_auto_shard_groups_say_which_and_why(capsys: pytest.CaptureFixture[str])
     assert {b["collectives"] for b in got} == {"reduce/broadcast"}
     assert got[0]["owner_starts"] == [list(e) for e in want.buffers[0].buckets[0].owner_starts]
     code, out, _ = run(argv[:-1], capsys)
-    assert code == 0 and out.startswith("plan (auto): k=128 of dp 256: strategy owners")
+    assert code == 0 and "\nplan               strategy owners: owner buckets" in out
+    assert "chosen automatically: k=128 of dp 256: strategy owners" in re.sub(r"\s+", " ", out)
     assert "reduce/broadcast" in out
 
 
-def test_owner_buckets_replace_equal_shards_past_a_few_dozen_ranks(
+def test_owner_buckets_replace_equal_shards_where_a_bucket_would_pass_the_bound(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The automatic strategy at k = dp: equal shards at dp 8, owner buckets at dp 64, where
-    equal shards would make one bucket of most of the model."""
+    """The automatic strategy at k = dp: for llama3-8b equal shards at dp 8, owner buckets at
+    dp 64, where equal shards would make one bucket of most of the model."""
     code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--shard-group-size", "8", "--json"],
                        capsys)  # fmt: skip
     small = json.loads(out)
@@ -399,6 +550,9 @@ def test_owner_buckets_replace_equal_shards_past_a_few_dozen_ranks(
         ["--preset", "gpt2-small", "--dp", "4", "--grad-reduce-dtype", "bf16x"],
         ["--preset", "gpt2-small", "--dp", "4", "--fabric", "carrier-pigeon"],
         ["--preset", "gpt2-small", "--dp", "4", "--fabric", "pcie4-eth100", "--gpu", "tpu"],
+        ["--model", "llama3-8b", "--dp", "4"],  # not hf:DIR
+        ["--model", "hf:", "--dp", "4"],
+        ["--model", "hf:x", "--preset", "gpt2-small", "--dp", "4"],
     ],
 )
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -460,6 +614,7 @@ def test_tp_plans_each_ranks_slices_and_reports_newton_schulz_traffic(
     specs = preset("llama3-8b")
     assert ns_traffic(specs, 1, "duplicated") == 0 and local_specs(specs, 1) == specs
     code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "2"], capsys)
-    assert "Newton-Schulz sends duplicated 6.50 GiB, distributed 70.00 GiB per rank" in out
+    assert "Newton-Schulz sends duplicated 6.50 GiB, distributed 70.00 GiB per rank" in lead(out)
+    assert out.startswith("llama3-8b (one tp rank's slices of 2): 4.54B params")
     code, _, err = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "3"], capsys)
     assert code == 2 and "does not split evenly over tp=3" in err

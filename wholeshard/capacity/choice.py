@@ -1,4 +1,4 @@
-"""The report of an automatic choice (`wholeshard plan`'s "plan (auto)" line and its JSON
+"""The report of an automatic choice (the reason on `wholeshard plan`'s `plan` line and its JSON
 `shard_group_choice`): built from the record `planning.auto.decide` returns, after deciding, so
 `DataParallel`, which calls only the decision, never computes it.
 

@@ -118,12 +118,12 @@ class Projection:
         return {"fabric": self.fabric, "gpu": self.gpu} | {t: getattr(self, t) for t in terms}
 
     def describe(self) -> str:
-        """One line for `wholeshard plan`'s table."""
+        """One line for `wholeshard plan`'s table: the sum first, then its terms."""
         return (
-            f"projected on {self.fabric} with {self.gpu}: communication {self.comm_s:.3g} s + "
-            f"Newton-Schulz {self.newton_schulz_s:.3g} s + element-wise {self.elementwise_s:.3g} "
-            f"s = {self.step_s:.3g} s per step, each at peak, nothing overlapped, forward and "
-            "backward left out"
+            f"{self.step_s:.3g} s per step beyond forward and backward (communication "
+            f"{self.comm_s:.3g} s + Newton-Schulz {self.newton_schulz_s:.3g} s + element-wise "
+            f"{self.elementwise_s:.3g} s), projected on {self.fabric} with {self.gpu}: each term "
+            "at peak, nothing overlapped"
         )
 
 

@@ -5,13 +5,15 @@
 in registration order. `matrix` is required: a file states each param's route, as
 `routing.route_params` would decide it on the model; nothing guesses it from the name. `tied` is
 optional (false). `load_shapes` raises `ShapesError` naming the file, the entry and what is
-wrong (for a missing `matrix`, what to write).
+wrong (for a missing `matrix`, what to write). `write_shapes` writes specs as a file
+`load_shapes` reads back equal (from a module: `model_shapes.module_specs`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from ..planning.plan import shape_problem
@@ -67,6 +69,19 @@ def load_shapes(path: str) -> list[ParamSpec]:
             f'together, more than {MAX_MATRICES:,}; route some to AdamW with "matrix": false'
         )
     return specs
+
+
+def write_shapes(path: str, specs: Sequence[ParamSpec]) -> None:
+    """Write `specs` (registration order) to `path` as a shapes file, one param a line, that
+    `load_shapes` reads back equal."""
+    entries = [
+        {"name": s.name, "shape": list(s.shape), "matrix": s.matrix}
+        | ({"tied": True} if s.tied else {})
+        for s in specs
+    ]
+    lines = ",\n".join(f"  {json.dumps(e)}" for e in entries)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f'{{"params": [\n{lines}\n]}}\n')
 
 
 def _spec(path: str, i: int, entry: Any) -> ParamSpec:

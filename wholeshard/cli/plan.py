@@ -1,9 +1,11 @@
 """`wholeshard plan`: plan the buffers of a model given by shapes alone (a shapes file,
-`capacity.shapes`, or a preset), and show the plan and what it costs each rank in the mode the
-flags name (`capacity.costs`): persistent bytes by kind, the peak of transient full buckets, one
-step's collectives and bytes sent; with `--fabric`, a projection of the step's communication and
-optimizer time (`capacity.projection`). Exit codes: 0 planned, 2 bad input (argparse errors, an
-unreadable or malformed shapes file, a model no torch process could hold, a model no plan can
+`capacity.shapes`, a preset, or a transformers model directory, `capacity.model_shapes`), and
+show what the plan costs each rank in the mode the flags name (`capacity.costs`; by default as
+users train: bf16 params, grads reduced in fp32): persistent bytes by kind, the peak of
+transient full buckets, one step's collectives and bytes sent; with `--fabric`, a projection of
+the step's communication and optimizer time (`capacity.projection`); then the plan itself
+(`plan_text`, or `--json`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
+or malformed shapes file or model, a model no torch process could hold, a model no plan can
 serve).
 """
 
@@ -17,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..capacity.choice import ShardGroupChoice, plan_and_choice
-from ..capacity.costs import Costs, Mode, fully_sharded, plan_costs
+from ..capacity.costs import Costs, Mode, plan_costs
+from ..capacity.model_shapes import HF_DIR, ModelError, model_specs
 from ..capacity.presets import PRESETS
 from ..capacity.projection import FABRICS, GPUS, project
 from ..capacity.shapes import load_shapes
@@ -25,11 +28,17 @@ from ..capacity.tp_traffic import TP_MODES, local_specs, ns_traffic
 from ..planning import DEFAULT_STRATEGY, STRATEGIES, Bucket, ParamSpec, Plan
 from ..planning.specs import matrices
 from . import positive_int
+from .plan_text import collectives_of, costs_lines, plan_table, size
+
+__all__ = ["add_parser", "collectives_of", "costs_lines", "main", "plan_json", "plan_table", "size"]
 
 MAX_DP = 1 << 20
 """Largest `--dp`: beyond any cluster, and the plan keeps per-rank tables."""
 DTYPES = ("float32", "bfloat16", "float16")
 """The choices of `--param-dtype` and `--grad-reduce-dtype`."""
+DEFAULT_DTYPES = {"param_dtype": "bfloat16", "grad_reduce_dtype": "float32"}
+"""The dtypes assumed where the flags name none: as users train (the train job's bf16 params,
+grads reduced in fp32); `--json`'s `assumed_dtypes` lists those it assumed."""
 MODE_FIELDS = ("reshard_after_forward", "param_dtype", "grad_reduce_dtype", "overlap_grad_reduce",
                "overlap_param_gather", "param_sync", "clip_grad_norm")  # fmt: skip
 """The `Mode` fields the JSON's `mode` echoes (with the plan's `shard_group_size`)."""
@@ -98,11 +107,6 @@ def plan_json(
     }
 
 
-def collectives_of(bucket: Bucket) -> str:
-    """The collectives that sync `bucket` ([Note: owner buckets] in `planning.specs`)."""
-    return "reduce/broadcast" if bucket.owners else "reduce_scatter/all_gather"
-
-
 def bucket_json(bucket: Bucket) -> dict[str, Any]:
     """One bucket of the `--json` document: its range, its shards, and its collectives."""
     out = {"start": bucket.start, "end": bucket.end, "shard_numel": bucket.shard_numel}
@@ -120,83 +124,6 @@ def choice_json(choice: ShardGroupChoice) -> dict[str, Any]:
     return {**out, "strategy": choice.plan.strategy}
 
 
-def size(n: int) -> str:
-    """`n` bytes in binary units (`1.50 GiB`)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.2f} TiB"
-
-
-def costs_lines(costs: Costs) -> list[str]:
-    """The table's lines on memory and traffic ([Note: plan costs])."""
-    mode, k, worst = costs.mode, costs.plan.shard_group_size, costs.worst_rank
-    mine = costs.persistent[worst]
-    sharded = "fully sharded" if fully_sharded(costs.plan, mode) else "ZeRO-1/2"
-    flags = (("grad reduce", mode.overlap_grad_reduce), ("param gather", mode.overlap_param_gather))
-    overlap = [what for what, on in flags if on]
-    counts = ", ".join(f"{n} {op}" for op, n in costs.counts().items()) or "none"
-    return [
-        f"mode: {sharded}, params {mode.param_dtype}, grads reduced in "
-        f"{mode.grad_reduce_dtype}, overlapped: {' and '.join(overlap) or 'nothing'}",
-        f"per rank (shard rank {worst} of {k}, the most): params {size(mine['params'])}, grads "
-        f"{size(mine['grads'])}, masters {size(mine['masters'])}, optimizer state "
-        f"{size(mine['optimizer_state'])}, master grads {size(mine['master_grads'])}; total "
-        f"{size(mine['total'])} (least {size(min(p['total'] for p in costs.persistent))}); "
-        f"peak transient {size(costs.peak_transient)} (largest bucket "
-        f"{size(costs.transient_unit)})",
-        f"per step: {len(costs.collectives)} collectives ({counts}), {size(costs.bytes_sent)} "
-        "sent per rank (ring model)",
-    ]
-
-
-def plan_table(plan: Plan, seconds: float, source: str, costs: Costs | None = None) -> str:
-    """A readable summary (with `costs`, memory and traffic too) and one line per bucket of
-    every buffer."""
-    k, dp = plan.shard_group_size, plan.dp_size
-    n_params = sum(len(b.placements) for b in plan.buffers)
-    used = sum(b.used for b in plan.buffers)
-    ns = plan.rank_costs()
-    lines = [
-        f"{source}: {n_params:,} params, {used:,} elements; dp {dp} = {dp // k} shard group(s) "
-        f"of {k} ranks; strategy {plan.strategy}; buckets of >= {plan.bucket_size:,} elements; "
-        f"planned in {seconds:.3f} s",
-        f"padding {plan.padding_fraction:.3%} ({plan.numel - used:,} of {plan.numel:,} "
-        f"elements); Newton-Schulz cost per rank min/mean/max {min(ns):.3g} / "
-        f"{sum(ns) / k:.3g} / {max(ns):.3g}, imbalance {plan.ns_cost_imbalance:.3f}",
-        *(costs_lines(costs) if costs is not None else []),
-    ]
-    header = (
-        f"  {'bucket':>6} {'start':>17} {'end':>17} {'shards':>15} {'params':>7} "
-        f"{'padding':>8}  {'collectives':<26} largest param"
-    )
-    for index, buffer in enumerate(plan.buffers):
-        lines += [
-            "",
-            f"buffer {index} ({buffer.kind}, {buffer.sharding}): {buffer.numel:,} elements in "
-            f"{len(buffer.buckets)} bucket(s)",
-            header,
-        ]
-        members: list[list[Any]] = [[0, 0, None] for _ in buffer.buckets]  # count, used, widest
-        for p in buffer.placements:
-            for i in buffer.buckets_of(p):  # a stack may spread over several buckets
-                b, m = buffer.buckets[i], members[i]
-                m[0] += 1
-                m[1] += min(p.end, b.end) - max(p.start, b.start)
-                if m[2] is None or p.numel > m[2].numel:
-                    m[2] = p
-        for b, (count, bucket_used, widest) in zip(buffer.buckets, members, strict=True):
-            shape = "x".join(map(str, widest.shape)) or "scalar"
-            shards = f"{len(b.owner_starts)} owners" if b.owners else f"{b.shard_numel:,}"
-            lines.append(
-                f"  {b.index:>6} {b.start:>17,} {b.end:>17,} {shards:>15} {count:>7} "
-                f"{1 - bucket_used / b.numel:>8.2%}  {collectives_of(b):<26} {widest.name} "
-                f"({shape})"
-            )
-    return "\n".join(lines)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `wholeshard plan`."""
     source = parser.add_mutually_exclusive_group(required=True)
@@ -206,6 +133,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='{"params": [{"name", "shape", "matrix", optional "tied"}, ...]}, registration order',
     )
     source.add_argument("--preset", choices=sorted(PRESETS), help="a published model's shapes")
+    source.add_argument(
+        "--model",
+        type=_model,
+        metavar="hf:DIR",
+        help="a local transformers model directory: its causal LM built from config.json on the "
+        "meta device (no weights read, nothing downloaded; needs transformers)",
+    )
     parser.add_argument(
         "--dp", type=positive_int(MAX_DP), required=True, metavar="N", help="data-parallel ranks"
     )
@@ -213,9 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bucket-size",
         type=positive_int(),
         metavar="N",
-        help="elements per bucket, at least (default: what DataParallel takes, "
-        "default_bucket_size: about 1/8 of the params, at least 65,536, at most "
-        "max(40M, 1M x dp))",
+        help="elements at which a bucket closes (an element-wise one also where a layer ends; "
+        "default: what DataParallel takes, default_bucket_size: about 1/8 of the params, at "
+        "least 65,536, at most max(40M, 1M x dp))",
     )
     parser.add_argument(
         "--strategy",
@@ -236,10 +170,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fully sharded: between steps each rank keeps only its shards (the costs' mode)",
     )
-    for flag, what in (("--param-dtype", "the params in the buffers"),
-                       ("--grad-reduce-dtype", "gradients accumulated and reduced")):  # fmt: skip
+    for field, what in (("param_dtype", "the params in the buffers, fp32 masters unless float32"),
+                        ("grad_reduce_dtype", "gradients accumulated and reduced")):  # fmt: skip
+        default = DEFAULT_DTYPES[field]
         parser.add_argument(
-            flag, choices=DTYPES, default="float32", help=f"dtype of {what} (default float32)"
+            f"--{field.replace('_', '-')}",
+            choices=DTYPES,
+            help=f"dtype of {what} (default {default}, as the train job)",
         )
     parser.add_argument(
         "--overlap-grad-reduce",
@@ -273,6 +210,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _specs(args: argparse.Namespace) -> tuple[list[ParamSpec], str]:
+    """The specs the source flag names, and its name for the table."""
+    if args.shapes is not None:
+        return load_shapes(args.shapes), args.shapes
+    if args.model is not None:
+        try:
+            return model_specs(args.model), args.model
+        except ModelError as e:  # names the model
+            raise ValueError(f"--model {e}") from None
+        except ValueError as e:  # routing: nothing for Muon (its table of routes left out)
+            raise ValueError(f"--model {args.model}: {str(e).splitlines()[0]}") from None
+    return PRESETS[args.preset](), args.preset
+
+
+def _model(text: str) -> str:
+    if not text.startswith(HF_DIR) or text == HF_DIR:
+        raise argparse.ArgumentTypeError(
+            f"expected hf:DIR, a transformers model directory, got {text!r}"
+        )
+    return text
+
+
 def _group_size(text: str) -> int | str:
     if text == "auto":
         return text
@@ -288,11 +247,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `wholeshard plan` on the `wholeshard` subcommand parsers."""
     parser = subparsers.add_parser(
         "plan",
-        help="plan the buffers of a model given by shapes, and show the plan",
+        help="plan the buffers of a model given by shapes, and show what each rank holds",
         description="Plan whole-tensor (Muon) and element-wise (AdamW) buffers for a model "
-        "given by a shapes file or a preset, without building it, and report padding, "
-        "Newton-Schulz cost balance, every param's placement, and what the plan costs each "
-        "rank in the mode the flags name: memory by kind and one step's collectives.",
+        "given by a shapes file, a preset or a transformers model directory, without "
+        "allocating it, and report what the plan costs each rank in the mode the flags name "
+        "(memory by kind, one step's collectives and bytes sent, with --fabric a projected step "
+        "time), then padding, Newton-Schulz cost balance and every bucket.",
     )
     add_arguments(parser)
     parser.set_defaults(run=main)
@@ -301,11 +261,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Run `wholeshard plan` with parsed `args`; return the exit code."""
+    assumed = {f: d for f, d in DEFAULT_DTYPES.items() if getattr(args, f) is None}
+    dtypes = {f: getattr(args, f) or d for f, d in DEFAULT_DTYPES.items()}
     try:
-        if args.shapes is not None:
-            specs, source = load_shapes(args.shapes), args.shapes
-        else:
-            specs, source = PRESETS[args.preset](), args.preset
+        specs, source = _specs(args)
         traffic = {m: ns_traffic(specs, args.tp, m) for m in TP_MODES} if args.tp > 1 else None
         specs = local_specs(specs, args.tp)  # [Note: tensor-parallel shapes]
         start = time.perf_counter()
@@ -319,18 +278,17 @@ def main(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - start
         mode = Mode(
             reshard_after_forward=args.reshard_after_forward,
-            param_dtype=args.param_dtype,
-            grad_reduce_dtype=args.grad_reduce_dtype,
             overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather,
+            **dtypes,
         )
         costs = plan_costs(plan, specs, mode)
         projected = None if args.fabric is None else project(costs, args.fabric, args.gpu)
-    except ValueError as e:  # ShapesError, or inputs no plan can serve
+    except ValueError as e:  # ShapesError, ModelError, or inputs no plan can serve
         print(f"wholeshard plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        doc = plan_json(plan, specs, seconds, costs)
+        doc = plan_json(plan, specs, seconds, costs) | {"assumed_dtypes": assumed}
         if choice is not None:
             doc["shard_group_choice"] = choice_json(choice)
         if projected is not None:
@@ -339,17 +297,18 @@ def main(args: argparse.Namespace) -> int:
             doc["tensor_parallel"] = {"tp": args.tp} | {f"{m}_bytes": b for m, b in traffic.items()}
         sys.stdout.write(json.dumps(doc, allow_nan=False) + "\n")
     else:
-        if choice is not None:
-            print(f"plan (auto): {choice.reason}\n")
-        print(plan_table(plan, seconds, source, costs))
-        if projected is not None:
-            print(projected.describe())
+        tp_sent = None
         if traffic is not None:
             sent = ", ".join(f"{m} {size(b)}" for m, b in traffic.items())
-            print(
-                f"\ntp {args.tp} (each rank's slices planned): Muon's Newton-Schulz sends {sent} "
-                f"per rank per step, beyond the data-parallel collectives"
+            tp_sent = (
+                f"tp {args.tp} (each rank's slices planned): Muon's Newton-Schulz sends {sent} "
+                "per rank per step, beyond the data-parallel collectives"
             )
+        flags = [f"--{f.replace('_', '-')} {d}" for f, d in assumed.items()]
+        if args.tp > 1:
+            source += f" (one tp rank's slices of {args.tp})"
+        print(plan_table(plan, seconds, source, costs, choice=choice, projected=projected,
+                         assumed=flags, tp_sent=tp_sent))  # fmt: skip
     if args.png is not None:
         try:
             from .plan_picture import draw_png

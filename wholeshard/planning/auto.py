@@ -8,8 +8,11 @@ returns the record (`Search`) from which `wholeshard.capacity.choice` builds the
 and all-gather each bucket in one collective, and keeps them if they meet every target ([Note:
 plan targets] in `targets`); otherwise it plans owner buckets ([Note: owners strategy] in
 `_owners`), reduced to and broadcast from each owner, and keeps whichever overshoots less
-(balanced on a tie). Past a few dozen ranks equal shards cannot hold the bucket bound (a bucket
-holds k times its widest matrix) and owner buckets take over; on small runs nothing changes.
+(balanced on a tie). A bucket of equal shards holds k times its widest matrix, so once that
+passes the bucket bound (two layers, for real models) owner buckets take over: at 8 ranks for
+llama3-70b, 16 for llama3-8b, 64 for moe-256x (docs/planning.md's table). They cost latency
+only (more collectives; the same bytes and memory) and bound the bucket, so the reduction
+starts sooner and the fully sharded peak shrinks; on small runs nothing changes.
 A candidate a cheap bound shows must miss (k x the widest matrix over the bucket limit, or the
 padding that forces) is passed over unplanned.
 
