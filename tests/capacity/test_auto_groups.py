@@ -30,7 +30,7 @@ from wholeshard.capacity.costs import Mode, owned, plan_costs, storage_units
 from wholeshard.capacity.presets import PRESETS as ALL_PRESETS
 from wholeshard.capacity.presets import preset
 from wholeshard.capacity.projection import project, rank_ns_flops
-from wholeshard.cli.plan import size
+from wholeshard.cli.plan_text import size
 from wholeshard.planning import ParamSpec, Plan, plan_exactly, plan_for
 from wholeshard.planning.auto import ladder
 from wholeshard.planning.routing import route_params

@@ -28,9 +28,9 @@ from ..capacity.tp_traffic import TP_MODES, local_specs, ns_traffic
 from ..planning import DEFAULT_STRATEGY, STRATEGIES, Bucket, ParamSpec, Plan
 from ..planning.specs import matrices
 from . import positive_int
-from .plan_text import collectives_of, costs_lines, plan_table, size
+from .plan_text import collectives_of, plan_table, size
 
-__all__ = ["add_parser", "collectives_of", "costs_lines", "main", "plan_json", "plan_table", "size"]
+__all__ = ["add_parser", "main", "plan_json"]
 
 MAX_DP = 1 << 20
 """Largest `--dp`: beyond any cluster, and the plan keeps per-rank tables."""
