@@ -176,11 +176,10 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
     from ..train import extras, outputs
 
     parser: argparse.ArgumentParser = args.parser
-    if cfg.data.batch_size % world:
-        parser.error(
-            f"{_source(args, 'data.batch_size')}: {cfg.data.batch_size} sequences do not split "
-            f"evenly across {world} processes; use a multiple of {world}"
-        )
+    try:
+        cfg.data_parallel_size(world)
+    except ConfigError as e:
+        parser.error(f"{_source(args, e.field)}: {e}")
     _check_model(parser, cfg, _source(args, "model.name"))
     if cfg.data.path is not None:
         _check_data(parser, cfg, _source(args, "data.path"))
