@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import interrupt
+
 DTYPES = ("bfloat16", "float16", "float32")
 FORMATS = ("safetensors", "hf")
 
@@ -63,13 +65,16 @@ def main(args: argparse.Namespace) -> int:
     # OSError: an unreadable file, an unwritable `out`; ImportError: no transformers;
     # ValueError: a bad --max-shard-size, a dtype safetensors cannot hold
     try:
-        if args.format == "hf":
-            kw = {} if args.max_shard_size is None else {"max_shard_size": args.max_shard_size}
-            out = export_hf(args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite, **kw)
-        else:
-            tensors = export_checkpoint(
-                args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite
-            )
+        with interrupt.raises():  # each export removes its partial output on the way out
+            if args.format == "hf":
+                kw = {} if args.max_shard_size is None else {"max_shard_size": args.max_shard_size}
+                out = export_hf(
+                    args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite, **kw
+                )
+            else:
+                tensors = export_checkpoint(
+                    args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite
+                )
     except (CheckpointError, OSError, ImportError, ValueError) as e:
         return _fail(str(e))
     if args.format == "hf":
