@@ -22,8 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "key, tied aliases included. --format hf: a transformers model directory (config, "
         "sharded safetensors, tokenizer, generation config) for "
         "AutoModelForCausalLM.from_pretrained; needs a checkpoint of a transformers model "
-        "(wholeshard train --model hf:DIR or hf-config:FILE) and transformers "
-        "(pip install wholeshard[hf]).",
+        "(wholeshard train --model hf:DIR or hf-config:FILE) and transformers and safetensors "
+        "(pip install 'wholeshard[hf]').",
     )
     p.add_argument("checkpoint", help="a step-N checkpoint, or a checkpoints directory (latest)")
     p.add_argument(
