@@ -223,10 +223,27 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_written(
     assert list((tmp_path / "exports").iterdir()) == []
 
 
-def test_without_transformers_the_error_says_what_to_install(
-    trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "missing", [["transformers"], ["safetensors"], ["safetensors", "transformers"]]
+)
+def test_without_the_hf_extra_the_error_says_what_to_install(
+    trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, missing: list[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
-    with pytest.raises(ImportError, match=r"pip install wholeshard\[hf\]"):
+    """Naming the packages, the extra and what the checkpoint needs (`hf_extra`), in one line:
+    safetensors missing used to surface as transformers' "Could not import module
+    'LlamaConfig'"."""
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)  # import fails
+    with pytest.raises(ImportError, match=r"pip install 'wholeshard\[hf\]'"):
         export_hf(trained["llama"][1], tmp_path / "out")
+    assert (
+        cli.main(["export", str(trained["llama"][1]), str(tmp_path / "out"), "--format", "hf"]) == 1
+    )
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(
+        f"wholeshard export: export_hf (--format hf) needs {' and '.join(missing)} "
+    )
+    assert f"(or: pip install {' '.join(missing)})" in err
+    assert "wholeshard.checkpoint.hf_extra(model, tokenizer)" in err
     assert list(tmp_path.iterdir()) == []

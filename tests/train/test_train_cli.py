@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -11,7 +12,8 @@ from wholeshard import DataParallelConfig
 from wholeshard.cli import build_parser, main
 from wholeshard.cli.flags import field_docs
 from wholeshard.cli.train import config_from_args
-from wholeshard.train import outputs
+from wholeshard.engine.config import ConfigError
+from wholeshard.train import outputs, trainer
 from wholeshard.train.config import SECTIONS, TrainConfig
 from wholeshard.train.sections import (
     CheckpointConfig,
@@ -70,6 +72,49 @@ def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
 def test_invalid_flag_values_exit_2_naming_the_flag(capsys, argv, flag) -> None:
     err = _error(capsys, argv)
     assert f"{flag}" in err and "usage:" in err
+
+
+@pytest.mark.parametrize(
+    "argv, flag, fix",
+    [
+        (["--nproc", "2", "--shard-group-size", "3"], "--shard-group-size", "one of [1, 2]"),
+        (["--nproc", "8", "--tp", "2", "--shard-group-size", "8"], "--shard-group-size", "2, 4]"),
+        (["--nproc", "3", "--tp", "2"], "--tp", "a multiple of 2"),
+        (["--nproc", "4", "--tp", "2", "--batch-size", "5"], "--batch-size", "a multiple of 2"),
+    ],
+)
+def test_values_the_world_decides_exit_2_before_any_worker(capsys, argv, flag, fix) -> None:
+    """tp divides the world; the shard group size and the batch split over its dp ranks."""
+    line = _error(capsys, argv).strip().splitlines()[-1]
+    assert line.startswith(f"wholeshard train: error: argument {flag}: ") and fix in line
+
+
+def test_the_world_is_torchruns_under_torchrun(capsys, monkeypatch) -> None:
+    """Under torchrun, WORLD_SIZE decides (not --nproc), in every process, before `train()`."""
+    monkeypatch.setattr(trainer, "train", mock.Mock(side_effect=AssertionError("train ran")))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _error(capsys, ["--nproc", "4", "--shard-group-size", "4"])
+    assert "argument --shard-group-size: shard_group_size=4 does not divide the 2 " in err
+
+
+def test_a_job_files_value_the_world_refuses_names_its_key(capsys, tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text("[parallel]\nshard_group_size = 3\n")
+    err = _error(capsys, ["--config", str(job), "--nproc", "2"])
+    assert f"argument --config: {job}: parallel.shard_group_size: " in err
+
+
+def test_the_batch_splits_over_dp_ranks_not_the_world() -> None:
+    """With tp, the batch is split over world / tp ranks: 6 sequences fit dp 2 x tp 2."""
+    with pytest.raises(AssertionError, match="workers were started"):
+        main(["train", "--nproc", "4", "--tp", "2", "--batch-size", "6"])
+    cfg = TrainConfig(tp=2, data=DataConfig(batch_size=6))
+    assert cfg.data_parallel_size(4) == 2
+    with pytest.raises(ConfigError, match="batch_size=6 .* 4 data-parallel ranks") as e:
+        cfg.data_parallel_size(8)
+    assert e.value.field == "data.batch_size"
 
 
 def test_missing_data_path(capsys, tmp_path: Path) -> None:

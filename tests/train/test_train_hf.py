@@ -6,7 +6,9 @@ a crash and a bitwise resume, `wholeshard export --format hf`, and the exported 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
+from unittest import mock
 
 import hf_support
 import pytest
@@ -16,6 +18,7 @@ from support import train_config
 from train_faults import Fault, metrics, train_job
 
 from wholeshard import cli
+from wholeshard.distributed import launch
 from wholeshard.train import data
 from wholeshard.train.model import build_model
 from wholeshard.train.sections import DataConfig
@@ -152,6 +155,22 @@ def test_bad_models_are_named(tmp_path: Path, capsys, model: str, message: str) 
         cli.main([*argv, "--steps", "1", "--no-progress"])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("package", ["transformers", "safetensors"])
+def test_a_missing_hf_package_is_named_before_any_worker(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, package: str
+) -> None:
+    """safetensors too: without it transformers imports, then fails in every worker."""
+    monkeypatch.setitem(sys.modules, package, None)  # not importable
+    config = hf_support.config_file(tmp_path, "llama")
+    argv = ["train", "--model", f"hf-config:{config}", "--out", str(tmp_path / "run")]
+    with mock.patch.object(launch, "launch", side_effect=AssertionError("workers were started")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert f"needs {package!r}: pip install 'wholeshard[hf]'" in err, err
 
 
 def test_router_loss_is_added_as_the_config_says(tmp_path: Path) -> None:

@@ -9,11 +9,12 @@ checkpoint's consolidated weights (`load_consolidated`), re-ties the weights the
 writes it with transformers' `save_pretrained` plus the saved files. So
 `AutoModelForCausalLM.from_pretrained(OUT)` holds the checkpoint's weights bit for bit, and in
 fp32 gives the logits the trained model gave. Runs in one process without a process group;
-transformers is imported only here (`pip install wholeshard[hf]`).
+transformers and safetensors are imported only here (`pip install 'wholeshard[hf]'`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
@@ -34,6 +35,9 @@ CONFIG = "config.json"
 _OURS = (CONFIG, "model.safetensors", "model.safetensors.index.json")
 """Files `save_pretrained` writes that a saved file must not replace."""
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+_NEEDS = ("safetensors", "transformers")
+"""What the export imports (the `hf` extra), each checked: transformers imports without
+safetensors and fails later, at the first model class it loads, naming neither."""
 
 
 def hf_extra(model: nn.Module, tokenizer: Any = None) -> dict[str, Any]:
@@ -106,13 +110,26 @@ def export_hf(
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as e:
+    """transformers, once it and safetensors (which `save_pretrained` writes with) import; else
+    ImportError naming what to install and what the export needs of the checkpoint."""
+    failed: dict[str, ImportError] = {}
+    modules = {}
+    for name in _NEEDS:
+        try:
+            modules[name] = importlib.import_module(name)
+        except ImportError as e:
+            failed[name] = e
+    if failed:
+        why = next(iter(failed.values()))
         raise ImportError(
-            f"--format hf needs transformers ({e}); install it with: pip install wholeshard[hf]"
-        ) from e
-    return transformers
+            f"export_hf (--format hf) needs {' and '.join(failed)} ({why}): pip install "
+            f"'wholeshard[hf]' (or: pip install {' '.join(failed)}). It exports a checkpoint "
+            f"whose extra['hf'] is wholeshard.checkpoint.hf_extra(model, tokenizer), as "
+            f"`wholeshard train --model hf:DIR|hf-config:FILE` saves "
+            f"(docs/checkpoints.md#export-to-transformers); --format safetensors exports any "
+            f"checkpoint's weights without them"
+        ) from why
+    return modules["transformers"]
 
 
 def _shard_bytes(size: int | str) -> int:

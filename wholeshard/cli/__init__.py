@@ -15,6 +15,8 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from . import interrupt
+
 MAX_NPROC = 1024
 """Most local processes `--nproc` starts (`train`, `bench`): each is a full Python + torch
 process."""
@@ -61,17 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (argparse errors exit with 2 directly). Output cut
     short by its reader (`wholeshard plan | head`) ends quietly with 128 + SIGPIPE, as a
-    program killed by SIGPIPE does."""
+    program killed by SIGPIPE does; Ctrl-C ends it with 130 and one line, `wholeshard train:
+    interrupted` (`wholeshard.cli.interrupt`)."""
+    prog = "wholeshard"
     try:
         try:
-            args = build_parser().parse_args(argv)  # (--help exits from here)
-            return args.run(args)
+            with interrupt.exits_at_once(lambda: prog):
+                args = build_parser().parse_args(argv)  # (--help exits from here)
+                prog = f"wholeshard {args.command}"
+                return args.run(args)
         finally:
             sys.stdout.flush()  # here, not at exit, where a failed write cannot be caught
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit writes nowhere
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:  # (from work under `interrupt.raises`, once it has cleaned up)
+        print(interrupt.line(prog), file=sys.stderr)
+        return interrupt.INTERRUPTED
 
 
 if __name__ == "__main__":

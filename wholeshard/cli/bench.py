@@ -41,7 +41,7 @@ from ..bench.configs import (
     with_overrides,
 )
 from ..engine.config import DataParallelConfig
-from . import MAX_NPROC, positive_int
+from . import MAX_NPROC, interrupt, positive_int
 from .flags import add_flags
 
 DEVICES = ("cpu", "cuda")
@@ -279,19 +279,20 @@ def main(args: argparse.Namespace) -> int:
             where = f"{workload} / {name}" + (f" (round {round_ + 1})" if args.repeat > 1 else "")
             print(f"[bench] {where} on {args.nproc} {backend} ranks ...", file=sys.stderr)
             start = time.monotonic()
-            row, unmodelled = _run_one(
-                workload,
-                config,
-                args.nproc,
-                steps,
-                warmup,
-                args.quick,
-                imposed,
-                args.device,
-                backend,
-                args.count_launches,
-                rule,
-            )
+            with interrupt.raises():  # the launcher stops its workers on the way out
+                row, unmodelled = _run_one(
+                    workload,
+                    config,
+                    args.nproc,
+                    steps,
+                    warmup,
+                    args.quick,
+                    imposed,
+                    args.device,
+                    backend,
+                    args.count_launches,
+                    rule,
+                )
             took = time.monotonic() - start
             result = row.error or f"{row.step_s:.3f} s/step"
             print(f"[bench]   {result} ({took:.0f} s)", file=sys.stderr)

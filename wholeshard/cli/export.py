@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import interrupt
+
 DTYPES = ("bfloat16", "float16", "float32")
 FORMATS = ("safetensors", "hf")
 
@@ -20,8 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "key, tied aliases included. --format hf: a transformers model directory (config, "
         "sharded safetensors, tokenizer, generation config) for "
         "AutoModelForCausalLM.from_pretrained; needs a checkpoint of a transformers model "
-        "(wholeshard train --model hf:DIR or hf-config:FILE) and transformers "
-        "(pip install wholeshard[hf]).",
+        "(wholeshard train --model hf:DIR or hf-config:FILE) and transformers and safetensors "
+        "(pip install 'wholeshard[hf]').",
     )
     p.add_argument("checkpoint", help="a step-N checkpoint, or a checkpoints directory (latest)")
     p.add_argument(
@@ -63,13 +65,16 @@ def main(args: argparse.Namespace) -> int:
     # OSError: an unreadable file, an unwritable `out`; ImportError: no transformers;
     # ValueError: a bad --max-shard-size, a dtype safetensors cannot hold
     try:
-        if args.format == "hf":
-            kw = {} if args.max_shard_size is None else {"max_shard_size": args.max_shard_size}
-            out = export_hf(args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite, **kw)
-        else:
-            tensors = export_checkpoint(
-                args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite
-            )
+        with interrupt.raises():  # each export removes its partial output on the way out
+            if args.format == "hf":
+                kw = {} if args.max_shard_size is None else {"max_shard_size": args.max_shard_size}
+                out = export_hf(
+                    args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite, **kw
+                )
+            else:
+                tensors = export_checkpoint(
+                    args.checkpoint, args.out, dtype=dtype, overwrite=args.overwrite
+                )
     except (CheckpointError, OSError, ImportError, ValueError) as e:
         return _fail(str(e))
     if args.format == "hf":

@@ -25,7 +25,7 @@ from typing import Any
 from ..engine.config import ConfigError
 from ..train import jobfile
 from ..train.config import PARALLEL_SET_BY_THE_JOB, SECTIONS, TrainConfig
-from . import MAX_NPROC, positive_int
+from . import MAX_NPROC, interrupt, positive_int
 from .flags import add_flags, flag_name
 
 _TITLES = {
@@ -176,11 +176,10 @@ def _check(args: argparse.Namespace, cfg: TrainConfig, world: int) -> None:
     from ..train import extras, outputs
 
     parser: argparse.ArgumentParser = args.parser
-    if cfg.data.batch_size % world:
-        parser.error(
-            f"{_source(args, 'data.batch_size')}: {cfg.data.batch_size} sequences do not split "
-            f"evenly across {world} processes; use a multiple of {world}"
-        )
+    try:
+        cfg.data_parallel_size(world)
+    except ConfigError as e:
+        parser.error(f"{_source(args, e.field)}: {e}")
     _check_model(parser, cfg, _source(args, "model.name"))
     if cfg.data.path is not None:
         _check_data(parser, cfg, _source(args, "data.path"))
@@ -318,7 +317,8 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
         from ..distributed.collectives import CollectiveError
 
         try:
-            summary = worker(cfg)
+            with interrupt.raises():
+                summary = worker(cfg)
         except CollectiveError as e:  # torchrun tears the job down when this rank exits
             print(f"wholeshard train: {e}", file=sys.stderr, flush=True)
             return 1
@@ -330,12 +330,13 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
     from ..train.restarts import train_local
 
     try:
-        summary = train_local(cfg, args.nproc, worker)
+        with interrupt.raises():  # the launcher stops every worker on its way out
+            summary = train_local(cfg, args.nproc, worker)
     except WorkerFailed as e:
         print(f"wholeshard train: worker failed; all workers stopped.\n{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("wholeshard train: interrupted; all workers stopped.", file=sys.stderr)
-        return 130
+        return interrupt.INTERRUPTED
     _print_summary(summary, args.json)
     return 0

@@ -8,6 +8,7 @@ caller; Ctrl-C stops every worker; workers die with their parent, so nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import multiprocessing as mp
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +47,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """SIGINT blocked for the calling thread while inside, and as it was after: one that came
+    meanwhile is delivered then (POSIX; elsewhere nothing)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _worker(
     fn: Callable[..., Any],
     args: tuple,
@@ -61,6 +76,8 @@ def _worker(
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the launcher asks for stacks before killing a hang
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    if hasattr(signal, "pthread_sigmask"):  # (held since `launch` started it: see there)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -212,8 +229,12 @@ def launch(
     values: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        for p in procs:
-            p.start()
+        # A spawned worker imports for seconds before `_worker` ignores SIGINT; it starts with
+        # SIGINT blocked (the mask is inherited), so a Ctrl-C then reaches only this process,
+        # once the workers are started, and stops them here, with no traceback of theirs.
+        with _sigint_held():
+            for p in procs:
+                p.start()
         while len(values) < nproc:
             try:
                 rank, ok, value = results.get(timeout=_POLL_S)

@@ -164,6 +164,37 @@ class TrainConfig:
                     f"transformers model takes it from its config",
                 )
 
+    def data_parallel_size(self, world: int) -> int:
+        """The data-parallel ranks of a world of `world` ranks (world = dp x tp); ConfigError,
+        naming the field, where the job does not fit that world: `tp` must divide it, and
+        `parallel.shard_group_size` and `data.batch_size` must split over its dp ranks. The
+        command line checks this before any worker starts, every rank again at its start."""
+        if world % self.tp:
+            raise ConfigError(
+                "tp",
+                f"tp={self.tp} does not divide the world of {world} ranks (world = dp x tp); "
+                f"use a world that is a multiple of {self.tp} (--nproc) or a tp dividing {world}",
+            )
+        dp = world // self.tp
+        ranks = f"{dp} data-parallel ranks"
+        if self.tp > 1:
+            ranks += f" ({world} ranks / tp {self.tp})"
+        k = self.parallel.shard_group_size
+        if k not in (None, "auto") and dp % k:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ConfigError(
+                "parallel.shard_group_size",
+                f"shard_group_size={k} does not divide the {ranks}: params are sharded within "
+                f"groups of that many ranks; choose one of {divisors}, or leave it unset",
+            )
+        if self.data.batch_size % dp:
+            raise ConfigError(
+                "data.batch_size",
+                f"batch_size={self.data.batch_size} sequences do not split evenly over the "
+                f"{ranks}; use a multiple of {dp}",
+            )
+        return dp
+
     @property
     def is_hf(self) -> bool:
         """Whether `model.name` names a transformers model."""

@@ -1,12 +1,12 @@
 """The optional extras the job needs (`train`: tqdm, matplotlib; `hf`: transformers,
-tokenizers, datasets): a clear error when one is missing."""
+tokenizers, datasets, safetensors): a clear error when one is missing."""
 
 from __future__ import annotations
 
 import importlib.util
 
 TRAIN_EXTRA = ("tqdm", "matplotlib")
-HF_EXTRA = ("transformers", "tokenizers", "datasets")
+HF_EXTRA = ("transformers", "tokenizers", "datasets", "safetensors")
 EXTRAS = {"train": TRAIN_EXTRA, "hf": HF_EXTRA}
 
 

@@ -71,7 +71,8 @@ class DataConfig:
     """Where tokenized data is cached (memory-mapped token ids keyed by the data files, their
     sizes and mtimes, and the tokenizer); None: `token-cache` beside the output directory."""
     batch_size: int = field(default=32, metadata=at_least(1))
-    """Global batch in sequences per step; each rank takes a contiguous 1/world slice of it."""
+    """Global batch in sequences per step; each data-parallel rank takes a contiguous 1/dp slice
+    of it (dp = world / tp), so it is a multiple of dp."""
     seq_len: int = field(default=128, metadata=at_least(1, high=65536))
     """Tokens (bytes, for byte-level data) per training sequence: the context length."""
 

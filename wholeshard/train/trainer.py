@@ -89,14 +89,7 @@ class Trainer:
         self.start_time = time.perf_counter()
         self.cfg, self.env, self.hooks = cfg, env, hooks
         set_threads(cfg.threads, env)
-        if env.world % cfg.tp:
-            raise ValueError(f"tp={cfg.tp} does not divide the world of {env.world} ranks")
-        self.data_world = env.world // cfg.tp  # data-parallel ranks: tp ranks share a batch
-        if cfg.data.batch_size % self.data_world:
-            raise ValueError(
-                f"batch_size={cfg.data.batch_size} is not divisible by the "
-                f"{self.data_world} data-parallel ranks"
-            )
+        self.data_world = cfg.data_parallel_size(env.world)  # tp ranks share a batch
         self.out = cfg.output.out or outputs.default_out_dir()
         self._build()
         self.corpus = self._load_data()
