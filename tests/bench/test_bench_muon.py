@@ -419,4 +419,4 @@ def test_runs_pass_device_backend_and_counting_to_the_workers(monkeypatch, tmp_p
     monkeypatch.setattr(cli, "_run_one", fake_run_one)
     argv = ["--quick", "--workload", "experts", "--config", "ws_sync", "--count-launches"]
     assert cli.main(_args(*argv, "--json", str(tmp_path / "b.json"))) == 0
-    assert seen == [("experts", "ws_sync", ("cpu", "gloo", True, Rule()))]
+    assert seen == [("experts", "ws_sync", ("cpu", "gloo", True, Rule(), True))]

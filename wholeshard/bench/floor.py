@@ -47,10 +47,11 @@ def measure(
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     warmup: int,
     timer: Timer,
+    yardstick: bool = True,
 ) -> dict[str, Any]:
     """This rank's floor figures and yardstick (module note): medians in s over as many
     repetitions as the timed loop has timed steps (the first `warmup` + 1 untimed, as there);
-    `torch_muon_owned_s` is 0 when the share holds no Muon matrix."""
+    `torch_muon_owned_s` is 0 when the share holds no Muon matrix, None without `yardstick`."""
     routes = route_params(bare_model, workload.matrix_params)
     forward_backward = []
     for s, (x, y) in enumerate(batches):
@@ -65,17 +66,20 @@ def measure(
             r.param.grad = torch.zeros_like(r.param)
     optimizers = owned_optimizers(routes)
     matrices = muon_matrices(optimizers)
-    yardstick = torch_muon(matrices)
+    reference_optimizers = torch_muon(matrices) if yardstick else []
     optimizer, reference = [], []
     for _ in batches:
         # Every rank runs the same phase at once, as in the timed steps (barriers untimed).
         optimizer.append(_timed_steps(optimizers, timer))
-        reference.append(_timed_steps(yardstick, timer))
+        if yardstick:
+            reference.append(_timed_steps(reference_optimizers, timer))
     del optimizer[: warmup + 1], reference[: warmup + 1]
     return {
         "floor_forward_backward_s": statistics.median(forward_backward),
         "floor_optimizer_s": statistics.median(optimizer),
-        "torch_muon_owned_s": statistics.median(reference) if yardstick else 0.0,
+        "torch_muon_owned_s": (
+            (statistics.median(reference) if reference_optimizers else 0.0) if yardstick else None
+        ),
         "ns_flops_per_step": total_ns_flops(m.shape for m in matrices),
     }
 

@@ -19,7 +19,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .configs import KJ_RULE, REFERENCE
-from .machine import machine  # noqa: F401  (its home before machine.py; tools import it here)
+from .machine import (
+    SLOW_BF16,
+    machine,  # noqa: F401  (its home before machine.py; tools import it here)
+)
 
 LOSS_RTOL = 1e-2
 """Final losses agree when within this relative distance of the reference's (module note)."""
@@ -300,6 +303,8 @@ def footer(
         f"warm-up, {repeat} round(s); load average {m['load_average_start'][0]:.2f} -> "
         f"{m['load_average_end'][0]:.2f}"
     )
+    if m.get("device", "cpu") == "cpu" and m.get("cpu_bf16_matmul") == SLOW_BF16:
+        line += "; bf16 matmuls on a slow path (no AVX512-BF16, no AMX)"
     if overrides:
         keywords = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
         line += f"; every wholeshard (ws_*) configuration overridden with {keywords}"

@@ -54,7 +54,8 @@ class Job:
     """One configuration for every rank to benchmark: `workload` (`quick`: its small version)
     under `config`, its wholeshard keywords replaced by `overrides` and its matrices under
     `rules.Rule(**rule)`; `warmup` untimed and `steps` timed steps on `device`, and with
-    `count_launches` one more under the profiler."""
+    `count_launches` one more under the profiler; without `yardstick`, no torch-Muon yardstick
+    (`floor.py`: its `torch_muon_owned_s` None)."""
 
     workload: str
     config: str
@@ -65,6 +66,7 @@ class Job:
     device: str
     count_launches: bool
     rule: dict[str, str]
+    yardstick: bool = True
 
 
 def run_rank(job: Job) -> dict:
@@ -126,6 +128,7 @@ def run_rank(job: Job) -> dict:
         batches,
         warmup,
         timer,
+        job.yardstick,
     )
     final = loss.detach().float().reshape(1)
     dist.all_reduce(final, op=dist.ReduceOp.AVG)

@@ -12,6 +12,8 @@ field on every wholeshard (ws_*) configuration of the run; the line under the ta
 ranks sharing GPUs. Step times then come from CUDA events, and rows add
 `torch.cuda.max_memory_allocated` and the Newton–Schulz TFLOP/s against the GPU's bf16 peak.
 `--count-launches` profiles one more step per configuration and adds its kernel launches.
+On a CPU without fast bf16 matmuls (no AVX512-BF16, no AMX) the run first says so, and what to
+run instead where a workload's bf16 Newton-Schulz cannot finish (`bench.slow_bf16`).
 
 `--matrix-optimizer`, `--ns-algorithm` and `--ns-coefficients` (each taking one or more values)
 bench every combination as a matrix rule (`bench.rule_optimizers`): each wholeshard configuration
@@ -29,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from ..bench import report
+from ..bench import report, slow_bf16
 from ..bench.configs import (
     CONFIGS,
     MATRIX_RULES,
@@ -40,6 +42,7 @@ from ..bench.configs import (
     rule_sensitive,
     with_overrides,
 )
+from ..bench.machine import SLOW_BF16
 from ..engine.config import DataParallelConfig
 from . import MAX_NPROC, interrupt, positive_int
 from .flags import add_flags
@@ -178,10 +181,12 @@ def _run_one(
     backend: str,
     count_launches: bool,
     rule: Rule,
+    yardstick: bool = True,
 ) -> tuple[report.Row, list[str]]:
     """One configuration (wholeshard keywords replaced by `overrides`, matrices under `rule`) on
     fresh workers: its row, and any collectives the traffic model could not charge. A
-    configuration that cannot run or fails gets a row carrying the reason."""
+    configuration that cannot run or fails gets a row carrying the reason. Without
+    `yardstick`, the row has no torch-Muon yardstick (`Job.yardstick`)."""
     from ..bench.builders import unavailable
     from ..bench.worker import Job, run_rank
     from ..bench.workloads import get_workload
@@ -196,7 +201,18 @@ def _run_one(
     if reason is not None:
         return report.Row(workload, config, error=reason, rule=label), []
     timeout = 120 + 30 * (warmup + 1 + steps)
-    job = Job(workload, config, steps, warmup, quick, overrides, device, count_launches, vars(rule))
+    job = Job(
+        workload,
+        config,
+        steps,
+        warmup,
+        quick,
+        overrides,
+        device,
+        count_launches,
+        vars(rule),
+        yardstick,
+    )
     try:
         ranks = launch(
             run_rank,
@@ -268,6 +284,10 @@ def main(args: argparse.Namespace) -> int:
 
     forked = args.quick and args.device == "cpu"
     machine = report.machine(args.nproc, forked=forked, device=args.device, backend=backend)
+    slow = args.device == "cpu" and machine["cpu_bf16_matmul"] == SLOW_BF16
+    if slow:
+        for line in slow_bf16.header(machine["cpu"], workloads, configs, args.quick):
+            print(f"[bench] note: {line}", file=sys.stderr)
     if forked:
         preload()  # forked workers inherit it
 
@@ -292,6 +312,7 @@ def main(args: argparse.Namespace) -> int:
                     backend,
                     args.count_launches,
                     rule,
+                    not (slow and slow_bf16.cannot_finish(workload, args.quick)),
                 )
             took = time.monotonic() - start
             result = row.error or f"{row.step_s:.3f} s/step"
