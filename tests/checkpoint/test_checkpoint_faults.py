@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_fs
-from support import ADAMW_KW, MUON_KW, VOCAB, make_model, run, train_steps
+from support import ADAMW_KW, MUON_KW, VOCAB, Block, make_model, run, train_steps
 from torch import nn
 
 import wholeshard
@@ -187,20 +187,47 @@ def _other_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def _wider(model: nn.Module) -> nn.Module:
+    """`model` with six blocks twice as wide, in bfloat16: every tensor differs."""
+    width = 2 * model.emb.embedding_dim
+    model.emb = nn.Embedding(VOCAB, width)
+    model.pos = nn.Parameter(torch.zeros(model.pos.shape[0], width))
+    model.blocks = nn.ModuleList(Block(width) for _ in range(6))
+    model.ln = nn.LayerNorm(width)
+    model.head = nn.Linear(width, VOCAB, bias=False)
+    return model.to(torch.bfloat16)
+
+
+LOAD_IT = "Load it into the model it was saved from"
 OTHER_MODELS = {  # name: (model, matrix_params, what the error must name)
-    "extra layer": (lambda: make_model(layers=3), None, "missing from the checkpoint: blocks.2."),
+    "extra layer": (
+        lambda: make_model(layers=3),
+        None,
+        "11 tensors not in the checkpoint: blocks.2.fc.bias, blocks.2.fc.weight, "
+        f"blocks.2.ln1.bias, blocks.2.ln1.weight and 7 more. {LOAD_IT}",
+    ),
     "fewer layers": (lambda: make_model(layers=1), None, "not in the model: blocks.1."),
     "other shape": (
         lambda: _other_head(make_model()),
         None,
-        "head.weight: shape (64, 32) in the checkpoint, (65, 32) in the model",
+        "1 tensor of another shape (checkpoint -> model): head.weight (64, 32) -> (65, 32).",
     ),
     "other routing": (
         make_model,
         lambda name, p: p.ndim == 2 and name not in ("pos", "emb.weight"),  # the head to Muon
-        "head.weight: optimizer adamw in the checkpoint, matrix in the model",
+        "1 tensor of another optimizer (checkpoint -> model): head.weight adamw -> matrix. "
+        f"{LOAD_IT} (the tensors its wholeshard.json lists), the same params routed to the "
+        "matrix optimizer",
     ),
     "tied head": (lambda: make_model(tied=True), None, "not in the model: head.weight"),
+    "wider": (  # the first differences of each kind, how many more, the fix; short, one line
+        lambda: _wider(make_model()),
+        None,
+        "different model: 44 tensors not in the checkpoint: blocks.2.fc.bias, blocks.2.fc.weight "
+        "and 42 more; 27 tensors of another shape (checkpoint -> model): blocks.0.fc.bias (128,) "
+        "float32 -> (256,) bfloat16, blocks.0.fc.weight (128, 32) float32 -> (256, 64) bfloat16 "
+        f"and 25 more. {LOAD_IT}",
+    ),
 }
 
 
@@ -250,4 +277,5 @@ def test_damaged_or_foreign_checkpoint_is_refused_on_every_rank_before_any_chang
             assert error is None and not unchanged, f"{case}: the load should have worked"
         else:
             assert error is not None and expected in error, f"{case}: {error}"
+            assert "\n" not in error and len(error) < 600, f"{case}: too long to read: {error}"
             assert all(out[case][1] for out in outs), f"{case}: a failed load changed state"

@@ -21,7 +21,7 @@ from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable
 from ..planning.routing import clean_name
 from ._consensus import RankConsensus
-from .directory import TRAINER, CheckpointError
+from .directory import MANIFEST, TRAINER, CheckpointError
 
 
 def other_tensors(ddp: DataParallel) -> dict[str, torch.Tensor]:
@@ -116,29 +116,12 @@ def check_model(
     optimizer: Checkpointable,
     trainer: dict[str, Any],
 ) -> None:
-    """Raise naming every difference between the checkpoint and this model (its `model_table`;
-    which params are frozen aside)."""
+    """Raise if the checkpoint is of another model (`different_model`: its first differences
+    from this model's `model_table`, which params are frozen aside) or is damaged."""
     params, others = table
-    saved, model = {**manifest["params"], **manifest["others"]}, {**params, **others}
-    problems = []
-    if missing := sorted(set(model) - set(saved)):
-        problems.append(f"params or buffers missing from the checkpoint: {names(missing)}")
-    if unexpected := sorted(set(saved) - set(model)):
-        problems.append(
-            f"params or buffers in the checkpoint but not in the model: {names(unexpected)}"
-        )
-    for name in sorted(set(saved) & set(model)):
-        want, got = tuple(saved[name]["shape"]), tuple(model[name]["shape"])
-        if want != got:
-            problems.append(f"{name}: shape {want} in the checkpoint, {got} in the model")
-    for name in sorted(set(manifest["params"]) & set(params)):  # trainable then and now
-        want, got = manifest["params"][name]["optimizer"], params[name]["optimizer"]
-        if want != got:
-            problems.append(f"{name}: optimizer {want} in the checkpoint, {got} in the model")
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {ckpt} was saved from a different model: " + "; ".join(problems)
-        )
+    model = {**params, **others}
+    if differences := model_differences(manifest, table):
+        raise CheckpointError(different_model(ckpt, differences))
     md = metadata.state_dict_metadata
     expected: dict[str, tuple[int, ...] | None] = {
         f"model/{n}": tuple(e["shape"]) for n, e in model.items()
@@ -163,6 +146,60 @@ def check_model(
         )
     if damaged:
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(damaged[:10]))
+
+
+SHOWN = 4
+"""How many differences `different_model` names, shared among their kinds (one each at least)."""
+
+
+def model_differences(manifest: dict[str, Any], table: Table) -> dict[str, list[str]]:
+    """The differences that refuse a load, by kind, each a list of one entry per tensor (sorted
+    by name); kinds without differences left out. Names and shapes of every tensor, and the
+    routing of params trainable then and now; a dtype differing alone is no difference (params
+    load from their fp32 masters)."""
+    params, others = table
+    saved, model = {**manifest["params"], **manifest["others"]}, {**params, **others}
+    both = sorted(set(saved) & set(model))
+    routed = sorted(set(manifest["params"]) & set(params))  # trainable then and now
+    kinds = {
+        "not in the checkpoint": sorted(set(model) - set(saved)),
+        "not in the model": sorted(set(saved) - set(model)),
+        "of another shape (checkpoint -> model)": [
+            f"{n} {_shape(saved[n], model[n])} -> {_shape(model[n], saved[n])}"
+            for n in both
+            if saved[n]["shape"] != model[n]["shape"]
+        ],
+        "of another optimizer (checkpoint -> model)": [
+            f"{n} {manifest['params'][n]['optimizer']} -> {params[n]['optimizer']}"
+            for n in routed
+            if manifest["params"][n]["optimizer"] != params[n]["optimizer"]
+        ],
+    }
+    return {kind: entries for kind, entries in kinds.items() if entries}
+
+
+def different_model(ckpt: Path, differences: dict[str, list[str]]) -> str:
+    """The message refusing a checkpoint of another model: each kind of difference, its count
+    and its first entries (`SHOWN` in all), and how to load it."""
+    shown = max(1, SHOWN // len(differences))
+    said = []
+    for kind, entries in differences.items():
+        more = len(entries) - shown
+        first = ", ".join(entries[:shown]) + (f" and {more} more" if more > 0 else "")
+        said.append(f"{len(entries)} tensor{'s' * (len(entries) > 1)} {kind}: {first}")
+    fix = f"Load it into the model it was saved from (the tensors its {MANIFEST} lists)"
+    if any(kind.startswith("of another optimizer") for kind in differences):
+        fix += ", the same params routed to the matrix optimizer (DataParallel's matrix_params)"
+    fix += (
+        "; to resume `wholeshard train`, pass the --model, --pos and --tie of the run that saved it"
+    )
+    return f"checkpoint {ckpt} was saved from a different model: {'; '.join(said)}. {fix}"
+
+
+def _shape(entry: dict[str, Any], other: dict[str, Any]) -> str:
+    """`entry`'s shape, and its dtype where `other`'s differs."""
+    dtype = f" {entry['dtype']}" if entry["dtype"] != other["dtype"] else ""
+    return f"{tuple(entry['shape'])}{dtype}"
 
 
 def trainable_changes(manifest: dict[str, Any], table: Table) -> tuple[list[str], list[str]]:
