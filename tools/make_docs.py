@@ -35,6 +35,7 @@ REQUIRED = {
     "data-parallel-config": "docs/data_parallel.md",
     "train-flags": "docs/train.md",
     "train-jobfile": "docs/train.md",
+    "train-make-train": "docs/train.md",
     "bench": "docs/benchmarks.md",
     "plans-recommended": "docs/planning.md",
 }
@@ -411,6 +412,40 @@ def train_compare(set_name: str = "optimizers") -> list[str]:
     return out
 
 
+def train_make_train() -> list[str]:
+    """The default job (`make train`) on each CPU kind measured: wall time and final loss."""
+    kinds = load("train.json").get("per_cpu_kind", {}).get("make_train", {})
+    if not kinds:
+        raise SystemExit("make_docs: run python tools/measure_train.py --set make_train first")
+    body = []
+    for kind, s in sorted(kinds.items()):
+        run, m = s["runs"][0], s["machine"]
+        summary = run["summary"]
+        minutes, seconds = divmod(round(run["seconds"]), 60)
+        start = m.get("load_average_start")
+        body.append(
+            [
+                kind,
+                str(m["cores"]),
+                f"{minutes} min {seconds:02d} s",
+                f"{summary['final_val_loss']:.3f}",
+                str(summary.get("newton_schulz")),
+                summary["param_dtype"],
+                f"{run['median_step_s'] * 1e3:.0f} ms",
+                "" if start is None else f"{start:.1f}",
+                f"{s['date']}, torch {m['torch']}",
+            ]
+        )
+    head = ["CPU (bf16 matmul units)", "cores", "wall time", "final val loss", "newton-schulz",
+            "compute", "median step", "load at start", "measured"]  # fmt: skip
+    note = (
+        "_`python tools/measure_train.py --set make_train` (the default job, 2 processes, from "
+        "the command to its exit), one record per CPU kind; data: "
+        "[docs/results/train.json](results/train.json)._"
+    )
+    return [note, "", *table(head, "lrrrllrrl", body)]
+
+
 def train_transcript() -> list[str]:
     """What the default run printed (its first lines and its last)."""
     s = train_set("optimizers")
@@ -595,8 +630,10 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "train-jobfile": train_jobfile,
     "train-transcript": train_transcript,
     "train-compare": train_compare,
+    "train-make-train": train_make_train,
     "train-fp8": lambda: train_compare("fp8"),
     "train-rules": lambda: train_compare("rules"),
+    "train-newton-schulz": lambda: train_compare("newton_schulz"),
     "train-modes": train_modes,
     "bench": bench,
     "bench-memory": bench_memory,

@@ -13,6 +13,10 @@ the other sets in the file stay. `python tools/make_docs.py` renders the tables 
 - `rules`: the default job with each matrix rule (`--matrix-optimizer`) at its default learning
   rate, 3x below and 3x above it; Muon also with `--ns-algorithm gram`. (On a CPU without bf16
   GEMM units torch's standard bf16 iteration takes most of the step: 26 minutes a run there.)
+- `newton_schulz`: the default job with each `--newton-schulz` implementation fixed.
+- `make_train`: the default job, as `make train` runs it, kept per CPU kind (`cpu_kind`: the
+  CPU and its bf16 matmul units), since its time depends on them: a run replaces only its own
+  kind's record.
 - `modes`: 100 steps in each DataParallel mode (sync, overlap, pipelined step, fully sharded;
   the seeds' baselines are `wholeshard bench`'s).
 
@@ -66,6 +70,13 @@ SETS: dict[str, list[tuple[str, list[str]]]] = {
         ("fully_sharded_overlap", [*MODES_FLAGS, "--overlap", "--reshard-after-forward"]),
     ],
 }
+SETS["newton_schulz"] = [
+    (f"ns_{name}", ["--newton-schulz", name])
+    for name in ("torch_bf16", "batched_bf16", "batched_fp32")
+]
+SETS["make_train"] = [("make_train", [])]
+PER_CPU_KIND = {"make_train"}
+"""Sets stored per CPU kind (`doc["per_cpu_kind"][set][kind]`) rather than one for all."""
 SKIP_STEPS = 5
 """Per-step medians leave out this many first steps (warm-up)."""
 
@@ -123,6 +134,20 @@ def run_one(name: str, flags: list[str], runs_dir: Path, reuse: bool = False) ->
     }
 
 
+def cpu_kind() -> str:
+    """The CPU and the bf16 matmul units it has, which decide how fast Muon's bf16 products run
+    (`wholeshard train --newton-schulz auto` measures; this names the machine it measured)."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        units = "AMX"
+    elif torch.cpu._is_avx512_bf16_supported():
+        units = "AVX-512 BF16"
+    else:
+        units = f"{torch.backends.cpu.get_cpu_capability()}, no bf16 matmul units"
+    return f"{machine(nproc=2)['cpu']} ({units})"
+
+
 def draw(runs: list[dict], path: Path) -> None:
     """Training and validation loss of each run against the step, one colour per run."""
     from matplotlib.figure import Figure
@@ -163,16 +188,21 @@ def main(argv: list[str] | None = None) -> int:
         finished = max(
             (ROOT / args.runs_dir / run / "summary.json").stat().st_mtime for run, _ in SETS[name]
         )
-        doc["sets"][name] = {
+        record = {
             "date": datetime.date.fromtimestamp(finished).isoformat(),
             "machine": {
                 **machine(nproc=2),
+                "cpu_kind": cpu_kind(),
                 # the load while these runs ran, where this invocation ran them
                 "load_average_start": None if args.reuse else load_start,
                 "load_average_end": None if args.reuse else os.getloadavg()[0],
             },
             "runs": runs,
         }
+        if name in PER_CPU_KIND:
+            doc.setdefault("per_cpu_kind", {}).setdefault(name, {})[cpu_kind()] = record
+        else:
+            doc["sets"][name] = record
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"measure_train: wrote set {name} to {path}", file=sys.stderr)
