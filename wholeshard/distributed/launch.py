@@ -4,7 +4,7 @@
 The launcher is the single place that starts local workers (train job, bench, tests). It
 guarantees: a worker that raises or dies takes the others down and its traceback reaches the
 caller; Ctrl-C stops every worker; workers die with their parent, so nothing is orphaned; a
-worker exits once every rank is done, without interpreter finalization, and one that still exits
+worker exits as soon as it is done, without interpreter finalization, and one that still exits
 abnormally fails the launch ([Note: worker exit]).
 """
 
@@ -110,35 +110,30 @@ def _worker(
         # Plain pickle: the queue's own pickler would share tensors by file descriptor, which
         # dies with this process.
         results.put((rank, True, pickle.dumps(fn(*args))))
-        done = True
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
-        done = False
-    _end(done, results, forked)
+    _end(results, forked)
 
 
-def _end(done: bool, results: Any, forked: bool) -> None:
-    """End a worker that sent its result (`done`) or its traceback.
+def _end(results: Any, forked: bool) -> None:
+    """End a worker that sent its result or its traceback.
 
     [Note: worker exit]
-    A worker leaves once every rank is done (a barrier: no peer still needs its half of a
-    collective), and without interpreter finalization: a spawned one ends with `os._exit` once
-    its message is in the pipe, as multiprocessing ends a forked one, so exit handlers
-    (`atexit`) run in no worker. Finalization races gloo: a gloo worker thread that releases a
-    finished collective may drop a tensor's last C++ reference, which decrefs its Python object
-    and so takes the GIL; a thread taking the GIL during finalization is made to exit inside
-    that noexcept destructor, and the process aborts: "terminate called without an active
-    exception", SIGABRT (torch 2.13; core dump: `ProcessGroupGloo::runLoop` ->
-    `~AsyncAllreduceWork` -> `TensorImpl::decref_pyobject` -> `gil_scoped_acquire`, the main
-    thread in `Py_FinalizeEx`). A step that ends on its last collective, as `opt.step()` with
-    no backward does, reaches exit soonest after it: 3 spawned runs in 65 aborted on 2 busy
-    cores, 7 in 24 with gloo's threads pinned to idle time (`tests/distributed/
-    test_launch_exit.py`).
+    A worker leaves as soon as its function has returned or raised (a peer blocked on it, a
+    pipeline stage waiting for a stage that raised, fails then and reports), and without
+    interpreter finalization: a spawned one ends with `os._exit` once its message is in the
+    pipe, as multiprocessing ends a forked one, so exit handlers (`atexit`) run in no worker.
+    Finalization races gloo: a gloo worker thread that releases a finished collective may drop a
+    tensor's last C++ reference, which decrefs its Python object and so takes the GIL; a thread
+    taking the GIL during finalization is made to exit inside that noexcept destructor, and the
+    process aborts: "terminate called without an active exception", SIGABRT (torch 2.13; core
+    dump: `ProcessGroupGloo::runLoop` -> `~AsyncAllreduceWork` -> `TensorImpl::decref_pyobject`
+    -> `gil_scoped_acquire`, the main thread in `Py_FinalizeEx`). A step that ends on its last
+    collective, as `opt.step()` with no backward does, reaches exit soonest after it: 3 spawned
+    runs in 65 aborted on 2 busy cores, 7 in 24 with gloo's threads pinned to idle time
+    (`tests/distributed/test_launch_exit.py`).
     """
     if dist.is_initialized():
-        if done:
-            with contextlib.suppress(RuntimeError):  # a peer failed: it reports that itself
-                dist.barrier()
         dist.destroy_process_group()
     if forked:
         return
