@@ -479,6 +479,11 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a["losses"] == b["losses"]
 
 
+PINNED_NEWTON_SCHULZ = ("--newton-schulz", "torch_bf16")
+"""What the tests' train jobs run Muon with: `auto` measures at every start, and on a close call
+(the micro model on some CPUs) two runs a test compares bit for bit could choose apart."""
+
+
 def train_config(**flags: Any) -> Any:
     """The `TrainConfig` of `wholeshard train` given these flags (`batch_size=4` is
     `--batch-size 4`; True/False are `--x`/`--no-x`, None leaves a flag out), made by the CLI's
@@ -486,6 +491,8 @@ def train_config(**flags: Any) -> Any:
     from wholeshard.cli import build_parser
     from wholeshard.cli.train import config_from_args
 
+    if flags.get("matrix_optimizer", "muon") == "muon":  # runs compared bit for bit take one
+        flags.setdefault("newton_schulz", PINNED_NEWTON_SCHULZ[1])  # implementation, not auto's
     argv = ["train"]
     for name, value in flags.items():
         flag = "--" + name.replace("_", "-")

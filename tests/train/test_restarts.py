@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import PINNED_NEWTON_SCHULZ
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from wholeshard import cli
@@ -185,6 +186,7 @@ def soak(
 
 
 SMALL = ["--model", "micro", "--seq-len", "32", "--batch-size", "4", "--eval-every", "10"]
+SMALL += PINNED_NEWTON_SCHULZ
 SMALL += ["--eval-batches", "1"]
 
 

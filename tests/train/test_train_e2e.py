@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support import PINNED_NEWTON_SCHULZ
 from test_restarts import _assert_bitwise_equal, _final_state
 
 from wholeshard.train import outputs
@@ -32,7 +33,7 @@ def _args(text_file: Path, out: Path, *extra: str) -> list[str]:
         "train", "--model", "micro", "--data", str(text_file), "--out", str(out), "--steps", "4",
         "--batch-size",
         "4", "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1", "--lr", "1e-2",
-        "--json", *extra,
+        "--json", *PINNED_NEWTON_SCHULZ, *extra,
     ]  # fmt: skip
 
 

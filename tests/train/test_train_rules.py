@@ -37,7 +37,7 @@ def _run(tmp_path: Path, name: str, **flags) -> tuple[dict, list[dict]]:
 
 
 def test_each_rule_trains_the_byte_gpt(tmp_path: Path) -> None:
-    base, base_records = _run(tmp_path, "muon")
+    base, base_records = _run(tmp_path, "muon", newton_schulz="auto")
     assert base["matrix_optimizer"] == "muon"
     assert base["newton_schulz"] in IMPLEMENTATIONS  # auto: measured
     for flags in (

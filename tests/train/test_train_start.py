@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support import PINNED_NEWTON_SCHULZ
 
 import wholeshard.distributed.launch
 from wholeshard import cli
@@ -23,6 +24,7 @@ SMALL = [
     "--model", "micro",
     "--batch-size", "4", "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1",
     "--no-progress", "--param-dtype", "float32", "--threads", "1", "--nproc", "1",
+    *PINNED_NEWTON_SCHULZ,
 ]  # fmt: skip
 
 

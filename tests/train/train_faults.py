@@ -130,13 +130,16 @@ def run_train(argv: list[str], fault: Fault | Poison) -> int:
     return args.run(args, worker=functools.partial(faulty_train, fault=fault))
 
 
+PINNED_NEWTON_SCHULZ = ("--newton-schulz", "torch_bf16")  # as `support`'s (this runs as a script)
+
+
 def micro_argv(data: Path, out: Path, steps: int, eval_every: int, *extra: str) -> list[str]:
     """`wholeshard train` of the micro model on `data` into `out`: `steps` steps of 4 x 16
     tokens, one validation batch every `eval_every` steps, then `extra`."""
     return [
         "train", "--model", "micro", "--data", str(data), "--out", str(out),
         "--steps", str(steps), "--batch-size", "4", "--seq-len", "16",
-        "--eval-every", str(eval_every), "--eval-batches", "1", *extra,
+        "--eval-every", str(eval_every), "--eval-batches", "1", *PINNED_NEWTON_SCHULZ, *extra,
     ]  # fmt: skip
 
 
