@@ -24,6 +24,12 @@ def readme_example() -> str:
     return match.group(1)
 
 
+ENDED = "README example: ran to its end"
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+"""torch 2.13's gloo race at interpreter shutdown, after the script's last line (docs/operations.md
+"A rank that aborts at exit"): the example did all it says; only the exit code is torch's."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,7 +38,9 @@ def _free_port() -> int:
 
 def test_the_readme_cpu_example_trains_on_two_gloo_processes(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(readme_example())
+    script.write_text(
+        readme_example() + f"\nimport sys\nprint({ENDED!r}, file=sys.stderr, flush=True)\n"
+    )
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -53,7 +61,12 @@ def test_the_readme_cpu_example_trains_on_two_gloo_processes(tmp_path: Path) -> 
         for p in procs:
             p.kill()
     for rank, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+        aborted_after_the_end = p.returncode == -6 and err.endswith(
+            f"{ENDED}\n{TORCH_EXIT_ABORT}\n"
+        )
+        assert p.returncode == 0 or aborted_after_the_end, (
+            f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+        )
     logged = re.findall(r"^step (\d+) loss (\S+)$", outputs[0][0], re.M)
     assert [int(step) for step, _ in logged] == [0, 49, 50, 99, 100, 149, 150, 199], outputs[0][0]
     first, last = float(logged[0][1]), float(logged[-1][1])
