@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from wholeshard.bench.machine import SLOW_BF16
 from wholeshard.bench.report import machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,18 +135,16 @@ def run_one(name: str, flags: list[str], runs_dir: Path, reuse: bool = False) ->
     }
 
 
-def cpu_kind() -> str:
-    """The CPU and the bf16 matmul units it has, which decide how fast Muon's bf16 products run
+def cpu_kind(info: dict) -> str:
+    """The CPU of `machine()`'s `info` and the bf16 matmul units it has
+    (`wholeshard.bench.machine.cpu_bf16_matmul`), which decide how fast Muon's bf16 products run
     (`wholeshard train --newton-schulz auto` measures; this names the machine it measured)."""
     import torch
 
-    if torch.cpu._is_amx_tile_supported():
-        units = "AMX"
-    elif torch.cpu._is_avx512_bf16_supported():
-        units = "AVX-512 BF16"
-    else:
+    units = info["cpu_bf16_matmul"]
+    if units == SLOW_BF16:
         units = f"{torch.backends.cpu.get_cpu_capability()}, no bf16 matmul units"
-    return f"{machine(nproc=2)['cpu']} ({units})"
+    return f"{info['cpu']} ({units})"
 
 
 def draw(runs: list[dict], path: Path) -> None:
@@ -188,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         finished = max(
             (ROOT / args.runs_dir / run / "summary.json").stat().st_mtime for run, _ in SETS[name]
         )
+        info = machine(nproc=2)
         record = {
             "date": datetime.date.fromtimestamp(finished).isoformat(),
             "machine": {
-                **machine(nproc=2),
-                "cpu_kind": cpu_kind(),
+                **info,
+                "cpu_kind": cpu_kind(info),
                 # the load while these runs ran, where this invocation ran them
                 "load_average_start": None if args.reuse else load_start,
                 "load_average_end": None if args.reuse else os.getloadavg()[0],
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs,
         }
         if name in PER_CPU_KIND:
-            doc.setdefault("per_cpu_kind", {}).setdefault(name, {})[cpu_kind()] = record
+            doc.setdefault("per_cpu_kind", {}).setdefault(name, {})[cpu_kind(info)] = record
         else:
             doc["sets"][name] = record
         path.parent.mkdir(parents=True, exist_ok=True)
