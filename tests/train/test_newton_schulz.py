@@ -82,3 +82,18 @@ def test_a_slow_implementation_is_stopped_early() -> None:
     assert ran == 1 and total > 0
     _, ran = ns.step_seconds(ns.implementation("torch_bf16"), groups, CPU, limit=float("inf"))
     assert ran == len(groups)
+
+
+def test_auto_keeps_the_resumed_runs_choice_without_measuring(monkeypatch) -> None:
+    def measured(*args, **kwargs):
+        raise AssertionError("auto measured where the resumed run's choice holds")
+
+    monkeypatch.setattr(ns, "step_seconds", measured)
+    kept = ns.choose("auto", SHAPES, CPU, resumed="batched_fp32")
+    assert (kept.name, kept.resumed, kept.seconds) == ("batched_fp32", True, {})
+    assert kept.kwargs == {"matmul_dtype": torch.float32}
+    assert "resumed run's choice" in kept.describe()
+    # a choice auto could not make now (only torch's Muon runs Polar Express) is not kept
+    assert ns.choose("auto", SHAPES, CPU, "polar_express", resumed="batched_bf16").name == (
+        "torch_bf16"
+    )

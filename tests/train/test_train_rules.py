@@ -13,7 +13,7 @@ import torch
 from support import train_config
 
 from wholeshard.optim.rules import MATRIX_RULES, matrix_kwargs, matrix_rule
-from wholeshard.train import outputs
+from wholeshard.train import newton_schulz, outputs
 from wholeshard.train.config import ConfigError, TrainConfig
 from wholeshard.train.newton_schulz import IMPLEMENTATIONS, implementation
 from wholeshard.train.resume import newton_schulz_warning
@@ -28,8 +28,9 @@ def _run(tmp_path: Path, name: str, **flags) -> tuple[dict, list[dict]]:
     data.write_bytes(TEXT * 2)
     out = tmp_path / name
     cfg = train_config(
-        steps=2, batch_size=4, seq_len=16, data=str(data), out=str(out), eval_every=2,
-        eval_batches=1, progress=False, threads=1, param_dtype="float32", model="micro", **flags,
+        batch_size=4, seq_len=16, data=str(data), out=str(out), eval_every=2,
+        eval_batches=1, progress=False, threads=1, param_dtype="float32", model="micro",
+        **{"steps": 2, **flags},
     )  # fmt: skip
     summary = train(cfg)
     records = [json.loads(line) for line in (out / outputs.METRICS).read_text().splitlines()]
@@ -71,6 +72,19 @@ def test_a_resume_with_another_newton_schulz_is_named() -> None:
     assert newton_schulz_warning("batched_fp32", now) is None
     assert newton_schulz_warning(None, now) is None  # a checkpoint from before the choice
     assert newton_schulz_warning("torch_bf16", None) is None  # not muon
+
+
+def test_a_resumed_auto_run_keeps_the_checkpoints_choice(tmp_path: Path, monkeypatch) -> None:
+    ckpt = dict(checkpoint_every=2)
+    saved, _ = _run(tmp_path, "run", newton_schulz="batched_fp32", **ckpt)
+
+    def measured(*args, **kwargs):
+        raise AssertionError("auto measured where the checkpoint's choice holds")
+
+    monkeypatch.setattr(newton_schulz, "step_seconds", measured)
+    resumed, records = _run(tmp_path, "run", newton_schulz="auto", resume="auto", steps=4, **ckpt)
+    assert (saved["newton_schulz"], resumed["newton_schulz"]) == ("batched_fp32",) * 2
+    assert records[-1]["step"] == 4
 
 
 def test_rules_resolve_to_their_classes() -> None:

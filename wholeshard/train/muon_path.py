@@ -22,7 +22,7 @@ from ..planning.specs import matrix_count, matrix_shape
 from .baseline import ADAMW_BETAS
 from .config import TrainConfig
 from .newton_schulz import NewtonSchulz, choose
-from .sections import OptimConfig
+from .resume import saved_newton_schulz
 
 
 def build_wholeshard(
@@ -40,7 +40,7 @@ def build_wholeshard(
         fp8_param_gather=cfg.model.fp8 is not None,
     )
     ddp = DataParallel(model, parallel, mesh=mesh)
-    implementation = newton_schulz_of(ddp, optim) if optim.matrix_optimizer == "muon" else None
+    implementation = newton_schulz_of(ddp, cfg) if optim.matrix_optimizer == "muon" else None
     rule, extra = matrix_rule(optim.matrix_optimizer, *ns), {}
     if implementation is not None:
         rule, extra = implementation.rule, implementation.kwargs
@@ -57,22 +57,30 @@ def build_wholeshard(
     return ddp, opt, opt.clip_grad_norm_, implementation
 
 
-def newton_schulz_of(ddp: DataParallel, optim: OptimConfig) -> NewtonSchulz:
-    """How `muon` runs Newton-Schulz: `optim.newton_schulz`, or for `auto` the fastest on the
-    matrices this rank owns (every rank measures at once, as they will step; rank 0's choice
-    holds everywhere). A tensor-parallel model keeps torch's Muon: it orthogonalizes logical
-    matrices."""
+def newton_schulz_of(ddp: DataParallel, cfg: TrainConfig) -> NewtonSchulz:
+    """How `muon` runs Newton-Schulz: `optim.newton_schulz`, or for `auto` the resumed run's
+    choice (read from its checkpoint by rank 0) or else the fastest on the matrices this rank
+    owns (every rank measures at once, as they will step; rank 0's choice holds everywhere). A
+    tensor-parallel model keeps torch's Muon: it orthogonalizes logical matrices."""
+    optim = cfg.optim
     setting = optim.newton_schulz
     if setting == "auto" and ddp.tensor_parallel:
         setting = "torch_bf16"
+    shared = dist.is_initialized() and dist.get_world_size() > 1
+    resumed = None
+    if setting == "auto":  # after DataParallel's collectives: --overwrite has removed old ones
+        resumed = [saved_newton_schulz(cfg) if not shared or dist.get_rank() == 0 else None]
+        if shared:
+            dist.broadcast_object_list(resumed, src=0)
+        resumed = resumed[0]
     shapes = []
     for owned in ddp.step_protocol.owned():
         if owned.route.matrix:
             shape = owned.param.shape
             shapes += [matrix_shape(shape)] * (matrix_count(shape) if len(shape) > 2 else 1)
     ns = optim.ns_coefficients, optim.ns_algorithm
-    chosen = choose(setting, shapes, ddp.device, *ns)
-    if setting == "auto" and dist.is_initialized() and dist.get_world_size() > 1:
+    chosen = choose(setting, shapes, ddp.device, *ns, resumed=resumed)
+    if setting == "auto" and shared and not chosen.resumed:
         agreed = [chosen]
         dist.broadcast_object_list(agreed, src=0)
         chosen = agreed[0]

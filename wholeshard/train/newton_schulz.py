@@ -41,15 +41,22 @@ keeps torch's bits."""
 @dataclass(frozen=True)
 class NewtonSchulz:
     """The implementation the job's muon rule steps with: `rule(params, **kwargs, ...)`.
-    `seconds`: what `auto` measured per implementation (empty when the flag named one)."""
+    `seconds`: what `auto` measured per implementation (empty when the flag named one);
+    `resumed`: `auto` took the choice of the run a checkpoint continues, without measuring."""
 
     name: str
     rule: type[torch.optim.Optimizer]
     kwargs: dict[str, Any]
     seconds: dict[str, float] = field(default_factory=dict)
+    resumed: bool = False
 
     def describe(self) -> str:
         """One line for the job's header: which, and why."""
+        if self.resumed:
+            return (
+                f"newton-schulz {self.name}: the resumed run's choice, so it continues bit for "
+                f"bit (auto measured it at that run's start; --newton-schulz to choose again)"
+            )
         if not self.seconds:
             return f"newton-schulz {self.name} (--newton-schulz)"
         times = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in self.seconds.items())
@@ -86,16 +93,22 @@ def choose(
     device: torch.device,
     ns_coefficients: str = "quintic",
     ns_algorithm: str = "standard",
+    resumed: str | None = None,
 ) -> NewtonSchulz:
     """The implementation `setting` names, or for `auto` the one to run on `shapes` (the
-    matrices this rank will step) on `device`: torch's Muon unless another is at least `MARGIN`
-    times faster (then the fastest). Only torch's Muon runs a schedule other than the quintic,
-    and with `gram` products are bf16 whatever the implementation (so fp32 is not tried)."""
+    matrices this rank will step) on `device`: the implementation `resumed` (the choice of the
+    run a checkpoint continues) where `auto` could choose it, so a resumed run keeps its bits;
+    else torch's Muon unless another is at least `MARGIN` times faster (then the fastest). Only
+    torch's Muon runs a schedule other than the quintic, and with `gram` products are bf16
+    whatever the implementation (so fp32 is not tried)."""
     if setting != "auto":
         return implementation(setting, ns_coefficients, ns_algorithm)
     names = ["torch_bf16"]
     if ns_coefficients == "quintic":
         names += ["batched_bf16"] + (["batched_fp32"] if ns_algorithm == "standard" else [])
+    if resumed in names:
+        kept = implementation(resumed, ns_coefficients, ns_algorithm)
+        return NewtonSchulz(kept.name, kept.rule, kept.kwargs, resumed=True)
     found = [implementation(n, ns_coefficients, ns_algorithm) for n in names]
     if len(found) == 1 or not shapes:
         return found[0]

@@ -1,6 +1,7 @@
 """Where a run starts: `find_checkpoint` (the checkpoint `checkpoint.resume` names, or None for
 step 0), `check_start` (the run's checkpoint directory holds nothing its saves would replace),
-`remove_checkpoints` (`--overwrite`) and `newton_schulz_warning` (a resumed run stepping Muon
+`remove_checkpoints` (`--overwrite`), `saved_newton_schulz` (the implementation a resumed
+`--newton-schulz auto` run keeps) and `newton_schulz_warning` (a resumed run stepping Muon
 otherwise).
 
 `find_checkpoint` and `check_start` only read files, and nothing writes checkpoints before the
@@ -93,6 +94,25 @@ def remove_checkpoints(root: Path) -> None:
     for ckpt in steps(root).values():
         remove(root, ckpt)
     clean_leftovers(root)
+
+
+def saved_newton_schulz(cfg: TrainConfig) -> str | None:
+    """The `--newton-schulz` implementation the checkpoint this run resumes from ran (its
+    `extra["newton_schulz"]`); None when it starts at step 0, the checkpoint recorded none, or
+    cannot be read (`find_checkpoint` and the load say why, on every rank)."""
+    import torch
+
+    from ..checkpoint.directory import TRAINER, CheckpointError
+
+    try:
+        ckpt = find_checkpoint(cfg)
+        if ckpt is None:
+            return None
+        extra = torch.load(ckpt / TRAINER, weights_only=True).get("extra")
+    except (CheckpointError, OSError, RuntimeError):
+        return None
+    saved = extra.get("newton_schulz") if isinstance(extra, dict) else None
+    return saved if isinstance(saved, str) else None
 
 
 def newton_schulz_warning(saved: str | None, now: NewtonSchulz | None) -> str | None:

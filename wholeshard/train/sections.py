@@ -99,7 +99,7 @@ class OptimConfig:
     products), `batched_bf16` or `batched_fp32` (`wholeshard.optim.BatchedMuon`: same-shape
     matrices together, products in bf16 or summed in fp32, fast on CPUs without bf16 units);
     `auto` times each at start on this rank's matrices and keeps torch's Muon unless another
-    is 1.5x faster (`wholeshard.train.newton_schulz`)."""
+    is 1.5x faster; resumed, it keeps the checkpoint's choice (`wholeshard.train.newton_schulz`)."""
     qk_clip: float | None = field(default=None, metadata=at_least(0, flag="qk-clip"))
     """MuonClip: after each step, scale the query and key rows of every attention head whose
     largest pre-softmax logit exceeded this (needs a model that reports them: the byte GPT);
