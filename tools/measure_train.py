@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from wholeshard.bench.machine import SLOW_BF16
 from wholeshard.bench.report import machine
+from wholeshard.capacity.cpu import SLOW_BF16
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results" / "train.json"
@@ -137,7 +137,7 @@ def run_one(name: str, flags: list[str], runs_dir: Path, reuse: bool = False) ->
 
 def cpu_kind(info: dict) -> str:
     """The CPU of `machine()`'s `info` and the bf16 matmul units it has
-    (`wholeshard.bench.machine.cpu_bf16_matmul`), which decide how fast Muon's bf16 products run
+    (`wholeshard.capacity.cpu.cpu_bf16_matmul`), which decide how fast Muon's bf16 products run
     (`wholeshard train --newton-schulz auto` measures; this names the machine it measured)."""
     import torch
 

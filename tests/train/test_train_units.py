@@ -225,3 +225,17 @@ def test_param_dtype_auto_resolves_to_a_supported_dtype() -> None:
     assert resolve_param_dtype("float32", cpu) == torch.float32
     assert resolve_param_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_param_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("amx", "avx512_bf16", "dtype"), [
+    (True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32),
+])  # fmt: skip
+def test_param_dtype_auto_reads_the_cpus_bf16_units(monkeypatch, amx, avx512_bf16, dtype) -> None:
+    import platform
+
+    from wholeshard.train.env import resolve_param_dtype
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert resolve_param_dtype("auto", torch.device("cpu")) == dtype

@@ -7,6 +7,10 @@ import platform
 from importlib import metadata
 from typing import Any
 
+from ..capacity.cpu import SLOW_BF16, cpu_bf16_matmul
+
+__all__ = ["SLOW_BF16", "cpu_bf16_matmul", "machine"]
+
 
 def machine(
     nproc: int, forked: bool = False, device: str = "cpu", backend: str = "gloo"
@@ -50,26 +54,6 @@ def machine(
             gpu_bf16_peak_tflops=bf16_peak_tflops(gpu),
         )
     return info
-
-
-SLOW_BF16 = "none"
-"""`cpu_bf16_matmul()` on an x86 CPU with neither AVX512-BF16 nor AMX."""
-
-
-def cpu_bf16_matmul() -> str:
-    """What runs this CPU's bf16 matmuls at full rate: "AMX", "AVX512-BF16", `SLOW_BF16` (an x86
-    CPU with neither: torch takes a slow path, a 1024x1024 product seconds where fp32 takes
-    milliseconds), or "unknown" (another architecture, or a torch without the probes)."""
-    import torch
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "unknown"
-    try:  # private helpers of torch.cpu: absent means unknown
-        if torch.cpu._is_amx_tile_supported():
-            return "AMX"
-        return "AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else SLOW_BF16
-    except AttributeError:
-        return "unknown"
 
 
 def _cpu_name() -> str:

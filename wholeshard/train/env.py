@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..capacity.cpu import FAST_BF16, cpu_bf16_matmul
 from ..distributed import collectives
 
 
@@ -100,11 +101,7 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    except AttributeError:  # private helpers: absent means unknown, so stay in float32
-        fast = False
-    return torch.bfloat16 if fast else torch.float32
+    return torch.bfloat16 if cpu_bf16_matmul() in FAST_BF16 else torch.float32
 
 
 def set_threads(threads: int | None, env: DistEnv) -> None:
