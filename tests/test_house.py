@@ -29,6 +29,7 @@ LAYERS = {
     "capacity": 4,
     "train": 5,
     "bench": 5,
+    "integrations": 5,
     "cli": 6,
 }
 MAX_LINES = 400

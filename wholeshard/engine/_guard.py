@@ -4,9 +4,14 @@
   `DataParallel`: its hooks would fire too), every param and buffer is materialised (not on the
   meta device), all params are on one device, and every param is contiguous (each param becomes
   a contiguous view of its unit: strides another tensor relies on would silently change).
-- While wrapped (`claim`, `check_torch_optimizer`): a torch optimizer stepping wrapped params
-  raises instead of silently doing nothing (their `.grad` is always None: gradients live in the
-  units, and `LayerwiseOptimizer` owns the step).
+- While wrapped (`claim`, `check_torch_optimizer`, `check_clip_params`): a torch optimizer
+  stepping wrapped params, or `torch.nn.utils.clip_grad_norm_` over them, raises instead of
+  silently doing nothing (their `.grad` is always None: gradients live in the units, and
+  `LayerwiseOptimizer` owns the step and the clipping). torch has no hook for the clipping, so
+  the first `claim` puts a checking wrapper in place of `torch.nn.utils.clip_grad_norm_`.
+- Foreign data-parallel wrappers (`foreign_wrapper_problem`, `outer_ddp_problem`): torch DDP or
+  FSDP inside the wrapped module, or torch DDP around it (every gradient reduced twice, by
+  hooks that find no `.grad`), are refused.
 - After construction (`ParamSignature`): the same Parameter objects, in the same number, with
   the same `requires_grad`. Buffers are planned once, so a param frozen, unfrozen, replaced,
   added or removed after wrapping would train wrongly (its gradient never reduced, its update
@@ -16,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -26,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _WRAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> its name in the wrapped module
 _STEP_GUARD: list[Any] = []  # the handle of the global optimizer step pre-hook, once installed
+_CLIP_GUARD: list[Any] = []  # torch's clip_grad_norm_, once our checking wrapper replaced it
 
 
 def claim(params: Iterable[tuple[str, nn.Parameter]]) -> None:
@@ -35,6 +42,8 @@ def claim(params: Iterable[tuple[str, nn.Parameter]]) -> None:
         _WRAPPED[p] = name
     if not _STEP_GUARD:
         _STEP_GUARD.append(register_optimizer_step_pre_hook(check_torch_optimizer))
+    if not _CLIP_GUARD:
+        _guard_clip_grad_norm()
 
 
 def unclaim(params: Iterable[nn.Parameter]) -> None:
@@ -61,9 +70,78 @@ def check_torch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                 )
 
 
+def check_clip_params(params: Iterable[torch.Tensor]) -> None:
+    """Raise if `params` holds a param wrapped by a `DataParallel`: `torch.nn.utils.
+    clip_grad_norm_` would see no gradient for it, clip nothing and return 0, silently."""
+    for p in params:
+        name = _WRAPPED.get(p) if isinstance(p, nn.Parameter) else None
+        if name is not None:
+            raise RuntimeError(
+                f"torch.nn.utils.clip_grad_norm_ would not clip {name!r}: the param is wrapped "
+                f"by wholeshard.DataParallel, so its .grad is always None (gradients live in "
+                f"DataParallel's units, each rank holding the averaged gradient of what it "
+                f"owns) and the norm would be 0. Clip with "
+                f"wholeshard.LayerwiseOptimizer.clip_grad_norm_(max_norm) (every rank): it "
+                f"clips by the global norm and returns it"
+            )
+
+
+def _guard_clip_grad_norm() -> None:
+    """Put a wrapper that calls `check_clip_params` first in place of torch's
+    `clip_grad_norm_` (where `torch.nn.utils.clip_grad_norm_` and frameworks look it up)."""
+    from torch.nn import utils
+    from torch.nn.utils import clip_grad
+
+    torch_clip = clip_grad.clip_grad_norm_
+
+    @functools.wraps(torch_clip)
+    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _WRAPPED:
+            parameters = [parameters] if torch.is_tensor(parameters) else list(parameters)
+            check_clip_params(parameters)
+        return torch_clip(parameters, *args, **kwargs)
+
+    _CLIP_GUARD.append(torch_clip)
+    utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+_FOREIGN_FIX = (
+    "wholeshard.DataParallel reduces the gradients itself: build the model, wrap it in "
+    "wholeshard.DataParallel alone (no DistributedDataParallel or FSDP inside or around it), "
+    "and tell a framework not to wrap it again (the wholeshard.integrations do)"
+)
+
+
+def foreign_wrapper_problem(module: nn.Module) -> str | None:
+    """Why `module` holds another data-parallel wrapper (torch DDP, FSDP1 or FSDP2), or None."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    foreign = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
+    for name, m in module.named_modules():
+        if isinstance(m, foreign):
+            where = repr(name) if name else "the model itself"
+            return f"{where} is a {type(m).__name__}: {_FOREIGN_FIX}"
+    return None
+
+
+def outer_ddp_problem() -> str | None:
+    """Why the forward running now is wrong, or None: torch DDP's forward is running it (DDP
+    around a `DataParallel`, as `accelerator.prepare(model)` makes by default)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)()
+    if active is None:
+        return None
+    return f"a wholeshard.DataParallel runs inside torch's DistributedDataParallel: {_FOREIGN_FIX}"
+
+
 def placement_problem(module: nn.Module, placeholders: Collection[nn.Parameter] = ()) -> str | None:
     """Why `module` cannot be wrapped as it is, or None. `placeholders`: params standing in for
     meta ones until their buffers exist (`_meta`), exempt from the contiguity rule."""
+    foreign = foreign_wrapper_problem(module)
+    if foreign is not None:
+        return foreign
     for name, p in module.named_parameters():
         if p in _WRAPPED:
             return (

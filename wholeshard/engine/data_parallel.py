@@ -29,7 +29,7 @@ from ..planning.specs import MatrixCost, newton_schulz_cost
 from . import _hooks as hooks
 from ._experts import ExpertLayout, expert_group, split_experts, split_rest
 from ._fp8_storage import has_fp8_weights
-from ._guard import claim, unclaim
+from ._guard import claim, outer_ddp_problem, unclaim
 from ._init import cast_frozen, check_model, common_dtype
 from ._memory import memory
 from ._meta import fill_frozen, materialise, target_device
@@ -65,9 +65,11 @@ class DataParallel(nn.Module):
     matrix-routed params live in whole-tensor buffers, the others in element-wise sharded ones
     (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step
     (driving it through `step_protocol`): the wrapped params' `.grad` stays None (gradients go
-    to the units), so clip with `optimizer.clip_grad_norm_`, not
-    `torch.nn.utils.clip_grad_norm_` (it would see no gradient); a torch optimizer over
-    `ddp.parameters()` raises at its step. A module is wrapped once; `release()` gives it back.
+    to the units), so clip with `optimizer.clip_grad_norm_` (`torch.nn.utils.clip_grad_norm_`
+    over wrapped params raises: it would see no gradient); a torch optimizer over
+    `ddp.parameters()` raises at its step; `ddp.zero_grad()` zeroes the units' gradients. A
+    module is wrapped once (torch DDP or FSDP inside or around it is refused); `release()` gives
+    it back.
     """
 
     dp_config: DataParallelConfig  # not `config`: that name is the wrapped model's (transformers)
@@ -173,6 +175,9 @@ class DataParallel(nn.Module):
         self.step_protocol = StepProtocol(self._groups, self.routes, self.module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        problem = outer_ddp_problem()
+        if problem is not None:  # every rank runs the forward, so every rank raises
+            raise RuntimeError(problem)
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -209,6 +214,12 @@ class DataParallel(nn.Module):
         return sum(s.wait_timer.seconds for s in self.step_protocol.schedulers)
 
     # -- gradients ------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffer, as the optimizer's `zero_grad()` does (frameworks call
+        `model.zero_grad()` after the step: transformers' Trainer does). `set_to_none` is
+        accepted for API parity and ignored (the params' `.grad` stays None)."""
+        self.step_protocol.zero_grad_buffer()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

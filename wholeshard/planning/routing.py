@@ -74,12 +74,15 @@ class Route:
         object.__setattr__(self, "logical_shape", tuple(self.param.shape))
 
 
-def route_params(module: nn.Module, matrix_params: MatrixParams | None = None) -> list[Route]:
+def route_params(
+    module: nn.Module, matrix_params: MatrixParams | None = None, *, require_matrix: bool = True
+) -> list[Route]:
     """Routes for every `requires_grad` parameter of `module`, in registration order, by
     [Note: the routing rule] (`matrix_params(name, param)` replaces its matrix/AdamW decision).
-    Raises ValueError if nothing goes to Muon or a Muon param has fewer than 2 dims."""
+    Raises ValueError if a Muon param has fewer than 2 dims, or (`require_matrix`) if nothing
+    goes to Muon."""
     routes = _route(module, matrix_params)
-    _validate(routes)
+    _validate(routes, require_matrix)
     return routes
 
 
@@ -224,7 +227,7 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _validate(routes: list[Route]) -> None:
+def _validate(routes: list[Route], require_matrix: bool = True) -> None:
     if not routes:
         raise ValueError("the module has no parameter with requires_grad=True: nothing to train")
     too_flat = [r.name for r in routes if r.matrix and r.param.ndim < 2]
@@ -234,7 +237,7 @@ def _validate(routes: list[Route]) -> None:
             f"routed to Muon have fewer than 2 dims: {too_flat}. Return False for them from "
             f"your matrix_params predicate (they go to AdamW).\n{routing_table(routes)}"
         )
-    if not any(r.matrix for r in routes):
+    if require_matrix and not any(r.matrix for r in routes):
         raise ValueError(
             "no parameter is routed to Muon (the default routes weights of hidden layers with "
             ">= 2 dims there: not embeddings, not the output head, not params registered on "

@@ -1,0 +1,102 @@
+"""What training frameworks (transformers' Trainer, Accelerate, Lightning) do to a wrapped model:
+each works as it does on a plain model or raises an error naming the fix, never a silent wrong
+run (issue 36: what a newcomer hit following the frameworks' docs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import (
+    assert_bitwise_equal,
+    full_params,
+    local_loss,
+    make_model,
+    run,
+    wrapped,
+)
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import wholeshard
+
+
+def _steps_zeroed_by(model_zero_grad: bool) -> dict:
+    ddp, opt = wrapped()
+    losses = []
+    for step in range(3):
+        loss = local_loss(ddp, step)
+        loss.backward()
+        opt.step()
+        if model_zero_grad:
+            ddp.zero_grad()  # what Trainer calls after the step, instead of opt.zero_grad()
+        else:
+            opt.zero_grad()
+        losses.append(loss.item())
+    state = opt.state_dict()["state"]
+    opt_state = {n: {k: v for k, v in e.items() if torch.is_tensor(v)} for n, e in state.items()}
+    return {"params": full_params(ddp.module), "losses": losses, "opt_state": opt_state}
+
+
+def test_model_zero_grad_clears_the_gradient_buffer() -> None:
+    assert_bitwise_equal(_steps_zeroed_by(True), _steps_zeroed_by(False))
+
+
+def test_torch_clip_grad_norm_over_wrapped_params_raises() -> None:
+    from torch.nn.utils import clip_grad
+
+    ddp, opt = wrapped()
+    local_loss(ddp).backward()
+    fix = r"LayerwiseOptimizer\.clip_grad_norm_"
+    with pytest.raises(RuntimeError, match=fix):
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)  # a generator, as frameworks pass
+    with pytest.raises(RuntimeError, match=fix):
+        clip_grad.clip_grad_norm_(ddp.module.head.weight, 1.0)  # one tensor, the module's name
+    other = nn.Linear(4, 4)  # params of no DataParallel clip as torch clips them
+    other(torch.ones(2, 4)).sum().backward()
+    want = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in other.parameters()]))
+    assert torch.equal(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3), want)
+    assert opt.clip_grad_norm_(1.0) > 0
+    opt.step()
+    model = ddp.release()  # given back: torch's clipping sees its gradients again
+    local_loss(model).backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0
+
+
+def _ddp_around() -> dict[str, str]:
+    ddp = wholeshard.DataParallel(make_model())
+    outer = DistributedDataParallel(ddp)  # what accelerator.prepare(model) does by default
+    try:
+        local_loss(outer)
+        around = "no error"
+    except RuntimeError as e:
+        around = str(e)
+    try:
+        wholeshard.DataParallel(DistributedDataParallel(make_model()))
+        inside = "no error"
+    except ValueError as e:
+        inside = str(e)
+    dist.barrier()
+    return {"around": around, "inside": inside}
+
+
+def test_torch_ddp_around_or_inside_a_wrapped_model_is_refused_on_every_rank() -> None:
+    for out in run(_ddp_around, 2):
+        assert "runs inside torch's DistributedDataParallel" in out["around"]
+        assert "wrap it in wholeshard.DataParallel alone" in out["around"]
+        assert "the model itself is a DistributedDataParallel" in out["inside"]
+
+
+def test_a_transformers_model_is_reached_through_the_wrapper() -> None:
+    transformers = pytest.importorskip("transformers")
+    import hf_support
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_support.config("llama", seq=16))
+    ddp = wholeshard.DataParallel(model)
+    assert ddp.config is model.config  # not DataParallel's options: those are `dp_config`
+    prompt = torch.tensor([[1, 2, 3]])
+    want = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert torch.equal(ddp.generate(prompt, max_new_tokens=3, do_sample=False), want)
+    args = transformers.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+    assert transformers.Trainer(model=ddp, args=args).model is ddp  # reads ddp.config

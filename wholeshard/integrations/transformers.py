@@ -1,0 +1,240 @@
+"""transformers' `Trainer` with wholeshard: `WholeshardTrainer`, and `WholeshardTrainerMixin` for
+trainers built on `Trainer` (`class MyTrainer(WholeshardTrainerMixin, trl.SFTTrainer)`).
+
+What the mixin changes, through `Trainer`'s own extension points (its overridable methods):
+- the model is wrapped in `DataParallel` once, at construction, after `Trainer` placed it and
+  before Accelerate sees it; `_wrap_model` hands out that wrapper, so Accelerate never wraps
+  the model (no torch DDP, no autocast patch) and evaluation and prediction run through it
+  (current params in every mode);
+- the optimizer is a `LayerwiseOptimizer` whose defaults come from `TrainingArguments`
+  (`optimizer_kwargs`); `Trainer`'s LR scheduler drives both of its param groups;
+- clipping (`max_grad_norm`) and the logged `grad_norm` are the global norm
+  (`LayerwiseOptimizer.clip_grad_norm_`); all but the last micro-batch of an accumulation run
+  under `ddp.no_sync()`, so gradients are reduced once per optimizer step;
+- checkpoints (`save_steps`, `resume_from_checkpoint`) hold the model and optimizer as a
+  wholeshard checkpoint (`checkpoint-N/wholeshard/step-N`: any world size) beside the
+  `from_pretrained` directory `save_model()` writes and `Trainer`'s scheduler, RNG and state
+  files.
+`bf16=True` trains bf16 params with fp32 masters and fp32 gradient reduction; `fp16=True` and
+`model_init` are refused. When no matrix goes to the matrix rule and `adamw_only=True`, the
+trainer is `Trainer` itself, unchanged. Needs `pip install 'wholeshard[hf]'`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers.utils import logging
+
+from ..checkpoint import hf_extra, load_checkpoint, save_checkpoint
+from ..engine.config import DataParallelConfig
+from ..engine.data_parallel import DataParallel
+from ..optim.layerwise import LayerwiseOptimizer
+from ..planning.routing import MatrixParams
+from .start import check_optimizer, check_routing
+
+logger = logging.get_logger(__name__)
+
+CHECKPOINT_DIR = "wholeshard"
+"""Where in a `Trainer` checkpoint (`checkpoint-N/`) the wholeshard checkpoint lives."""
+SCHEDULER_NAME = "scheduler.pt"  # Trainer's name for its LR scheduler's state
+
+
+def optimizer_kwargs(args: transformers.TrainingArguments) -> dict[str, dict[str, Any]]:
+    """`LayerwiseOptimizer`'s `matrix` and `adamw` keyword arguments from `args`: AdamW from
+    `learning_rate`, `weight_decay`, `adam_beta1/2`, `adam_epsilon`; `torch.optim.Muon` with its
+    own defaults at the same `learning_rate` and `weight_decay`, its update scaled to AdamW's
+    RMS (`adjust_lr_fn="match_rms_adamw"`), so one learning rate serves both."""
+    lr, decay = args.learning_rate, args.weight_decay
+    return {
+        "matrix": dict(lr=lr, weight_decay=decay, adjust_lr_fn="match_rms_adamw"),
+        "adamw": dict(
+            lr=lr,
+            weight_decay=decay,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+        ),
+    }
+
+
+class WholeshardTrainerMixin:
+    """Train `Trainer`'s model with `DataParallel` and `LayerwiseOptimizer`; put it before
+    `transformers.Trainer` (or a subclass) in the bases.
+
+    Keyword arguments, beside the trainer's own:
+        data_parallel: a `DataParallelConfig` (or a dict of its fields); without `mp_policy`,
+            `bf16=True` gives bf16 params with fp32 gradient reduction.
+        matrix, adamw: keyword arguments replacing `optimizer_kwargs(args)`'s defaults.
+        matrix_optimizer: the matrix rule (`torch.optim.Muon` by default).
+        matrix_params: the routing predicate (`wholeshard.route_params`).
+        adamw_only: when no matrix goes to the matrix rule, train with `Trainer` unchanged
+            instead of refusing.
+
+    `self.model` stays the transformers model; `self.model_wrapped` (and `self.ddp`) is its
+    `DataParallel`; `self.wholeshard_routing` the `RoutingCounts` logged at the start.
+    """
+
+    ddp: DataParallel | None
+
+    def __init__(
+        self,
+        *args: Any,
+        data_parallel: DataParallelConfig | dict[str, Any] | None = None,
+        matrix: dict[str, Any] | None = None,
+        adamw: dict[str, Any] | None = None,
+        matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
+        matrix_params: MatrixParams | None = None,
+        adamw_only: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        targs = self.args
+        if self.model_init is not None:
+            raise ValueError(
+                "WholeshardTrainer does not support model_init (the model is wrapped once, at "
+                "construction): pass model=... instead"
+            )
+        if targs.fp16:
+            raise ValueError(
+                "WholeshardTrainer does not support fp16=True (a GradScaler reads .grad, which "
+                "stays None under wholeshard.DataParallel): use bf16=True"
+            )
+        if self.optimizer is not None:
+            raise TypeError(
+                f"Trainer got optimizers=({type(self.optimizer).__name__}, ...): "
+                f"WholeshardTrainer builds its LayerwiseOptimizer itself; pass matrix=, adamw=, "
+                f"matrix_optimizer= to set it up (a torch optimizer would step nothing)"
+            )
+        rule = getattr(matrix_optimizer, "__name__", str(matrix_optimizer))
+        config = _config(data_parallel, targs.bf16, matrix_params)
+        self.wholeshard_routing = check_routing(
+            self.model, config.matrix_params, adamw_only=adamw_only, rule=rule
+        )
+        self.ddp = None
+        if self.wholeshard_routing is None:
+            logger.warning("no matrix goes to the matrix rule: training with Trainer unchanged")
+            return
+        self.ddp = DataParallel(self.model, config)
+        self.model_wrapped = self.ddp
+        defaults = optimizer_kwargs(targs)
+        self._layerwise = dict(
+            matrix={**defaults["matrix"], **(matrix or {})},
+            adamw={**defaults["adamw"], **(adamw or {})},
+            matrix_optimizer=matrix_optimizer,
+        )
+        self._rule = rule
+        self._owned_optimizer: LayerwiseOptimizer | None = None
+
+    # -- the model and the optimizer ------------------------------------------------------
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
+        if self.ddp is None:
+            return super()._wrap_model(model, training, dataloader)
+        return self.ddp  # Accelerate sees a wrapped model and leaves it alone
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.ddp is None:
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            self._owned_optimizer = LayerwiseOptimizer(self.ddp, **self._layerwise)
+            self.optimizer = self._owned_optimizer
+            check_optimizer(self.ddp, self._owned_optimizer)
+            if self.args.should_log:
+                logger.info(self.wholeshard_routing.summary(self._rule))
+        return self.optimizer
+
+    @property
+    def layerwise_optimizer(self) -> LayerwiseOptimizer:
+        """The `LayerwiseOptimizer` (`self.optimizer` may be Accelerate's wrapper of it)."""
+        if self._owned_optimizer is None:
+            raise RuntimeError("the optimizer is created when training starts (train())")
+        return self._owned_optimizer
+
+    # -- the step -------------------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.ddp is None or self.accelerator.sync_gradients:
+            return super().training_step(model, inputs, *args, **kwargs)
+        with self.ddp.no_sync():  # Accelerate's no_sync is a no-op in one process
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if self.ddp is None:
+            return super()._clip_grad_norm(model)
+        return self.layerwise_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self.ddp is None:
+            return super()._get_grad_norm(model, grad_norm)
+        if grad_norm is None:  # the norm alone: scaling by 1 changes no gradient
+            grad_norm = self.layerwise_optimizer.clip_grad_norm_(float("inf"))
+        return grad_norm.item()
+
+    # -- saving and loading ---------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write a `from_pretrained` directory of the current params (every rank must call it,
+        as `Trainer` does; the main process writes)."""
+        if self.ddp is None:
+            return super().save_model(output_dir, _internal_call)
+        with self.ddp.full_params():
+            super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.ddp is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        extra = {"step": self.state.global_step, "hf": hf_extra(self.model, self.processing_class)}
+        save_checkpoint(
+            Path(output_dir) / CHECKPOINT_DIR, self.ddp, self.layerwise_optimizer, extra=extra
+        )
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
+        if self.ddp is None or not (Path(resume_from_checkpoint) / CHECKPOINT_DIR).is_dir():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # The params come with the optimizer's state (`_load_optimizer_and_scheduler`).
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.ddp is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        saved = Path(checkpoint) / CHECKPOINT_DIR
+        if not saved.is_dir():
+            raise FileNotFoundError(
+                f"{checkpoint} holds no wholeshard checkpoint ({CHECKPOINT_DIR}/): it was not "
+                f"written by a WholeshardTrainer, so it has no optimizer state to resume from"
+            )
+        load_checkpoint(saved, self.ddp, self.layerwise_optimizer)
+        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)
+
+
+class WholeshardTrainer(WholeshardTrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` training with `DataParallel` and `LayerwiseOptimizer`
+    (`WholeshardTrainerMixin` says what changes and which keyword arguments it adds)."""
+
+
+def _config(
+    given: DataParallelConfig | dict[str, Any] | None,
+    bf16: bool,
+    matrix_params: MatrixParams | None,
+) -> DataParallelConfig:
+    """The `DataParallelConfig`: `given`, with bf16 params and fp32 reduction when `bf16` and
+    it sets no `mp_policy`, and the routing predicate."""
+    fields = dict(given) if isinstance(given, dict) else {}
+    config = given if isinstance(given, DataParallelConfig) else DataParallelConfig(**fields)
+    if bf16 and config.mp_policy is None:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        config = dataclasses.replace(config, mp_policy=policy)
+    if matrix_params is not None:
+        config = dataclasses.replace(config, matrix_params=matrix_params)
+    return config
