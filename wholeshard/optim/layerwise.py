@@ -206,8 +206,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 )
 
     def register_update_hook(self, hook: Callable[[list[OwnedPiece]], None]) -> RemovableHandle:
-        """Call `hook(pieces)` after each update of owned `pieces` (all of a step's, or, pipelined,
-        one unit's), before their masters are written to the params and gathered: what it
+        """Call `hook(pieces)` after each update of owned `pieces` (all of a step's; pipelined or
+        offloaded, one unit's), before their masters are written to the params and gathered: what it
         writes to the masters is what every rank gets (QK-clip, `wholeshard.optim.QKClip`)."""
         handle = RemovableHandle(self._update_hooks)
         self._update_hooks[handle.id] = hook
