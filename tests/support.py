@@ -259,6 +259,7 @@ def wholeshard_run(
     lr_lambda: Callable[[int], float] | None = None,
     device: str = "cpu",
     matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
+    opt_kw: dict | None = None,
 ) -> dict[str, Any]:
     """The same training on this rank's slice of every batch; returns what the tests compare.
 
@@ -269,7 +270,7 @@ def wholeshard_run(
     "ddp" (for inspection inside the worker: it does not pickle); `lr_lambda` drives a
     `LambdaLR` scheduler stepped after every optimizer step; `device`: where the model runs
     (outputs come back on the CPU); `matrix_optimizer` steps the matrix-routed matrices with
-    `muon_kw`.
+    `muon_kw`; `opt_kw`: more `LayerwiseOptimizer` arguments.
     """
     rank, world = rank_world()
     model = make() if make is not None else make_model(**(model_kw or {}))
@@ -284,6 +285,7 @@ def wholeshard_run(
         matrix=muon_kw or MUON_KW,
         adamw=adamw_kw or ADAMW_KW,
         matrix_optimizer=matrix_optimizer,
+        **(opt_kw or {}),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
     losses, norms, evals = [], [], []

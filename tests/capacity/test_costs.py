@@ -4,6 +4,8 @@ counter's arithmetic (`tests/engine/test_plan_agrees.py` checks the figures agai
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -134,6 +136,22 @@ def test_persistent_bytes_add_up(planned, mode: Mode) -> None:
     assert pieces >= sum(not s.matrix for s in specs)
     assert total["optimizer_state"] == 4 * muon + 8 * adamw + 4 * pieces
     assert costs.worst_rank == max(range(k), key=lambda r: (costs.persistent[r]["total"], -r))
+
+
+@pytest.mark.parametrize("grads", ["float32", "bfloat16"])
+def test_offloaded_masters_and_state_are_host_bytes(planned, grads: str) -> None:
+    """Offloaded, masters and state but the 0-d AdamW steps are host bytes, master grads made
+    only for a unit's update; without offload every byte is on the device."""
+    plan, specs = planned
+    mode = Mode(param_dtype="bfloat16", grad_reduce_dtype=grads)
+    kept = plan_costs(plan, specs, mode)
+    offloaded = plan_costs(plan, specs, dataclasses.replace(mode, offload_state=True))
+    for r, (p, q) in enumerate(zip(kept.persistent, offloaded.persistent, strict=True)):
+        assert (kept.device_bytes(r), kept.host_bytes(r)) == (p["total"], 0)
+        steps = 4 * owned(plan)[r].adamw_pieces
+        assert offloaded.host_bytes(r) == p["masters"] + p["optimizer_state"] - steps > 0
+        assert q["master_grads"] == 0 and (p["master_grads"] > 0) == (grads == "bfloat16")
+        assert offloaded.device_bytes(r) == p["total"] - p["master_grads"] - offloaded.host_bytes(r)
 
 
 def test_transposed_weights_keep_fp32_masters() -> None:

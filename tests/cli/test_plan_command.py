@@ -113,10 +113,14 @@ def test_json_has_every_field_with_its_type(
         "overlap_param_gather": False,
         "param_sync": "allgather",
         "clip_grad_norm": True,
+        "offload_state": False,
     }
     per_rank, per_step = doc["per_rank"], doc["per_step"]
     assert set(per_rank) == {"shard_rank", "persistent_bytes", "persistent_total_min",
-                             "peak_transient_bytes", "transient_unit_bytes"}  # fmt: skip
+                             "device_bytes", "host_bytes", "peak_transient_bytes",
+                             "transient_unit_bytes"}  # fmt: skip
+    assert per_rank["device_bytes"] == per_rank["persistent_bytes"]["total"]
+    assert per_rank["host_bytes"] == 0
     kinds = {"params", "grads", "masters", "optimizer_state", "master_grads", "total"}
     assert set(per_rank["persistent_bytes"]) == kinds
     assert all(isinstance(v, int) and v >= 0 for v in per_rank["persistent_bytes"].values())
@@ -149,6 +153,10 @@ def test_json_has_every_field_with_its_type(
             ["--grad-reduce-dtype", "bfloat16", "--overlap-param-gather"],
             Mode(param_dtype="bfloat16", grad_reduce_dtype="bfloat16", overlap_param_gather=True),
         ),
+        (
+            ["--offload-state", "--grad-reduce-dtype", "bfloat16"],
+            Mode(param_dtype="bfloat16", grad_reduce_dtype="bfloat16", offload_state=True),
+        ),
     ],
 )
 def test_json_costs_are_the_plans_in_the_mode_the_flags_name(
@@ -172,6 +180,9 @@ def test_json_costs_are_the_plans_in_the_mode_the_flags_name(
     assert doc["per_rank"]["persistent_bytes"] == costs.persistent[worst]
     assert doc["per_rank"]["persistent_total_min"] == min(p["total"] for p in costs.persistent)
     assert doc["per_rank"]["peak_transient_bytes"] == costs.peak_transient
+    assert doc["mode"]["offload_state"] == mode.offload_state
+    assert doc["per_rank"]["device_bytes"] == costs.device_bytes(worst)
+    assert doc["per_rank"]["host_bytes"] == costs.host_bytes(worst)
     assert doc["per_step"]["collectives"] == costs.counts()
     assert doc["per_step"]["bytes_sent"] == costs.bytes_sent
     if mode.reshard_after_forward:  # each rank keeps 1/8 of the bf16 params
@@ -206,6 +217,24 @@ def test_table_tells_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> N
     assert f"in {sum(counts.values())} collectives (" in text
     assert f"{counts['all_gather']} all_gather" in text
     assert f"traffic per step   {plan_tool.size(costs.bytes_sent)} sent per rank" in text
+
+
+def test_offload_state_splits_memory_between_device_and_host(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--preset", "llama3-8b", "--dp", "8"]
+    code, out, _ = run([*argv, "--offload-state"], capsys)
+    assert code == 0
+    specs = preset("llama3-8b")
+    plan = plan_for(specs, 8)
+    costs = plan_costs(plan, specs, Mode(param_dtype="bfloat16", offload_state=True))
+    worst, size = costs.worst_rank, plan_tool.size
+    device, host = costs.device_bytes(worst), costs.host_bytes(worst)
+    assert host > 0 and device + host == costs.persistent[worst]["total"]
+    held = f"({size(device)} on the device, {size(host)} of masters and state in host memory)"
+    assert held in " ".join(lead(out).split())
+    code, out, _ = run(argv, capsys)
+    assert "host memory" not in out
 
 
 def test_the_table_leads_with_what_a_user_decides_on(capsys: pytest.CaptureFixture[str]) -> None:

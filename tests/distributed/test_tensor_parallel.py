@@ -218,6 +218,9 @@ def _refusals(tmp: str) -> list[str]:
             matrix_optimizer=NorMuon,
             tp_mode="distributed",
         ),
+        lambda: wholeshard.LayerwiseOptimizer(
+            wholeshard.DataParallel(parallel(), mesh=mesh), offload_state=True
+        ),
     ):
         try:
             attempt()
@@ -231,6 +234,7 @@ def test_what_tensor_parallelism_does_not_support_yet_is_refused(tmp_path) -> No
     for said in run(_refusals, 2, str(tmp_path)):
         assert "ValueError: 'up.weight' is a DTensor" in said[0] and "mesh=mesh" in said[0]
         assert "NotImplementedError: tp_mode='distributed' with NorMuon" in said[1]
+        assert "NotImplementedError: offload_state=True does not support tensor-par" in said[2]
 
 
 # -- the byte GPT: attention and MLP in torch's TP styles ----------------------------------------

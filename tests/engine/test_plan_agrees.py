@@ -40,6 +40,7 @@ from wholeshard import DataParallelConfig
 from wholeshard.capacity.costs import Mode, dtype_name, plan_costs, ring_bytes, step_collectives
 from wholeshard.distributed import collectives
 from wholeshard.engine import _storage
+from wholeshard.optim._offload import StateOffload
 from wholeshard.planning import ParamSpec, plan_exactly
 
 BUCKET = 3000  # 4-5 buckets: the AdamW bucket holding `emb` (its grad lands last) is early in
@@ -130,9 +131,19 @@ def _step(ddp: wholeshard.DataParallel, opt: wholeshard.LayerwiseOptimizer, step
     opt.zero_grad()
 
 
+def _master_grads(pieces) -> list[torch.Tensor]:
+    """The fp32 master grads kept between steps (not views of the grad shards)."""
+    return [
+        o.master.grad for o in pieces if o.master.grad is not None and o.master.grad is not o.grad
+    ]
+
+
 def _train(bucket_size: int, ddp_kw: dict) -> dict:
+    ddp_kw = dict(ddp_kw)
+    offload = ddp_kw.pop("offload_state", False)
+    StateOffload.force_copies = offload  # this worker's: the copies a GPU makes, on the CPU
     ddp = data_parallel(make_model(), bucket_size=bucket_size, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, offload_state=offload)
     _step(ddp, opt, 0)  # makes the optimizer state
     with _recording() as (engine, torch_calls), _peak(ddp) as peak:
         _step(ddp, opt, 1)
@@ -140,7 +151,7 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
     return {
         "shard_rank": ddp.shard_rank,
         "memory": ddp.memory(),
-        "master_grads": sum(o.master.grad.nbytes for o in pieces if o.master.grad is not o.grad),
+        "master_grads": sum(g.nbytes for g in _master_grads(pieces)),
         "collectives": engine,
         "torch_calls": torch_calls,
         "peak": peak[0],
@@ -166,6 +177,8 @@ MODES = {  # name: (ranks, bucket size, DataParallel options)
     "owners": (3, BUCKET, dict(strategy="owners")),
     "owners-fully-sharded-fine-overlap": (3, FINE, dict(FULLY, strategy="owners", **OVERLAP)),
     "owners-hybrid-fully-sharded": (4, FINE, dict(FULLY, strategy="owners", shard_group_size=2)),
+    "offload-bf16-grads": (2, BUCKET, dict(mp_policy=mp(BF16, BF16), offload_state=True)),
+    "offload-fully-sharded-bf16": (2, BUCKET, dict(FULLY, mp_policy=mp(BF16), offload_state=True)),
 }
 PEAK_WITHIN = {
     "fully-sharded-fine": 0.01,
@@ -183,7 +196,8 @@ Elsewhere it is exact."""
 
 def _mode(ddp_kw: dict) -> Mode:
     """The plan's mode for a DataParallel made with `ddp_kw` (float32 where no dtype is given)."""
-    cfg = DataParallelConfig(**{k: v for k, v in ddp_kw.items() if k not in VARIANT_FIELDS})
+    ignored = VARIANT_FIELDS | {"offload_state"}
+    cfg = DataParallelConfig(**{k: v for k, v in ddp_kw.items() if k not in ignored})
     policy = cfg.mp_policy or MixedPrecisionPolicy()
     param_dtype = policy.param_dtype or torch.float32
     return Mode(
@@ -193,6 +207,7 @@ def _mode(ddp_kw: dict) -> Mode:
         overlap_grad_reduce=cfg.overlap_grad_reduce,
         overlap_param_gather=cfg.overlap_param_gather,
         param_sync=ddp_kw.get("param_sync", "allgather"),
+        offload_state=ddp_kw.get("offload_state", False),
     )
 
 
@@ -221,6 +236,9 @@ def test_the_plan_tells_memory_collectives_and_bytes_of_a_real_run(name: str) ->
         for kind in ("params", "grads", "masters", "optimizer_state"):
             assert mine[kind] == memory[kind], (rank, kind, mine[kind], memory[kind])
         assert mine["master_grads"] == out["master_grads"], rank
+        device = memory["device"] + out["master_grads"]  # not a kind of `memory()`
+        r = out["shard_rank"]
+        assert (costs.device_bytes(r), costs.host_bytes(r)) == (device, memory["host"]), rank
         assert costs.transient_unit == memory["transient_unit"], rank
         peak = (costs.peak_transient, out["peak"])
         if name in PEAK_WITHIN:

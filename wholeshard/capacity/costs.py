@@ -16,6 +16,10 @@ The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and iss
 - `optimizer_state`, after the first step: torch's Muon keeps an fp32 momentum per owned
   element, AdamW two fp32 moments per owned element and a 4-byte `step` per owned piece (one
   piece per owned range of a param; amsgrad, fused and capturable AdamW are not modelled).
+- with `Mode.offload_state` (`LayerwiseOptimizer(offload_state=True)`), `host` bytes: the
+  masters and the optimizer state but the 0-d `step`s; a cast master grad exists only while its
+  unit steps, so `master_grads` is 0. `device` bytes: the rest of `total` (`DataParallel.memory()`
+  says the same).
 
 Per step (steady state: one forward, backward, `clip_grad_norm_` and `step()`, dp > 1): per
 planned bucket a reduce-scatter of the bucket in the shard group (an owner bucket: a reduce of
@@ -81,7 +85,8 @@ class Mode:
     the plan's own). Dtypes are stored as names (`dtype_name`); `param_dtype` is the buffers'
     dtype (DataParallel's None means the model's own: give it here). `clip_grad_norm`: the
     step calls `clip_grad_norm_` (the train job always does). `transposed`: names of Muon
-    weights stored (in, out), which keep fp32 masters even in float32."""
+    weights stored (in, out), which keep fp32 masters even in float32. `offload_state`: the
+    optimizer keeps masters and state in host memory (`LayerwiseOptimizer(offload_state=)`)."""
 
     reshard_after_forward: bool = False
     param_dtype: str = "float32"
@@ -91,6 +96,7 @@ class Mode:
     param_sync: ParamSync = "allgather"
     clip_grad_norm: bool = True
     transposed: frozenset[str] = field(default_factory=frozenset)
+    offload_state: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "grad_reduce_dtype"):
@@ -169,6 +175,7 @@ def _persistent(mode: Mode, mine: Owned, kept: int) -> dict[str, int]:
     elements = mine.matrix + mine.adamw
     masters = elements if mode.param_dtype != "float32" else mine.transposed
     master_grads = elements if mode.grad_reduce_dtype != "float32" else mine.transposed
+    master_grads *= not mode.offload_state  # made for a unit's update, then freed
     out = {
         "params": kept * pb,
         "grads": kept * gb,
@@ -260,7 +267,8 @@ class Costs:
     largest unit's full params and grads (`memory()`'s `transient_unit`), `peak_transient`: the
     most bytes of full units alive at once in a step (0 unless fully sharded); `collectives`:
     one step's, of `worst_rank` (`step_collectives` of another rank differs only in the owner
-    buckets' all-reduces across replicas)."""
+    buckets' all-reduces across replicas); `host[r]`: of rank r's persistent bytes, those in
+    host memory (`Mode.offload_state`; else 0), the rest on the device (`device_bytes`)."""
 
     plan: Plan
     mode: Mode
@@ -268,6 +276,15 @@ class Costs:
     transient_unit: int
     peak_transient: int
     collectives: tuple[Collective, ...]
+    host: tuple[int, ...] = ()
+
+    def device_bytes(self, rank: int) -> int:
+        """Shard-group rank `rank`'s persistent bytes on the device."""
+        return self.persistent[rank]["total"] - self.host_bytes(rank)
+
+    def host_bytes(self, rank: int) -> int:
+        """Shard-group rank `rank`'s persistent bytes in host memory."""
+        return self.host[rank] if self.host else 0
 
     @property
     def worst_rank(self) -> int:
@@ -297,8 +314,11 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     mode = mode or Mode()
     units = _units(plan, specs)
     kept = _kept(plan, mode)
-    per_rank = tuple(
-        _persistent(mode, mine, kept[r]) for r, mine in enumerate(owned(plan, mode.transposed))
+    mine = owned(plan, mode.transposed)
+    per_rank = tuple(_persistent(mode, o, kept[r]) for r, o in enumerate(mine))
+    host = tuple(
+        p["masters"] + p["optimizer_state"] - 4 * o.adamw_pieces if mode.offload_state else 0
+        for p, o in zip(per_rank, mine, strict=True)
     )
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
     transient = peak = 0
@@ -307,7 +327,7 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
         overlap = (mode.overlap_grad_reduce, mode.overlap_param_gather)
         peak = _lifetimes.peak_bytes(units, specs, pb, gb, *overlap)
     collectives = tuple(step_collectives(plan, specs, mode, _worst(per_rank)))
-    return Costs(plan, mode, per_rank, transient, peak, collectives)
+    return Costs(plan, mode, per_rank, transient, peak, collectives, host)
 
 
 def _worst(persistent: Sequence[dict[str, int]]) -> int:

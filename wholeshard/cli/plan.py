@@ -40,14 +40,15 @@ DEFAULT_DTYPES = {"param_dtype": "bfloat16", "grad_reduce_dtype": "float32"}
 """The dtypes assumed where the flags name none: as users train (the train job's bf16 params,
 grads reduced in fp32); `--json`'s `assumed_dtypes` lists those it assumed."""
 MODE_FIELDS = ("reshard_after_forward", "param_dtype", "grad_reduce_dtype", "overlap_grad_reduce",
-               "overlap_param_gather", "param_sync", "clip_grad_norm")  # fmt: skip
+               "overlap_param_gather", "param_sync", "clip_grad_norm", "offload_state")  # fmt: skip
 """The `Mode` fields the JSON's `mode` echoes (with the plan's `shard_group_size`)."""
 
 
 def costs_json(costs: Costs) -> dict[str, Any]:
     """`mode`, `per_rank` and `per_step` of the `--json` document ([Note: plan costs]):
-    persistent bytes by kind of the shard-group rank holding the most, the peak of transient
-    full buckets, and one step's collectives by op and bytes sent per rank."""
+    persistent bytes by kind of the shard-group rank holding the most and where they are
+    (device, host), the peak of transient full buckets, and one step's collectives by op and
+    bytes sent per rank."""
     mode, worst = costs.mode, costs.worst_rank
     return {
         "mode": {name: getattr(mode, name) for name in MODE_FIELDS}
@@ -56,6 +57,8 @@ def costs_json(costs: Costs) -> dict[str, Any]:
             "shard_rank": worst,
             "persistent_bytes": costs.persistent[worst],
             "persistent_total_min": min(p["total"] for p in costs.persistent),
+            "device_bytes": costs.device_bytes(worst),
+            "host_bytes": costs.host_bytes(worst),
             "peak_transient_bytes": costs.peak_transient,
             "transient_unit_bytes": costs.transient_unit,
         },
@@ -186,6 +189,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sharded peak; default on)",
     )
     parser.add_argument(
+        "--offload-state",
+        action="store_true",
+        help="the optimizer keeps fp32 masters and state in host memory "
+        "(LayerwiseOptimizer(offload_state=True)): the device/host split",
+    )
+    parser.add_argument(
         "--overlap-param-gather",
         action="store_true",
         help="gather buckets ahead of forward (the fully sharded peak)",
@@ -280,6 +289,7 @@ def main(args: argparse.Namespace) -> int:
             reshard_after_forward=args.reshard_after_forward,
             overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather,
+            offload_state=args.offload_state,
             **dtypes,
         )
         costs = plan_costs(plan, specs, mode)

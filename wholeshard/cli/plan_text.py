@@ -94,6 +94,11 @@ def costs_lines(costs: Costs, assumed: Sequence[str] = ()) -> list[str]:
     kinds = [f"{names.get(n, n.replace('_', ' '))} {size(b)}" for n, b in mine.items()
              if n != "total" and b]  # fmt: skip
     held = f"{size(mine['total'])} between steps"
+    if mode.offload_state:
+        held += (
+            f" ({size(costs.device_bytes(worst))} on the device, "
+            f"{size(costs.host_bytes(worst))} of masters and state in host memory)"
+        )
     if sharded:
         held += (
             f" + up to {size(costs.peak_transient)} of gathered buckets during a step (the "

@@ -326,7 +326,9 @@ class DataParallel(nn.Module):
         fully sharded, the full buffers otherwise); `masters` and `optimizer_state`: from the
         attached `LayerwiseOptimizer` (0 without one); `frozen_params`: params outside the
         buffers; `transient_unit`: the largest full param + grad unit that exists only
-        during forward and backward (0 unless fully sharded).
+        during forward and backward (0 unless fully sharded). Where the kept bytes (all but
+        `transient_unit`) are: `host`, the masters and state an optimizer made with
+        `offload_state=True` keeps in host memory, and `device`, the rest.
         """
         optimizer = self.step_protocol.optimizer
         return memory(self.units, self.frozen, self.reshard_after_forward, optimizer)

@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from ..distributed import collectives
 from ..engine.data_parallel import DataParallel
 from ._inner import States, holding
+from ._offload import StateOffload
 from ._step_check import (
     NONFINITE_POLICIES,
     NonfinitePolicy,
@@ -67,6 +68,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             (`wholeshard.optim.split_qkv`, `split_heads`; [Note: row blocks], `optim/ns_split.py`).
         tp_mode: how Newton–Schulz sees a tensor-parallel (DTensor) matrix whole: "duplicated"
             or "distributed" ([Note: tensor-parallel Muon] in `optim/tensor_parallel.py`).
+        offload_state: keep the fp32 masters (where separate from the params) and the optimizer
+            state in host memory (pinned), each unit's copied to the device for its update and
+            back ([Note: optimizer-state offload] in `optim/_offload.py`): the same bits.
 
     `param_groups[0]` is the Muon group and `param_groups[1]` the AdamW group on every rank, so
     LR schedulers work unchanged. `zero_grad()` zeros the grad buffer. A param that got no
@@ -100,6 +104,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
         ns_split: NsSplit | None = None,
         tp_mode: TpMode = "duplicated",
+        offload_state: bool = False,
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
@@ -140,6 +145,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._inner[ADAMW].param_groups[0],
         ]
         self.state = States(self._inner[MATRIX].state, self._inner[ADAMW].state)  # type: ignore[assignment]
+        offload = (self._inner, self._by_unit, ddp.device, offload_state, ddp.tensor_parallel)
+        self._offload = StateOffload(*offload)
         self._protocol.attach_optimizer(self)
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
@@ -159,11 +166,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._protocol.zero_grad_buffer()
             return loss
         if pipelined:
-            for unit in self._protocol.reduced_units():
-                self._update(self._by_unit.get(unit, []), stepped)
+            self._offload.walk(self._protocol.reduced_units(), stepped, self._update)
         else:
             self._protocol.finish_param_sync()  # a gather in flight lands before we write
-            self._update(self._owned, stepped)
+            if self._offload.copies:  # unit by unit, each unit's state on the device in turn
+                self._offload.walk(sorted(self._by_unit), stepped, self._update)
+            else:
+                self._update(self._owned, stepped)
             self._protocol.start_param_sync()
         if not self.ddp.dp_config.overlap_param_gather:
             self._protocol.finish_param_sync()
@@ -197,8 +206,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 )
 
     def register_update_hook(self, hook: Callable[[list[OwnedPiece]], None]) -> RemovableHandle:
-        """Call `hook(pieces)` after each update of owned `pieces` (all of a step's, or, pipelined,
-        one unit's), before their masters are written to the params and gathered: what it
+        """Call `hook(pieces)` after each update of owned `pieces` (all of a step's; pipelined or
+        offloaded, one unit's), before their masters are written to the params and gathered: what it
         writes to the masters is what every rank gets (QK-clip, `wholeshard.optim.QKClip`)."""
         handle = RemovableHandle(self._update_hooks)
         self._update_hooks[handle.id] = hook
@@ -311,11 +320,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     # -- state ----------------------------------------------------------------------------
 
     def owned_pieces(self) -> list[OwnedPiece]:
-        """What this rank updates, in registration order."""
+        """What this rank updates, in registration order (offloaded: their host values are the
+        last step's)."""
+        self._offload.wait()
         return list(self._owned)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of the fp32 masters (separate ones; tp replicas, with grads) and the state."""
+        """Bytes of the fp32 masters (separate ones; tp replicas, with grads) and the state,
+        wherever they are, and `host`: those of them kept in host memory (offloaded)."""
         masters = sum(o.master.nbytes for o in self._owned if o.separate_master)
         masters += sum(2 * o.replica.nbytes for o in self._owned if o.replica is not None)
         state = sum(
@@ -325,17 +337,23 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             for v in entry.values()
             if torch.is_tensor(v)
         )
-        return {"masters": masters, "optimizer_state": state}
+        return {"masters": masters, "optimizer_state": state, "host": self._offload.host_bytes()}
 
     def piece_state(self, piece: OwnedPiece) -> dict[str, Any]:
         """The torch optimizer's live state dict for `piece` (empty before the first step). A
         step check left unread is read first: state is never handed out past a failed check."""
         self._judge_pending_check()
+        self._offload.wait()
         return self._inner[piece.kind].state[piece.stepped]
+
+    def state_installed(self) -> None:
+        """`install_state`'s hook once loaded values are live: offloaded, they go to the host."""
+        self._offload.settle()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, keyed by param name; loads at the same world size and plan only."""
         self._judge_pending_check()
+        self._offload.wait()
         state: dict[str, dict[str, Any]] = {}
         for o in self._owned:
             entry = dict(self._inner[o.kind].state.get(o.stepped, {}))
@@ -352,6 +370,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Load `state_dict()` of an optimizer at the same world size and plan (any other:
         wholeshard checkpoints); every rank loads its own and all gather the params."""
         self._unread = None  # the state it judged is replaced
+        self._offload.wait()
         owned = {o.key: o for o in self._owned}
         saved = state_dict["state"]
         if set(saved) != set(owned):

@@ -110,6 +110,8 @@ class Checkpointable(Protocol):
 
     Optional: an int attribute `steps`, the step() calls taken (`LayerwiseOptimizer.steps`). A
     checkpoint saves it, names itself `step-<steps>` unless told otherwise, and restores it.
+    Optional: a method `state_installed()`, which `install_state` calls once loaded values are
+    live (`LayerwiseOptimizer` moves offloaded state back to host memory).
     """
 
     param_groups: list[dict[str, Any]]
@@ -164,6 +166,9 @@ def install_state(
         live.update(
             {k: piece.as_stepped(_placed(k, v, piece.master, group)) for k, v in state.items()}
         )
+    installed = getattr(optimizer, "state_installed", None)
+    if callable(installed):
+        installed()
     if steps is not None and step_count(optimizer) is not None:
         optimizer.steps = steps  # type: ignore[attr-defined]  # the optional attribute
     ddp.step_protocol.start_param_sync()
