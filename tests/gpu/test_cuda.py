@@ -63,6 +63,17 @@ def test_gloo_on_cuda_matches_the_reference(mode: str) -> None:
         assert_matches(out, ref)
 
 
+def test_owner_buckets_of_several_owners_on_cuda_match_the_reference() -> None:
+    """Owner buckets of 1 and 3 owners at 3 ranks: each bucket's reduces and broadcasts go as
+    one coalesced group ([Note: owner collectives]) of CUDA tensors."""
+    kw = dict(bucket_size=20000, strategy="owners", **OVERLAP)
+    outs = run_cuda(_run, 3, 3, ddp_kw=kw)
+    cuda_deterministic()
+    ref = reference_run(3, device="cuda")
+    for out in outs:
+        assert_matches(out, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_overlap_and_fully_sharded_are_bitwise_sync_on_cuda(dtype: torch.dtype) -> None:
     kw = dict(param_dtype=dtype, evaluate=True)

@@ -16,8 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import run_cuda
 
 from wholeshard.bench.flops import bf16_peak_tflops
+from wholeshard.bench.owner_bucket import largest_numel, owner_bucket_row
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.cuda,
@@ -96,3 +100,20 @@ def test_ranks_sharing_the_gpu_run_over_gloo(tmp_path: Path) -> None:
     for row in rows:
         _check_gpu_row(row, machine["gpu_bf16_peak_tflops"])
         assert row["launches_per_step"] is None  # not asked for
+
+
+def test_one_owner_bucket_at_the_largest_size_the_gpu_holds() -> None:
+    """One owner bucket reduced to its owners and gathered back ([Note: owner collectives]) on
+    CUDA tensors, at the largest size the GPU holds for its ranks: NCCL when each of the 2 ranks
+    has a GPU, else both on one over gloo. The values are exact; the rows (times never
+    asserted) go to runs/gpu_owner_bucket.json, the GPU tier's measurement of the form."""
+    nproc = 2
+    backend = "nccl" if torch.cuda.device_count() >= nproc else "gloo"
+    numel = largest_numel(torch.device("cuda"), 1 if backend == "nccl" else nproc)
+    rows = []
+    for owners in ("every", "one"):
+        out = run_cuda(owner_bucket_row, nproc, numel, "cuda", owners, backend=backend)
+        assert all(r["exact"] and r["backend"] == backend for r in out), out
+        rows.append(out[0])
+    (REPO / "runs").mkdir(exist_ok=True)
+    (REPO / "runs" / "gpu_owner_bucket.json").write_text(json.dumps(rows, indent=1) + "\n")

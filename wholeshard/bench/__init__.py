@@ -2,8 +2,9 @@
 pick instead. Modules: `configs` (the registry of configurations and workloads, no torch),
 `builders` (how each is built), `rule_optimizers` (what steps the matrices under each matrix
 rule), `workloads` (the work), `worker` (one rank's run), `timing` (CPU clock or CUDA events),
-`traffic` (bytes sent), `wait_clock` (blocked time), `floor` (the no-communication floor and the
-torch-Muon yardstick), `flops` (Newton–Schulz arithmetic, GPU peaks), `launches` (kernel launches
-per step), `memory_figures`, `machine`, `report` and `plot` (output). The command itself is
+`traffic` (bytes sent), `wait_clock` (blocked time), `owner_bucket` (one owner bucket's
+collectives, timed), `floor` (the no-communication floor and the torch-Muon yardstick), `flops`
+(Newton–Schulz arithmetic, GPU peaks), `launches` (kernel launches per step),
+`memory_figures`, `machine`, `report` and `plot` (output). The command itself is
 `wholeshard.cli.bench`.
 """

@@ -22,10 +22,11 @@ The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and iss
   says the same).
 
 Per step (steady state: one forward, backward, `clip_grad_norm_` and `step()`, dp > 1): per
-planned bucket a reduce-scatter of the bucket in the shard group (an owner bucket: a reduce of
-each non-empty shard) and, with replicas, an all-reduce of the rank's shard across them (grad
-dtype); per bucket an all-gather (k broadcasts with `param_sync="broadcast"`; an owner bucket:
-a broadcast of each non-empty shard) in the param dtype when k > 1, twice when fully sharded
+planned bucket a reduce-scatter of the bucket in the shard group (an owner bucket: a
+`reduce_coalesced`, one group of a reduce per non-empty shard) and, with replicas, an all-reduce
+of the rank's shard across them (grad dtype); per bucket an all-gather (k broadcasts with
+`param_sync="broadcast"`; an owner bucket: a `broadcast_coalesced`, one group of a broadcast per
+non-empty shard) in the param dtype when k > 1, twice when fully sharded
 (forward and backward) except for the units kept gathered from forward to backward: the first
 in reduce order and those holding params of the root module (names without a dot); fully
 sharded with `overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit (which
@@ -65,7 +66,10 @@ ELEMENT_BYTES = {
 """Bytes per element of the dtypes a mode or a collective may name."""
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
             "half": "float16", "fp64": "float64", "double": "float64"}  # fmt: skip
-OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce")
+OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce", "reduce_coalesced",
+       "broadcast_coalesced")  # fmt: skip
+"""The collective kinds: torch's, and an owner bucket's coalesced groups of reduces and of
+broadcasts (one per owner's shard, [Note: owner collectives] in `distributed.collectives`)."""
 ParamSync = Literal["allgather", "broadcast"]
 
 
@@ -210,11 +214,12 @@ class Collective:
 def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
     """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
     bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather, and a
-    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S."""
+    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S; a coalesced group of
+    reduces or broadcasts, of S in all, as one of S."""
     ring = (ranks - 1) / ranks
     if op == "all_reduce":
         return round(2 * ring * nbytes)
-    if op in ("reduce_scatter", "all_gather", "broadcast", "reduce"):
+    if op in OPS:  # every other op
         return round(ring * nbytes)
     raise ValueError(f"unknown collective {op!r}; one of {OPS}")
 
@@ -234,8 +239,7 @@ def step_collectives(
     for u in units:
         for b in u.buckets:
             if b.owners:
-                out += [Collective("reduce", k, hi - lo, grad, "grads", "shard")
-                        for _, lo, hi in b.shards()]  # fmt: skip
+                out.append(Collective("reduce_coalesced", k, b.numel, grad, "grads", "shard"))
             else:
                 out.append(Collective("reduce_scatter", k, b.numel, grad, "grads", "shard"))
             if dp > k and (mine := b.shard_len(rank)):
@@ -245,7 +249,9 @@ def step_collectives(
         for u in units:
             times = 1 if u.index in kept else 2
             for b in u.buckets:
-                if mode.param_sync == "allgather" and not b.owners:
+                if b.owners:
+                    sync = [Collective("broadcast_coalesced", k, b.numel, param, "params", "shard")]
+                elif mode.param_sync == "allgather":
                     sync = [Collective("all_gather", k, b.numel, param, "params", "shard")]
                 else:
                     sync = [Collective("broadcast", k, hi - lo, param, "params", "shard")

@@ -23,7 +23,7 @@ STRATEGY_WORDS = {
     "balanced": "equal shards, one reduce-scatter and one all-gather per bucket",
     "size_match": "equal shards of size-matched rows, one reduce-scatter and one all-gather per "
     "bucket",
-    "owners": "owner buckets, a reduce and a broadcast per owner of each bucket",
+    "owners": "owner buckets, a coalesced reduce and broadcast per bucket (one per owner)",
 }
 """What each strategy's buckets are, in the words of the table."""
 

@@ -2,17 +2,19 @@
 
 Every collective here moves equal-size per-rank chunks (what NCCL requires; a reduce or broadcast
 moves one tensor of the same size on every rank) and returns an async work handle (or None when
-there is nothing to wait for).
+there is nothing to wait for). An owner bucket's reduces, and its broadcasts, are issued as one
+coalesced group ([Note: owner collectives]).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 # torch >= 2.13 names the flat (1-D concatenation) forms *_single and deprecates the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -38,25 +40,95 @@ def reduce_scatter_sum(
     return _Finish(work, shard, None, divide_by) if divide_by != 1 else work
 
 
-def reduce_sum(
-    tensor: torch.Tensor,
-    group_rank: int,
+def reduce_to_owners(
+    parts: Sequence[tuple[int, torch.Tensor]],
     group: ProcessGroup | None,
     divide_by: int = 1,
     out: torch.Tensor | None = None,
-) -> Work | _Finish | None:
-    """Sum `tensor` over the group onto the rank `group_rank` of the group, which then divides
-    it by `divide_by` ([Note: averaging]) and, given `out` (a separate tensor of its size),
-    copies it there. On the other ranks `tensor` is left unspecified and `out` untouched."""
-    dst = dist.get_global_rank(group or dist.group.WORLD, group_rank)
-    work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    if dist.get_rank(group) != group_rank:
+) -> Work | _Finish | _All | None:
+    """Sum each `(group_rank, tensor)` of `parts` over the group onto that rank, as one
+    coalesced group ([Note: owner collectives]); this rank's own part, if listed, is then
+    divided by `divide_by` ([Note: averaging]) and, given `out` (a separate tensor of its size),
+    copied there. The other parts are left unspecified; `out` is untouched unless listed.
+    Every rank passes the same ranks and sizes, ranks ascending."""
+    me = dist.get_rank(group)
+    pg = group or dist.group.WORLD
+
+    def reduce(rank: int, t: torch.Tensor) -> Work | None:
+        dst = dist.get_global_rank(pg, rank)
+        return dist.reduce(t, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    work = _coalesced([(reduce, part) for part in parts], pg)
+    mine = [t for rank, t in parts if rank == me]
+    in_place = not mine or out is None or out.data_ptr() == mine[0].data_ptr()
+    if not mine or (in_place and divide_by == 1):
         return work
-    in_place = out is None or out.data_ptr() == tensor.data_ptr()
-    dst_tensor = tensor if in_place else out
-    if in_place and divide_by == 1:
-        return work
-    return _Finish(work, dst_tensor, None if in_place else tensor, divide_by)
+    return _Finish(work, mine[0] if in_place else out, None if in_place else mine[0], divide_by)
+
+
+def broadcast_from_owners(
+    parts: Sequence[tuple[int, torch.Tensor]], group: ProcessGroup | None
+) -> Work | _All | None:
+    """Overwrite each `(group_rank, tensor)` of `parts` on every rank with that rank's copy, as
+    one coalesced group ([Note: owner collectives]). Every rank passes the same ranks and sizes,
+    ranks ascending."""
+    pg = group or dist.group.WORLD
+
+    def broadcast_one(rank: int, t: torch.Tensor) -> Work | None:
+        src = dist.get_global_rank(pg, rank)
+        return dist.broadcast(t, src=src, group=group, async_op=True)
+
+    return _coalesced([(broadcast_one, part) for part in parts], pg)
+
+
+def _coalesced(
+    calls: Sequence[tuple[Callable[[int, torch.Tensor], Work | None], tuple[int, torch.Tensor]]],
+    group: ProcessGroup,
+) -> Work | _All | None:
+    """Issue `fn(rank, tensor)` for each call as one coalesced group where the backend coalesces
+    (NCCL: one ncclGroupStart/End, one launch), else one after the other; one handle for all.
+
+    [Note: owner collectives]
+    An owner bucket's gradients go to each owner by a reduce of its shard, and its params back
+    by a broadcast of it ([Note: owner buckets] in `planning.specs`); the reduces of one bucket,
+    and its broadcasts, are issued as one coalesced group: on NCCL one launch per bucket and
+    direction, whatever the number of owners, as torch itself issues an uneven reduce-scatter
+    or all-gather (and `batch_isend_irecv`, whose mechanism this is). Each reduce is a ring (a
+    pipelined chain) over the k ranks: per rank (k-1)/k of the bucket sent, the ring
+    reduce-scatter's volume, summed in the ring's fixed order, in place (no receive buffer).
+    An all-to-all (each rank sends every owner its range, the owner sums the k copies; or
+    grouped point-to-point, the same exchange) was measured and rejected: an owner receives k
+    copies of its shard, and owner buckets have 1-3 owners (their matrices are wider than an
+    equal shard), so at the presets' dp 8-1024 the owner's link carries 8-1000 times the ring's
+    bytes per bucket, and a receive buffer bounded by the bucket would take 3,200 to 5.2
+    million all-to-alls a step; on gloo at 4 ranks it took 1.7-3.2 times as long as these
+    groups for 16-64 MB buckets, faster only at 1 MB (tools/measure_owner_sync.py). gloo does
+    not coalesce: there a group is its collectives one after the other, summed alike.
+    """
+    if not calls:
+        return None
+    device = calls[0][1][1].device
+    if len(calls) > 1 and group._get_backend(device).supports_coalescing:
+        with _coalescing_manager(group, device, async_ops=True) as cm:
+            for fn, (rank, t) in calls:
+                fn(rank, t)
+        return _All(cm.works)
+    return _All([fn(rank, t) for fn, (rank, t) in calls])
+
+
+class _All:
+    """One handle for several: `wait()` waits for each."""
+
+    def __init__(self, works: Sequence[Work | None]) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
 
 
 def all_reduce_sum(

@@ -4,8 +4,9 @@
 A `StorageUnit` covers elements `[start, end)` of one planned buffer: one planned bucket, or
 several where a stacked param runs across them (a param's `.data` is one view: see
 `Buffer.storage_units`). Collectives run per planned bucket: equal shards by one reduce-scatter
-and one all-gather, an owner bucket's ([Note: owner buckets] in `planning.specs`) by a reduce
-and a broadcast per owner's shard; in each, every rank moves as many elements (NCCL needs it).
+and one all-gather, an owner bucket's ([Note: owner buckets] in `planning.specs`) by one
+coalesced group of reduces and one of broadcasts, one per owner's shard ([Note: owner
+collectives]); in each, every rank moves as many elements (NCCL needs it).
 
 [Note: resharding]
 Without resharding (ZeRO-1/2) the full `param` and `grad` tensors live for the whole run and
@@ -169,6 +170,9 @@ class StorageUnit:
     def _shard_range(self, full: torch.Tensor, b: Bucket, rank: int) -> torch.Tensor:
         return self._elements(full, *b.shard(rank))
 
+    def _shards(self, full: torch.Tensor, b: Bucket) -> list[tuple[int, torch.Tensor]]:
+        return [(r, self._elements(full, lo, hi)) for r, lo, hi in b.shards()]
+
     def _own_shard(self, full: torch.Tensor, shard: torch.Tensor | None, i: int) -> torch.Tensor:
         """This rank's shard of bucket `i`: in the separate shard tensor when resharding."""
         b = self.buckets[i]
@@ -305,8 +309,7 @@ class StorageUnit:
 
     def _reduce(self) -> InFlight:
         """Reduce-scatter every bucket (an owner bucket: reduce each shard to its owner), then
-        sum across replicas; the average divides once, at the end ([Note: averaging] in
-        `distributed/collectives.py`)."""
+        sum across replicas; the average divides once, at the end ([Note: averaging])."""
         group, replicas = self.groups.group, self.groups.replica_group
         mine = [self._own_shard(self.grad, self.grad_shard, i) for i in range(len(self.buckets))]
         n = 1 if replicas is None else dist.get_world_size(replicas)
@@ -314,14 +317,12 @@ class StorageUnit:
         stage1 = total if replicas is None else 1
         handles = []
         for out, b in zip(mine, self.buckets, strict=True):
-            if not b.owners:
+            if b.owners:
+                parts = self._shards(self.grad, b)
+                handles.append(collectives.reduce_to_owners(parts, group, stage1, out))
+            else:
                 full = self._bucket_range(self.grad, b)
                 handles.append(collectives.reduce_scatter_sum(out, full, group, stage1))
-            for r, lo, hi in b.shards() if b.owners else ():
-                dst = out if r == self.groups.rank else None
-                handles.append(
-                    collectives.reduce_sum(self._elements(self.grad, lo, hi), r, group, stage1, dst)
-                )
         if replicas is None:
             return InFlight(handles)
         mine = [m for m in mine if m.numel()]  # the replicas hold the same (empty) shards
@@ -372,17 +373,16 @@ class StorageUnit:
     ) -> list[Work | None]:
         """Dispatch the sync of bucket `b` of `full` (a full tensor of this unit): `mine` (this
         rank's shard, which may alias its range of `full`) and the others' land in `full`, by an
-        all-gather, or one broadcast per non-empty shard (`sync="broadcast"`, owner buckets)."""
+        all-gather, or a broadcast per shard (`sync="broadcast"`; owner buckets: coalesced)."""
         group, rank = self.groups.gather_group, self.groups.rank
         if sync == "allgather" and not b.owners:
             return [collectives.all_gather(self._bucket_range(full, b), mine, group)]
         own = self._shard_range(full, b, rank)
         if own.numel() and own.data_ptr() != mine.data_ptr():
             own.copy_(mine)
-        return [
-            collectives.broadcast(self._elements(full, lo, hi), r, group)
-            for r, lo, hi in b.shards()
-        ]
+        if b.owners:
+            return [collectives.broadcast_from_owners(self._shards(full, b), group)]
+        return [collectives.broadcast(t, r, group) for r, t in self._shards(full, b)]
 
     def drop_temporaries(self) -> None:
         """Free temporary buffers a storage kind keeps between steps (none here)."""
