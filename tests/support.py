@@ -400,6 +400,27 @@ def run(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> list[A
     return launch(functools.partial(fn, *args, **kwargs), nproc, start_method="fork", timeout=120)
 
 
+DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+DETAIL_TIMEOUT_S = 30.0
+"""How long a collective under `DETAIL` waits for a peer to issue the same one before it raises
+(the suite's collectives are milliseconds apart; a loaded machine stretches that to seconds)."""
+
+
+def run_detail(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """`run` under `TORCH_DISTRIBUTED_DEBUG=DETAIL`: before each collective every rank checks
+    that its peers issue the same one (op, sizes, dtypes) and blocks until they do, as NCCL
+    would, so ranks that issue collectives in another order, even across groups (which gloo
+    forgives), fail after `DETAIL_TIMEOUT_S` instead of passing."""
+    return launch(
+        functools.partial(fn, *args, **kwargs),
+        nproc,
+        start_method="fork",
+        timeout=120,
+        collective_timeout_s=DETAIL_TIMEOUT_S,
+        env=DETAIL,
+    )
+
+
 def run_cuda(
     fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", **kwargs: Any
 ) -> list[Any]:

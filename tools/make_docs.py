@@ -38,6 +38,7 @@ REQUIRED = {
     "train-make-train": "docs/train.md",
     "bench": "docs/benchmarks.md",
     "plans-recommended": "docs/planning.md",
+    "plans-latency": "docs/planning.md",
 }
 """Blocks that must exist (on that page): `--check` fails when a marker goes missing."""
 
@@ -594,6 +595,30 @@ def scale() -> list[str]:
     return [header, "", *table(head, "lrlrlrrrrlrrrr", body)]
 
 
+def plans_latency() -> list[str]:
+    """Per preset and dp: the plan's collectives per step, priced (latency and bandwidth
+    terms), and the busiest rank's Newton-Schulz time, beside FSDP2-style equal shards."""
+    doc = load("latency.json")
+    gib = 1024**3
+    body = []
+    for r in doc["rows"]:
+        p, e = r["projection"], r["equal_shards"]
+        body.append([
+            r["preset"], r["dp"], f"{r['strategy']} (k {r['shard_group_size']})",
+            f"{p['collectives']:,}", f"{p['bytes_sent'] / gib:,.1f}", f"{p['latency_s']:.3f}",
+            f"{p['bandwidth_s']:.3f}", f"{p['newton_schulz_s']:.4f}",
+            f"{e['collectives']:,}", f"{e['bytes_sent'] / gib:,.1f}", f"{e['latency_s']:.3f}",
+            f"{e['bandwidth_s']:.3f}",
+        ])  # fmt: skip
+    head = ["preset", "dp", "plan", "collectives", "GiB sent", "latency s", "bandwidth s",
+            "Newton-Schulz s", "equal shards: collectives", "GiB sent", "latency s",
+            "bandwidth s"]  # fmt: skip
+    how = "python tools/measure_latency.py"
+    extra = f"priced on `{doc['fabric']}` with `{doc['gpu']}`"
+    header = measured(doc["date"], doc["machine"], how, "docs/results/latency.json", extra)
+    return [header, "", *table(head, "lrlrrrrrrrrr", body)]
+
+
 # -- results: resident memory -----------------------------------------------------------------
 
 
@@ -644,6 +669,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "plans-no-groups": lambda: plans_table("default", "no_groups"),
     "plans-every-k": plans_every_k,
     "plans-scale": scale,
+    "plans-latency": plans_latency,
     "rss": rss,
 }
 

@@ -14,7 +14,6 @@ from wholeshard.capacity._lifetimes import _events, kept_units
 from wholeshard.capacity.costs import (
     ELEMENT_BYTES,
     OPS,
-    Collective,
     Mode,
     dtype_name,
     fully_sharded,
@@ -294,25 +293,6 @@ def test_every_muon_matrix_is_orthogonalized_by_one_rank(planned) -> None:
     per_rank = rank_ns_flops(plan)
     assert len(per_rank) == plan.shard_group_size
     assert sum(per_rank) == sum(ns_flops(s.shape) for s in specs if s.matrix)
-
-
-def test_collectives_are_timed_by_the_alpha_beta_ring_model() -> None:
-    specs = [ParamSpec(f"layers.{i}.weight", (256, 256), matrix=True) for i in range(32)]
-    plan = plan_exactly(specs, 32, bucket_size=1 << 20, shard_group_size=16)
-    fabric = FABRICS["nvlink4-ndr400"]
-    intra, inter = fabric.intra, fabric.inter
-    shard = Collective("reduce_scatter", 16, 16 * 1000, "float32", "grads", "shard")
-    expected = 15 * inter.latency + 15 / 16 * 16 * 1000 * 4 / inter.bandwidth  # 16 > 8 per node
-    assert collective_seconds(shard, plan, fabric) == pytest.approx(expected)
-    small = plan_exactly(specs, 32, bucket_size=1 << 20, shard_group_size=4)
-    shard4 = Collective("all_gather", 4, 4000, "bfloat16", "params", "shard")
-    expected = 3 * intra.latency + 3 / 4 * 4000 * 2 / intra.bandwidth  # one node
-    assert collective_seconds(shard4, small, fabric) == pytest.approx(expected)
-    replica = Collective("all_reduce", 8, 1000, "float32", "grads", "replica")  # 4 apart: 32 ranks
-    expected = 14 * inter.latency + 2 * 7 / 8 * 4000 / inter.bandwidth
-    assert collective_seconds(replica, small, fabric) == pytest.approx(expected)
-    alone = Collective("reduce_scatter", 1, 1000, "float32", "grads", "shard")
-    assert collective_seconds(alone, small, fabric) == 0.0
 
 
 def test_the_projection_adds_its_terms() -> None:

@@ -6,7 +6,9 @@ GPU), so an order that differs between ranks, even across groups, can deadlock; 
 equal sizes on every rank. gloo forgives both, so the test records what each rank issues
 (operation, group, elements, dtype) through every step of every mode, including steps where one
 rank's forward skips a block (an MoE expert no token chose) and activation checkpointing
-re-gathers in backward, and compares the sequences.
+re-gathers in backward, and compares the sequences. It runs under `TORCH_DISTRIBUTED_DEBUG=DETAIL`
+(`run_detail`), which blocks as NCCL does where the order differs across groups, and the last
+test checks that DETAIL catches such an order.
 """
 
 from __future__ import annotations
@@ -16,14 +18,26 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, DIM, MUON_KW, OVERLAP, VOCAB, Block, data_parallel, local_batch, mp
+from support import (
+    ADAMW_KW,
+    DETAIL,
+    DIM,
+    MUON_KW,
+    OVERLAP,
+    VOCAB,
+    Block,
+    data_parallel,
+    local_batch,
+    mp,
+    run_detail,
+)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import wholeshard
 from wholeshard import fp8
 from wholeshard.distributed import collectives
-from wholeshard.distributed.launch import launch
+from wholeshard.distributed.launch import WorkerFailed, launch
 
 Call = tuple[str, str, int, str]
 
@@ -87,21 +101,25 @@ def _roles(calls: list[tuple], ddp: wholeshard.DataParallel) -> list[Call]:
     return out
 
 
-def _steps(ddp_kw: dict, recipe: str | None) -> list[Call]:
+def _steps(ddp_kw: dict, recipe: str | None, unchecked: bool) -> list[Call]:
+    """`unchecked`: `nonfinite=None` and no clipping, so no step collective waits for the
+    reductions (a pipelined step then dispatches the rest before its check)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Branchy()
     if recipe is not None:
         model = fp8.convert(model, recipe)
     calls = _recording()
     ddp = data_parallel(model, bucket_size=3000, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
+    nonfinite = None if unchecked else "error"
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, nonfinite=nonfinite)
     for step in range(4):
         model.skip = step in (1, 3) and rank == 1  # the middle block: rank 0 only
         model.recompute = step >= 2
         x, y = local_batch(step, rank, world)
         loss = nn.functional.cross_entropy(ddp(x).float().reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
-        opt.clip_grad_norm_(1.0)
+        if not unchecked:
+            opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         with torch.no_grad():  # an evaluation between steps
@@ -112,19 +130,41 @@ def _steps(ddp_kw: dict, recipe: str | None) -> list[Call]:
 
 FULLY_SHARDED = dict(reshard_after_forward=True)
 MODES = {
-    "overlap": (OVERLAP, None),
-    "pipelined": (dict(pipelined_step=True, **OVERLAP), None),
-    "fully-sharded-overlap": (dict(FULLY_SHARDED, **OVERLAP), None),
-    "pipelined-fully-sharded": (dict(pipelined_step=True, **FULLY_SHARDED, **OVERLAP), None),
-    "shard-groups": (dict(shard_group_size=2, **OVERLAP), None),
-    "fp8-gather": (dict(fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP), "mxfp8"),
+    "overlap": (OVERLAP, None, False),
+    "pipelined": (dict(pipelined_step=True, **OVERLAP), None, False),
+    "pipelined-unchecked": (dict(pipelined_step=True, **OVERLAP), None, True),
+    "pipelined-unchecked-one-group": (
+        dict(pipelined_step=True, separate_all_gather_group=False, **OVERLAP),
+        None,
+        True,
+    ),
+    "fully-sharded-overlap": (dict(FULLY_SHARDED, **OVERLAP), None, False),
+    "pipelined-fully-sharded": (dict(pipelined_step=True, **FULLY_SHARDED, **OVERLAP), None, False),
+    "pipelined-fully-sharded-unchecked": (
+        dict(pipelined_step=True, **FULLY_SHARDED, **OVERLAP),
+        None,
+        True,
+    ),
+    "shard-groups": (dict(shard_group_size=2, **OVERLAP), None, False),
+    "fp8-gather": (
+        dict(fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
+        "mxfp8",
+        False,
+    ),
     "owners-pipelined-fully-sharded": (
         dict(strategy="owners", pipelined_step=True, **FULLY_SHARDED, **OVERLAP),
         None,
+        False,
+    ),
+    "owners-pipelined-unchecked": (
+        dict(strategy="owners", pipelined_step=True, **OVERLAP),
+        None,
+        True,
     ),
     "owners-fp8-gather": (
         dict(strategy="owners", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
         "tensorwise",
+        False,
     ),
 }
 
@@ -136,9 +176,9 @@ CORE = ("pipelined-fully-sharded", "shard-groups")  # the fast tier (`pytest -m 
     "mode", [pytest.param(m, marks=pytest.mark.core) if m in CORE else m for m in MODES]
 )
 def test_every_rank_issues_the_same_collectives_in_the_same_order(mode: str) -> None:
-    ddp_kw, recipe = MODES[mode]
+    ddp_kw, recipe, unchecked = MODES[mode]
     world = 4 if "shard_group_size" in ddp_kw else 2
-    seqs = launch(_steps, world, (ddp_kw, recipe), start_method="fork", timeout=120)
+    seqs = run_detail(_steps, world, ddp_kw, recipe, unchecked)
     assert len(seqs[0]) > 20  # construction, 4 steps and evaluations all issue collectives
     for rank, seq in enumerate(seqs[1:], start=1):
         for i, (a, b) in enumerate(zip(seqs[0], seq, strict=False)):
@@ -146,3 +186,32 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(mode: str) -> 
         assert len(seq) == len(seqs[0]), (
             f"rank {rank}: {len(seq)} collectives, rank 0 {len(seqs[0])}"
         )
+
+
+def _two_groups(inverted: bool) -> float:
+    """An all-reduce on the default group and one on another group of the same ranks, issued
+    by rank 1 in the inverted order where `inverted`."""
+    other = dist.new_group(list(range(dist.get_world_size())))
+    a, b = torch.ones(4), torch.ones(8)
+    calls = [(a, None), (b, other)]
+    if inverted and dist.get_rank() == 1:
+        calls.reverse()
+    for work in [dist.all_reduce(t, group=g, async_op=True) for t, g in calls]:
+        work.wait()
+    return (a.sum() + b.sum()).item()
+
+
+def test_detail_fails_an_order_inverted_across_groups_that_gloo_forgives() -> None:
+    """What `run_detail` guards against: gloo runs two groups independently, so it completes an
+    order NCCL can hang on; under DETAIL the same order raises once the collective times out."""
+    both = 2 * 4 + 2 * 8
+    assert launch(_two_groups, 2, (True,), start_method="fork", timeout=60) == [both, both]
+    assert launch(_two_groups, 2, (False,), start_method="fork", timeout=60, env=DETAIL) == [
+        both,
+        both,
+    ]
+    with pytest.raises(WorkerFailed, match="failed to pass monitoredBarrier"):
+        launch(
+            _two_groups, 2, (True,), start_method="fork", timeout=60, collective_timeout_s=2,
+            env=DETAIL,
+        )  # fmt: skip

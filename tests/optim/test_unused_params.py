@@ -5,7 +5,8 @@ The model is two `Linear(32, 32)` in a row. Step 0 uses both on every rank; step
 second on every rank (it must not move: no momentum, no weight decay); step 2 uses it on rank 0
 only; step 3 is `zero_grad(); step()` with no backward (nothing moves). The reference is one
 process running `torch.optim.Muon` + `torch.optim.AdamW` on the loss averaged over the ranks'
-batches.
+batches. Every mode runs under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (`run_detail`), which blocks as
+NCCL does where the ranks' collectives differ in order, even across groups.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import ADAMW_KW, MUON_KW, OVERLAP, data_parallel, run
+from support import ADAMW_KW, MUON_KW, OVERLAP, data_parallel, run_detail
 from torch import nn
 
 import wholeshard
@@ -83,7 +84,9 @@ MODES = {
     "sync": (dict(), "error"),
     "overlap": (OVERLAP, "error"),
     "fully-sharded": (dict(reshard_after_forward=True, **OVERLAP), "error"),
+    "pipelined": (dict(pipelined_step=True, **OVERLAP), "error"),
     "pipelined-unchecked": (dict(pipelined_step=True, overlap_grad_reduce=True), None),
+    "shard-groups": (dict(shard_group_size=1, **OVERLAP), "error"),
 }
 
 
@@ -99,7 +102,7 @@ def test_unused_params_are_not_stepped(mode: str) -> None:
         assert torch.equal(ref[3][name], ref[2][name]), "no backward: nothing moves"
 
     ddp_kw, nonfinite = MODES[mode]
-    for out in run(worker, WORLD, ddp_kw, nonfinite):
+    for out in run_detail(worker, WORLD, ddp_kw, nonfinite):
         for step in range(STEPS):
             for name, want in ref[step].items():
                 torch.testing.assert_close(out[step][name], want, msg=f"step {step}: {name}")

@@ -4,7 +4,9 @@ Above the engine: nothing under `planning` or `engine` imports it, so `DataParal
 computes a report. Modules: `presets` and `shapes` (specs without a model), `model_shapes`
 (specs of a module or a transformers model directory, built on the meta device), `costs` (what
 a plan costs each rank in a mode: memory, collectives, bytes; with `_lifetimes` for the fully
-sharded peak), `projection` (a step-time estimate from those), `tp_traffic` (each rank's
+sharded peak), `alpha_beta` (a collective's latency and bandwidth price on a fabric),
+`projection` (a step-time estimate from those), `equal_shards` (the collectives FSDP2-style
+equal shards would issue, for comparison), `tp_traffic` (each rank's
 slices and Newton-Schulz traffic under tensor parallelism) and `choice` (the report of the
 automatic choice `planning.auto.decide` made: `ShardGroupChoice`, `plan_and_choice`).
 Invariant: every plan here is the one `planning.plan_for` (what `DataParallel` calls)

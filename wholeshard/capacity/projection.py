@@ -4,12 +4,12 @@ from a plan's costs (`costs.Costs`) alone.
 [Note: the step projection]
 Three terms, each at data-sheet peaks, added up as if nothing overlapped:
 
-- `comm_s`: every collective of the step (`Costs.collectives`) by the alpha-beta ring model,
-  `steps * latency + bytes_sent / bandwidth`, where a ring takes n - 1 steps (2 (n - 1) for an
-  all-reduce) and `bytes_sent` is `ring_bytes`. A group of consecutive ranks that fits in one
-  node (shard groups of k <= GPUs per node) runs on the intra-node link, any other on the
-  inter-node one (one NIC per GPU, rail-optimised): replica groups and the step check span
-  nodes as soon as dp exceeds a node.
+- `comm_s`: every collective of the step (`Costs.collectives`) priced by [Note: alpha-beta
+  prices] in `alpha_beta`: `latency_s` (hops times the per-hop alpha, by the algorithm NCCL
+  runs the kind with) plus `bandwidth_s` (bytes sent over the link's beta). A group of
+  consecutive ranks that fits in one node (shard groups of k <= GPUs per node) runs on the
+  intra-node link, any other crosses the inter-node one (one NIC per GPU, rail-optimised):
+  replica groups and the step check span nodes as soon as dp exceeds a node.
 - `newton_schulz_s`: the busiest rank's Newton-Schulz products (`ns_flops`: 5 iterations of
   `4 m^2 n + 2 m^3` flops per owned (m, n) matrix, m <= n) at the GPU's dense bf16 peak.
 - `elementwise_s`: the rest of the optimizer step is memory-bound: every byte of this rank's
@@ -19,9 +19,10 @@ Three terms, each at data-sheet peaks, added up as if nothing overlapped:
 Left out: forward and backward (they need the batch, sequence and model FLOPs, not a plan),
 overlap of any term with another (the engine overlaps reductions with backward and gathers with
 forward, so `step_s` over-counts where it does), peaks never reached (tensor cores reach a
-fraction of peak on small matrices; links 70-90% of line rate), NCCL's algorithm choice (tree,
-NVLS, in-network reductions), congestion and topology beyond one node level, and the host
-(kernel launches, Python). The figures in `FABRICS` and `GPUS` are data-sheet peaks.
+fraction of peak on small matrices; links 70-90% of line rate), NCCL's protocols and in-network
+reductions, congestion and topology beyond one node level, and the host (kernel launches,
+Python). `FABRICS` (in `alpha_beta`) says where each link figure comes from; `GPUS` are
+data-sheet peaks.
 """
 
 from __future__ import annotations
@@ -31,36 +32,12 @@ from dataclasses import dataclass, replace
 
 from ..planning.plan import Plan
 from ..planning.specs import matrix_count, matrix_shape
+from .alpha_beta import FABRICS, Fabric, Price, Span, price
 from .costs import ELEMENT_BYTES, Collective, Costs, owned
 
 NS_STEPS = 5
 """Newton-Schulz iterations per Muon update (torch.optim.Muon's default)."""
 
-
-@dataclass(frozen=True)
-class Link:
-    bandwidth: float  # bytes/s one GPU sends (one direction)
-    latency: float  # s per ring step
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """GPUs per node, the link among a node's GPUs and the one between nodes."""
-
-    gpus_per_node: int
-    intra: Link
-    inter: Link
-
-
-FABRICS = {
-    "nvlink4-ndr400": Fabric(8, Link(450e9, 3e-6), Link(50e9, 6e-6)),  # DGX H100 / H200
-    "nvlink3-hdr200": Fabric(8, Link(300e9, 3e-6), Link(25e9, 6e-6)),  # DGX A100
-    "nvlink4-roce200": Fabric(8, Link(450e9, 3e-6), Link(25e9, 10e-6)),
-    "pcie4-eth100": Fabric(8, Link(32e9, 5e-6), Link(12.5e9, 20e-6)),
-}
-"""Fabrics by name: NVLink 4 moves 450 GB/s per GPU per direction, NVLink 3 300, PCIe 4 x16
-32; NDR InfiniBand 400 Gb/s = 50 GB/s per GPU, HDR 200 Gb/s and 200 Gb/s RoCE 25, 100 Gb/s
-Ethernet 12.5. Latencies per ring step are round figures of NCCL's small-message times."""
 
 GPUS = {
     "h100": (989e12, 3.35e12),
@@ -87,43 +64,63 @@ def rank_ns_flops(plan: Plan) -> list[int]:
     return replace(plan, matrix_cost=lambda m, n: ns_flops((m, n))).rank_costs()
 
 
+def collective_price(c: Collective, dp: int, k: int, fabric: Fabric) -> Price:
+    """`c` priced on `fabric` ([Note: alpha-beta prices]) where its group sits among `dp`
+    ranks in shard groups of `k`: a shard group is k consecutive ranks, a replica group
+    dp / k ranks k apart, "dp" every rank."""
+    stride = k if c.group == "replica" else 1
+    span = Span.of(c.ranks, stride, fabric.gpus_per_node)
+    payload = c.numel * ELEMENT_BYTES[c.dtype]
+    return price(c.op, span, c.bytes_sent, payload, fabric)
+
+
+def comm_price(collectives: Sequence[Collective], dp: int, k: int, fabric: Fabric) -> Price:
+    """The latency and bandwidth terms of `collectives`, added up (nothing overlapped)."""
+    prices = [collective_price(c, dp, k, fabric) for c in collectives]
+    return Price(sum(p.latency_s for p in prices), sum(p.bandwidth_s for p in prices))
+
+
 def collective_seconds(c: Collective, plan: Plan, fabric: Fabric) -> float:
-    """`c` by the alpha-beta ring model on the link its group runs on ([Note: the step
-    projection]): shard groups are consecutive ranks, replica groups stride over all dp."""
-    if c.ranks == 1:
-        return 0.0
-    spans = plan.shard_group_size if c.group == "shard" else plan.dp_size
-    link = fabric.intra if spans <= fabric.gpus_per_node else fabric.inter
-    steps = (2 if c.op == "all_reduce" else 1) * (c.ranks - 1)
-    return steps * link.latency + c.bytes_sent / link.bandwidth
+    """`c`'s seconds on `fabric` among `plan`'s ranks (`collective_price`)."""
+    return collective_price(c, plan.dp_size, plan.shard_group_size, fabric).seconds
 
 
 @dataclass(frozen=True)
 class Projection:
-    """Seconds per step of each term of [Note: the step projection], and their sum."""
+    """Seconds per step of each term of [Note: the step projection], and their sum; the
+    communication's collectives and bytes sent per rank, and its latency and bandwidth terms."""
 
     fabric: str
     gpu: str
-    comm_s: float
+    latency_s: float
+    bandwidth_s: float
     newton_schulz_s: float
     elementwise_s: float
+    collectives: int
+    bytes_sent: int
+
+    @property
+    def comm_s(self) -> float:
+        return self.latency_s + self.bandwidth_s
 
     @property
     def step_s(self) -> float:
         return self.comm_s + self.newton_schulz_s + self.elementwise_s
 
     def as_dict(self) -> dict[str, str | float]:
-        """Names and seconds, `wholeshard plan --json`'s `projection`."""
-        terms = ("comm_s", "newton_schulz_s", "elementwise_s", "step_s")
+        """Names and figures, `wholeshard plan --json`'s `projection`."""
+        terms = ("comm_s", "latency_s", "bandwidth_s", "newton_schulz_s", "elementwise_s",
+                 "step_s", "collectives", "bytes_sent")  # fmt: skip
         return {"fabric": self.fabric, "gpu": self.gpu} | {t: getattr(self, t) for t in terms}
 
     def describe(self) -> str:
         """One line for `wholeshard plan`'s table: the sum first, then its terms."""
         return (
             f"{self.step_s:.3g} s per step beyond forward and backward (communication "
-            f"{self.comm_s:.3g} s + Newton-Schulz {self.newton_schulz_s:.3g} s + element-wise "
-            f"{self.elementwise_s:.3g} s), projected on {self.fabric} with {self.gpu}: each term "
-            "at peak, nothing overlapped"
+            f"{self.comm_s:.3g} s: latency {self.latency_s:.3g} s + bandwidth "
+            f"{self.bandwidth_s:.3g} s; Newton-Schulz {self.newton_schulz_s:.3g} s + "
+            f"element-wise {self.elementwise_s:.3g} s on the busiest rank), projected on "
+            f"{self.fabric} with {self.gpu}: each term at peak, nothing overlapped"
         )
 
 
@@ -136,7 +133,7 @@ def project(costs: Costs, fabric: str, gpu: str) -> Projection:
         raise ValueError(f"unknown GPU {gpu!r}; one of {sorted(GPUS)}")
     flops, memory = GPUS[gpu]
     plan, mode = costs.plan, costs.mode
-    comm = sum(collective_seconds(c, plan, FABRICS[fabric]) for c in costs.collectives)
+    comm = comm_price(costs.collectives, plan.dp_size, plan.shard_group_size, FABRICS[fabric])
     element = ELEMENT_BYTES[mode.param_dtype] + ELEMENT_BYTES[mode.grad_reduce_dtype]
     touched = [
         p["masters"] + p["master_grads"] + p["optimizer_state"] + (o.matrix + o.adamw) * element
@@ -145,7 +142,10 @@ def project(costs: Costs, fabric: str, gpu: str) -> Projection:
     return Projection(
         fabric,
         gpu,
-        comm_s=comm,
+        latency_s=comm.latency_s,
+        bandwidth_s=comm.bandwidth_s,
         newton_schulz_s=max(rank_ns_flops(plan)) / flops,
         elementwise_s=2 * max(touched) / memory,
+        collectives=len(costs.collectives),
+        bytes_sent=costs.bytes_sent,
     )

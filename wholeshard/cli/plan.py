@@ -202,8 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fabric",
         choices=sorted(FABRICS),
-        help="project the step's communication and optimizer time on this fabric (GPUs per node, "
-        "intra- and inter-node links: docs/planning.md)",
+        help="project the step's communication (latency and bandwidth terms) and optimizer time "
+        "on this fabric (GPUs per node, intra- and inter-node links: docs/planning.md)",
     )
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="with --fabric")
     parser.add_argument(

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +74,7 @@ def _worker(
     forked: bool,
     backend: str,
     device: str,
+    env: dict[str, str],
 ) -> None:
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the launcher asks for stacks before killing a hang
@@ -85,6 +86,7 @@ def _worker(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
+        **env,
     )
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo traffic stays on loopback
@@ -93,6 +95,7 @@ def _worker(
             torch.set_num_threads(1)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+        dist.set_debug_level_from_env()  # read once at import: a forked worker has its parent's
         store = dist.FileStore(store_path, nproc)
         bound = None
         if device == "cuda":
@@ -210,6 +213,7 @@ def launch(
     collective_timeout_s: float = 300.0,
     backend: str = "gloo",
     device: str = "cpu",
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` local workers in one `backend` group; return per-rank values.
 
@@ -218,6 +222,10 @@ def launch(
     current device is GPU `rank % torch.cuda.device_count()` (several ranks share a GPU with
     gloo); with `backend="nccl"` its group is bound to it (NCCL needs one GPU per rank).
     `collective_timeout_s`: how long a collective of the group waits for its peers.
+    `env`: environment variables each worker sets before it joins the group, e.g.
+    `TORCH_DISTRIBUTED_DEBUG=DETAIL`, which checks every collective against every rank's before
+    it runs and blocks, as NCCL would, where ranks issue them in another order across groups
+    (it raises after `collective_timeout_s`).
     Raises WorkerFailed if a worker raises or exits abnormally (at its exit too, after its
     result: [Note: worker exit]), TimeoutError after `timeout` seconds; either way every worker
     is stopped first.
@@ -251,6 +259,7 @@ def launch(
                 forked,
                 backend,
                 device,
+                dict(env or {}),
             ),
             daemon=True,
         )

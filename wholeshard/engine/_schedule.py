@@ -20,7 +20,8 @@ unit some rank skipped a module of: that one and those after it are reduced at t
 in order, on every rank alike. Across groups: a separate all-gather group
 (`separate_all_gather_group`) lets gathers progress beside reductions, but on NCCL two
 communicators may serialise (`CUDA_DEVICE_MAX_CONNECTIONS=1`, or compute filling the GPU), so
-it does not excuse a different order.
+it does not excuse a different order. The optimizer's step check follows every reduction of the
+step on every rank ([Note: step check order] in `optim/_step_check.py`).
 `tests/engine/test_collective_order.py` records every collective of every rank (op, group,
 elements, dtype) through steps of every mode, with a block one rank skips and activation
 checkpointing, and checks the sequences are identical.

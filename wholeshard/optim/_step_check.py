@@ -19,6 +19,18 @@ gradient for: all of them when this rank got every one (zero syncs), else the re
 now for the others' flags (one sync, the judging still waits). Fully sharded with
 `overlap_grad_reduce` over 2+ ranks, backward reads one more value, which modules every rank ran
 in this forward ([Note: collective order] in the engine's `_schedule`): one sync more either way.
+
+[Note: step check order]
+Every rank issues the step check after it dispatched every reduction of the step. Which
+reductions leave during backward differs by rank (a unit holding a module one rank skipped, an
+MoE expert none of its tokens chose, completes there only at the step), so the check is the one
+place in a step where the ranks meet whatever their backward did; issued before the reductions
+left at the step, it would precede them on one rank and follow them on another: on one group a
+mismatch, across groups an order NCCL hangs on (`TORCH_DISTRIBUTED_DEBUG=DETAIL` blocks on it
+too). Where the check reads gradients it waits for the reductions anyway; where it reads none (a
+pipelined step with `nonfinite=None`) the step only dispatches the rest (`start_grad_sync`, no
+wait, no host sync), so the updates still overlap the reductions in flight, and the check, on a
+separate all-gather group, does not queue behind them.
 """
 
 from __future__ import annotations

@@ -158,7 +158,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
         pipelined = self.ddp.dp_config.pipelined_step
-        if not (pipelined and self.nonfinite is None):  # else the check reads no gradient
+        if pipelined and self.nonfinite is None:  # the check reads no gradient: no wait
+            self._protocol.start_grad_sync()  # [Note: step check order] in `_step_check`
+        else:
             self._protocol.finish_grad_sync()
         stepped = self._check_step()
         if stepped is None:

@@ -1,0 +1,129 @@
+"""Alpha-beta prices of collectives on a named fabric: what one collective costs in latency
+(hops times a per-hop alpha) and in bandwidth (bytes over the link's beta), by the algorithm
+NCCL runs it with. Takes a collective's kind, group shape and bytes: not a plan.
+
+[Note: alpha-beta prices]
+A collective over n ranks, `per_node` of them on each of `nodes` nodes (`Span`), costs
+`latency_s + bandwidth_s`:
+
+- all_reduce: the cheaper of NCCL's two algorithms: a ring, 2 (n - 1) hops sending
+  2 (n - 1) / n S per rank, or the double binary tree, 2 ((per_node - 1) + ceil(log2 nodes))
+  hops sending 2 S (NCCL models its tree at half the bus bandwidth);
+- reduce_scatter, all_gather: a ring, n - 1 hops;
+- reduce, broadcast: a chain from the root through every rank (NCCL runs them on its ring
+  algorithm only), n - 1 hops;
+- reduce_coalesced, broadcast_coalesced (an owner bucket's reduces, or broadcasts, one per
+  owner, issued as one group: `distributed.collectives`): their chains run at once, so the
+  group takes one chain's n - 1 hops, and its bytes are those of one chain over the bucket.
+
+Of a ring's or chain's hops, nodes - 1 (twice that for an all-reduce's ring) cross nodes and
+cost the inter-node alpha, the others the intra-node one, as NCCL's tuning model counts them
+(`ncclTopoTuneModel`, src/graph/tuning.cc). The bandwidth term is the bytes one rank sends
+(`costs.ring_bytes`; the tree's 2 S) over the slowest link the group crosses: the inter-node
+one once it spans nodes.
+Left out: NCCL's per-launch base latency (a few microseconds), its protocols (LL, LL128 and
+Simple trade latency for bandwidth per message size), NVLink SHARP and in-network reductions,
+congestion, and more than one level of nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ALGORITHMS = {
+    "all_reduce": "ring or tree",
+    "reduce_scatter": "ring",
+    "all_gather": "ring",
+    "reduce": "chain",
+    "broadcast": "chain",
+    "reduce_coalesced": "chains at once",
+    "broadcast_coalesced": "chains at once",
+}
+"""The collective kinds priced here, and the algorithm each is priced by."""
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # beta: bytes/s one GPU sends (one direction)
+    latency: float  # alpha: seconds per hop
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """GPUs per node, the link among a node's GPUs and the one between nodes."""
+
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+
+NVLINK4, NVLINK3, PCIE4 = 450e9, 300e9, 32e9
+NDR, HDR, ROCE200, ETH100 = 400e9 / 8, 200e9 / 8, 200e9 / 8, 100e9 / 8
+NVLINK_HOP, PCI_HOP, NET_HOP = 3.4e-6, 5.7e-6, 9.6e-6
+
+FABRICS = {
+    "nvlink4-ndr400": Fabric(8, Link(NVLINK4, NVLINK_HOP), Link(NDR, NET_HOP)),  # DGX H100/H200
+    "nvlink3-hdr200": Fabric(8, Link(NVLINK3, NVLINK_HOP), Link(HDR, NET_HOP)),  # DGX A100
+    "nvlink4-roce200": Fabric(8, Link(NVLINK4, NVLINK_HOP), Link(ROCE200, NET_HOP)),
+    "pcie4-eth100": Fabric(8, Link(PCIE4, PCI_HOP), Link(ETH100, NET_HOP)),
+}
+"""Fabrics by name, and where each figure comes from.
+
+Betas, per GPU and direction: NVLink 4 450 GB/s (NVIDIA H100 data sheet: 900 GB/s both
+directions), NVLink 3 300 GB/s (A100 data sheet: 600 GB/s), PCIe 4.0 x16 32 GB/s (PCI-SIG:
+16 GT/s x 16 lanes, 128b/130b, 31.5 GB/s); one NIC per GPU: NDR InfiniBand 400 Gb/s = 50 GB/s
+(ConnectX-7; DGX H100 has eight), HDR InfiniBand 200 Gb/s = 25 GB/s (ConnectX-6; DGX A100 has
+eight), 200 Gb/s RoCE 25 GB/s, 100 Gb/s Ethernet 12.5 GB/s (line rates).
+Alphas, per hop: NCCL's tuning model's ring latencies for its Simple protocol (`hwLat` in
+src/graph/tuning.cc): NVLink 3.4 us, PCI 5.7 us, network 9.6 us (one figure for every
+network: TCP sockets are slower in practice); its LL protocol, chosen for small messages,
+takes 0.47, 1.0 and 2.7 us a hop, so the latency term is an upper bound for those."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a group's ranks sit: `ranks` in all, `per_node` of them on each of `nodes`."""
+
+    ranks: int
+    per_node: int
+    nodes: int
+
+    @staticmethod
+    def of(ranks: int, stride: int, gpus_per_node: int) -> Span:
+        """A group of `ranks` ranks `stride` apart (1: consecutive), nodes of `gpus_per_node`."""
+        per_node = max(1, min(ranks, gpus_per_node // stride))
+        return Span(ranks, per_node, math.ceil(ranks / per_node))
+
+
+@dataclass(frozen=True)
+class Price:
+    latency_s: float
+    bandwidth_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.latency_s + self.bandwidth_s
+
+
+def price(op: str, span: Span, sent: int, payload: int, fabric: Fabric) -> Price:
+    """One `op` over `span` ([Note: alpha-beta prices]): `sent` bytes one rank sends by the
+    ring (or chain) algorithm, `payload` the collective's tensor in bytes (an all-reduce's
+    tree sends twice that). ValueError for a kind not in `ALGORITHMS`."""
+    if op not in ALGORITHMS:
+        raise ValueError(f"unknown collective {op!r}; one of {sorted(ALGORITHMS)}")
+    n = span.ranks
+    if n <= 1:
+        return Price(0.0, 0.0)
+    intra, inter = fabric.intra, fabric.inter
+    beta = (intra if span.nodes == 1 else inter).bandwidth
+    crossings = span.nodes - 1
+    laps = 2 if op == "all_reduce" else 1
+    hops, crossings = laps * (n - 1), laps * crossings
+    ring = Price((hops - crossings) * intra.latency + crossings * inter.latency, sent / beta)
+    if op != "all_reduce":
+        return ring
+    depth = math.ceil(math.log2(span.nodes)) if span.nodes > 1 else 0
+    tree_hops = 2 * ((span.per_node - 1) * intra.latency + depth * inter.latency)
+    tree = Price(tree_hops, 2 * payload / beta)
+    return min(ring, tree, key=lambda p: p.seconds)
