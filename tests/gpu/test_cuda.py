@@ -9,6 +9,7 @@ needs two or more GPUs is listed in docs/gpu.md).
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -233,3 +234,27 @@ def _stream_wait_is_counted() -> tuple[float, float]:
 def test_comm_wait_counts_the_streams_idle_time_on_cuda() -> None:
     [(seconds, host)] = run_cuda(_stream_wait_is_counted, 1)
     assert seconds > 10 * host
+
+
+def _saved_both_ways_on_cuda(blocking: str, background: str) -> int:
+    cuda_deterministic()
+    ddp = data_parallel(make_model().cuda())
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
+    train_steps(ddp, opt, range(2))
+    wholeshard.save_checkpoint(blocking, ddp, opt, extra={"step": 2})
+    saving = wholeshard.save_checkpoint(background, ddp, opt, extra={"step": 2}, blocking=False)
+    train_steps(ddp, opt, range(2, 4))  # mutates what was staged (pinned) during the write
+    saving.wait()
+    again = wholeshard.save_checkpoint(background, ddp, opt, extra={"step": 4}, blocking=False)
+    again.wait()  # (the second save reuses the pinned buffers)
+    return saving.staged_bytes
+
+
+def test_a_background_save_from_cuda_writes_what_a_blocking_one_does(tmp_path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    staged = run_cuda(_saved_both_ways_on_cuda, 2, str(a), str(b))
+    files = [json.loads((d / "step-2/wholeshard.json").read_text())["body"] for d in (a, b)]
+    files = [f["files"] for f in files]
+    assert all(f.pop(".metadata") for f in files) and files[0] == files[1]
+    assert all(s > 0 for s in staged)
+    assert (b / "latest").read_text() == "step-4\n"

@@ -147,7 +147,10 @@ def test_torchrun_max_restarts_with_resume_auto_continues_the_run(
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc-per-node", "2", "--max-restarts", "1"]
     faulty = [str(ROOT / "tests" / "train" / "train_faults.py"), "1:3:kill"]
-    args = _args(text_file, tmp_path, "--checkpoint-every", "2", "--resume", "auto")
+    # Blocking saves: the kill comes one step after the save of step 2, which a background
+    # write may not have finished by then (the relaunch would then start at step 0).
+    ckpt = ("--checkpoint-every", "2", "--checkpoint-blocking", "--resume", "auto")
+    args = _args(text_file, tmp_path, *ckpt)
     proc, _ = _run([*torchrun, *faulty, *args], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     summary = _summary(proc)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in proc.stderr  # (the warning's)

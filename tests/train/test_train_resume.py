@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from train_faults import Fault, metrics, micro_argv, train_job
+
+from wholeshard.checkpoint import load_consolidated
 
 SOAK = pytest.mark.slow  # `make soak`: the suite stays under 12 minutes on 2 cores
 
@@ -18,9 +21,10 @@ def train(text_file: Path, out: Path, *extra: str, fault: Fault | None = None) -
 
 @pytest.fixture(scope="module")
 def straight(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The output directory of an uninterrupted `--overlap` run."""
+    """The output directory of an uninterrupted `--overlap` run, saving every 3 steps (in the
+    background)."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    assert train(text_file, out, "--overlap")["code"] == 0
+    assert train(text_file, out, "--overlap", "--checkpoint-every", "3")["code"] == 0
     return out
 
 
@@ -51,6 +55,32 @@ def test_crash_then_resume_latest_continues_the_same_run(
     assert [r["loss"] for r in got[1:]] == [r["loss"] for r in want[1:]]
     assert all(r["comm_wait_s"] >= 0 for r in got[1:])
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-6\n"
+
+
+def test_background_and_blocking_saves_write_the_same_checkpoints(
+    text_file: Path, tmp_path: Path, straight: Path
+) -> None:
+    """The default (background) saves and `--checkpoint-blocking` ones: the same files, but DCP's
+    `.metadata` (a random save id, the directory), and the same tensors; each complete and
+    `latest` naming the last when the run ends."""
+    out = tmp_path / "run"
+    flags = ("--overlap", "--checkpoint-every", "3", "--checkpoint-blocking")
+    assert train(text_file, out, *flags)["code"] == 0
+    for run in (straight, out):
+        assert (run / "checkpoints" / "latest").read_text() == "step-6\n"
+        assert [r["step"] for r in metrics(run) if "save_s" in r] == [3, 6]
+    for step in (3, 6):
+        background, blocking = (run / f"checkpoints/step-{step}" for run in (straight, out))
+        a, b = (_files(ckpt) for ckpt in (background, blocking))
+        assert a.pop(".metadata") and b.pop(".metadata") and a == b
+        a, _ = load_consolidated(background)
+        b, _ = load_consolidated(blocking)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _files(ckpt: Path) -> dict:
+    """Size and crc32 of every file of a checkpoint, from its manifest."""
+    return json.loads((ckpt / "wholeshard.json").read_text())["body"]["files"]
 
 
 def test_resume_refuses_to_overwrite_later_checkpoints(

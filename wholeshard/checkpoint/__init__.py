@@ -35,16 +35,19 @@ its param groups (`wholeshard.optim.pieces`). Modules: `directory` (the director
 transformers model as a transformers model directory; `hf_extra` is what it needs in `extra`),
 and the private `_save`, `_load`, `_chunks` (geometry and DCP planners), `_arrival` (every rank
 made the call), `_consensus` (same outcome on every rank), `_model_table` (the model's
-description and checks).
+description and checks), `_staging` (a host copy of what a rank writes) and `_pending` (the
+save in flight: `save_checkpoint(..., blocking=False)` returns an `AsyncSave`).
 """
 
 from ._load import load_checkpoint, load_consolidated
+from ._pending import AsyncSave
 from ._save import save_checkpoint
 from .directory import CheckpointError, resolve_checkpoint
 from .export_hf import export_hf, hf_extra
 from .export_safetensors import export_checkpoint, write_safetensors
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "export_checkpoint",
     "export_hf",

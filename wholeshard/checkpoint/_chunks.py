@@ -14,6 +14,7 @@ import contextlib
 import io
 import math
 import re
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -311,7 +312,16 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
-    """Silence DCP's warning that it runs without a process group: that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    """Silence DCP's warning that it runs without a process group: that is intended here.
+    `catch_warnings` changes the filters of every thread, so off the main thread (a background
+    save) the one filter, for that message alone, is added for good instead."""
+    if threading.current_thread() is not threading.main_thread():
+        warnings.filterwarnings("ignore", message=_NO_GROUP)
         yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_GROUP)
+        yield
+
+
+_NO_GROUP = "torch.distributed is disabled"

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, LoadedPiece, elementwise, install_state
 from . import _chunks as chunks
+from . import _pending as pending
 from ._arrival import all_arrive
 from ._chunks import Chunks, add, matrix_row, own_state_keys, piece_parts, shifted, whole
 from ._consensus import RankConsensus
@@ -59,6 +60,7 @@ def load_checkpoint(path: str | os.PathLike, ddp: DataParallel, optimizer: Check
     group = RankConsensus(ranks.group, ranks.size, ranks.rank)
     if group.distributed:  # before anything is read or a collective is entered
         all_arrive(ranks.group, "load_checkpoint")
+    pending.settle()  # a save in flight is committed (or its error raised) first
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while reading
     table = model_table(ddp, group)
     ckpt = group.on_first(lambda: resolve_checkpoint(path), "cannot find the checkpoint")
@@ -124,6 +126,7 @@ def load_consolidated(
     from their fp32 masters when the checkpoint has them; without it, params keep the dtype they
     were trained in. Reads nothing before the directory verifies (`directory.verify`).
     """
+    pending.settle()
     ckpt = resolve_checkpoint(path)
     manifest = verify(ckpt)
     metadata = dcp.FileSystemReader(ckpt).read_metadata()

@@ -1,4 +1,5 @@
-"""`save_checkpoint`: every rank writes the elements it owns into one new `step-N` directory."""
+"""`save_checkpoint`: every rank writes the elements it owns into one new `step-N` directory,
+then or in the background (`_pending`)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from ..engine.data_parallel import DataParallel
 from ..optim.pieces import Checkpointable, elementwise, step_count
 from ..optim.tensor_parallel import tp_slices
 from . import _chunks as chunks
+from . import _pending as pending
 from ._arrival import all_arrive
 from ._chunks import Chunks, add, block_key, matrix_row, piece_parts, shifted, whole
 from ._consensus import RankConsensus
 from ._model_table import aliases, model_table, other_tensors, tensor_places
+from ._pending import AsyncSave
+from ._staging import stage
 from .directory import (
     TRAINER,
     CheckpointError,
@@ -39,7 +43,8 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
-) -> Path:
+    blocking: bool = True,
+) -> Path | AsyncSave:
     """Save params, optimizer state and hyperparameters, and `extra`, as `path/step-N`.
 
     Every rank of `ddp`'s group must call it, between optimizer steps; a rank that calls it alone
@@ -54,6 +59,11 @@ def save_checkpoint(
     Replacing an existing `step-N` is allowed unless `latest` names it. With `keep_last=K`,
     older checkpoints (`step-M`, M < N) beyond the K - 1 most recent are deleted after the new
     one is complete. Returns the new checkpoint's directory.
+
+    With `blocking=False` it returns an `AsyncSave` as soon as every rank has copied what it
+    writes to host memory, and writes and commits it in the background ([Note: background
+    saves]): training may step on at once. A save or load waits first for the save in flight
+    and raises its error, if it failed, on every rank.
     """
     if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
@@ -62,42 +72,50 @@ def save_checkpoint(
     group = RankConsensus(ranks.group, ranks.size, ranks.rank)
     if group.distributed:  # before anything touches the disk or a collective
         all_arrive(ranks.group, "save_checkpoint")
+    pending.settle()  # the save in flight is committed (or its error raised) first
     ddp.free_overlap_buffers()  # nothing in flight, and no gather buffers held while writing
     params, others = model_table(ddp, group)
+    trainer: list[bytes] = []  # rank 0's `trainer.pt`
 
     def prepare() -> tuple[int, Path]:
         step = choose_step(root, extra, step_count(optimizer))
-        trainer = _trainer_blob(optimizer, extra)
-        tmp = begin(root, step)
-        write_durably(tmp / TRAINER, trainer)
-        return step, tmp
+        trainer.append(_trainer_blob(optimizer, extra))
+        return step, begin(root, step)
 
     step, tmp = group.on_first(prepare, f"cannot start a checkpoint in {root}")
-    state = group.all_succeed(lambda: _save_entries(ddp, optimizer, group.rank), "cannot save")
-    try:
-        chunks.write(state, tmp, ranks.group, group.distributed)
-    except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
-        if group.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing checkpoint step-{step} to {tmp} failed: {e}") from e
-    files = _digest_files(group, tmp)
+    entries = group.all_succeed(lambda: _save_entries(ddp, optimizer, group.rank), "cannot save")
+    manifest = {
+        "params": params,
+        "others": others,
+        "aliases": aliases(ddp),
+        "saved_with": {
+            "world_size": ddp.dp_size,
+            "tensor_parallel": ranks.size // ddp.dp_size,
+            "expert_parallel": ddp.expert_layout.size if ddp.expert_layout else 1,
+            "torch": torch.__version__,
+        },
+    }
 
-    def finish() -> Path:
-        body = {
-            "params": params,
-            "others": others,
-            "aliases": aliases(ddp),
-            "files": files,
-            "saved_with": {
-                "world_size": ddp.dp_size,
-                "tensor_parallel": ranks.size // ddp.dp_size,
-                "expert_parallel": ddp.expert_layout.size if ddp.expert_layout else 1,
-                "torch": torch.__version__,
-            },
-        }
-        return commit(root, tmp, step, body, keep_last)
+    def write(entries: dict[str, Chunks], group: RankConsensus) -> Path:
+        """Write the files, then commit them as `step-N` (every rank, on `group`)."""
+        group.on_first(lambda: write_durably(tmp / TRAINER, trainer[0]), f"cannot write {tmp}")
+        try:
+            chunks.write(entries, tmp, group.pg, group.distributed)
+        except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank if any fails
+            if group.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"writing checkpoint step-{step} to {tmp} failed: {e}") from e
+        body = dict(manifest, files=_digest_files(group, tmp))
+        return group.on_first(
+            lambda: commit(root, tmp, step, body, keep_last),
+            f"cannot complete checkpoint step-{step} in {root}",
+        )
 
-    return group.on_first(finish, f"cannot complete checkpoint step-{step} in {root}")
+    if blocking:
+        return write(entries, group)
+    staged, nbytes = group.all_succeed(lambda: stage(entries), "cannot stage the checkpoint")
+    save = AsyncSave(step, root / f"step-{step}", nbytes)
+    return pending.start(save, lambda background: write(staged, background), ranks)
 
 
 def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> dict[str, Chunks]:

@@ -218,6 +218,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     p = Path(path)
     if p.is_file() and p.name == LATEST:
         p = p.parent
+    if p.name.startswith(TMP_PREFIX) and p.is_dir():
+        raise CheckpointError(
+            f"{p} is a save that never completed (killed, or still being written): load "
+            f"{p.parent} to take its latest complete checkpoint; the next save removes {p.name}"
+        )
     if (p / MANIFEST).is_file():
         return p
     if (p / LATEST).is_file():

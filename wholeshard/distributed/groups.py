@@ -71,6 +71,16 @@ def _split(
     return dist.new_group(mine, timeout=timeout, use_local_synchronization=True)
 
 
+def gloo_group(group: ProcessGroup | None) -> ProcessGroup:
+    """A gloo group over the ranks of `group` (None: the world), with `group`'s timeout: for
+    collectives on host memory off the main thread (a background checkpoint write), which must
+    not share a group with the training's. Only the ranks of `group` call it, in the same order
+    ([Note: making groups]: a gloo group is never split from NCCL's communicators)."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    timeout = group_timeout(group)
+    return dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+
+
 def comms_split_from_world() -> bool:
     """Whether torch makes every new communicator by splitting the world's (NCCL initialised
     eagerly: a device bound to the default group), which every world rank must join."""

@@ -137,6 +137,10 @@ class CheckpointConfig:
     """Resume from a checkpoint: a `step-N` directory, a checkpoints directory, `latest` (the
     latest in `<out>/checkpoints`, which must exist) or `auto` (that one if there is one, else
     start at step 0: the choice for torchrun's `--max-restarts`); the run continues in `out`."""
+    blocking: bool = field(default=False, metadata={"flag": "checkpoint-blocking"})
+    """Save in the foreground, every rank waiting until the checkpoint is written. By default a
+    save copies what it writes to host memory and writes it in the background while training
+    goes on; the next save and the end of the run wait for it."""
 
 
 @dataclass

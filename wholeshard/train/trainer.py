@@ -8,7 +8,8 @@ CUDA, gloo on CPU), else runs as a single process.
 [Note: hooks]
 `train(config, hooks)` calls every `hook(point, step, rank)` on every rank at two points of a
 step: `BEFORE_SAVE` just before a checkpoint save starts (on steps that save), and `AFTER_STEP`
-once the step's update, and its checkpoint if any, is done. Hooks watch the run or stop it
+once the step's update, and its checkpoint if any, is done (a background save: staged, its
+write maybe still going on). Hooks watch the run or stop it
 (the tests make a rank raise or die there, or arm a fault inside the save that follows
 `BEFORE_SAVE`); they must not change training state.
 """
@@ -31,6 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from ..planning.routing import routing_summary
 from . import data, outputs
 from .baseline import build_ddp_adamw, step_or_skip
+from .checkpoints import RunCheckpoints
 from .config import TrainConfig
 from .env import (
     DistEnv,
@@ -41,10 +43,10 @@ from .env import (
     setup_distributed,
     torchrun_restart_warning,
 )
-from .lr_schedule import adopt_schedule, lr_factor
+from .lr_schedule import lr_factor
 from .model import JobModel, build_model
 from .newton_schulz import NewtonSchulz
-from .resume import AUTO, check_start, find_checkpoint, newton_schulz_warning
+from .resume import AUTO, check_start, find_checkpoint
 
 BEFORE_SAVE, AFTER_STEP = "before_save", "after_step"
 Hook = Callable[[str, int, int], None]
@@ -68,7 +70,8 @@ def train(cfg: TrainConfig, hooks: Sequence[Hook] = ()) -> dict:
 
 class Trainer:
     """The job on one rank: the data, the model wrapped for data parallelism, its optimizer and
-    schedule; `train()` runs the loop (`train_step`, `evaluate`, `save`) and returns the summary.
+    schedule, its checkpoints; `train()` runs the loop (`train_step`, `evaluate`, a save) and
+    returns the summary.
 
     bfloat16 compute: the muon path keeps bf16 params in wholeshard's buffers with fp32 masters
     in the optimizer; the adamw path keeps fp32 params and runs forward/backward under
@@ -99,6 +102,8 @@ class Trainer:
         )
         schedule = cfg.lr_schedule  # applied to every param group's initial lr
         self.scheduler = LambdaLR(self.opt, lambda s: lr_factor(s, **schedule))
+        ns = self.newton_schulz
+        self.checkpoints = RunCheckpoints(cfg, self.module, self.opt, self.scheduler, ns, self.job)
 
     def _load_data(self) -> data.Corpus:
         """The text as bytes or token ids; local rank 0 tokenizes (once: a cache) while the
@@ -222,43 +227,6 @@ class Trainer:
         self.module.train()
         return (total[0] / total[1]).item()
 
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    def save(self, step: int, progress: dict[str, Any]) -> None:
-        """Checkpoint the run at `step`; `progress` (validation losses, the last training loss,
-        skipped steps) travels in the checkpoint's `extra`."""
-        from ..checkpoint import save_checkpoint
-
-        extra = {
-            "step": step,
-            "scheduler": self.scheduler.state_dict(),
-            "schedule": self.cfg.lr_schedule,
-            "rng": torch.get_rng_state(),
-            "newton_schulz": self.newton_schulz and self.newton_schulz.name,
-            **progress,
-        }
-        if self.job.export is not None:  # for `wholeshard export --format hf`
-            extra["hf"] = self.job.export
-        ckpt = self.cfg.checkpoint
-        save_checkpoint(
-            self.cfg.checkpoint_dir, self.module, self.opt, extra=extra, keep_last=ckpt.keep_last
-        )
-
-    def resume(self, path: os.PathLike) -> dict[str, Any]:
-        """Load checkpoint `path` into the model, optimizer and scheduler; returns its `extra`
-        (with `path`, and `warnings` where this run's schedule settings differ from the saved
-        ones, which it follows from the next step, or its Newton-Schulz does). The data position
-        is the step: batch `s` is a pure function of (seed, s, rank, world)."""
-        from ..checkpoint import load_checkpoint
-
-        extra = load_checkpoint(path, self.module, self.opt)
-        self.scheduler.load_state_dict(extra["scheduler"])  # keeps this run's lr function
-        torch.set_rng_state(extra["rng"])
-        schedule = extra.get("schedule"), self.cfg.lr_schedule, extra["step"]
-        warnings = [adopt_schedule(self.scheduler, *schedule)]
-        warnings.append(newton_schulz_warning(extra.get("newton_schulz"), self.newton_schulz))
-        return dict(extra, path=str(path), warnings=[w for w in warnings if w is not None])
-
     # -- the job ----------------------------------------------------------------------------------
 
     def train(self) -> dict:
@@ -269,7 +237,7 @@ class Trainer:
         ckpt = find_checkpoint(cfg)
         check_start(cfg, ckpt)
         replaced = env.rank == 0 and ckpt is None and outputs.existing_run(self.out)
-        resumed = None if ckpt is None else self.resume(ckpt)
+        resumed = None if ckpt is None else self.checkpoints.resume(ckpt)
         log = outputs.RunLog(
             self.out,
             cfg.optim.steps,
@@ -293,7 +261,7 @@ class Trainer:
                     first_val=first_val, last_val=first_val, last_loss=math.nan, skipped_steps=0
                 )
                 if cfg.reliability.max_restarts:  # so that every restart resumes from one
-                    self.save(0, progress)
+                    self.checkpoints.save(0, progress)
                 start = 1
             else:
                 log.note(f"{auto}resumed from {resumed['path']} at step {resumed['step']}")
@@ -304,7 +272,11 @@ class Trainer:
                 start = resumed["step"] + 1
             for step in range(start, cfg.optim.steps + 1):
                 self._step_and_log(step, progress, log, tracer)
+            self.checkpoints.wait()  # the last checkpoint is complete before the run says it ended
             return self._finish(log, progress)
+        except BaseException:
+            self.checkpoints.wait(log)  # a save in flight still completes: where a resume starts
+            raise
         finally:
             if tracer is not None:
                 tracer.stop()
@@ -344,10 +316,13 @@ class Trainer:
             t_eval = time.perf_counter()
             progress["last_val"] = self.evaluate()
             eval_s = time.perf_counter() - t_eval
+        save_s = None
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             for hook in self.hooks:
                 hook(BEFORE_SAVE, step, self.env.rank)
-            self.save(step, progress)
+            t_save = time.perf_counter()
+            self.checkpoints.save(step, progress)
+            save_s = time.perf_counter() - t_save
         for hook in self.hooks:
             hook(AFTER_STEP, step, self.env.rank)
         if not (evaluating or figures["skipped"] or step % cfg.output.log_every == 0):
@@ -366,6 +341,8 @@ class Trainer:
         }
         if figures["skipped"]:
             rec["skipped"] = True
+        if save_s is not None:
+            rec["save_s"] = save_s
         if evaluating:
             rec["val_loss"] = progress["last_val"]
         log.record(rec)
