@@ -2,10 +2,8 @@
 the same arithmetic on the same batches) and the one-process torch Muon + AdamW reference
 (`support.TOL`: only the gradient average's summation order differs).
 
-The dataset is `support.batch(s)`'s rows in step order, sampled sequentially: Accelerate deals
-batch k to rank k % world, so rank r's batch at step s is `local_batch(s, r, world)`'s rows.
-One launch trains every 2-rank run (plain, clipped, accumulated, resumed); one more resumes at
-1 rank.
+The case (model, dataset, settings, reference) is `lm_case`'s. One launch trains every 2-rank
+run (plain, clipped, accumulated, resumed); one more resumes at 1 rank.
 """
 
 from __future__ import annotations
@@ -20,13 +18,10 @@ from support import (
     GLOBAL_BATCH,
     SEQ,
     TOL,
-    VOCAB,
     assert_matches,
-    batch,
     full_params,
     max_param_diff,
     rank_world,
-    reference_run,
     run,
 )
 
@@ -34,16 +29,15 @@ import wholeshard
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-hf_support = pytest.importorskip("hf_support")
+from lm_case import CLIP, STEPS, dataset, llama, reference  # noqa: E402
+
 from wholeshard.integrations.transformers import (  # noqa: E402
     WholeshardTrainer,
     WholeshardTrainerMixin,
     optimizer_kwargs,
 )
 
-STEPS = 4
 OWN_LOOP_ATOL = TOL[torch.float32]["atol"]  # see OWN_LOOP_NOTE
-CLIP = 0.05  # below every step's gradient norm (about 0.6): every step is clipped
 ARGS = dict(
     learning_rate=0.01,
     weight_decay=0.01,
@@ -57,19 +51,6 @@ ARGS = dict(
     disable_tqdm=True,
     save_strategy="no",
 )
-MUON = dict(lr=0.01, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")  # torch's defaults else
-ADAMW = dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
-
-
-def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(hf_support.config("llama", VOCAB, 16))
-
-
-def dataset(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
-    """Every step's global batch, `SEQ + 1` tokens a row (the model shifts the labels)."""
-    rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in map(batch, range(steps))])
-    return [{"input_ids": r, "labels": r} for r in rows]
 
 
 def trainer_run(
@@ -173,12 +154,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"ranks": outs, "one": one, "tmp": tmp}
 
 
-def _reference(clip: float | None = None) -> dict[str, Any]:
-    return reference_run(STEPS, make=llama, muon_kw=MUON, adamw_kw=ADAMW, clip=clip)
-
-
-def test_trainer_trains_like_wholeshards_own_loop_and_the_reference(runs: dict) -> None:
-    ref = _reference()
+def test_trainer_trains_like_wholeshards_own_loop_and_thereference(runs: dict) -> None:
+    ref = reference()
     for out in runs["ranks"]:
         plain = out["plain"]
         assert plain["wrapped"] == "DataParallel" and not plain["ddp_inside"]
@@ -189,13 +166,13 @@ def test_trainer_trains_like_wholeshards_own_loop_and_the_reference(runs: dict) 
         assert max_param_diff(plain["params"], out["own"]["params"]) < OWN_LOOP_ATOL
         assert plain["norms"] == pytest.approx(out["own"]["norms"], rel=1e-4)  # the global norm
         assert_matches(plain, ref)  # params within TOL, losses within loss_rtol
-        assert plain["norms"] == pytest.approx(_reference(math.inf)["norms"], rel=1e-3)
+        assert plain["norms"] == pytest.approx(reference(math.inf)["norms"], rel=1e-3)
         assert plain["routing"].matrices == 14  # 2 layers x q, k, v, o, gate, up, down
         assert plain["masters"] == ["torch.float32"]
 
 
 def test_max_grad_norm_clips_by_the_global_norm(runs: dict) -> None:
-    ref = _reference(CLIP)
+    ref = reference(CLIP)
     for out in runs["ranks"]:
         clipped = out["clipped"]
         assert clipped["forwards"] == 10 + STEPS  # the other subclass's override ran
