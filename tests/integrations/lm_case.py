@@ -34,12 +34,13 @@ def dataset(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": r, "labels": r} for r in rows]
 
 
-def local_rows(step: int) -> torch.Tensor:
-    """This rank's rows of `step`'s global batch."""
+def local_rows(step: int, interleaved: bool = False) -> torch.Tensor:
+    """This rank's rows of `step`'s global batch: a contiguous block, or (`interleaved`, as a
+    `DistributedSampler` deals them) every world-th row from the rank's."""
     rank, world = rank_world()
     n = GLOBAL_BATCH // world
     rows = torch.stack([d["input_ids"] for d in dataset(step + 1)[step * GLOBAL_BATCH :]])
-    return rows[rank * n : (rank + 1) * n]
+    return rows[rank::world] if interleaved else rows[rank * n : (rank + 1) * n]
 
 
 def reference(clip: float | None = None) -> dict[str, Any]:
