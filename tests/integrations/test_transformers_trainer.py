@@ -38,6 +38,8 @@ from wholeshard.integrations.transformers import (  # noqa: E402
 )
 
 ATOL = TOL[torch.float32]["atol"]
+EVAL_STEPS = 2
+VAL = 99  # the step whose batch is the evaluation set
 ARGS = dict(
     learning_rate=0.01,
     weight_decay=0.01,
@@ -59,19 +61,23 @@ def trainer_run(
     """Train `STEPS` steps with `cls` on `dataset()`; return what the tests compare. `kw`:
     `TrainingArguments`, or the trainer's own arguments where `cls` takes them."""
     _, world = rank_world()
-    own = {k: kw.pop(k) for k in ("count_from",) if k in kw}
+    own = {k: kw.pop(k) for k in ("count_from", "eval_dataset") if k in kw}
     args = dict(ARGS, output_dir=str(out), max_steps=STEPS)
     args |= dict(per_device_train_batch_size=GLOBAL_BATCH // world) | kw
     targs = transformers.TrainingArguments(**args)
     trainer = cls(model=llama(), args=targs, train_dataset=dataset(), **own)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    if "eval_dataset" in own:  # predict() after training: the current params too
+        evals.append(trainer.predict(own["eval_dataset"]).metrics["test_loss"])
     with trainer.ddp.full_params():
         params = full_params(trainer.model)
     optimizer = trainer.layerwise_optimizer
     return {
         "params": params,
         "losses": [h["loss"] for h in logs],  # a resumed run's: the saved steps', then its own
+        "evals": evals,
         "norms": [h["grad_norm"] for h in logs],
         "ddp_inside": any(
             isinstance(m, torch.nn.parallel.DistributedDataParallel)
@@ -103,7 +109,8 @@ def own_loop(clip: float | None = None) -> dict[str, Any]:
     rows = torch.stack([d["input_ids"] for d in dataset()])
     n = GLOBAL_BATCH // world
     items = torch.tensor(float(GLOBAL_BATCH * SEQ))  # as Trainer counts: gathered as a float
-    norms = []
+    val = torch.stack([d["input_ids"] for d in validation()])[rank * n : (rank + 1) * n]
+    norms, evals = [], []
     for step in range(STEPS):
         x = rows[step * GLOBAL_BATCH + rank * n : step * GLOBAL_BATCH + (rank + 1) * n]
         loss = ddp(input_ids=x, labels=x, num_items_in_batch=items, use_cache=False).loss * world
@@ -111,8 +118,18 @@ def own_loop(clip: float | None = None) -> dict[str, Any]:
         norms.append(opt.clip_grad_norm_(clip if clip else math.inf).item())
         opt.step()
         ddp.zero_grad()
+        if (step + 1) % EVAL_STEPS == 0:
+            with torch.no_grad():  # the mean over ranks of each rank's mean loss
+                loss = ddp(input_ids=val, labels=val, use_cache=False).loss
+                torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
+            evals.append(loss.item())
     with ddp.full_params():
-        return {"params": full_params(ddp.module), "norms": norms}
+        return {"params": full_params(ddp.module), "norms": norms, "evals": evals}
+
+
+def validation() -> list[dict[str, torch.Tensor]]:
+    """The evaluation set: one global batch no step trains on."""
+    return dataset(VAL + 1)[VAL * GLOBAL_BATCH :]
 
 
 def _hyper() -> dict[str, Any]:
@@ -151,6 +168,14 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
             gradient_accumulation_steps=2,
         ),
         "resumed": trainer_run(tmp / "resumed", resume=tmp / "plain" / "checkpoint-2"),
+        "evaluated": trainer_run(
+            tmp / "evaluated",
+            eval_dataset=validation(),
+            eval_strategy="steps",
+            eval_steps=EVAL_STEPS,
+            per_device_eval_batch_size=GLOBAL_BATCH // rank_world()[1],
+        ),
+        "bf16": trainer_run(tmp / "bf16", bf16=True),
     }
 
 
@@ -237,3 +262,25 @@ def test_the_example_trains_and_saves(tmp_path: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(final, local_files_only=True)
     assert model.config.num_hidden_layers == 2
     assert (tmp_path / "run" / "checkpoint-8" / "wholeshard" / "latest").is_file()
+
+
+def test_evaluate_and_predict_during_training_see_the_current_params(runs: dict) -> None:
+    for out in runs["ranks"]:
+        got, own = out["evaluated"], out["own"]
+        assert_bitwise(got["params"], own["params"])  # evaluating changed no training bit
+        # eval_loss after steps 2 and 4, then predict()'s test_loss after training: the own
+        # loop's losses on the same rows with the same params (the Trainer averages per-row
+        # gathered losses: equal to the mean of the ranks' means up to rounding).
+        assert got["evals"] == pytest.approx([*own["evals"], own["evals"][-1]], rel=1e-6)
+
+
+def test_bf16_trains_bf16_params_with_fp32_masters_within_the_bf16_bound(runs: dict) -> None:
+    from lm_case import ADAMW, MUON
+    from support import reference_run
+
+    ref = reference_run(STEPS, param_dtype=torch.bfloat16, make=llama, muon_kw=MUON, adamw_kw=ADAMW)
+    for out in runs["ranks"]:
+        bf16 = out["bf16"]
+        assert bf16["param_dtypes"] == ["torch.bfloat16"] and bf16["masters"] == ["torch.float32"]
+        assert_matches(bf16, ref, torch.bfloat16)
+        assert max_param_diff(bf16["params"], out["plain"]["params"]) > 0  # not fp32 training
