@@ -8,12 +8,14 @@ the `LayerwiseOptimizer` over it as the optimizer. Each check raises on every ra
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from ..engine.config import DataParallelConfig
 from ..engine.data_parallel import DataParallel
 from ..optim.layerwise import LayerwiseOptimizer
 from ..planning.routing import MatrixParams, Route, route_params
@@ -114,3 +116,14 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> LayerwiseOptimizer:
             "model being trained: build it over the trained one"
         )
     return optimizer
+
+
+def data_parallel_config(
+    given: DataParallelConfig | dict[str, Any] | None, matrix_params: MatrixParams | None = None
+) -> DataParallelConfig:
+    """The `DataParallelConfig` an integration wraps with: `given` (a config or a dict of its
+    fields), with `matrix_params` as its routing predicate when given."""
+    config = given if isinstance(given, DataParallelConfig) else DataParallelConfig(**(given or {}))
+    if matrix_params is not None:
+        config = dataclasses.replace(config, matrix_params=matrix_params)
+    return config

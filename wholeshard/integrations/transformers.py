@@ -38,7 +38,7 @@ from ..engine.config import DataParallelConfig
 from ..engine.data_parallel import DataParallel
 from ..optim.layerwise import LayerwiseOptimizer
 from ..planning.routing import MatrixParams
-from .start import check_optimizer, check_routing
+from .start import check_optimizer, check_routing, data_parallel_config
 
 logger = logging.get_logger(__name__)
 
@@ -230,11 +230,8 @@ def _config(
 ) -> DataParallelConfig:
     """The `DataParallelConfig`: `given`, with bf16 params and fp32 reduction when `bf16` and
     it sets no `mp_policy`, and the routing predicate."""
-    fields = dict(given) if isinstance(given, dict) else {}
-    config = given if isinstance(given, DataParallelConfig) else DataParallelConfig(**fields)
+    config = data_parallel_config(given, matrix_params)
     if bf16 and config.mp_policy is None:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         config = dataclasses.replace(config, mp_policy=policy)
-    if matrix_params is not None:
-        config = dataclasses.replace(config, matrix_params=matrix_params)
     return config

@@ -1,0 +1,48 @@
+"""The training case every framework test runs: a tiny Llama, `support.batch(s)`'s rows as the
+dataset, one set of optimizer settings, and the one-process torch Muon + AdamW reference.
+
+Frameworks deal batch k of a sequentially sampled dataset to rank k % world, so with a
+per-rank batch of `GLOBAL_BATCH // world` rows, rank r's batch at step s is
+`support.local_batch(s, r, world)`'s rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support import GLOBAL_BATCH, VOCAB, batch, rank_world, reference_run
+
+transformers = pytest.importorskip("transformers")
+hf_support = pytest.importorskip("hf_support")
+
+STEPS = 4
+CLIP = 0.05  # below every step's gradient norm (about 0.6): every step is clipped
+MUON = dict(lr=0.01, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")  # torch's defaults else
+ADAMW = dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(hf_support.config("llama", VOCAB, 16))
+
+
+def dataset(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+    """Every step's global batch, `SEQ + 1` tokens a row (the model shifts the labels)."""
+    rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in map(batch, range(steps))])
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+def local_rows(step: int, interleaved: bool = False) -> torch.Tensor:
+    """This rank's rows of `step`'s global batch: a contiguous block, or (`interleaved`, as a
+    `DistributedSampler` deals them) every world-th row from the rank's."""
+    rank, world = rank_world()
+    n = GLOBAL_BATCH // world
+    rows = torch.stack([d["input_ids"] for d in dataset(step + 1)[step * GLOBAL_BATCH :]])
+    return rows[rank::world] if interleaved else rows[rank * n : (rank + 1) * n]
+
+
+def reference(clip: float | None = None) -> dict[str, Any]:
+    """The one-process reference on the full batches (`clip`: the norms it clips by)."""
+    return reference_run(STEPS, make=llama, muon_kw=MUON, adamw_kw=ADAMW, clip=clip)

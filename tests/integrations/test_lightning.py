@@ -1,0 +1,359 @@
+"""Lightning's Trainer (`WholeshardStrategy`) and Fabric (`WholeshardFabricStrategy`) on a tiny
+Llama at 2 gloo ranks, against wholeshard's own loop (bitwise: Lightning adds no arithmetic)
+and the one-process torch Muon + AdamW reference (`support.TOL`).
+
+The case is `lm_case`'s; a `DistributedSampler` deals the rows of a global batch interleaved
+(`local_rows(step, interleaved=True)`). One launch trains every 2-rank run of both
+(plain with a checkpoint at step `SAVE_AT`, clipped, accumulated, resumed); one more resumes
+both at 1 rank.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support import GLOBAL_BATCH, TOL, assert_matches, full_params, max_param_diff, rank_world, run
+
+import wholeshard
+
+L = pytest.importorskip("lightning")
+from lm_case import ADAMW, CLIP, MUON, STEPS, dataset, llama, local_rows, reference  # noqa: E402
+
+from wholeshard.integrations.lightning import (  # noqa: E402
+    WholeshardFabricStrategy,
+    WholeshardStrategy,
+    layerwise_optimizer,
+)
+
+SAVE_AT = 2
+VAL = 99  # the step whose batch is the validation set
+
+
+def _sequential(data: list, rows: int) -> torch.utils.data.DataLoader:
+    """`data` dealt as Lightning deals it, unshuffled (the own loop's order): rank r's rows are
+    r, r + world, ..."""
+    sampler = (
+        torch.utils.data.DistributedSampler(data, shuffle=False) if rank_world()[1] > 1 else None
+    )
+    return torch.utils.data.DataLoader(data, batch_size=rows, sampler=sampler)
+
+
+class LitLlama(L.LightningModule):
+    """The Llama in a LightningModule; records what the tests compare."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.model = llama()
+        self.rows = rows
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.evals: list[float] = []
+
+    def training_step(self, batch: dict, index: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        norm = self.trainer.strategy.grad_norm
+        if norm is not None:
+            self.norms.append(norm.item())
+
+    def validation_step(self, batch: dict, index: int) -> None:
+        self.evals.append(
+            self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()
+        )
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        """Epoch e trains on the global batches of steps `SAVE_AT * e`, ... (one loader an
+        epoch: a checkpoint at an epoch's end resumes where it stopped)."""
+        first = self.trainer.current_epoch * SAVE_AT * GLOBAL_BATCH
+        return _sequential(dataset()[first : first + SAVE_AT * GLOBAL_BATCH], self.rows)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = layerwise_optimizer(self, matrix=MUON, adamw=ADAMW)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+def trainer_run(
+    out: Path, *, clip: float | None = None, micro: int = 1, resume: Path | None = None
+) -> dict[str, Any]:
+    """`Trainer.fit` for `STEPS` optimizer steps in epochs of `SAVE_AT`, validating after each;
+    saves a checkpoint after the first (a callback calling `trainer.save_checkpoint`)."""
+    _, world = rank_world()
+    module = LitLlama(GLOBAL_BATCH // world // micro)
+
+    class SaveAt(L.Callback):
+        def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == SAVE_AT and resume is None:
+                trainer.save_checkpoint(out / "ckpt")
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=WholeshardStrategy(),
+        max_steps=STEPS,
+        accumulate_grad_batches=micro,
+        gradient_clip_val=clip,
+        reload_dataloaders_every_n_epochs=1,
+        use_distributed_sampler=False,  # Lightning's shuffles the training data
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SaveAt()],
+    )
+    val = _sequential(dataset(VAL + 1)[VAL * GLOBAL_BATCH :], GLOBAL_BATCH // world)
+    trainer.fit(module, val_dataloaders=val, ckpt_path=str(resume) if resume else None)
+    ddp = trainer.strategy.data_parallel
+    with ddp.full_params():
+        params = {n.removeprefix("model."): p for n, p in full_params(module).items()}
+        if trainer.is_global_zero:
+            module.model.save_pretrained(out / "hf")  # the transformers model, current params
+    return {
+        "params": params,
+        "losses": module.losses,
+        "norms": module.norms,
+        "evals": module.evals,
+        "wrapped": type(trainer.strategy.model).__name__,
+        "ddp_inside": any(
+            isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in ddp.modules()
+        ),
+    }
+
+
+def fabric_run(
+    out: Path, *, clip: float = math.inf, micro: int = 1, resume: Path | None = None
+) -> dict[str, Any]:
+    """A Fabric loop for `STEPS` optimizer steps; `fabric.save` at step `SAVE_AT`."""
+    _, world = rank_world()
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=WholeshardFabricStrategy())
+    fabric.launch()
+    model = fabric.setup_module(llama())
+    optimizer = fabric.setup_optimizers(layerwise_optimizer(model, matrix=MUON, adamw=ADAMW))
+    rows = GLOBAL_BATCH // world // micro
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset(), batch_size=rows))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume is not None:
+        fabric.load(resume, state)
+    losses, norms = [], []
+    for i, batch in enumerate(loader):
+        if i < state["step"] * micro:
+            continue  # the batches the saved run had trained on
+        last = (i + 1) % micro == 0
+        with fabric.no_backward_sync(model, enabled=not last):
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            fabric.backward(loss / micro)
+        losses.append(loss.item())
+        if last:
+            norms.append(fabric.clip_gradients(model, optimizer, max_norm=clip).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] += 1
+            if state["step"] == SAVE_AT and resume is None:
+                fabric.save(out / "ckpt", state)
+    ddp = model._forward_module
+    with ddp.full_params():
+        params = full_params(ddp.module)
+    return {"params": params, "losses": losses, "norms": norms, "wrapped": type(ddp).__name__}
+
+
+def own_loop(clip: float = math.inf) -> dict[str, Any]:
+    """wholeshard's own loop on the same (interleaved) rows and settings."""
+    rank, world = rank_world()
+    ddp = wholeshard.DataParallel(llama())
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON, adamw=ADAMW)
+    val = torch.stack([d["input_ids"] for d in dataset(VAL + 1)[VAL * GLOBAL_BATCH :]])[rank::world]
+    losses, norms, evals = [], [], []
+    for step in range(STEPS):
+        x = local_rows(step, interleaved=True)
+        loss = ddp(input_ids=x, labels=x).loss
+        loss.backward()
+        norms.append(opt.clip_grad_norm_(clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if (step + 1) % SAVE_AT == 0:
+            with torch.no_grad():
+                evals.append(ddp(input_ids=val, labels=val).loss.item())
+    with ddp.full_params():
+        return {"params": full_params(ddp.module), "losses": losses, "norms": norms, "evals": evals}
+
+
+def _two_ranks(tmp: Path) -> dict[str, Any]:
+    return {
+        "own": own_loop(),
+        "own_clipped": own_loop(CLIP),
+        "plain": trainer_run(tmp / "plain"),
+        "clipped": trainer_run(tmp / "clipped", clip=CLIP),
+        "accumulated": trainer_run(tmp / "acc", micro=2),
+        "resumed": trainer_run(tmp / "resumed", resume=tmp / "plain" / "ckpt"),
+        "fabric": fabric_run(tmp / "fabric"),
+        "fabric_clipped": fabric_run(tmp / "fabric-clipped", clip=CLIP),
+        "fabric_accumulated": fabric_run(tmp / "fabric-acc", micro=2),
+        "fabric_resumed": fabric_run(tmp / "fabric-resumed", resume=tmp / "fabric" / "ckpt"),
+    }
+
+
+def _one_rank(tmp: Path) -> dict[str, Any]:
+    return {
+        "resumed": trainer_run(tmp / "resumed-1", resume=tmp / "plain" / "ckpt"),
+        "fabric_resumed": fabric_run(tmp / "fabric-resumed-1", resume=tmp / "fabric" / "ckpt"),
+        "refusals": _refusals(tmp),
+    }
+
+
+class TorchOptimizer(LitLlama):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def _refusals(tmp: Path) -> dict[str, str]:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    errors = {}
+
+    def error(name: str, fn: Any) -> None:
+        try:
+            fn()
+            errors[name] = "no error"
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    def fit(module: Any = None, **kw: Any) -> None:
+        args = dict(accelerator="cpu", devices=1, strategy=WholeshardStrategy(), max_steps=1)
+        args |= dict(logger=False, enable_checkpointing=False, enable_progress_bar=False) | kw
+        L.Trainer(**args).fit(module or LitLlama(GLOBAL_BATCH))
+
+    error("torch optimizer", lambda: fit(TorchOptimizer(GLOBAL_BATCH)))
+    scaled = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))  # a GPU's fp16 AMP
+    error("fp16", lambda: WholeshardStrategy(precision_plugin=scaled))
+    error("by value", lambda: fit(gradient_clip_val=1.0, gradient_clip_algorithm="value"))
+    (tmp / "lightning.ckpt").write_bytes(b"")
+    error(
+        "foreign checkpoint",
+        lambda: L.Trainer(
+            accelerator="cpu", devices=1, strategy=WholeshardStrategy(), max_steps=1, logger=False
+        ).fit(LitLlama(GLOBAL_BATCH), ckpt_path=tmp / "lightning.ckpt"),
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=WholeshardFabricStrategy())
+    fabric.launch()
+    model = llama()
+    error("joint setup", lambda: fabric.setup(model, torch.optim.AdamW(model.parameters())))
+    return errors
+
+
+def test_what_the_strategies_refuse_names_the_fix(runs: dict) -> None:
+    out = runs["one"]["refusals"]
+    assert "the optimizer is a AdamW" in out["torch optimizer"]
+    assert "layerwise_optimizer(module" in out["torch optimizer"]
+    assert "precision='16-mixed'" in out["fp16"] and "'bf16-mixed'" in out["fp16"]
+    assert "gradient_clip_algorithm='norm'" in out["by value"]
+    assert (
+        "FileNotFoundError" in out["foreign checkpoint"]
+        and "wholeshard/" in out["foreign checkpoint"]
+    )
+    assert "fabric.setup_module(model)" in out["joint setup"]
+
+
+def test_the_trained_model_saves_for_from_pretrained(runs: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(runs["tmp"] / "plain" / "hf")
+    _assert_bitwise(full_params(model), runs["ranks"][0]["plain"]["params"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("lightning")
+    outs = run(_two_ranks, 2, tmp)
+    (one,) = run(_one_rank, 1, tmp)
+    return {"ranks": outs, "one": one, "tmp": tmp}
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), name
+
+
+@pytest.mark.parametrize("kind", ["plain", "fabric"])
+def test_trains_as_wholeshards_own_loop_and_the_reference(runs: dict, kind: str) -> None:
+    ref = reference(math.inf)
+    for out in runs["ranks"]:
+        got = out[kind]
+        assert got["wrapped"] == "DataParallel"
+        _assert_bitwise(got["params"], out["own"]["params"])
+        assert got["losses"] == out["own"]["losses"]
+        assert_matches({"params": got["params"], "losses": ref["losses"]}, ref)
+    assert not runs["ranks"][0]["plain"]["ddp_inside"]
+    # Validation during fit saw the current params: the own loop's evaluations, bitwise.
+    for out in runs["ranks"]:
+        assert out["plain"]["evals"] == out["own"]["evals"]
+    for out in runs["ranks"]:
+        assert out["fabric"]["norms"] == out["own"]["norms"]
+        assert out["fabric"]["norms"] == pytest.approx(ref["norms"], rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["clipped", "fabric_clipped"])
+def test_clipping_is_by_the_global_norm(runs: dict, kind: str) -> None:
+    ref = reference(CLIP)
+    for out in runs["ranks"]:
+        got = out[kind]
+        _assert_bitwise(got["params"], out["own_clipped"]["params"])
+        assert got["norms"] == out["own_clipped"]["norms"]  # Trainer: strategy.grad_norm
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-3)
+        assert_matches({"params": got["params"], "losses": ref["losses"]}, ref)
+        assert max_param_diff(got["params"], out["own"]["params"]) > 3 * TOL[torch.float32]["atol"]
+
+
+@pytest.mark.parametrize("kind", ["accumulated", "fabric_accumulated"])
+def test_accumulation_of_two_half_batches_equals_one_batch(runs: dict, kind: str) -> None:
+    for out in runs["ranks"]:
+        assert (
+            max_param_diff(out[kind]["params"], out["own"]["params"]) < TOL[torch.float32]["atol"]
+        )
+
+
+@pytest.mark.parametrize(("kind", "plain"), [("resumed", "plain"), ("fabric_resumed", "fabric")])
+def test_a_checkpoint_resumes_at_two_ranks_bitwise_and_at_one_within_rounding(
+    runs: dict, kind: str, plain: str
+) -> None:
+    for out in runs["ranks"]:
+        _assert_bitwise(out[kind]["params"], out[plain]["params"])
+        assert out[kind]["losses"] == out[plain]["losses"][SAVE_AT:]
+    one = runs["one"][kind]
+    assert (
+        max_param_diff(one["params"], runs["ranks"][0][plain]["params"])
+        < TOL[torch.float32]["atol"]
+    )
+    assert (runs["tmp"] / plain / "ckpt" / "wholeshard" / "latest").is_file()
+
+
+def test_the_examples_train_and_save(tmp_path: Path) -> None:
+    """examples/lightning_trainer.py and lightning_fabric.py, in 2 processes (started here:
+    Lightning sees LOCAL_RANK and starts none)."""
+    import runpy
+    import sys
+
+    def examples(out: Path) -> None:
+        for name in ("lightning_trainer", "lightning_fabric"):
+            sys.argv = [f"{name}.py", str(out / name)]
+            runpy.run_path(str(Path(__file__).parents[2] / "examples" / f"{name}.py"))
+
+    run(examples, 2, tmp_path)
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "lightning_trainer" / "final"
+    )
+    assert model.config.num_hidden_layers == 2
+    assert (tmp_path / "lightning_trainer" / "last.ckpt" / "wholeshard" / "latest").is_file()
+    assert (tmp_path / "lightning_fabric" / "ckpt" / "meta.pt").is_file()
