@@ -76,6 +76,7 @@ def accelerate_run(
         save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(model),
     )
+    accelerator.save_model(model, out / "weights")  # the weights alone (every rank calls it)
     with ddp.full_params():
         params = full_params(ddp.module)
     return {
@@ -272,3 +273,12 @@ def test_the_saved_model_loads_with_from_pretrained(runs: dict) -> None:
     saved = runs["tmp"] / "plain" / "final"
     model = transformers.AutoModelForCausalLM.from_pretrained(saved, local_files_only=True)
     _assert_bitwise(full_params(model), runs["ranks"][0]["plain"]["params"])
+
+
+def test_save_model_writes_the_full_weights(runs: dict) -> None:
+    """`accelerator.save_model(model, dir)`: the unwrapped model's full params, in
+    `model.safetensors` (Accelerate's names: no wrapper prefix)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(runs["tmp"] / "plain" / "weights" / "model.safetensors")
+    _assert_bitwise(weights, runs["ranks"][0]["plain"]["params"])

@@ -21,6 +21,7 @@ from support import GLOBAL_BATCH, TOL, assert_matches, full_params, max_param_di
 import wholeshard
 
 L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lm_case import ADAMW, CLIP, MUON, STEPS, dataset, llama, local_rows, reference  # noqa: E402
 
 from wholeshard.integrations.lightning import (  # noqa: E402
@@ -84,12 +85,22 @@ class LitLlama(L.LightningModule):
 
 
 def trainer_run(
-    out: Path, *, clip: float | None = None, micro: int = 1, resume: Path | None = None
+    out: Path,
+    *,
+    clip: float | None = None,
+    micro: int = 1,
+    resume: Path | None = None,
+    top_k: bool = False,
 ) -> dict[str, Any]:
     """`Trainer.fit` for `STEPS` optimizer steps in epochs of `SAVE_AT`, validating after each;
-    saves a checkpoint after the first (a callback calling `trainer.save_checkpoint`)."""
+    saves a checkpoint after the first (a callback calling `trainer.save_checkpoint`). With
+    `top_k`, Lightning's `ModelCheckpoint` also saves every `SAVE_AT` steps into `out / "top"`,
+    keeping the latest and `last.ckpt`."""
     _, world = rank_world()
     module = LitLlama(GLOBAL_BATCH // world // micro)
+    top = ModelCheckpoint(
+        out / "top", monitor="step", mode="max", every_n_train_steps=SAVE_AT, save_last=True
+    )
 
     class SaveAt(L.Callback):
         def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
@@ -107,10 +118,10 @@ def trainer_run(
         use_distributed_sampler=False,  # Lightning's shuffles the training data
         num_sanity_val_steps=0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=top_k,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[SaveAt()],
+        callbacks=[SaveAt(), top] if top_k else [SaveAt()],
     )
     val = _sequential(dataset(VAL + 1)[VAL * GLOBAL_BATCH :], GLOBAL_BATCH // world)
     trainer.fit(module, val_dataloaders=val, ckpt_path=str(resume) if resume else None)
@@ -119,16 +130,33 @@ def trainer_run(
         params = {n.removeprefix("model."): p for n, p in full_params(module).items()}
         if trainer.is_global_zero:
             module.model.save_pretrained(out / "hf")  # the transformers model, current params
+    evals, wrapped = list(module.evals), type(trainer.strategy.model).__name__
+    if resume is None and clip is None and micro == 1:
+        # After fit: validate the saved checkpoint (it reaches the wrapper's buffers), then save.
+        trainer.validate(module, val, ckpt_path=out / "ckpt", verbose=False)
+        trainer.save_checkpoint(out / "after-validate")
     return {
         "params": params,
         "losses": module.losses,
         "norms": module.norms,
-        "evals": module.evals,
-        "wrapped": type(trainer.strategy.model).__name__,
+        "evals": evals,
+        "validated": module.evals[len(evals) :],
+        "wrapped": wrapped,
         "ddp_inside": any(
             isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in ddp.modules()
         ),
     }
+
+
+def validate_fresh(ckpt: Path) -> list[float]:
+    """`validate(ckpt_path=ckpt)` on a fresh Trainer and module: its validation losses."""
+    _, world = rank_world()
+    module = LitLlama(GLOBAL_BATCH // world)
+    args = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=WholeshardStrategy(), **args)
+    val = _sequential(dataset(VAL + 1)[VAL * GLOBAL_BATCH :], GLOBAL_BATCH // world)
+    trainer.validate(module, val, ckpt_path=ckpt, verbose=False)
+    return module.evals
 
 
 def fabric_run(
@@ -194,9 +222,10 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
         "own": own_loop(),
         "own_clipped": own_loop(CLIP),
         "plain": trainer_run(tmp / "plain"),
-        "clipped": trainer_run(tmp / "clipped", clip=CLIP),
+        "clipped": trainer_run(tmp / "clipped", clip=CLIP, top_k=True),
         "accumulated": trainer_run(tmp / "acc", micro=2),
         "resumed": trainer_run(tmp / "resumed", resume=tmp / "plain" / "ckpt"),
+        "validated": validate_fresh(tmp / "plain" / "ckpt"),
         "fabric": fabric_run(tmp / "fabric"),
         "fabric_clipped": fabric_run(tmp / "fabric-clipped", clip=CLIP),
         "fabric_accumulated": fabric_run(tmp / "fabric-acc", micro=2),
@@ -336,6 +365,28 @@ def test_a_checkpoint_resumes_at_two_ranks_bitwise_and_at_one_within_rounding(
         < TOL[torch.float32]["atol"]
     )
     assert (runs["tmp"] / plain / "ckpt" / "wholeshard" / "latest").is_file()
+
+
+def test_validate_with_ckpt_path_loads_the_checkpoints_params(runs: dict) -> None:
+    """`validate(ckpt_path=)` after fit (into the wrapper) and on a fresh Trainer (into the
+    bare module): the validation loss of the step-`SAVE_AT` params, the own loop's, bitwise."""
+    for out in runs["ranks"]:
+        saved = out["own"]["evals"][0]
+        assert out["plain"]["validated"] == [saved]
+        assert out["validated"] == [saved]
+    # A checkpoint after validation is still the strategy's directory (the module stays wrapped).
+    assert (runs["tmp"] / "plain" / "after-validate" / "wholeshard" / "latest").is_file()
+
+
+def test_model_checkpoint_keeps_the_best_and_removes_the_rest_whole(runs: dict) -> None:
+    """Lightning's `ModelCheckpoint` saves through the strategy and removes old checkpoints
+    with `strategy.remove_checkpoint`: what it keeps are whole checkpoint directories."""
+    top = runs["tmp"] / "clipped" / "top"
+    kept = ["epoch=1-step=4.ckpt", "last.ckpt"]  # epoch=0-step=2.ckpt was removed
+    assert sorted(p.name for p in top.iterdir()) == kept
+    for name in kept:
+        assert sorted(p.name for p in (top / name).iterdir()) == ["meta.pt", "wholeshard"]
+        assert (top / name / "wholeshard" / "latest").read_text().strip() == f"step-{STEPS}"
 
 
 def test_the_examples_train_and_save(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def trainer_run(
     """Train `STEPS` steps with `cls` on `dataset()`; return what the tests compare. `kw`:
     `TrainingArguments`, or the trainer's own arguments where `cls` takes them."""
     _, world = rank_world()
-    own = {k: kw.pop(k) for k in ("count_from", "eval_dataset") if k in kw}
+    own = {k: kw.pop(k) for k in ("count_from", "eval_dataset", "data_parallel") if k in kw}
     args = dict(ARGS, output_dir=str(out), max_steps=STEPS)
     args |= dict(per_device_train_batch_size=GLOBAL_BATCH // world) | kw
     targs = transformers.TrainingArguments(**args)
@@ -88,6 +88,8 @@ def trainer_run(
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
         "routing": trainer.wholeshard_routing,
         "forwards": getattr(trainer, "forwards", None),
+        "best": trainer.state.best_model_checkpoint,
+        "checkpointing": trainer.model.is_gradient_checkpointing,
     }
 
 
@@ -166,6 +168,9 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
             tmp / "acc",
             per_device_train_batch_size=GLOBAL_BATCH // 4,
             gradient_accumulation_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            save_only_model=True,  # a checkpoint with no wholeshard part, to resume from
         ),
         "resumed": trainer_run(tmp / "resumed", resume=tmp / "plain" / "checkpoint-2"),
         "evaluated": trainer_run(
@@ -174,16 +179,52 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
             eval_strategy="steps",
             eval_steps=EVAL_STEPS,
             per_device_eval_batch_size=GLOBAL_BATCH // rank_world()[1],
+            gradient_checkpointing=True,  # recomputes each layer's forward: the same bits
         ),
         "bf16": trainer_run(tmp / "bf16", bf16=True),
+        "best": trainer_run(
+            tmp / "best",
+            eval_dataset=validation(),
+            eval_on_start=True,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            save_total_limit=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            per_device_eval_batch_size=GLOBAL_BATCH // rank_world()[1],
+            data_parallel=dict(reshard_after_forward=True),  # Trainer's own loading would fail
+        ),
     }
+
+
+def _one_rank(tmp: Path) -> dict[str, Any]:
+    out = trainer_run(tmp / "resumed-1", resume=tmp / "plain" / "checkpoint-2")
+    errors = {}
+    for name, kw in {
+        "model only": dict(resume=tmp / "acc" / "checkpoint-2"),
+        "model only, best": dict(
+            save_only_model=True,
+            load_best_model_at_end=True,
+            eval_strategy="steps",
+            save_strategy="steps",
+            eval_dataset=validation(),
+        ),
+    }.items():
+        try:
+            trainer_run(tmp / "refused", **kw)
+            errors[name] = "no error"
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    return out | {"refusals": errors}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("trainer")
     outs = run(_two_ranks, 2, tmp)
-    (one,) = run(trainer_run, 1, tmp / "resumed-1", resume=tmp / "plain" / "checkpoint-2")
+    (one,) = run(_one_rank, 1, tmp)
     return {"ranks": outs, "one": one, "tmp": tmp}
 
 
@@ -265,9 +306,12 @@ def test_the_example_trains_and_saves(tmp_path: Path) -> None:
 
 
 def test_evaluate_and_predict_during_training_see_the_current_params(runs: dict) -> None:
+    """With `gradient_checkpointing=True`, too."""
     for out in runs["ranks"]:
         got, own = out["evaluated"], out["own"]
-        assert_bitwise(got["params"], own["params"])  # evaluating changed no training bit
+        assert got["checkpointing"] and not out["plain"]["checkpointing"]
+        # Neither evaluating nor gradient checkpointing changed a training bit.
+        assert_bitwise(got["params"], own["params"])
         # eval_loss after steps 2 and 4, then predict()'s test_loss after training: the own
         # loop's losses on the same rows with the same params (the Trainer averages per-row
         # gathered losses: equal to the mean of the ranks' means up to rounding).
@@ -284,3 +328,35 @@ def test_bf16_trains_bf16_params_with_fp32_masters_within_the_bf16_bound(runs: d
         assert bf16["param_dtypes"] == ["torch.bfloat16"] and bf16["masters"] == ["torch.float32"]
         assert_matches(bf16, ref, torch.bfloat16)
         assert max_param_diff(bf16["params"], out["plain"]["params"]) > 0  # not fp32 training
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint_into_the_wrapper(runs: dict) -> None:
+    """`load_best_model_at_end` (fully sharded, where `Trainer`'s own loading cannot reach the
+    shards), with `eval_on_start` and `save_total_limit=2`: the params after training are the
+    best checkpoint's, and the rotation kept whole checkpoint directories."""
+    for out in runs["ranks"]:
+        best = out["best"]
+        # eval_loss at steps 0 (eval_on_start) to 4, then predict() after training.
+        evals = best["evals"][1 : STEPS + 1]
+        step = 1 + evals.index(min(evals))
+        assert step < STEPS  # measured: this validation set's loss rises after step 1
+        assert best["best"] == str(runs["tmp"] / "best" / f"checkpoint-{step}")
+        saved = transformers.AutoModelForCausalLM.from_pretrained(best["best"])
+        assert_bitwise(best["params"], full_params(saved))
+        assert best["evals"][-1] == pytest.approx(min(evals), rel=1e-6)
+    kept = sorted(p.name for p in (runs["tmp"] / "best").glob("checkpoint-*"))
+    assert kept == sorted({f"checkpoint-{step}", f"checkpoint-{STEPS}"})
+    for name in kept:
+        assert (runs["tmp"] / "best" / name / "wholeshard" / "latest").is_file()
+
+
+def test_save_only_model_checkpoints_are_refused_where_a_wholeshard_part_is_needed(
+    runs: dict,
+) -> None:
+    out = runs["one"]["refusals"]
+    assert "FileNotFoundError" in out["model only"]
+    assert "save_only_model=True" in out["model only"]
+    assert (
+        "does not support save_only_model=True with load_best_model_at_end"
+        in (out["model only, best"])
+    )

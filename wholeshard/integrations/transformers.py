@@ -14,10 +14,11 @@ What the mixin changes, through `Trainer`'s own extension points (its overridabl
 - checkpoints (`save_steps`, `resume_from_checkpoint`) hold the model and optimizer as a
   wholeshard checkpoint (`checkpoint-N/wholeshard/step-N`: any world size) beside the
   `from_pretrained` directory `save_model()` writes and `Trainer`'s scheduler, RNG and state
-  files.
-`bf16=True` trains bf16 params with fp32 masters and fp32 gradient reduction; `fp16=True` and
-`model_init` are refused. When no matrix goes to the matrix rule and `adamw_only=True`, the
-trainer is `Trainer` itself, unchanged. Needs `pip install 'wholeshard[hf]'`.
+  files; `load_best_model_at_end` loads the best one's wholeshard checkpoint.
+`bf16=True` trains bf16 params with fp32 masters and fp32 gradient reduction; `fp16=True`,
+`model_init` and `save_only_model` with `load_best_model_at_end` are refused. When no matrix
+goes to the matrix rule and `adamw_only=True`, the trainer is `Trainer` itself, unchanged.
+Needs `pip install 'wholeshard[hf]'`.
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ class WholeshardTrainerMixin:
         if self.wholeshard_routing is None:
             logger.warning("no matrix goes to the matrix rule: training with Trainer unchanged")
             return
+        if targs.save_only_model and targs.load_best_model_at_end:
+            raise ValueError(
+                "WholeshardTrainer does not support save_only_model=True with "
+                "load_best_model_at_end=True (as Trainer refuses it with FSDP): the best model "
+                f"loads from the checkpoint's {CHECKPOINT_DIR}/ part, which save_only_model does "
+                f"not write. Drop save_only_model, or load_best_model_at_end"
+            )
         self.ddp = DataParallel(self.model, config)
         self.model_wrapped = self.ddp
         defaults = optimizer_kwargs(targs)
@@ -207,15 +215,34 @@ class WholeshardTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self.ddp is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        load_checkpoint(self._saved(checkpoint, "to resume"), self.ddp, self.layerwise_optimizer)
+        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)
+
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint's params (fp32 masters and optimizer
+        state with them) into the wrapper, in every mode (`Trainer` would copy the
+        `from_pretrained` weights into the module's params, which reaches neither the
+        masters nor, fully sharded, the shards)."""
+        if self.ddp is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+        saved = self._saved(best, "to load the best model from")
+        load_checkpoint(saved, self.ddp, self.layerwise_optimizer)
+
+    @staticmethod
+    def _saved(checkpoint: str, purpose: str) -> Path:
+        """The wholeshard checkpoint in `Trainer` checkpoint `checkpoint`; raises naming why
+        there is none."""
         saved = Path(checkpoint) / CHECKPOINT_DIR
         if not saved.is_dir():
             raise FileNotFoundError(
-                f"{checkpoint} holds no wholeshard checkpoint ({CHECKPOINT_DIR}/): it was not "
-                f"written by a WholeshardTrainer, so it has no optimizer state to resume from"
+                f"{checkpoint} holds no wholeshard checkpoint ({CHECKPOINT_DIR}/), so it has no "
+                f"params and optimizer state {purpose}: it was saved with save_only_model=True "
+                f"(the from_pretrained weights alone) or not by a WholeshardTrainer"
             )
-        load_checkpoint(saved, self.ddp, self.layerwise_optimizer)
-        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
-        self.lr_scheduler.load_state_dict(scheduler)
+        return saved
 
 
 class WholeshardTrainer(WholeshardTrainerMixin, transformers.Trainer):

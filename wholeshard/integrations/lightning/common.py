@@ -5,6 +5,8 @@ wrappers, and a checkpoint as a directory.
 A checkpoint is a directory: `wholeshard/` holds the params and optimizer state as a wholeshard
 checkpoint (every rank writes what it owns; it loads at any world size and plan), `meta.pt`
 (rank 0's) the rest of what Lightning saves (loop and scheduler states, counters, hparams).
+Outside fit (validation, test, prediction of a module no `DataParallel` wraps) only its params
+are read (`load_params`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ...checkpoint import load_checkpoint, save_checkpoint
+from ...checkpoint import load_checkpoint, load_consolidated, save_checkpoint
 from ...engine.config import DataParallelConfig
 from ...engine.data_parallel import DataParallel
 from ...optim.layerwise import LayerwiseOptimizer
@@ -139,16 +141,33 @@ def save_directory(
         torch.save(meta, path / META_FILE)
 
 
+def is_directory(path: Path) -> bool:
+    """Whether `path` is a checkpoint directory a wholeshard strategy saved."""
+    return (path / CHECKPOINT_DIR).is_dir()
+
+
 def load_directory(
     path: Path, ddp: DataParallel, optimizer: LayerwiseOptimizer, weights_only: bool | None
 ) -> dict[str, Any]:
     """Load checkpoint directory `path` into `ddp` and `optimizer` (saved at any world size);
     return its `meta` (unpickled in full unless `weights_only`)."""
-    if not (path / CHECKPOINT_DIR).is_dir():
+    if not is_directory(path):
         raise FileNotFoundError(
             f"{path} is not a checkpoint a wholeshard strategy saved (no {CHECKPOINT_DIR}/ in "
             f"it): Lightning's own checkpoint files hold no sharded optimizer state"
         )
     load_checkpoint(path / CHECKPOINT_DIR, ddp, optimizer)
+    return _meta(path, weights_only)
+
+
+def load_params(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """Checkpoint directory `path` as Lightning's checkpoint dict for a module no
+    `DataParallel` wraps (validation, test, prediction): `meta` with the full params as its
+    `state_dict` (read whole on every rank), which Lightning loads into the module."""
+    params, _ = load_consolidated(path / CHECKPOINT_DIR)
+    return {**_meta(path, weights_only), "state_dict": params}
+
+
+def _meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
     # Lightning's own `meta` (hparams, loop states) needs full unpickling; True restricts it.
     return torch.load(path / META_FILE, weights_only=bool(weights_only))

@@ -15,8 +15,10 @@ the model and its gradients:
 - `gradient_clip_val` with the "norm" algorithm clips by the global norm
   (`LayerwiseOptimizer.clip_grad_norm_`, through the precision plugin's `clip_grad_by_norm`);
   `grad_norm` is that norm at the last clipped step; the "value" algorithm is refused;
-- `trainer.save_checkpoint(path)` and `fit(ckpt_path=path)` write and read a directory
-  (`common`: a wholeshard checkpoint, any world size, beside rank 0's `meta.pt`).
+- `trainer.save_checkpoint(path)` (and so `ModelCheckpoint`) and `fit(ckpt_path=path)` write
+  and read a directory (`common`: a wholeshard checkpoint, any world size, beside rank 0's
+  `meta.pt`); `validate/test/predict(ckpt_path=path)` load its params into the module (into
+  the wrapper, with the optimizer's state, when the module was fitted by this strategy).
 Precision "32-true", "bf16-mixed" (autocast), "bf16-true" (bf16 params, fp32 masters and fp32
 reduction); "16-mixed" on a GPU is refused (its GradScaler reads `.grad`, which stays None).
 """
@@ -32,7 +34,14 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.strategies import DDPStrategy
 
 from ...engine.data_parallel import DataParallel
-from .common import WrappingOptions, layerwise_of, load_directory, save_directory
+from .common import (
+    WrappingOptions,
+    is_directory,
+    layerwise_of,
+    load_directory,
+    load_params,
+    save_directory,
+)
 
 
 class WholeshardStrategy(WrappingOptions, DDPStrategy):
@@ -47,8 +56,12 @@ class WholeshardStrategy(WrappingOptions, DDPStrategy):
 
     @property
     def data_parallel(self) -> DataParallel | None:
-        """The wrapper while fitting (None before, or when training with torch DDP)."""
-        return self.model if isinstance(self.model, DataParallel) else None
+        """The wrapper of the module: while fitting, and after (validation, test, prediction
+        and checkpoints of the fitted module see it); None before, or with torch DDP."""
+        if isinstance(self.model, DataParallel):
+            return self.model
+        wrapper = self._wrapper  # outside fit Lightning hands the strategy the bare module
+        return wrapper if wrapper is not None and wrapper.module is self.model else None
 
     # -- the model and the optimizers ----------------------------------------------------
 
@@ -146,6 +159,8 @@ class WholeshardStrategy(WrappingOptions, DDPStrategy):
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> Any:
         ddp = self.data_parallel
+        if ddp is None and is_directory(Path(checkpoint_path)):
+            return load_params(Path(checkpoint_path), weights_only)  # validate/test/predict
         if ddp is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         (optimizer,) = self.optimizers
