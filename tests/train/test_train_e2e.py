@@ -95,6 +95,7 @@ def muon_run(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     out = tmp_path_factory.mktemp("runs") / "muon"
     args = _args(text_file, out, "--nproc", "2", "--checkpoint-every", "2")
     proc, _ = _run([sys.executable, "-m", "wholeshard", *args])
+    (out.parent / "muon.stderr").write_text(proc.stderr)  # the progress bar's run
     return out, _summary(proc)
 
 
@@ -117,6 +118,9 @@ def _check_run(out: Path, summary: dict, optimizer: str) -> None:
 
 def test_two_local_ranks_muon(muon_run: tuple[Path, dict]) -> None:
     _check_run(*muon_run, "muon")
+    stderr = (muon_run[0].parent / "muon.stderr").read_text()
+    assert "train: 100%" in stderr  # the progress bar ran ...
+    assert "leaked semaphore" not in stderr  # ... and its lock left nothing at exit
 
 
 @pytest.mark.slow  # AdamW in the train job: test_train_resume.py trains it with checkpoints

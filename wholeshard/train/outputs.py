@@ -13,6 +13,20 @@ from typing import Any
 
 from .extras import require
 
+
+def progress_bar(**kwargs: Any) -> Any:
+    """A tqdm bar on stderr, drawn by this process alone. Its lock is a thread lock: tqdm's
+    default one holds a multiprocessing semaphore, which a worker ending with `os._exit` (as the
+    launcher's do) never unlinks, so Python's resource tracker warned of a leaked semaphore at
+    the end of every run."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    return tqdm(file=sys.stderr, **kwargs)
+
+
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PLOT = "loss.png"
@@ -117,9 +131,7 @@ class RunLog:
             self._file.write(json.dumps(rec) + "\n")
         if progress:
             require("tqdm")
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=steps, desc="train", unit="step", file=sys.stderr, leave=True)
+            self._bar = progress_bar(total=steps, desc="train", unit="step", leave=True)
 
     def record(self, rec: dict) -> None:
         """Append one record to `metrics.jsonl` and show it on the progress bar."""

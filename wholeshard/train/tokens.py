@@ -36,7 +36,6 @@ import importlib.util
 import json
 import os
 import secrets
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -255,10 +254,10 @@ def build_cache(
     laid = bin_path.with_name(bin_path.name + tag + "-split")  # train blocks, then val blocks
     bar = None
     if progress and importlib.util.find_spec("tqdm") is not None:
-        from tqdm.auto import tqdm
+        from .outputs import progress_bar
 
         unit, total = ("doc", None) if builder else ("file", len(files))
-        bar = tqdm(total=total, desc="tokenize", unit=unit, file=sys.stderr, leave=False)
+        bar = progress_bar(total=total, desc="tokenize", unit=unit, leave=False)
     count = docs = max_id = 0
     separator = np.array([sep], np.int64)
     try:
