@@ -110,9 +110,9 @@ def costs_lines(costs: Costs, assumed: Sequence[str] = ()) -> list[str]:
         if least == mine["total"]
         else f"rank {worst} of {k} holds the most; the least {size(least)}"
     )
-    counts = ", ".join(f"{n} {op}" for op, n in costs.counts().items())
+    counts = ", ".join(f"{n:,} {op}" for op, n in costs.counts().items())
     traffic = (
-        f"{size(costs.bytes_sent)} sent per rank in {len(costs.collectives)} collectives "
+        f"{size(costs.bytes_sent)} sent per rank in {len(costs.collectives):,} collectives "
         f"({counts}; ring model)"
         if costs.collectives
         else "none: one rank"
@@ -145,13 +145,13 @@ def detail(plan: Plan, seconds: float, choice: ShardGroupChoice | None) -> str:
     if choice is not None:
         strategy += f"; chosen automatically: {choice.reason}"
     ranges = ", ".join(
-        f"{len(b.buckets)} {b.kind} buckets of {min(c.numel for c in b.buckets):,} to "
+        f"{len(b.buckets):,} {b.kind} buckets of {min(c.numel for c in b.buckets):,} to "
         f"{max(c.numel for c in b.buckets):,} elements"
         for b in plan.buffers
     )
     total = sum(len(b.buckets) for b in plan.buffers)
     buckets = (
-        f"{total} in {len(plan.buffers)} buffer(s): {ranges}; bucket size "
+        f"{total:,} in {len(plan.buffers)} buffer(s): {ranges}; bucket size "
         f"{plan.bucket_size:,}: a bucket closes once it holds about that many elements, an "
         "element-wise one also where a layer ends, and a param wider than that fills one alone"
     )
@@ -180,7 +180,7 @@ def bucket_tables(plan: Plan) -> str:
         lines += [
             "",
             f"buffer {index} ({buffer.kind}, {buffer.sharding}): {buffer.numel:,} elements in "
-            f"{len(buffer.buckets)} bucket(s)",
+            f"{len(buffer.buckets):,} bucket(s)",
             header,
         ]
         members: list[list[Any]] = [[0, 0, None] for _ in buffer.buckets]  # count, used, widest
