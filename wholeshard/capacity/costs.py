@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..planning.plan import Plan
@@ -330,10 +330,23 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     transient = peak = 0
     if fully_sharded(plan, mode):
         transient = max(u.numel for u in units) * (pb + gb)
-        overlap = (mode.overlap_grad_reduce, mode.overlap_param_gather)
-        peak = _lifetimes.peak_bytes(units, specs, pb, gb, *overlap)
+        peak = _peak(units, specs, mode)
     collectives = tuple(step_collectives(plan, specs, mode, _worst(per_rank)))
     return Costs(plan, mode, per_rank, transient, peak, collectives, host)
+
+
+def sharded_peak(plan: Plan, specs: Sequence[ParamSpec], mode: Mode) -> int:
+    """`Costs.peak_transient` of `plan` in `mode` with `reshard_after_forward` (its dtypes and
+    overlap), without the rest of the costs; 0 where nothing reshards (dp or k of 1)."""
+    if not fully_sharded(plan, replace(mode, reshard_after_forward=True)):
+        return 0
+    return _peak(_units(plan, specs), specs, mode)
+
+
+def _peak(units: Sequence[Unit], specs: Sequence[ParamSpec], mode: Mode) -> int:
+    pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
+    overlap = (mode.overlap_grad_reduce, mode.overlap_param_gather)
+    return _lifetimes.peak_bytes(units, specs, pb, gb, *overlap)
 
 
 def _worst(persistent: Sequence[dict[str, int]]) -> int:

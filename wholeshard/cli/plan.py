@@ -3,10 +3,11 @@
 show what the plan costs each rank in the mode the flags name (`capacity.costs`; by default as
 users train: bf16 params, grads reduced in fp32): persistent bytes by kind, the peak of
 transient full buckets, one step's collectives and bytes sent; with `--fabric`, a projection of
-the step's communication and optimizer time (`capacity.projection`); then the plan itself
-(`plan_text`, or `--json`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
-or malformed shapes file or model, a model no torch process could hold, a model no plan can
-serve).
+the step's communication and optimizer time (`capacity.projection`) and, where its latency term
+is a large share, a `--bucket-size` that shrinks it (`capacity.bucket_hint`); then the plan
+itself (`plan_text`, or `--json`). Exit codes: 0 planned, 2 bad input (argparse errors, an
+unreadable or malformed shapes file or model, a model no torch process could hold, a model no
+plan can serve).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..capacity.bucket_hint import bucket_size_hint
 from ..capacity.choice import ShardGroupChoice, plan_and_choice
 from ..capacity.costs import Costs, Mode, plan_costs
 from ..capacity.model_shapes import HF_DIR, ModelError, model_specs
@@ -293,7 +295,11 @@ def main(args: argparse.Namespace) -> int:
             **dtypes,
         )
         costs = plan_costs(plan, specs, mode)
-        projected = None if args.fabric is None else project(costs, args.fabric, args.gpu)
+        projected = hint = None
+        if args.fabric is not None:
+            projected = project(costs, args.fabric, args.gpu)
+            settings = {"strategy": args.strategy, "shard_group_size": args.shard_group_size}
+            hint = bucket_size_hint(costs, projected, specs, **settings)
     except ValueError as e:  # ShapesError, ModelError, or inputs no plan can serve
         print(f"wholeshard plan: error: {e}", file=sys.stderr)
         return 2
@@ -303,6 +309,7 @@ def main(args: argparse.Namespace) -> int:
             doc["shard_group_choice"] = choice_json(choice)
         if projected is not None:
             doc["projection"] = projected.as_dict()
+            doc["projection"]["bucket_size_hint"] = None if hint is None else hint.as_dict()
         if traffic is not None:
             doc["tensor_parallel"] = {"tp": args.tp} | {f"{m}_bytes": b for m, b in traffic.items()}
         sys.stdout.write(json.dumps(doc, allow_nan=False) + "\n")
@@ -318,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
         if args.tp > 1:
             source += f" (one tp rank's slices of {args.tp})"
         print(plan_table(plan, seconds, source, costs, choice=choice, projected=projected,
-                         assumed=flags, tp_sent=tp_sent))  # fmt: skip
+                         hint=hint, assumed=flags, tp_sent=tp_sent))  # fmt: skip
     if args.png is not None:
         try:
             from .plan_picture import draw_png

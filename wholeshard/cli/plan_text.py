@@ -10,6 +10,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from ..capacity.bucket_hint import BucketSizeHint
 from ..capacity.choice import ShardGroupChoice
 from ..capacity.costs import Costs, fully_sharded
 from ..capacity.projection import FABRICS, GPUS, Projection
@@ -210,17 +211,22 @@ def plan_table(
     *,
     choice: ShardGroupChoice | None = None,
     projected: Projection | None = None,
+    hint: BucketSizeHint | None = None,
     assumed: Sequence[str] = (),
     tp_sent: str | None = None,
 ) -> str:
     """The whole text: with `costs`, first what a user decides on (the headline, the mode,
-    memory per rank, the step time or how to project it, traffic per step and, with
-    `tp_sent`, tensor parallelism's), then the plan's summary (with `choice`, why it was
+    memory per rank, the step time or how to project it, with `hint` (of `projected`) a
+    bucket size with less latency, traffic per step and, with `tp_sent`, tensor
+    parallelism's), then the plan's summary (with `choice`, why it was
     chosen) and one line per bucket of every buffer."""
     lines = [headline(plan, source), ""]
     if costs is not None:
         mode, memory, traffic = costs_lines(costs, assumed)
-        lines += [mode, memory, step_line(projected), traffic]
+        lines += [mode, memory, step_line(projected)]
+        if hint is not None and projected is not None:
+            lines.append(line("latency", hint.describe(projected)))
+        lines.append(traffic)
         lines += [] if tp_sent is None else [line("tensor parallel", tp_sent)]
         lines.append("")
     return "\n".join([*lines, detail(plan, seconds, choice), bucket_tables(plan)])
