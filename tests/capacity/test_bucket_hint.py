@@ -164,3 +164,7 @@ def test_the_sharded_peak_is_the_costs_own() -> None:
     resharded = plan_costs(plan, specs, Mode(param_dtype="bfloat16", reshard_after_forward=True))
     assert sharded_peak(plan, specs, MODE) == resharded.peak_transient > 0
     assert sharded_peak(plan_for(specs, 16, shard_group_size=1), specs, MODE) == 0
+    mode = Mode(param_dtype="bfloat16", reshard_after_forward=True)  # the hint reuses it
+    costs = plan_costs(plan_for(specs, 1024), specs, mode)
+    hint = bucket_size_hint(costs, project(costs, FABRIC, "h100"), specs)
+    assert hint is not None and hint.from_peak_transient_bytes == costs.peak_transient > 0

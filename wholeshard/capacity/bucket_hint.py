@@ -29,7 +29,7 @@ from typing import Any
 
 from ..planning import ParamSpec, Plan, plan_for
 from ..planning.targets import bucket_target, largest_unit
-from .costs import Costs, plan_costs, sharded_peak
+from .costs import Costs, fully_sharded, plan_costs, sharded_peak
 from .projection import Projection, project
 
 HINT_SHARE = 0.25
@@ -138,15 +138,17 @@ def bucket_size_hint(
         figures = project(plan_costs(replanned, specs, costs.mode), projected.fabric, projected.gpu)
         tried.append((size, replanned, figures))
     size, chosen, figures = tried[-1]
+    mode = costs.mode
+    now = costs.peak_transient if fully_sharded(plan, mode) else sharded_peak(plan, specs, mode)
     return BucketSizeHint(
         bucket_size=size,
         projection=figures,
         largest_bucket=largest_unit(chosen),
-        peak_transient_bytes=sharded_peak(chosen, specs, costs.mode),
+        peak_transient_bytes=sharded_peak(chosen, specs, mode),
         bucket_limit=limit,
         from_bucket_size=int(plan.bucket_size),
         from_largest_bucket=largest_unit(plan),
-        from_peak_transient_bytes=sharded_peak(plan, specs, costs.mode),
+        from_peak_transient_bytes=now,
     )
 
 
