@@ -31,6 +31,7 @@ MANY = [
     "--bucket-size", "123456", "--shard-group-size", "2", "--no-overlap-grad-reduce",
     "--overlap-param-gather", "--reshard-after-forward", "--pipelined-step",
     "--checkpoint-every", "30", "--keep-last", "1", "--resume", "auto", "--checkpoint-blocking",
+    "--offload-state",
     "--collective-timeout", "12.25", "--max-restarts", "2",
     "--out", "runs/x", "--eval-every", "5", "--eval-batches", "2", "--log-every", "3",
     "--no-progress", "--trace", "t.json",

@@ -12,8 +12,10 @@ import pytest
 import torch
 from support import train_config
 
+from wholeshard.optim import LayerwiseOptimizer
+from wholeshard.optim._offload import StateOffload
 from wholeshard.optim.rules import MATRIX_RULES, matrix_kwargs, matrix_rule
-from wholeshard.train import newton_schulz, outputs
+from wholeshard.train import muon_path, newton_schulz, outputs
 from wholeshard.train.config import ConfigError, TrainConfig
 from wholeshard.train.newton_schulz import IMPLEMENTATIONS, implementation
 from wholeshard.train.resume import newton_schulz_warning
@@ -87,6 +89,24 @@ def test_a_resumed_auto_run_keeps_the_checkpoints_choice(tmp_path: Path, monkeyp
     assert records[-1]["step"] == 4
 
 
+def test_offload_state_reaches_the_optimizer_and_keeps_the_bits(
+    tmp_path: Path, monkeypatch
+) -> None:
+    seen = []
+
+    class Recording(LayerwiseOptimizer):
+        def __init__(self, *args, offload_state: bool = False, **kwargs) -> None:
+            seen.append(offload_state)
+            super().__init__(*args, offload_state=offload_state, **kwargs)
+
+    monkeypatch.setattr(muon_path, "LayerwiseOptimizer", Recording)
+    monkeypatch.setattr(StateOffload, "force_copies", True)  # the copies a GPU makes
+    _, offloaded = _run(tmp_path, "offloaded", offload_state=True)
+    _, resident = _run(tmp_path, "resident")
+    assert seen == [True, False]
+    assert [r.get("loss") for r in offloaded] == [r.get("loss") for r in resident]
+
+
 def test_rules_resolve_to_their_classes() -> None:
     assert matrix_rule("muon") is torch.optim.Muon
     assert matrix_rule("muon", "polar_express").__module__ == "wholeshard.optim.normuon"
@@ -120,3 +140,9 @@ def test_bad_rule_combinations_are_named() -> None:
         TrainConfig(
             optim=OptimConfig(ns_coefficients="polar_express", newton_schulz="batched_bf16")
         )
+    with pytest.raises(ConfigError, match="offload_state needs --optimizer muon") as e:
+        TrainConfig(optim=OptimConfig(name="adamw", offload_state=True))
+    assert e.value.field == "optim.offload_state"
+    with pytest.raises(ConfigError, match="does not support tensor parallelism") as e:
+        TrainConfig(tp=2, optim=OptimConfig(offload_state=True))
+    assert e.value.field == "optim.offload_state"

@@ -122,7 +122,8 @@ class TrainConfig:
             )
 
     def _check_tp(self) -> None:
-        """`tp` > 1: the byte GPT with its heads split evenly, muon, no FP8 or QK-clip."""
+        """`tp` > 1: the byte GPT with its heads split evenly, muon, no FP8, QK-clip or state
+        offload."""
         if self.tp == 1:
             return
         from ..models.gpt import SIZES  # (torch: only when asked)
@@ -132,6 +133,11 @@ class TrainConfig:
             raise ConfigError("tp", "tp > 1 needs the byte GPT, --optimizer muon and no --fp8")
         if size.n_head % self.tp or self.optim.qk_clip is not None:
             raise ConfigError("tp", f"tp={self.tp} must divide {size.n_head} heads; no --qk-clip")
+        if self.optim.offload_state:
+            raise ConfigError(
+                "optim.offload_state",
+                "offload_state does not support tensor parallelism yet: drop it or use --tp 1",
+            )
 
     def _check_model(self) -> None:
         """`model.name` is a GPT size, `hf:DIR` or `hf-config:FILE`; GPT options need the GPT."""
@@ -211,7 +217,8 @@ class TrainConfig:
                         f"{f.name} needs --optimizer muon (it is a wholeshard DataParallel mode)",
                     )
         optim, default_optim = self.optim, OptimConfig()
-        for name in ("matrix_optimizer", "ns_coefficients", "ns_algorithm", "qk_clip"):
+        for name in ("matrix_optimizer", "ns_coefficients", "ns_algorithm", "qk_clip",
+                     "offload_state"):  # fmt: skip
             if getattr(optim, name) != getattr(default_optim, name):
                 raise ConfigError(
                     f"optim.{name}", f"{name} needs --optimizer muon (a wholeshard matrix rule)"

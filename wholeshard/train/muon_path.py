@@ -51,6 +51,7 @@ def build_wholeshard(
         matrix=matrix_kwargs(optim.matrix_optimizer, lr, weight_decay, *ns) | extra,
         adamw=dict(lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay),
         nonfinite=optim.on_nonfinite,
+        offload_state=optim.offload_state,
     )
     if optim.qk_clip is not None:
         QKClip(ddp, optim.qk_clip).attach(opt)

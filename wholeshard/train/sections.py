@@ -123,6 +123,10 @@ class OptimConfig:
     """What an inf or nan in the averaged gradients does: `error` stops the job (exit 1) naming
     the param and the step, `skip` skips that update (`skipped: true` in metrics.jsonl). A
     non-finite loss always stops the job, before the update."""
+    offload_state: bool = False
+    """Keep the fp32 masters and the optimizer state in host memory, each unit's copied to the
+    device for its update and back (`LayerwiseOptimizer(offload_state=True)`): the same bits,
+    less GPU memory; nothing moves on a CPU. Not with tensor parallelism."""
 
 
 @dataclass
