@@ -8,11 +8,13 @@ per-rank batch of `GLOBAL_BATCH // world` rows, rank r's batch at step s is
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from support import GLOBAL_BATCH, VOCAB, batch, rank_world, reference_run
+from support import GLOBAL_BATCH, VOCAB, batch, rank_world, reference_run, run
 
 transformers = pytest.importorskip("transformers")
 hf_support = pytest.importorskip("hf_support")
@@ -46,3 +48,22 @@ def local_rows(step: int, interleaved: bool = False) -> torch.Tensor:
 def reference(clip: float | None = None) -> dict[str, Any]:
     """The one-process reference on the full batches (`clip`: the norms it clips by)."""
     return reference_run(STEPS, make=llama, muon_kw=MUON, adamw_kw=ADAMW, clip=clip)
+
+
+class Refusals(dict):
+    """What each call raised (its type and message), by name; "no error" if nothing."""
+
+    def check(self, name: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            self[name] = "no error"
+        except Exception as e:
+            self[name] = f"{type(e).__name__}: {e}"
+
+
+def launch(tmp: Path, two_ranks: Callable, one_rank: Callable) -> dict[str, Any]:
+    """`two_ranks(tmp)` on 2 processes, then `one_rank(tmp)` on 1 (it resumes what they
+    saved): `{"ranks": their results, "one": its result, "tmp": tmp}`."""
+    outs = run(two_ranks, 2, tmp)
+    (one,) = run(one_rank, 1, tmp)
+    return {"ranks": outs, "one": one, "tmp": tmp}

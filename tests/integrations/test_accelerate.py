@@ -19,6 +19,7 @@ from support import GLOBAL_BATCH, TOL, assert_matches, full_params, max_param_di
 import wholeshard
 
 pytest.importorskip("accelerate")
+import lm_case  # noqa: E402
 from lm_case import ADAMW, CLIP, MUON, STEPS, dataset, llama, local_rows, reference  # noqa: E402
 
 from wholeshard.integrations.accelerate import WholeshardAccelerator  # noqa: E402
@@ -130,10 +131,9 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("accelerate")
-    outs = run(_two_ranks, 2, tmp)
-    (one,) = run(_one_rank, 1, tmp)
-    return {"ranks": outs, "one": one["resumed"], "refusals": one["refusals"], "tmp": tmp}
+    runs = lm_case.launch(tmp_path_factory.mktemp("accelerate"), _two_ranks, _one_rank)
+    one = runs["one"]
+    return runs | {"one": one["resumed"], "refusals": one["refusals"]}
 
 
 def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -202,14 +202,8 @@ def _refusals(tmp: Path) -> dict[str, str]:
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("wholeshard.integrations.accelerate").addHandler(handler)
     logging.getLogger("wholeshard.integrations.accelerate").setLevel(logging.INFO)
-    errors = {}
-
-    def error(name: str, fn: Any) -> None:
-        try:
-            fn()
-            errors[name] = "no error"
-        except Exception as e:
-            errors[name] = f"{type(e).__name__}: {e}"
+    errors = lm_case.Refusals()
+    error = errors.check
 
     fresh_state()
     accelerator = WholeshardAccelerator(cpu=True)

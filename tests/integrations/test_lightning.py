@@ -21,6 +21,7 @@ from support import GLOBAL_BATCH, TOL, assert_matches, full_params, max_param_di
 import wholeshard
 
 L = pytest.importorskip("lightning")
+import lm_case  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lm_case import ADAMW, CLIP, MUON, STEPS, dataset, llama, local_rows, reference  # noqa: E402
 
@@ -249,14 +250,8 @@ class TorchOptimizer(LitLlama):
 def _refusals(tmp: Path) -> dict[str, str]:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    errors = {}
-
-    def error(name: str, fn: Any) -> None:
-        try:
-            fn()
-            errors[name] = "no error"
-        except Exception as e:
-            errors[name] = f"{type(e).__name__}: {e}"
+    errors = lm_case.Refusals()
+    error = errors.check
 
     def fit(module: Any = None, **kw: Any) -> None:
         args = dict(accelerator="cpu", devices=1, strategy=WholeshardStrategy(), max_steps=1)
@@ -302,10 +297,7 @@ def test_the_trained_model_saves_for_from_pretrained(runs: dict) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("lightning")
-    outs = run(_two_ranks, 2, tmp)
-    (one,) = run(_one_rank, 1, tmp)
-    return {"ranks": outs, "one": one, "tmp": tmp}
+    return lm_case.launch(tmp_path_factory.mktemp("lightning"), _two_ranks, _one_rank)
 
 
 def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

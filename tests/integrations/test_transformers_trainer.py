@@ -22,14 +22,13 @@ from support import (
     full_params,
     max_param_diff,
     rank_world,
-    run,
 )
 
 import wholeshard
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from lm_case import CLIP, STEPS, dataset, llama, reference  # noqa: E402
+from lm_case import CLIP, STEPS, Refusals, dataset, launch, llama, reference  # noqa: E402
 
 from wholeshard.integrations.transformers import (  # noqa: E402
     WholeshardTrainer,
@@ -201,7 +200,7 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
 
 def _one_rank(tmp: Path) -> dict[str, Any]:
     out = trainer_run(tmp / "resumed-1", resume=tmp / "plain" / "checkpoint-2")
-    errors = {}
+    errors = Refusals()
     for name, kw in {
         "model only": dict(resume=tmp / "acc" / "checkpoint-2"),
         "model only, best": dict(
@@ -212,20 +211,13 @@ def _one_rank(tmp: Path) -> dict[str, Any]:
             eval_dataset=validation(),
         ),
     }.items():
-        try:
-            trainer_run(tmp / "refused", **kw)
-            errors[name] = "no error"
-        except Exception as e:
-            errors[name] = f"{type(e).__name__}: {e}"
-    return out | {"refusals": errors}
+        errors.check(name, lambda kw=kw: trainer_run(tmp / "refused", **kw))
+    return out | {"refusals": dict(errors)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("trainer")
-    outs = run(_two_ranks, 2, tmp)
-    (one,) = run(_one_rank, 1, tmp)
-    return {"ranks": outs, "one": one, "tmp": tmp}
+    return launch(tmp_path_factory.mktemp("trainer"), _two_ranks, _one_rank)
 
 
 def test_trainer_trains_like_wholeshards_own_loop_and_the_reference(runs: dict) -> None:
