@@ -67,3 +67,14 @@ def launch(tmp: Path, two_ranks: Callable, one_rank: Callable) -> dict[str, Any]
     outs = run(two_ranks, 2, tmp)
     (one,) = run(one_rank, 1, tmp)
     return {"ranks": outs, "one": one, "tmp": tmp}
+
+
+def own_step(ddp: Any, opt: Any, x: torch.Tensor, clip: float) -> tuple[float, float]:
+    """One step of wholeshard's own loop on this rank's rows `x`: (its loss, the global norm
+    before clipping to `clip`)."""
+    loss = ddp(input_ids=x, labels=x).loss
+    loss.backward()
+    norm = opt.clip_grad_norm_(clip).item()
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), norm

@@ -102,12 +102,9 @@ def own_loop(clip: float = math.inf) -> dict[str, Any]:
     losses, norms = [], []
     for step in range(STEPS):
         x = local_rows(step)
-        loss = ddp(input_ids=x, labels=x).loss
-        loss.backward()
-        norms.append(opt.clip_grad_norm_(clip).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        loss, norm = lm_case.own_step(ddp, opt, x, clip)
+        losses.append(loss)
+        norms.append(norm)
     with ddp.full_params():
         return {"params": full_params(ddp.module), "losses": losses, "norms": norms}
 

@@ -205,12 +205,9 @@ def own_loop(clip: float = math.inf) -> dict[str, Any]:
     losses, norms, evals = [], [], []
     for step in range(STEPS):
         x = local_rows(step, interleaved=True)
-        loss = ddp(input_ids=x, labels=x).loss
-        loss.backward()
-        norms.append(opt.clip_grad_norm_(clip).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        loss, norm = lm_case.own_step(ddp, opt, x, clip)
+        losses.append(loss)
+        norms.append(norm)
         if (step + 1) % SAVE_AT == 0:
             with torch.no_grad():
                 evals.append(ddp(input_ids=val, labels=val).loss.item())
