@@ -26,6 +26,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from result_file import write_results
+
 MODES = {"background": [], "blocking": ["--checkpoint-blocking"]}
 
 
@@ -98,7 +100,7 @@ def main() -> int:
             f"{r['saving_step_s'] * 1e3:.0f} / {r['other_step_s'] * 1e3:.0f} ms | {staged} |"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        write_results(args.json, rows)
     return 0
 
 

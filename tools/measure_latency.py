@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from result_file import write_results  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.alpha_beta import FABRICS  # noqa: E402
@@ -80,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": args.gpu,
         "rows": rows,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"measure_latency: {len(rows)} rows written to {path}", file=sys.stderr)
+    write_results(args.json, doc, f"measure_latency: {len(rows)} rows written to")
     return 0
 
 

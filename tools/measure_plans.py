@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from result_file import write_results  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.presets import PRESETS  # noqa: E402
@@ -93,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "megatron_bucket_size": MEGATRON_BUCKET,
         "rows": rows,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"measure_plans: {len(rows)} plans written to {path}", file=sys.stderr)
+    write_results(args.json, doc, f"measure_plans: {len(rows)} plans written to")
     return 0
 
 

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from result_file import write_results
+
 from wholeshard.bench.report import machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {"runs": []}
     doc["runs"] = [r for r in doc["runs"] if r["command"] != record["command"]] + [record]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(path, doc)
     return 0
 
 

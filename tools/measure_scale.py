@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from result_file import write_results  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.choice import plan_and_choice  # noqa: E402
@@ -86,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(nproc=1),
         "rows": rows,
     }
-    path = Path(args.json)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"measure_scale: {len(rows)} plans written to {path}", file=sys.stderr)
+    write_results(args.json, doc, f"measure_scale: {len(rows)} plans written to")
     return 0
 
 

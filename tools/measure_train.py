@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from result_file import write_results
+
 from wholeshard.bench.report import machine
 from wholeshard.capacity.cpu import SLOW_BF16
 
@@ -203,9 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             doc.setdefault("per_cpu_kind", {}).setdefault(name, {})[cpu_kind(info)] = record
         else:
             doc["sets"][name] = record
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"measure_train: wrote set {name} to {path}", file=sys.stderr)
+        write_results(path, doc, f"measure_train: wrote set {name} to")
         if name == "optimizers" and path.resolve() == RESULTS:
             draw(runs, FIGURE)
     return 0
