@@ -171,9 +171,11 @@ def reference_run(
     start: int = 0,
     state: dict[str, dict[str, torch.Tensor]] | None = None,
     device: str = "cpu",
+    loss_of: Callable[[nn.Module, int], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Train on the full batch in one process with torch's own optimizers, each Muon matrix
     (every matrix of a stack, a transposed weight as (out, in)) a param of its own.
+    `loss_of(model, step)` is a step's loss instead of `lm_loss` on its full batch.
     `make()` builds the model instead of `make_model(**model_kw)`; `probe(model)` runs on the
     trained model and its result is returned as "probe" (e.g. generated tokens). `start` is the
     first step's batch; `state` (by param name: full fp32 "value" and optimizer state, as in
@@ -204,7 +206,7 @@ def reference_run(
                 opts[0 if r.matrix else 1].state[m] = {k: v[i] for k, v in saved.items()}
     losses, norms = [], []
     for step in range(start, start + steps):
-        loss = lm_loss(model, *batch(step))
+        loss = lm_loss(model, *batch(step)) if loss_of is None else loss_of(model, step)
         loss.backward()
         for r in routes:  # a param without a gradient is not stepped (its masters' grads None)
             g = r.param.grad

@@ -26,11 +26,11 @@ from support import (
     full_params,
     lm_loss,
     local_batch,
+    reference_run,
     run_detail,
 )
 
 import wholeshard
-from wholeshard.planning.routing import route_params
 
 WORLD, STEPS, SKIPPED, BUCKET = 2, 3, 1, 2000  # small buckets: the experts in several units
 
@@ -49,18 +49,11 @@ def local_loss(model: MoELM, step: int, rank: int) -> torch.Tensor:
 
 def reference() -> dict[str, torch.Tensor]:
     """One process, torch's Muon and AdamW, on the mean of the ranks' losses."""
-    model = moe(0)
-    routes = route_params(model)
-    assert not any(r.transposed for r in routes)
-    muon = torch.optim.Muon([r.param for r in routes if r.matrix], **MUON_KW)
-    adamw = torch.optim.AdamW([r.param for r in routes if not r.matrix], **ADAMW_KW)
-    for step in range(STEPS):
-        loss = sum(local_loss(model, step, r) for r in range(WORLD)) / WORLD
-        loss.backward()
-        for opt in (muon, adamw):
-            opt.step()
-            opt.zero_grad()
-    return full_params(model)
+
+    def loss_of(model: MoELM, step: int) -> torch.Tensor:
+        return sum(local_loss(model, step, r) for r in range(WORLD)) / WORLD
+
+    return reference_run(STEPS, make=lambda: moe(0), loss_of=loss_of)["params"]
 
 
 def worker(ddp_kw: dict) -> dict[str, torch.Tensor]:
