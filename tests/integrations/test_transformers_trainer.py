@@ -28,7 +28,7 @@ import wholeshard
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from lm_case import CLIP, STEPS, Refusals, dataset, launch, llama, reference  # noqa: E402
+from lm_case import ADAMW, CLIP, STEPS, Refusals, dataset, launch, llama, reference  # noqa: E402
 
 from wholeshard.integrations.transformers import (  # noqa: E402
     WholeshardTrainer,
@@ -39,10 +39,12 @@ from wholeshard.integrations.transformers import (  # noqa: E402
 ATOL = TOL[torch.float32]["atol"]
 EVAL_STEPS = 2
 VAL = 99  # the step whose batch is the evaluation set
-ARGS = dict(
-    learning_rate=0.01,
-    weight_decay=0.01,
-    adam_beta2=0.95,
+ARGS = dict(  # AdamW's settings (and so Muon's: `optimizer_kwargs`) are the reference's
+    learning_rate=ADAMW["lr"],
+    weight_decay=ADAMW["weight_decay"],
+    adam_beta1=ADAMW["betas"][0],
+    adam_beta2=ADAMW["betas"][1],
+    adam_epsilon=ADAMW["eps"],
     lr_scheduler_type="constant",
     train_sampling_strategy="sequential",
     max_grad_norm=0.0,
@@ -311,7 +313,7 @@ def test_evaluate_and_predict_during_training_see_the_current_params(runs: dict)
 
 
 def test_bf16_trains_bf16_params_with_fp32_masters_within_the_bf16_bound(runs: dict) -> None:
-    from lm_case import ADAMW, MUON
+    from lm_case import MUON
     from support import reference_run
 
     ref = reference_run(STEPS, param_dtype=torch.bfloat16, make=llama, muon_kw=MUON, adamw_kw=ADAMW)
