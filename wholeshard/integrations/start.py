@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..engine.config import DataParallelConfig
 from ..engine.data_parallel import DataParallel
@@ -119,11 +121,18 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> LayerwiseOptimizer:
 
 
 def data_parallel_config(
-    given: DataParallelConfig | dict[str, Any] | None, matrix_params: MatrixParams | None = None
+    given: DataParallelConfig | dict[str, Any] | None,
+    matrix_params: MatrixParams | None = None,
+    param_dtype: torch.dtype = torch.float32,
 ) -> DataParallelConfig:
     """The `DataParallelConfig` an integration wraps with: `given` (a config or a dict of its
-    fields), with `matrix_params` as its routing predicate when given."""
+    fields), with `matrix_params` as its routing predicate when given, and, where it sets no
+    `mp_policy` and the framework trains `param_dtype` params other than float32 (bf16), those
+    params with gradients reduced in float32."""
     config = given if isinstance(given, DataParallelConfig) else DataParallelConfig(**(given or {}))
     if matrix_params is not None:
         config = dataclasses.replace(config, matrix_params=matrix_params)
+    if config.mp_policy is None and param_dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        config = dataclasses.replace(config, mp_policy=policy)
     return config

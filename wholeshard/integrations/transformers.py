@@ -23,7 +23,6 @@ Needs `pip install 'wholeshard[hf]'`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers.utils import logging
 
 from ..checkpoint import hf_extra, load_checkpoint, save_checkpoint
@@ -114,7 +112,8 @@ class WholeshardTrainerMixin:
                 f"matrix_optimizer= to set it up (a torch optimizer would step nothing)"
             )
         rule = getattr(matrix_optimizer, "__name__", str(matrix_optimizer))
-        config = _config(data_parallel, targs.bf16, matrix_params)
+        dtype = torch.bfloat16 if targs.bf16 else torch.float32
+        config = data_parallel_config(data_parallel, matrix_params, dtype)
         self.wholeshard_routing = check_routing(
             self.model, config.matrix_params, adamw_only=adamw_only, rule=rule
         )
@@ -248,17 +247,3 @@ class WholeshardTrainerMixin:
 class WholeshardTrainer(WholeshardTrainerMixin, transformers.Trainer):
     """`transformers.Trainer` training with `DataParallel` and `LayerwiseOptimizer`
     (`WholeshardTrainerMixin` says what changes and which keyword arguments it adds)."""
-
-
-def _config(
-    given: DataParallelConfig | dict[str, Any] | None,
-    bf16: bool,
-    matrix_params: MatrixParams | None,
-) -> DataParallelConfig:
-    """The `DataParallelConfig`: `given`, with bf16 params and fp32 reduction when `bf16` and
-    it sets no `mp_policy`, and the routing predicate."""
-    config = data_parallel_config(given, matrix_params)
-    if bf16 and config.mp_policy is None:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        config = dataclasses.replace(config, mp_policy=policy)
-    return config

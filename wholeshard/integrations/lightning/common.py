@@ -11,7 +11,6 @@ are read (`load_params`).
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ...checkpoint import load_checkpoint, load_consolidated, save_checkpoint
 from ...engine.config import DataParallelConfig
@@ -66,12 +64,8 @@ class WrappingOptions:
         if routing is None:
             rank_zero_info("wholeshard: no matrix goes to the matrix rule: training with DDP")
             return None
-        config = self.dp_config
         dtype = next(module.parameters()).dtype
-        if config.mp_policy is None and dtype != torch.float32:
-            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-            config = dataclasses.replace(config, mp_policy=policy)
-        ddp = DataParallel(module, config)
+        ddp = DataParallel(module, data_parallel_config(self.dp_config, param_dtype=dtype))
         rank_zero_info(routing.summary())
         return ddp
 
