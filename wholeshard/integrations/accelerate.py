@@ -214,10 +214,10 @@ class WholeshardAccelerator(accelerate.Accelerator):
             self._models, self._optimizers = models, optimizers
 
     def _checkpoints(self, directory: str) -> list[tuple[Path, DataParallel, LayerwiseOptimizer]]:
-        names = [CHECKPOINT_DIR] + [f"{CHECKPOINT_DIR}_{i}" for i in range(1, 100)]
+        """Each prepared `DataParallel`'s checkpoint in `directory`, with its optimizer."""
         return [
-            (Path(directory) / name, ddp, self._layerwise[id(ddp)])
-            for name, ddp in zip(names, self.wholeshard_models, strict=False)
+            (Path(directory) / checkpoint_name(i), ddp, self._layerwise[id(ddp)])
+            for i, ddp in enumerate(self.wholeshard_models)
         ]
 
     def _save_wholeshard(self, models: list, weights: list, output_dir: str) -> None:
@@ -233,6 +233,11 @@ class WholeshardAccelerator(accelerate.Accelerator):
                     f"optimizer state to resume from"
                 )
             load_checkpoint(path, ddp, opt)
+
+
+def checkpoint_name(i: int) -> str:
+    """Where in a `save_state` directory the `i`-th prepared `DataParallel`'s checkpoint lives."""
+    return CHECKPOINT_DIR if i == 0 else f"{CHECKPOINT_DIR}_{i}"
 
 
 def _prepared(obj: Any) -> bool:
