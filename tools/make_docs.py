@@ -39,6 +39,7 @@ REQUIRED = {
     "bench": "docs/benchmarks.md",
     "plans-recommended": "docs/planning.md",
     "plans-latency": "docs/planning.md",
+    "compat": "docs/compat.md",
 }
 """Blocks that must exist (on that page): `--check` fails when a marker goes missing."""
 
@@ -647,6 +648,31 @@ def rss() -> list[str]:
     ]
 
 
+# -- results: tested versions ------------------------------------------------------------------
+
+COMPAT_COLUMNS = ("python", "torch", "transformers", "accelerate", "lightning", "trl", "datasets")
+
+
+def compat() -> list[str]:
+    """Each set `tools/measure_compat.py` tested: its date, main versions, result and the
+    other packages' versions."""
+    body, others = [], []
+    for name in ("floors", "newest"):
+        doc = load(f"compat-{name}.json")
+        found = doc.get("versions", {})
+        suites = "; ".join(
+            f"{s['suite']}: {s['passed']} passed, {s['failed']} failed" for s in doc["suites"]
+        )
+        result = f"{doc['result']} ({suites})" if suites else doc["result"]
+        body.append([name, doc["date"], *(found.get(c, "-") for c in COMPAT_COLUMNS), result])
+        rest = ", ".join(f"{k} {v}" for k, v in found.items() if k not in COMPAT_COLUMNS)
+        others.append(f"- {name}: {rest}")
+    head = ["set", "date", *COMPAT_COLUMNS, "result"]
+    source = "docs/results/compat-floors.json, compat-newest.json"
+    line = f"_`python tools/measure_compat.py` (`make test-compat`). Data: {source}._"
+    return [line, "", *table(head, "l" * len(head), body), "", "Other packages:", "", *others]
+
+
 # -- the blocks -------------------------------------------------------------------------------
 
 BLOCKS: dict[str, Callable[[], list[str]]] = {
@@ -671,6 +697,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "plans-scale": scale,
     "plans-latency": plans_latency,
     "rss": rss,
+    "compat": compat,
 }
 
 
