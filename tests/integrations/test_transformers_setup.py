@@ -146,10 +146,11 @@ def test_sft_trainer_with_the_mixin_is_refused_alike_and_trains_its_own_batches(
         assert out["sft epoch"] == pytest.approx(STEPS * GLOBAL_BATCH / ROWS) == 0.5
 
 
-def test_counts_that_agree_pass() -> None:
-    """Where Trainer sees the real world size (`use_cpu=True` on CPU, torchrun on GPUs: the
-    2-rank runs here and in test_transformers_trainer.py) the counts agree; one process without
-    a group is one."""
+def test_the_process_counts_are_compared_both_ways() -> None:
+    """One process without a group passes, a framework set up for more processes than
+    torch.distributed has is refused too. Where Trainer sees the real world size (`use_cpu=True`
+    on CPU, torchrun's LOCAL_RANK on GPUs) the counts agree: every 2-rank run here and in
+    test_transformers_trainer.py."""
     check_process_count("Trainer", 1, "unused")
     with pytest.raises(ValueError, match=r"set up for 2 process\(es\) but torch.distributed has 1"):
         check_process_count("Trainer", 2, "the fix")
