@@ -5,7 +5,11 @@
 A tiny Llama (random init, byte vocabulary) learning to count (each token is the last plus 1).
 The trainer wraps the model in wholeshard.DataParallel, steps it with LayerwiseOptimizer (Muon
 on the matrices, AdamW on the rest, from TrainingArguments), clips by the global norm, and writes
-checkpoints that resume at any world size. See docs/integrations.md.
+checkpoints that resume at any world size. 8 steps of 4 rows a rank: at 2 processes each rank
+reads its own rows and the 8 steps are one epoch of the 64 rows (half an epoch in one process).
+On a machine without a GPU, `use_cpu=True` is what sets Trainer up for the torchrun processes
+(Accelerate's multi-process CPU mode); without it WholeshardTrainer refuses to start, since
+Trainer would deal every rank the same batches. See docs/integrations.md.
 """
 
 import sys
@@ -35,6 +39,7 @@ args = transformers.TrainingArguments(
     logging_steps=2,
     save_steps=4,
     report_to=[],
+    use_cpu=not torch.cuda.is_available(),
 )
 trainer = WholeshardTrainer(model=model, args=args, train_dataset=data)
 trainer.train()

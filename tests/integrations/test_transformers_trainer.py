@@ -282,7 +282,10 @@ def test_the_saved_checkpoint_loads_with_from_pretrained(runs: dict) -> None:
 
 
 def test_the_example_trains_and_saves(tmp_path: Path) -> None:
-    """examples/hf_trainer.py, as `torchrun --nproc-per-node 2` runs it."""
+    """examples/hf_trainer.py, as `torchrun --nproc-per-node 2` runs it: each rank reads its own
+    rows, so its 8 steps are one epoch of the 64 rows (half an epoch when every rank reads the
+    same: transformers on CPU without `use_cpu=True`)."""
+    import json
     import runpy
     import sys
 
@@ -297,6 +300,8 @@ def test_the_example_trains_and_saves(tmp_path: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(final, local_files_only=True)
     assert model.config.num_hidden_layers == 2
     assert (tmp_path / "run" / "checkpoint-8" / "wholeshard" / "latest").is_file()
+    state = json.loads((tmp_path / "run" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["epoch"] == 1.0
 
 
 def test_evaluate_and_predict_during_training_see_the_current_params(runs: dict) -> None:

@@ -1,8 +1,9 @@
 """What every framework integration checks when training starts (issue 36's "no silent
 fallback"): which params go to the matrix rule and which to AdamW (logged on rank 0), a refusal
 when no matrix goes to the matrix rule unless AdamW alone is intended (then the framework trains
-as it does without wholeshard), no other data-parallel wrapper around the `DataParallel`, and
-the `LayerwiseOptimizer` over it as the optimizer. Each check raises on every rank alike
+as it does without wholeshard), the framework set up for as many processes as torch.distributed
+has, no other data-parallel wrapper around the `DataParallel`, and the `LayerwiseOptimizer` over
+it as the optimizer. Each check raises on every rank alike
 (`DataParallel` checks at construction that every rank built the same model and routing).
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -81,6 +83,20 @@ def check_routing(
         f"(docs/routing.md), or pass adamw_only=True if AdamW alone is intended (the framework "
         f"then trains without wholeshard)"
     )
+
+
+def check_process_count(framework: str, processes: int, fix: str) -> None:
+    """Raises ValueError, naming `fix`, when `framework` is set up for `processes` processes
+    but torch.distributed has another number: the framework would not shard the batches, so
+    every rank would train on the same ones (each rank computes the same counts: it raises on
+    every rank)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if processes != world:
+        raise ValueError(
+            f"{framework} is set up for {processes} process(es) but torch.distributed has "
+            f"{world}: {framework} would not shard the batches (every rank would train on the "
+            f"same ones). {fix}"
+        )
 
 
 def data_parallel_of(model: nn.Module) -> DataParallel:

@@ -7,7 +7,8 @@ What the mixin changes, through `Trainer`'s own extension points (its overridabl
   the model (no torch DDP, no autocast patch) and evaluation and prediction run through it
   (current params in every mode);
 - the optimizer is a `LayerwiseOptimizer` whose defaults come from `TrainingArguments`
-  (`optimizer_kwargs`); `Trainer`'s LR scheduler drives both of its param groups;
+  (`optimizer_kwargs`); `Trainer`'s LR scheduler drives both of its param groups; its routing
+  line is printed on the world process zero, as `Trainer` prints its logs;
 - clipping (`max_grad_norm`) and the logged `grad_norm` are the global norm
   (`LayerwiseOptimizer.clip_grad_norm_`); all but the last micro-batch of an accumulation run
   under `ddp.no_sync()`, so gradients are reduced once per optimizer step;
@@ -16,13 +17,19 @@ What the mixin changes, through `Trainer`'s own extension points (its overridabl
   `from_pretrained` directory `save_model()` writes and `Trainer`'s scheduler, RNG and state
   files; `load_best_model_at_end` loads the best one's wholeshard checkpoint.
 `bf16=True` trains bf16 params with fp32 masters and fp32 gradient reduction; `fp16=True`,
-`model_init` and `save_only_model` with `load_best_model_at_end` are refused. When no matrix
-goes to the matrix rule and `adamw_only=True`, the trainer is `Trainer` itself, unchanged.
+`model_init`, a non-default `optim` or any `optim_args`, and `save_only_model` with
+`load_best_model_at_end` are refused. When no matrix goes to the matrix rule and
+`adamw_only=True`, the trainer is `Trainer` itself, unchanged (its `optim` honoured). Either
+way `TrainingArguments` set up for another number of processes than torch.distributed has (on
+CPU under torchrun without `use_cpu=True`) are refused: every rank would train on the same
+batches.
 Needs `pip install 'wholeshard[hf]'`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging as pylogging
 import os
 from pathlib import Path
 from typing import Any
@@ -37,13 +44,20 @@ from ..engine.config import DataParallelConfig
 from ..engine.data_parallel import DataParallel
 from ..optim.layerwise import LayerwiseOptimizer
 from ..planning.routing import MatrixParams
-from .start import check_optimizer, check_routing, data_parallel_config
+from .start import check_optimizer, check_process_count, check_routing, data_parallel_config
 
 logger = logging.get_logger(__name__)
 
 CHECKPOINT_DIR = "wholeshard"
 """Where in a `Trainer` checkpoint (`checkpoint-N/`) the wholeshard checkpoint lives."""
 SCHEDULER_NAME = "scheduler.pt"  # Trainer's name for its LR scheduler's state
+TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
+"""`optim` names of torch's AdamW (fused or not), which `LayerwiseOptimizer` runs on the params
+that do not go to the matrix rule."""
+_PROCESS_FIX = (
+    "On CPU pass TrainingArguments(use_cpu=True) (Accelerate's multi-process CPU mode); on "
+    "GPUs start the processes with torchrun, which sets LOCAL_RANK"
+)
 
 
 def optimizer_kwargs(args: transformers.TrainingArguments) -> dict[str, dict[str, Any]]:
@@ -61,6 +75,31 @@ def optimizer_kwargs(args: transformers.TrainingArguments) -> dict[str, dict[str
             eps=args.adam_epsilon,
         ),
     }
+
+
+def check_optim(args: transformers.TrainingArguments) -> None:
+    """Raises ValueError when `args` chooses an optimizer `LayerwiseOptimizer` would not run:
+    an `optim` other than its field's default (in `type(args)` or `TrainingArguments`, so a
+    config's own default passes) or torch's AdamW, or any `optim_args`."""
+    chosen = getattr(args.optim, "value", args.optim)
+    defaults = {
+        f.default
+        for cls in (type(args), transformers.TrainingArguments)
+        for f in dataclasses.fields(cls)
+        if f.name == "optim"
+    }
+    given = []
+    if chosen not in {*TORCH_ADAMW, *defaults}:
+        given.append(f"optim={chosen!r}")
+    if args.optim_args:
+        given.append(f"optim_args={args.optim_args!r}")
+    if given:
+        raise ValueError(
+            f"WholeshardTrainer got TrainingArguments({', '.join(given)}), which it would "
+            f"ignore: it steps a LayerwiseOptimizer (the matrix rule on the matrices, torch's "
+            f"AdamW on the rest). Leave optim at its default and pass matrix=, adamw=, "
+            f"matrix_optimizer= to set it up"
+        )
 
 
 class WholeshardTrainerMixin:
@@ -95,6 +134,7 @@ class WholeshardTrainerMixin:
     ) -> None:
         super().__init__(*args, **kwargs)
         targs = self.args
+        check_process_count("Trainer", targs.world_size, _PROCESS_FIX)
         if self.model_init is not None:
             raise ValueError(
                 "WholeshardTrainer does not support model_init (the model is wrapped once, at "
@@ -121,6 +161,7 @@ class WholeshardTrainerMixin:
         if self.wholeshard_routing is None:
             logger.warning("no matrix goes to the matrix rule: training with Trainer unchanged")
             return
+        check_optim(targs)
         if targs.save_only_model and targs.load_best_model_at_end:
             raise ValueError(
                 "WholeshardTrainer does not support save_only_model=True with "
@@ -153,9 +194,15 @@ class WholeshardTrainerMixin:
             self._owned_optimizer = LayerwiseOptimizer(self.ddp, **self._layerwise)
             self.optimizer = self._owned_optimizer
             check_optimizer(self.ddp, self._owned_optimizer)
-            if self.args.should_log:
-                logger.info(self.wholeshard_routing.summary(self._rule))
+            self._print_routing()
         return self.optimizer
+
+    def _print_routing(self) -> None:
+        """Print the routing line on the world process zero, as `Trainer` prints its logs,
+        unless the process's log level (`log_level`; by default transformers' verbosity,
+        WARNING) is above WARNING: seen by default, silenced with transformers' output."""
+        if self.is_world_process_zero() and self.args.get_process_log_level() <= pylogging.WARNING:
+            print(self.wholeshard_routing.summary(self._rule), flush=True)
 
     @property
     def layerwise_optimizer(self) -> LayerwiseOptimizer:
