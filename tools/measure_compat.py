@@ -54,6 +54,7 @@ REPORTED = (
     "huggingface-hub numpy tqdm matplotlib muon-optimizer pytest hypothesis"
 ).split()
 """The packages whose installed versions a result names."""
+PIP_TIMEOUT = 1800
 REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*(?:\[[^\]]*\])?\s*>=\s*([^,;\s]+)\s*(;.*)?$")
 
 
@@ -104,7 +105,15 @@ def pip(venv: Path, args: list[str], constraint: Path) -> subprocess.CompletedPr
     """`pip ARGS` in `venv`, with `constraint` in place of any site-wide constraint file."""
     env = {**os.environ, "PIP_CONSTRAINT": str(constraint), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=PIP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        why = (
+            f"pip found no set of versions in {PIP_TIMEOUT} s (its resolver backtracks without "
+            f"end when pins conflict): the pins are in {constraint}; `uv pip compile -c "
+            f"{constraint} pyproject.toml --all-extras` names the conflict in seconds\n"
+        )
+        return subprocess.CompletedProcess(cmd, 1, "", why)
 
 
 def install(name: str, venv: Path, python: str, extras: list[str], pins: list[str]) -> str | None:
