@@ -42,25 +42,40 @@ def test_model_zero_grad_clears_the_gradient_buffer() -> None:
     assert_bitwise_equal(_steps_zeroed_by(True), _steps_zeroed_by(False))
 
 
-def test_torch_clip_grad_norm_over_wrapped_params_raises() -> None:
+@pytest.mark.parametrize("clipping", ["clip_grad_norm_", "clip_grad_value_"])
+def test_torch_clipping_over_wrapped_params_raises_and_passes_the_rest_to_torch(
+    clipping: str,
+) -> None:
+    """[Note: torch's clipping over wrapped params]: given a wrapped param, torch's clipping
+    raises naming the fix (`clip_grad_value_` would fail inside torch, `clip_grad_norm_` clip
+    nothing); given others, it is torch's own function, bit for bit."""
     from torch.nn.utils import clip_grad
 
     ddp, opt = wrapped()
     local_loss(ddp).backward()
-    fix = r"LayerwiseOptimizer\.clip_grad_norm_"
+    clip = getattr(torch.nn.utils, clipping)
+    fix = rf"torch\.nn\.utils\.{clipping} would not clip .*LayerwiseOptimizer\.clip_grad_norm_"
     with pytest.raises(RuntimeError, match=fix):
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)  # a generator, as frameworks pass
+        clip(ddp.parameters(), 1e-3)  # a generator, as frameworks pass
     with pytest.raises(RuntimeError, match=fix):
-        clip_grad.clip_grad_norm_(ddp.module.head.weight, 1.0)  # one tensor, the module's name
-    other = nn.Linear(4, 4)  # params of no DataParallel clip as torch clips them
-    other(torch.ones(2, 4)).sum().backward()
-    want = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in other.parameters()]))
-    assert torch.equal(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3), want)
+        getattr(clip_grad, clipping)(ddp.module.head.weight, 1e-3)  # one tensor, the module's name
+    torch_clip = clip.__wrapped__  # torch's function, which the check calls
+    assert torch_clip.__module__ == "torch.nn.utils.clip_grad"
+    ours, theirs = nn.Linear(4, 4), nn.Linear(4, 4)  # params of no DataParallel
+    theirs.load_state_dict(ours.state_dict())
+    for m in (ours, theirs):
+        m(torch.arange(8.0).view(2, 4)).sum().backward()
+    raw = ours.weight.grad.clone()
+    got, want = clip(ours.parameters(), 1e-3), torch_clip(theirs.parameters(), 1e-3)
+    assert (got is None and want is None) or torch.equal(got, want)
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert not torch.equal(ours.weight.grad, raw)  # it clipped
     assert opt.clip_grad_norm_(1.0) > 0
     opt.step()
     model = ddp.release()  # given back: torch's clipping sees its gradients again
     local_loss(model).backward()
-    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0
+    clip(model.parameters(), 1.0)
 
 
 def _ddp_around() -> dict[str, str]:
