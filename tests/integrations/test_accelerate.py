@@ -110,19 +110,9 @@ def own_loop(clip: float = math.inf) -> dict[str, Any]:
 
 
 def without_accelerates_clipping(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """`fn(...)` with Accelerate's and torch's norm clipping replaced by functions that clip
-    nothing and return 0, as a release that changed them could: `WholeshardAccelerator`
-    clips through its own code, so clipping is unchanged."""
-    from unittest import mock
-
-    def nothing(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.zeros(())
-
-    with (
-        mock.patch.object(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware", nothing),
-        mock.patch.object(torch.nn.utils, "clip_grad_norm_", nothing),
-        mock.patch.object(torch.nn.utils.clip_grad, "clip_grad_norm_", nothing),
-    ):
+    """`fn(...)` with Accelerate's norm helper and torch's clipping away (`lm_case`'s
+    `clipping_replaced`): `WholeshardAccelerator` clips through its own code, unchanged."""
+    with lm_case.clipping_replaced((accelerate.Accelerator, "_clip_grad_norm_dtensor_aware")):
         return fn(*args, **kwargs)
 
 

@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..engine._guard import wrapped_name
 from ..engine.data_parallel import DataParallel
 from ..optim.layerwise import LayerwiseOptimizer
 from .start import RoutingCounts, check_optimizer, data_parallel_of
@@ -279,7 +278,7 @@ def checkpoint_name(i: int) -> str:
 
 def _wrapped_names(params: list[torch.Tensor]) -> list[str]:
     """The names of those of `params` a `DataParallel` wraps."""
-    return [name for name in map(wrapped_name, params) if name is not None]
+    return [name for name in map(DataParallel.wrapped_name, params) if name is not None]
 
 
 def _prepared(obj: Any) -> bool:
