@@ -198,8 +198,9 @@ class _GlobalNormClipping:
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
         raise ValueError(
-            "WholeshardStrategy does not clip by value (each rank holds only the gradients it "
-            "owns): use gradient_clip_algorithm='norm', which clips by the global norm"
+            "WholeshardStrategy does not clip by value (the wrapped params' .grad stays "
+            "None: the gradients live in wholeshard.DataParallel's units): use "
+            "gradient_clip_algorithm='norm', which clips by the global norm"
         )
 
 
