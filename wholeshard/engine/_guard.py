@@ -76,7 +76,7 @@ def wrapped_name(param: torch.Tensor) -> str | None:
     return _WRAPPED.get(param) if isinstance(param, nn.Parameter) else None
 
 
-CLIP_FIX = (
+_CLIP_FIX = (
     "Clip with wholeshard.LayerwiseOptimizer.clip_grad_norm_(max_norm) (every rank): it clips "
     "the averaged gradients by the global norm and returns it"
 )
@@ -93,7 +93,7 @@ def check_clip_params(params: Iterable[torch.Tensor], clipping: str = "clip_grad
                 f"torch.nn.utils.{clipping} would not clip {name!r}: the param is wrapped by "
                 f"wholeshard.DataParallel, so its .grad is always None (gradients live in "
                 f"DataParallel's units, each rank holding the averaged gradient of what it "
-                f"owns). {CLIP_FIX}"
+                f"owns). {_CLIP_FIX}"
             )
 
 

@@ -152,7 +152,7 @@ class WholeshardAccelerator(accelerate.Accelerator):
         `LayerwiseOptimizer.clip_grad_norm_` (the global norm, on every rank). Other wrapped
         params are refused; params no `DataParallel` wraps are Accelerate's."""
         params = list(parameters)
-        layerwise = self._layerwise_over(params, "clip_grad_norm_")
+        layerwise = self._layerwise_over(params)
         if layerwise is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
         return layerwise.clip_grad_norm_(max_norm, norm_type)
@@ -172,7 +172,7 @@ class WholeshardAccelerator(accelerate.Accelerator):
             )
         super().clip_grad_value_(params, clip_value)
 
-    def _layerwise_over(self, params: list[torch.Tensor], what: str) -> LayerwiseOptimizer | None:
+    def _layerwise_over(self, params: list[torch.Tensor]) -> LayerwiseOptimizer | None:
         """The prepared `LayerwiseOptimizer` whose `DataParallel`'s params are exactly `params`;
         None when no `DataParallel` wraps any of them; raises naming the fix otherwise (torch's
         or Accelerate's clipping would see no gradient for a wrapped param)."""
@@ -184,12 +184,13 @@ class WholeshardAccelerator(accelerate.Accelerator):
             if ids == {id(p) for p in ddp.parameters()} and id(ddp) in self._layerwise:
                 return self._layerwise[id(ddp)]
         raise RuntimeError(
-            f"accelerator.{what} got {len(params)} params, {len(wrapped)} of them wrapped by "
-            f"wholeshard.DataParallel ({wrapped[0]!r}, ...), but not exactly the params of a "
+            f"accelerator.clip_grad_norm_ got {len(params)} params, {len(wrapped)} of them "
+            f"wrapped by wholeshard.DataParallel ({wrapped[0]!r}, ...), but not exactly the "
+            f"params of a "
             f"DataParallel prepared with its LayerwiseOptimizer: their .grad stays None, so "
             f"they are clipped only all together, by the global norm, through that optimizer. "
             f"Prepare both (accelerator.prepare(ddp, optimizer, ...)) and pass every param "
-            f"(accelerator.{what}(model.parameters(), max_norm)), which calls "
+            f"(accelerator.clip_grad_norm_(model.parameters(), max_norm)), which calls "
             f"LayerwiseOptimizer.clip_grad_norm_(max_norm)"
         )
 
