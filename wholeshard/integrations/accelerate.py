@@ -186,9 +186,9 @@ class WholeshardAccelerator(accelerate.Accelerator):
         raise RuntimeError(
             f"accelerator.clip_grad_norm_ got {len(params)} params, {len(wrapped)} of them "
             f"wrapped by wholeshard.DataParallel ({wrapped[0]!r}, ...), but not exactly the "
-            f"params of a "
-            f"DataParallel prepared with its LayerwiseOptimizer: their .grad stays None, so "
-            f"they are clipped only all together, by the global norm, through that optimizer. "
+            f"params of a DataParallel prepared with its LayerwiseOptimizer: their .grad stays "
+            f"None, so they are clipped only all together, by the global norm, through that "
+            f"optimizer. "
             f"Prepare both (accelerator.prepare(ddp, optimizer, ...)) and pass every param "
             f"(accelerator.clip_grad_norm_(model.parameters(), max_norm)), which calls "
             f"LayerwiseOptimizer.clip_grad_norm_(max_norm)"
