@@ -4,6 +4,8 @@ run (issue 36: what a newcomer hit following the frameworks' docs)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,3 +117,39 @@ def test_a_transformers_model_is_reached_through_the_wrapper() -> None:
     assert torch.equal(ddp.generate(prompt, max_new_tokens=3, do_sample=False), want)
     args = transformers.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
     assert transformers.Trainer(model=ddp, args=args).model is ddp  # reads ddp.config
+
+
+def test_a_step_a_framework_set_up_to_clip_raises_unless_clip_grad_norm_clipped_it() -> None:
+    """[Note: clipping the framework asked for]: with `expect_clipping(1.0, ...)` a step whose
+    gradients `clip_grad_norm_` did not clip to 1.0 or below raises before any update."""
+    ddp, opt = wrapped()
+    opt.expect_clipping(1.0, "Trainer(gradient_clip_val=1.0)")
+    before = full_params(ddp.module)
+    asks = r"optimizer step 0: Trainer\(gradient_clip_val=1\.0\) asks to clip .* to norm 1\.0"
+    for clips, got in [([], "did not clip"), ([math.inf], "did not clip"), ([2.0], "to 2.0")]:
+        local_loss(ddp).backward()
+        for max_norm in clips:
+            opt.clip_grad_norm_(max_norm)
+        with pytest.raises(RuntimeError, match=f"{asks}.*{got}.*Nothing was updated"):
+            opt.step()
+        opt.zero_grad()
+    local_loss(ddp).backward()
+    opt.clip_grad_norm_(1.0)
+    opt.zero_grad()  # new gradients: not clipped
+    local_loss(ddp).backward()
+    with pytest.raises(RuntimeError, match=asks):
+        opt.step()
+    assert_bitwise_equal(
+        {"params": full_params(ddp.module), "opt_state": {}, "losses": []},
+        {"params": before, "opt_state": {}, "losses": []},
+    )
+    opt.zero_grad()
+    local_loss(ddp).backward()
+    opt.clip_grad_norm_(0.5)  # below the norm asked for: steps
+    opt.step()
+    assert opt.steps == 1
+    opt.expect_clipping(None)  # no longer asked: an unclipped step steps
+    opt.zero_grad()
+    local_loss(ddp, 1).backward()
+    opt.step()
+    assert opt.steps == 2

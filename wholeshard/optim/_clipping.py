@@ -42,10 +42,10 @@ class ClippingRecord:
         max_norm, source = self.expected
         if clipped_at <= max_norm:
             return
-        got = "not at all" if math.isinf(clipped_at) else f"only to norm {clipped_at}"
+        got = "did not clip them" if math.isinf(clipped_at) else f"clipped them to {clipped_at}"
         raise RuntimeError(
             f"optimizer step {step}: {source} asks to clip the gradients to norm {max_norm}, but "
-            f"LayerwiseOptimizer.clip_grad_norm_ clipped them {got}: the framework did not clip "
+            f"LayerwiseOptimizer.clip_grad_norm_ {got}: the framework did not clip "
             f"through the wholeshard integration (this release of it clips its own way, which "
             f"under wholeshard.DataParallel clips nothing or by one rank's norm). Nothing was "
             f"updated. Use a framework version the integration supports (the extras in "
