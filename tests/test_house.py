@@ -194,3 +194,22 @@ def test_training_imports_dcp_only_to_save_or_load() -> None:
     loaded = _imported_by("import wholeshard.train.trainer, wholeshard.cli.train")
     assert "torch" in loaded and "torch.distributed.checkpoint" not in loaded
     assert "torch.distributed.checkpoint" in _imported_by("from wholeshard import save_checkpoint")
+
+
+def test_the_package_namespace_holds_its_public_names_only() -> None:
+    """`dir(wholeshard)`: `__all__`, the public modules and `__version__`, each reachable
+    (no `Any`, `TYPE_CHECKING`, `annotations`, `importlib`, nor the machinery imports bring in)."""
+    code = (
+        "import wholeshard; from wholeshard import DataParallel; "
+        "print(' '.join(dir(wholeshard))); "
+        "print(' '.join(type(getattr(wholeshard, n)).__name__ for n in dir(wholeshard)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    names, kinds = (line.split() for line in out.stdout.splitlines())
+    import wholeshard
+
+    modules = ["checkpoint", "distributed", "fp8", "integrations", "optim", "planning"]
+    assert names == sorted([*wholeshard.__all__, *modules, "__version__"])
+    assert [k for n, k in zip(names, kinds, strict=True) if n in modules] == ["module"] * 6

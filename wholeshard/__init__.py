@@ -18,10 +18,7 @@ Names are imported on first use (PEP 562), so `import wholeshard` and the `whole
 `--help` do not pay for torch; `from wholeshard import DataParallel` works as usual.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -36,6 +33,8 @@ _EXPORTS = {
     "route_params": "wholeshard.planning.routing",
     "routing_table": "wholeshard.planning.routing",
 }
+_MODULES = ("checkpoint", "distributed", "fp8", "integrations", "optim", "planning")
+"""The public modules, imported on first use as the names are (`wholeshard.optim.Muon`)."""
 __all__ = [
     "CheckpointError",
     "CollectiveError",
@@ -55,9 +54,14 @@ if TYPE_CHECKING:
     from .engine.data_parallel import DataParallel
     from .optim.layerwise import LayerwiseOptimizer
     from .planning.routing import route_params, routing_table
+del TYPE_CHECKING  # the namespace holds the public names alone
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import sets the attribute
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # later lookups skip this function
@@ -66,4 +70,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    """The public names: `__all__`, the public modules and `__version__` (the machinery that
+    imports bring in, `engine` and the like, is left out)."""
+    return sorted({*__all__, *_MODULES, "__version__"})

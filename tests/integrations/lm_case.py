@@ -8,7 +8,8 @@ per-rank batch of `GLOBAL_BATCH // world` rows, rank r's batch at step s is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,23 @@ def own_step(ddp: Any, opt: Any, x: torch.Tensor, clip: float) -> tuple[float, f
     opt.step()
     opt.zero_grad()
     return loss.item(), norm
+
+
+@contextlib.contextmanager
+def clipping_replaced(*places: tuple[Any, str]) -> Iterator[None]:
+    """Each `(owner, name)` of a framework's norm clipping, and torch's `clip_grad_norm_`,
+    replaced by a function that clips nothing and returns 0, as a framework release that
+    changed its internals could: an integration that clips through its own code clips alike."""
+    from unittest import mock
+
+    def nothing(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(())
+
+    torch_clip = [
+        (torch.nn.utils, "clip_grad_norm_"),
+        (torch.nn.utils.clip_grad, "clip_grad_norm_"),
+    ]
+    with contextlib.ExitStack() as stack:
+        for owner, name in [*places, *torch_clip]:
+            stack.enter_context(mock.patch.object(owner, name, nothing))
+        yield

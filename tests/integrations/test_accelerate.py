@@ -18,7 +18,7 @@ from support import GLOBAL_BATCH, TOL, assert_matches, full_params, max_param_di
 
 import wholeshard
 
-pytest.importorskip("accelerate")
+accelerate = pytest.importorskip("accelerate")
 import lm_case  # noqa: E402
 from lm_case import ADAMW, CLIP, MUON, STEPS, dataset, llama, local_rows, reference  # noqa: E402
 
@@ -109,6 +109,13 @@ def own_loop(clip: float = math.inf) -> dict[str, Any]:
         return {"params": full_params(ddp.module), "losses": losses, "norms": norms}
 
 
+def without_accelerates_clipping(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(...)` with Accelerate's norm helper and torch's clipping away (`lm_case`'s
+    `clipping_replaced`): `WholeshardAccelerator` clips through its own code, unchanged."""
+    with lm_case.clipping_replaced((accelerate.Accelerator, "_clip_grad_norm_dtensor_aware")):
+        return fn(*args, **kwargs)
+
+
 def _one_rank(tmp: Path) -> dict[str, Any]:
     resumed = accelerate_run(tmp / "resumed-1", resume=tmp / "plain" / "state")
     return {"resumed": resumed, "refusals": _refusals(tmp)}
@@ -119,7 +126,7 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
         "refusals": _refusals(tmp / f"rank{rank_world()[0]}"),
         "plain": accelerate_run(tmp / "plain"),
         "own": own_loop(),
-        "clipped": accelerate_run(tmp / "clipped", clip=CLIP),
+        "clipped": without_accelerates_clipping(accelerate_run, tmp / "clipped", clip=CLIP),
         "own_clipped": own_loop(CLIP),
         "accumulated": accelerate_run(tmp / "acc", micro=2),
         "resumed": accelerate_run(tmp / "resumed", resume=tmp / "plain" / "state"),
@@ -192,28 +199,33 @@ def test_saved_state_resumes_at_two_ranks_bitwise_and_at_one_within_rounding(run
 
 
 def _refusals(tmp: Path) -> dict[str, str]:
-    import logging
+    import contextlib
+    import io
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("wholeshard.integrations.accelerate").addHandler(handler)
-    logging.getLogger("wholeshard.integrations.accelerate").setLevel(logging.INFO)
     errors = lm_case.Refusals()
     error = errors.check
 
     fresh_state()
     accelerator = WholeshardAccelerator(cpu=True)
     ddp = wholeshard.DataParallel(llama())
+    printed = io.StringIO()  # what a user sees on the terminal, no logging set up
     error("plain model", lambda: accelerator.prepare(llama()))
     error("torch optimizer", lambda: accelerator.prepare(ddp, torch.optim.AdamW(ddp.parameters())))
     other = wholeshard.LayerwiseOptimizer(wholeshard.DataParallel(llama()), matrix=MUON)
     error("optimizer alone", lambda: accelerator.prepare(other))
-    model, opt = accelerator.prepare(ddp, wholeshard.LayerwiseOptimizer(ddp, matrix=MUON))
+    with contextlib.redirect_stdout(printed):
+        model, opt = accelerator.prepare(ddp, wholeshard.LayerwiseOptimizer(ddp, matrix=MUON))
+    printed_here = {"printed": printed.getvalue(), "main": accelerator.is_main_process}
     x = local_rows(0)
     accelerator.backward(model(input_ids=x, labels=x).loss)
     some = list(model.parameters())[:3]
     error("clip some params", lambda: accelerator.clip_grad_norm_(some, 1.0))
+    error("clip by value", lambda: accelerator.clip_grad_value_(model.parameters(), 1.0))
+    other = torch.nn.Linear(2, 2)  # params no DataParallel wraps: Accelerate's own clipping
+    other(torch.ones(1, 2)).sum().backward()
+    error("others by value", lambda: accelerator.clip_grad_value_(other.parameters(), 0.5))
+    assert other.weight.grad.max() == 0.5
+    error("others by norm", lambda: accelerator.clip_grad_norm_(other.parameters(), 0.5))
     (tmp / "foreign").mkdir(parents=True)
     error("foreign state", lambda: accelerator.load_state(str(tmp / "foreign")))
     fresh_state()
@@ -221,7 +233,7 @@ def _refusals(tmp: Path) -> dict[str, str]:
     fresh_state()
     not_multi_process = WholeshardAccelerator()  # on CPU without cpu=True: one process
     error("world", lambda: not_multi_process.prepare(wholeshard.DataParallel(llama())))
-    return errors | {"log": "\n".join(records), "prepared": type(model).__name__}
+    return errors | printed_here | {"prepared": type(model).__name__}
 
 
 def test_what_it_refuses_names_the_fix(runs: dict) -> None:
@@ -232,12 +244,19 @@ def test_what_it_refuses_names_the_fix(runs: dict) -> None:
         )
         assert "cpu=True" in two["refusals"]["world"]
     assert out["world"] == "no error"
-    assert "wholeshard routing: 14 matrices" in out["log"]  # what goes where, at prepare
+    for two in runs["ranks"]:  # what goes where, printed at prepare by the main process alone
+        refusals = two["refusals"]
+        assert ("wholeshard routing: 14 matrices" in refusals["printed"]) == refusals["main"]
+    assert "wholeshard routing: 14 matrices" in out["printed"]
     assert out["prepared"] == "DataParallel"
     assert "not a wholeshard.DataParallel: wrap it" in out["plain model"]
     assert "TypeError: the optimizer is a AdamW" in out["torch optimizer"]
     assert "DataParallel is not prepared: pass it to prepare()" in out["optimizer alone"]
     assert "LayerwiseOptimizer.clip_grad_norm_" in out["clip some params"]
+    assert "3 params, 3 of them wrapped" in out["clip some params"]
+    assert "ValueError" in out["clip by value"]
+    assert "Clip by the global norm" in out["clip by value"]
+    assert out["others by value"] == out["others by norm"] == "no error"
     assert "FileNotFoundError" in out["foreign state"] and "wholeshard/" in out["foreign state"]
     assert "mixed_precision='fp16'" in out["fp16"] and "use 'bf16'" in out["fp16"]
 

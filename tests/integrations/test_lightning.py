@@ -11,6 +11,7 @@ both at 1 rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,17 +216,38 @@ def own_loop(clip: float = math.inf) -> dict[str, Any]:
         return {"params": full_params(ddp.module), "losses": losses, "norms": norms, "evals": evals}
 
 
+def without_lightnings_clipping(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`fn(...)` with the norm clipping of Lightning's base precision plugin, of Fabric's base
+    strategy and torch's replaced by functions that clip nothing (`lm_case.clipping_replaced`):
+    the strategies clip through their own code, so clipping is unchanged."""
+    from lightning.fabric.strategies.strategy import Strategy as FabricStrategy
+    from lightning.pytorch.plugins.precision import Precision
+
+    places = [(Precision, "clip_grad_by_norm"), (FabricStrategy, "clip_gradients_norm")]
+    with lm_case.clipping_replaced(*places):
+        return fn(*args, **kwargs)
+
+
+def _clips_its_own_way(self: Any, optimizer: Any, clip_val: float = 0.0, *args: Any) -> None:
+    """`Precision.clip_gradients` of a Lightning release that clips the optimizer's params
+    itself instead of calling `clip_grad_by_norm` (under wholeshard: each rank by its own norm)."""
+    if clip_val > 0:
+        torch.nn.utils.clip_grad_norm_(list(self.main_params(optimizer)), clip_val)
+
+
 def _two_ranks(tmp: Path) -> dict[str, Any]:
     return {
         "own": own_loop(),
         "own_clipped": own_loop(CLIP),
         "plain": trainer_run(tmp / "plain"),
-        "clipped": trainer_run(tmp / "clipped", clip=CLIP, top_k=True),
+        "clipped": without_lightnings_clipping(trainer_run, tmp / "clipped", clip=CLIP, top_k=True),
         "accumulated": trainer_run(tmp / "acc", micro=2),
         "resumed": trainer_run(tmp / "resumed", resume=tmp / "plain" / "ckpt"),
         "validated": validate_fresh(tmp / "plain" / "ckpt"),
         "fabric": fabric_run(tmp / "fabric"),
-        "fabric_clipped": fabric_run(tmp / "fabric-clipped", clip=CLIP),
+        "fabric_clipped": without_lightnings_clipping(
+            fabric_run, tmp / "fabric-clipped", clip=CLIP
+        ),
         "fabric_accumulated": fabric_run(tmp / "fabric-acc", micro=2),
         "fabric_resumed": fabric_run(tmp / "fabric-resumed", resume=tmp / "fabric" / "ckpt"),
     }
@@ -259,6 +281,12 @@ def _refusals(tmp: Path) -> dict[str, str]:
     scaled = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))  # a GPU's fp16 AMP
     error("fp16", lambda: WholeshardStrategy(precision_plugin=scaled))
     error("by value", lambda: fit(gradient_clip_val=1.0, gradient_clip_algorithm="value"))
+    from unittest import mock
+
+    from lightning.pytorch.plugins.precision import Precision
+
+    with mock.patch.object(Precision, "clip_gradients", _clips_its_own_way):
+        error("stopped clipping", lambda: fit(gradient_clip_val=CLIP))
     (tmp / "lightning.ckpt").write_bytes(b"")
     error(
         "foreign checkpoint",
@@ -279,6 +307,11 @@ def test_what_the_strategies_refuse_names_the_fix(runs: dict) -> None:
     assert "layerwise_optimizer(module" in out["torch optimizer"]
     assert "precision='16-mixed'" in out["fp16"] and "'bf16-mixed'" in out["fp16"]
     assert "gradient_clip_algorithm='norm'" in out["by value"]
+    # A Lightning whose precision plugin stopped calling `clip_grad_by_norm`: the step raises.
+    stopped = out["stopped clipping"]
+    assert stopped.startswith("RuntimeError: optimizer step 0: ")
+    assert f"Trainer(gradient_clip_val={CLIP}) asks to clip" in stopped
+    assert "Nothing was updated" in stopped
     assert (
         "FileNotFoundError" in out["foreign checkpoint"]
         and "wholeshard/" in out["foreign checkpoint"]

@@ -156,9 +156,18 @@ class CountingWholeshard(WholeshardTrainerMixin, CountingTrainer):
     """The mixin on another Trainer subclass."""
 
 
+class ClipsThroughAccelerate(WholeshardTrainer):
+    """A `Trainer` release that clips with `accelerator.clip_grad_norm_(model.parameters())`
+    instead of calling `_clip_grad_norm` (accelerate 1.16 returns 0 and clips nothing there:
+    the wrapped params' `.grad` is None)."""
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+
 def _two_ranks(tmp: Path) -> dict[str, Any]:
     plain = trainer_run(tmp / "plain", save_strategy="steps", save_steps=2)
-    return {
+    runs = {
         "plain": plain,
         "own": own_loop(),
         "clipped": trainer_run(
@@ -197,7 +206,13 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
             per_device_eval_batch_size=GLOBAL_BATCH // rank_world()[1],
             data_parallel=dict(reshard_after_forward=True),  # Trainer's own loading would fail
         ),
+        "stopped clipping": Refusals(),  # last: the run stops at its first step
     }
+    runs["stopped clipping"].check(
+        "max_grad_norm",
+        lambda: trainer_run(tmp / "refused", cls=ClipsThroughAccelerate, max_grad_norm=CLIP),
+    )
+    return runs
 
 
 def _one_rank(tmp: Path) -> dict[str, Any]:
@@ -248,6 +263,19 @@ def test_max_grad_norm_clips_by_the_global_norm(runs: dict) -> None:
         assert_matches(clipped, ref)
         # Clipping acts: 2.5e-2 away from the unclipped run (measured), 8 times the tolerance.
         assert max_param_diff(clipped["params"], out["plain"]["params"]) > 3 * ATOL
+
+
+def test_a_trainer_that_stops_clipping_through_the_mixin_raises_on_every_rank(
+    runs: dict,
+) -> None:
+    """`max_grad_norm` set, but the `Trainer` clips its own way (`ClipsThroughAccelerate`): the
+    first step raises, naming the setting and the fix, instead of training unclipped."""
+    for out in runs["ranks"]:
+        error = out["stopped clipping"]["max_grad_norm"]
+        assert error.startswith("RuntimeError: optimizer step 0: ")
+        assert f"TrainingArguments(max_grad_norm={CLIP}) asks to clip" in error
+        assert "clip_grad_norm_ did not clip them" in error and "Nothing was updated" in error
+        assert "LayerwiseOptimizer.clip_grad_norm_" in error
 
 
 def test_accumulation_of_two_half_batches_equals_one_batch(runs: dict) -> None:

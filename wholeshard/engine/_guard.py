@@ -5,10 +5,11 @@
   meta device), all params are on one device, and every param is contiguous (each param becomes
   a contiguous view of its unit: strides another tensor relies on would silently change).
 - While wrapped (`claim`, `check_torch_optimizer`, `check_clip_params`): a torch optimizer
-  stepping wrapped params, or `torch.nn.utils.clip_grad_norm_` over them, raises instead of
-  silently doing nothing (their `.grad` is always None: gradients live in the units, and
-  `LayerwiseOptimizer` owns the step and the clipping). torch has no hook for the clipping, so
-  the first `claim` puts a checking wrapper in place of `torch.nn.utils.clip_grad_norm_`.
+  stepping wrapped params, or `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` over them,
+  raises instead of silently doing nothing (their `.grad` is always None: gradients live in the
+  units, and `LayerwiseOptimizer` owns the step and the clipping). torch has no hook for the
+  clipping, so the first `claim` puts checking wrappers in place of torch's ([Note: torch's
+  clipping over wrapped params]).
 - Foreign data-parallel wrappers (`foreign_wrapper_problem`, `outer_ddp_problem`): torch DDP or
   FSDP inside the wrapped module, or torch DDP around it (every gradient reduced twice, by
   hooks that find no `.grad`), are refused.
@@ -32,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _WRAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> its name in the wrapped module
 _STEP_GUARD: list[Any] = []  # the handle of the global optimizer step pre-hook, once installed
-_CLIP_GUARD: list[Any] = []  # torch's clip_grad_norm_, once our checking wrapper replaced it
+_CLIP_GUARD: list[Any] = []  # torch's clipping functions, once our checking wrappers replaced them
 
 
 def claim(params: Iterable[tuple[str, nn.Parameter]]) -> None:
@@ -43,7 +44,7 @@ def claim(params: Iterable[tuple[str, nn.Parameter]]) -> None:
     if not _STEP_GUARD:
         _STEP_GUARD.append(register_optimizer_step_pre_hook(check_torch_optimizer))
     if not _CLIP_GUARD:
-        _guard_clip_grad_norm()
+        _guard_clipping()
 
 
 def unclaim(params: Iterable[nn.Parameter]) -> None:
@@ -70,39 +71,65 @@ def check_torch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                 )
 
 
-def check_clip_params(params: Iterable[torch.Tensor]) -> None:
-    """Raise if `params` holds a param wrapped by a `DataParallel`: `torch.nn.utils.
-    clip_grad_norm_` would see no gradient for it, clip nothing and return 0, silently."""
+def wrapped_name(param: torch.Tensor) -> str | None:
+    """The name `param` has in the module a `DataParallel` wraps, or None when none wraps it."""
+    return _WRAPPED.get(param) if isinstance(param, nn.Parameter) else None
+
+
+_CLIP_FIX = (
+    "Clip with wholeshard.LayerwiseOptimizer.clip_grad_norm_(max_norm) (every rank): it clips "
+    "the averaged gradients by the global norm and returns it"
+)
+
+
+def check_clip_params(params: Iterable[torch.Tensor], clipping: str = "clip_grad_norm_") -> None:
+    """Raise if `params` holds a param wrapped by a `DataParallel`: `torch.nn.utils.<clipping>`
+    would see no gradient for it (`clip_grad_norm_` would clip nothing and return 0, silently;
+    `clip_grad_value_` would fail inside torch)."""
     for p in params:
-        name = _WRAPPED.get(p) if isinstance(p, nn.Parameter) else None
+        name = wrapped_name(p)
         if name is not None:
             raise RuntimeError(
-                f"torch.nn.utils.clip_grad_norm_ would not clip {name!r}: the param is wrapped "
-                f"by wholeshard.DataParallel, so its .grad is always None (gradients live in "
+                f"torch.nn.utils.{clipping} would not clip {name!r}: the param is wrapped by "
+                f"wholeshard.DataParallel, so its .grad is always None (gradients live in "
                 f"DataParallel's units, each rank holding the averaged gradient of what it "
-                f"owns) and the norm would be 0. Clip with "
-                f"wholeshard.LayerwiseOptimizer.clip_grad_norm_(max_norm) (every rank): it "
-                f"clips by the global norm and returns it"
+                f"owns). {_CLIP_FIX}"
             )
 
 
-def _guard_clip_grad_norm() -> None:
-    """Put a wrapper that calls `check_clip_params` first in place of torch's
-    `clip_grad_norm_` (where `torch.nn.utils.clip_grad_norm_` and frameworks look it up)."""
+def _guard_clipping() -> None:
+    """Put wrappers that call `check_clip_params` first in place of torch's `clip_grad_norm_`
+    and `clip_grad_value_` (where `torch.nn.utils.<name>` and frameworks look them up at call
+    time; a reference bound before the first wrap keeps torch's).
+
+    [Note: torch's clipping over wrapped params]
+    A wrapped param's `.grad` is always None, so torch's clipping over it would clip nothing
+    (`clip_grad_norm_` returns 0) or fail inside torch (`clip_grad_value_`). torch has no hook
+    for either, so the first wrap puts these wrappers in place, for code a user writes (a loop
+    calling `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`): given a wrapped param
+    they raise naming `LayerwiseOptimizer.clip_grad_norm_`; given anything else they call
+    torch's own function unchanged. The integrations do not rely on them: each checks its own
+    framework's entry points."""
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
-    torch_clip = clip_grad.clip_grad_norm_
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        torch_clip = getattr(clip_grad, name)
+        _CLIP_GUARD.append(torch_clip)
+        checking = _checking(torch_clip, name)
+        setattr(utils, name, checking)
+        setattr(clip_grad, name, checking)
 
+
+def _checking(torch_clip: Any, name: str) -> Any:
     @functools.wraps(torch_clip)
-    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if _WRAPPED:
             parameters = [parameters] if torch.is_tensor(parameters) else list(parameters)
-            check_clip_params(parameters)
+            check_clip_params(parameters, name)
         return torch_clip(parameters, *args, **kwargs)
 
-    _CLIP_GUARD.append(torch_clip)
-    utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_grad_norm_
+    return clip
 
 
 _FOREIGN_FIX = (

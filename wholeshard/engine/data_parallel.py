@@ -29,7 +29,7 @@ from ..planning.specs import MatrixCost, newton_schulz_cost
 from . import _hooks as hooks
 from ._experts import ExpertLayout, expert_group, split_experts, split_rest
 from ._fp8_storage import has_fp8_weights
-from ._guard import claim, outer_ddp_problem, unclaim
+from ._guard import claim, outer_ddp_problem, unclaim, wrapped_name
 from ._init import cast_frozen, check_model, common_dtype
 from ._memory import memory
 from ._meta import fill_frozen, materialise, target_device
@@ -65,11 +65,18 @@ class DataParallel(nn.Module):
     matrix-routed params live in whole-tensor buffers, the others in element-wise sharded ones
     (`plan`). The optimizer is `wholeshard.LayerwiseOptimizer(ddp, ...)`, which owns the step
     (driving it through `step_protocol`): the wrapped params' `.grad` stays None (gradients go
-    to the units), so clip with `optimizer.clip_grad_norm_` (`torch.nn.utils.clip_grad_norm_`
-    over wrapped params raises: it would see no gradient); a torch optimizer over
+    to the units), so clip with `optimizer.clip_grad_norm_`; a torch optimizer over
     `ddp.parameters()` raises at its step; `ddp.zero_grad()` zeroes the units' gradients. A
     module is wrapped once (torch DDP or FSDP inside or around it is refused); `release()` gives
     it back.
+
+    torch's clipping has no hook, so the first wrap replaces `torch.nn.utils.clip_grad_norm_`
+    and `clip_grad_value_` (process-wide) with checking wrappers, for a loop calling them over
+    `ddp.parameters()`: given a wrapped param they raise naming `LayerwiseOptimizer.
+    clip_grad_norm_` (they would clip nothing, or fail inside torch); given anything else they
+    are torch's own functions, unchanged. A reference bound before the first wrap (`from
+    torch.nn.utils import clip_grad_norm_` at import time) is torch's, unchecked. The
+    integrations do not rely on them ([Note: torch's clipping over wrapped params]).
     """
 
     dp_config: DataParallelConfig  # not `config`: that name is the wrapped model's (transformers)
@@ -264,6 +271,12 @@ class DataParallel(nn.Module):
             handle.remove()
         self._hooks = []
         return self.module
+
+    @staticmethod
+    def wrapped_name(param: torch.Tensor) -> str | None:
+        """The name `param` has in the module a `DataParallel` wraps (any of them), or None
+        when none wraps it: integrations refuse to clip such params through torch."""
+        return wrapped_name(param)
 
     def balance_for(self, rule: type) -> None:
         """Lay the params out again if the plan evens out another matrix rule's work than

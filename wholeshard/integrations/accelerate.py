@@ -13,11 +13,14 @@ What changes, through `Accelerator`'s own methods (the loop is Accelerate's, unc
   It refuses a trainable model that is not a `DataParallel` (Accelerate would wrap it in torch
   DDP and train it without wholeshard: use `accelerate.Accelerator` when AdamW alone is
   intended), any other optimizer, and fp16 (a GradScaler reads `.grad`, which stays None).
-  It logs (main process) what goes to the matrix rule and what to AdamW.
+  It prints (main process, `Accelerator.print`: shown without any logging set up) what goes
+  to the matrix rule and what to AdamW.
 - `accumulate` / `no_sync` run a `DataParallel`'s micro-batches under `ddp.no_sync()` (also in
   one process): gradients are reduced once per optimizer step.
 - `clip_grad_norm_(ddp.parameters(), max_norm)` clips by the global norm
-  (`LayerwiseOptimizer.clip_grad_norm_`) and returns it.
+  (`LayerwiseOptimizer.clip_grad_norm_`) and returns it; these methods check the params
+  themselves (not through Accelerate's or torch's internals): some of a `DataParallel`'s
+  params, or `clip_grad_value_` over wrapped params, raise naming the fix.
 - `save_state` / `load_state` keep a `DataParallel` and its optimizer as a wholeshard
   checkpoint (`<dir>/wholeshard`, loadable at any world size; the other files are
   Accelerate's: scheduler, RNG, dataloader states, registered objects).
@@ -37,15 +40,12 @@ from typing import Any
 import accelerate
 import torch
 import torch.distributed as dist
-from accelerate.logging import get_logger
 from torch import nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..engine.data_parallel import DataParallel
 from ..optim.layerwise import LayerwiseOptimizer
 from .start import RoutingCounts, check_optimizer, data_parallel_of
-
-logger = get_logger(__name__)
 
 CHECKPOINT_DIR = "wholeshard"
 """Where in a `save_state` directory the wholeshard checkpoint lives (`wholeshard_1`, ... for
@@ -117,7 +117,7 @@ class WholeshardAccelerator(accelerate.Accelerator):
             )
         self.prepare_model(ddp, device_placement=False, evaluation_mode=True)  # autocast, no DDP
         self.wholeshard_models.append(ddp)
-        logger.info(RoutingCounts.of(ddp.routes).summary("the matrix rule"), main_process_only=True)
+        self.print(RoutingCounts.of(ddp.routes).summary("the matrix rule"))  # the main process's
         return ddp
 
     def _check_optimizer(
@@ -149,13 +149,50 @@ class WholeshardAccelerator(accelerate.Accelerator):
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
         """`Accelerator.clip_grad_norm_`; over every param of a prepared `DataParallel`, its
-        `LayerwiseOptimizer.clip_grad_norm_` (the global norm, on every rank)."""
+        `LayerwiseOptimizer.clip_grad_norm_` (the global norm, on every rank). Other wrapped
+        params are refused; params no `DataParallel` wraps are Accelerate's."""
         params = list(parameters)
+        layerwise = self._layerwise_over(params)
+        if layerwise is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        return layerwise.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """`Accelerator.clip_grad_value_` over params no `DataParallel` wraps; wrapped params
+        are refused (their `.grad` stays None): clip those by the global norm."""
+        params = list(parameters)
+        wrapped = _wrapped_names(params)
+        if wrapped:
+            raise ValueError(
+                f"WholeshardAccelerator.clip_grad_value_ cannot clip {wrapped[0]!r} (and "
+                f"{len(wrapped) - 1} more wrapped params): their .grad stays None under "
+                f"wholeshard.DataParallel, which keeps the gradients in its units. Clip by the "
+                f"global norm instead: accelerator.clip_grad_norm_(model.parameters(), max_norm) "
+                f"(LayerwiseOptimizer.clip_grad_norm_)"
+            )
+        super().clip_grad_value_(params, clip_value)
+
+    def _layerwise_over(self, params: list[torch.Tensor]) -> LayerwiseOptimizer | None:
+        """The prepared `LayerwiseOptimizer` whose `DataParallel`'s params are exactly `params`;
+        None when no `DataParallel` wraps any of them; raises naming the fix otherwise (torch's
+        or Accelerate's clipping would see no gradient for a wrapped param)."""
+        wrapped = _wrapped_names(params)
+        if not wrapped:
+            return None
         ids = {id(p) for p in params}
         for ddp in self.wholeshard_models:
             if ids == {id(p) for p in ddp.parameters()} and id(ddp) in self._layerwise:
-                return self._layerwise[id(ddp)].clip_grad_norm_(max_norm, norm_type)
-        return super().clip_grad_norm_(params, max_norm, norm_type)  # wrapped params raise
+                return self._layerwise[id(ddp)]
+        raise RuntimeError(
+            f"accelerator.clip_grad_norm_ got {len(params)} params, {len(wrapped)} of them "
+            f"wrapped by wholeshard.DataParallel ({wrapped[0]!r}, ...), but not exactly the "
+            f"params of a DataParallel prepared with its LayerwiseOptimizer: their .grad stays "
+            f"None, so they are clipped only all together, by the global norm, through that "
+            f"optimizer. "
+            f"Prepare both (accelerator.prepare(ddp, optimizer, ...)) and pass every param "
+            f"(accelerator.clip_grad_norm_(model.parameters(), max_norm)), which calls "
+            f"LayerwiseOptimizer.clip_grad_norm_(max_norm)"
+        )
 
     # -- the model ------------------------------------------------------------------------
 
@@ -238,6 +275,11 @@ class WholeshardAccelerator(accelerate.Accelerator):
 def checkpoint_name(i: int) -> str:
     """Where in a `save_state` directory the `i`-th prepared `DataParallel`'s checkpoint lives."""
     return CHECKPOINT_DIR if i == 0 else f"{CHECKPOINT_DIR}_{i}"
+
+
+def _wrapped_names(params: list[torch.Tensor]) -> list[str]:
+    """The names of those of `params` a `DataParallel` wraps."""
+    return [name for name in map(DataParallel.wrapped_name, params) if name is not None]
 
 
 def _prepared(obj: Any) -> bool:

@@ -10,8 +10,11 @@ What the mixin changes, through `Trainer`'s own extension points (its overridabl
   (`optimizer_kwargs`); `Trainer`'s LR scheduler drives both of its param groups; its routing
   line is printed on the world process zero, as `Trainer` prints its logs;
 - clipping (`max_grad_norm`) and the logged `grad_norm` are the global norm
-  (`LayerwiseOptimizer.clip_grad_norm_`); all but the last micro-batch of an accumulation run
-  under `ddp.no_sync()`, so gradients are reduced once per optimizer step;
+  (`LayerwiseOptimizer.clip_grad_norm_`, through `_clip_grad_norm` and `_get_grad_norm`); with
+  `max_grad_norm > 0` a step whose gradients it did not clip raises (a `Trainer` that stopped
+  calling `_clip_grad_norm` would clip nothing: [Note: clipping the framework asked for]); all
+  but the last micro-batch of an accumulation run under `ddp.no_sync()`, so gradients are
+  reduced once per optimizer step;
 - checkpoints (`save_steps`, `resume_from_checkpoint`) hold the model and optimizer as a
   wholeshard checkpoint (`checkpoint-N/wholeshard/step-N`: any world size) beside the
   `from_pretrained` directory `save_model()` writes and `Trainer`'s scheduler, RNG and state
@@ -214,6 +217,10 @@ class WholeshardTrainerMixin:
     # -- the step -------------------------------------------------------------------------
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.ddp is not None and self._owned_optimizer is not None:
+            clip = self.args.max_grad_norm  # the step raises unless `_clip_grad_norm` clipped
+            source = f"TrainingArguments(max_grad_norm={clip})"
+            self._owned_optimizer.expect_clipping(clip if clip and clip > 0 else None, source)
         if self.ddp is None or self.accelerator.sync_gradients:
             return super().training_step(model, inputs, *args, **kwargs)
         with self.ddp.no_sync():  # Accelerate's no_sync is a no-op in one process

@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..distributed import collectives
 from ..engine.data_parallel import DataParallel
+from ._clipping import ClippingRecord
 from ._inner import States, holding
 from ._offload import StateOffload
 from ._step_check import (
@@ -77,9 +78,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     gradient on any rank since `zero_grad()` is not stepped (no momentum, no weight decay, state
     untouched), as torch's optimizers skip a param whose `.grad` is None; one used on some ranks
     only is stepped on the average, the others counting zeros (as torch DDP). With
-    `DataParallelConfig(pipelined_step=True)`,
-    `step()` updates unit by unit as the reductions land (`StepProtocol.reduced_units`):
-    the same per-param arithmetic, so the same bits.
+    `DataParallelConfig(pipelined_step=True)`, `step()` updates unit by unit as the reductions
+    land (`StepProtocol.reduced_units`): the same per-param arithmetic, so the same bits.
 
     Before any update, every rank takes the step check, one small all-reduce (`_step_check`):
     `step()` raises on every rank if some rank's model changed after wrapping
@@ -117,6 +117,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.steps = 0  # step() calls taken (skipped ones included)
         self.skipped_steps = 0
         self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
+        self._clipping = ClippingRecord()  # [Note: clipping the framework asked for]
         self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
         self._owned: list[OwnedPiece] = []
         self._by_unit: dict[int, list[OwnedPiece]] = {}  # unit index -> its owned pieces
@@ -157,6 +158,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
+        self._clipping.check(self.steps)
         pipelined = self.ddp.dp_config.pipelined_step
         if pipelined and self.nonfinite is None:  # the check reads no gradient: no wait
             self._protocol.start_grad_sync()  # [Note: step check order] in `_step_check`
@@ -293,6 +295,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""
+        self._clipping.forget()
         self._protocol.zero_grad_buffer()
 
     @torch.no_grad()
@@ -304,6 +307,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         waits for every reduction, so a pipelined `step()` after it only overlaps the gathers.
         """
         self._protocol.finish_grad_sync()
+        self._clipping.clipped(max_norm)
         norm_type = float(norm_type)
         device = self.ddp.device
         grads = [o.grad for o in self._owned]
@@ -318,6 +322,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for dtype in {g.dtype for g in grads}:
             torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
         return total
+
+    def expect_clipping(self, max_norm: float | None, source: str = "") -> None:
+        """Each `step()` raises unless `clip_grad_norm_` clipped to `max_norm` (`_clipping`)."""
+        self._clipping.expected = None if max_norm is None else (float(max_norm), source)
 
     # -- state ----------------------------------------------------------------------------
 

@@ -93,9 +93,9 @@ class WholeshardFabricStrategy(WrappingOptions, DDPStrategy):
         if not isinstance(module, DataParallel):
             return super().clip_gradients_value(module, optimizer, clip_val)
         raise ValueError(
-            "WholeshardFabricStrategy does not clip by value (each rank holds only the "
-            "gradients it owns): fabric.clip_gradients(model, optimizer, max_norm=...) clips "
-            "by the global norm"
+            "WholeshardFabricStrategy does not clip by value (the wrapped params' .grad "
+            "stays None: the gradients live in wholeshard.DataParallel's units): "
+            "fabric.clip_gradients(model, optimizer, max_norm=...) clips by the global norm"
         )
 
     # -- checkpoints ----------------------------------------------------------------------

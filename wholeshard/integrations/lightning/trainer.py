@@ -14,7 +14,10 @@ the model and its gradients:
   (`block_backward_sync`): one reduction per optimizer step;
 - `gradient_clip_val` with the "norm" algorithm clips by the global norm
   (`LayerwiseOptimizer.clip_grad_norm_`, through the precision plugin's `clip_grad_by_norm`);
-  `grad_norm` is that norm at the last clipped step; the "value" algorithm is refused;
+  `grad_norm` is that norm at the last clipped step; the "value" algorithm is refused; a step
+  it did not clip raises (a Lightning that stopped calling `clip_grad_by_norm` would clip by
+  each rank's own norm: [Note: clipping the framework asked for]), unless the module
+  overrides `configure_gradient_clipping`;
 - `trainer.save_checkpoint(path)` (and so `ModelCheckpoint`) and `fit(ckpt_path=path)` write
   and read a directory (`common`: a wholeshard checkpoint, any world size, beside rank 0's
   `meta.pt`); `validate/test/predict(ckpt_path=path)` load its params into the module (into
@@ -80,7 +83,8 @@ class WholeshardStrategy(WrappingOptions, DDPStrategy):
         ddp = self.data_parallel
         if ddp is not None:
             for optimizer in self.optimizers:
-                layerwise_of(optimizer, ddp)  # raises naming the fix
+                layerwise = layerwise_of(optimizer, ddp)  # raises naming the fix
+                layerwise.expect_clipping(*_expected_clipping(trainer))
 
     @property
     def precision_plugin(self) -> Precision:
@@ -169,6 +173,21 @@ class WholeshardStrategy(WrappingOptions, DDPStrategy):
         return {**meta, "state_dict": {}}
 
 
+def _expected_clipping(trainer: Any) -> tuple[float | None, str]:
+    """The norm each step must be clipped to, and the setting that asks ([Note: clipping the
+    framework asked for]): `gradient_clip_val` with the "norm" algorithm, under automatic
+    optimization, unless the module overrides `configure_gradient_clipping` (then it decides)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    clip, module = trainer.gradient_clip_val, trainer.lightning_module
+    algorithm = trainer.gradient_clip_algorithm or "norm"
+    own = is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+    if not clip or algorithm != "norm" or own or not module.automatic_optimization:
+        return None, ""
+    return float(clip), f"Trainer(gradient_clip_val={clip})"
+
+
 class _GlobalNormClipping:
     """Clipping by the global norm, for a precision plugin over a `DataParallel`."""
 
@@ -179,8 +198,9 @@ class _GlobalNormClipping:
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
         raise ValueError(
-            "WholeshardStrategy does not clip by value (each rank holds only the gradients it "
-            "owns): use gradient_clip_algorithm='norm', which clips by the global norm"
+            "WholeshardStrategy does not clip by value (the wrapped params' .grad stays "
+            "None: the gradients live in wholeshard.DataParallel's units): use "
+            "gradient_clip_algorithm='norm', which clips by the global norm"
         )
 
 
