@@ -5,7 +5,9 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
 
     python tests/train/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
 
-`KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`) or `kill` (SIGKILL). `WHEN`: `after_step`
+`KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL) or `hold` (writes the
+file `held` in the directory `$WHOLESHARD_TEST_HOLD`, then waits there until the test writes
+`release`: with `mid_save`, a background save held in flight). `WHEN`: `after_step`
 (default: once the step and its checkpoint are done), `before_save` (before that step's save
 starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
 checkpoint on disk, the other ranks blocked in or past the save). Under torchrun a fault fires
@@ -22,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +49,7 @@ class Fault:
     when: str = trainer.AFTER_STEP
 
     def __post_init__(self) -> None:
-        if self.kind not in ("raise", "exit", "kill") or self.when not in WHENS:
+        if self.kind not in ("raise", "exit", "kill", "hold") or self.when not in WHENS:
             raise ValueError(f"bad fault {self}")
 
     @classmethod
@@ -59,6 +62,12 @@ class Fault:
             raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")
         if self.kind == "exit":
             os._exit(3)
+        if self.kind == "hold":
+            hold = Path(os.environ["WHOLESHARD_TEST_HOLD"])
+            (hold / "held").write_text(f"rank {self.rank}, step {self.step}")
+            while not (hold / "release").exists():
+                time.sleep(0.01)
+            return
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __call__(self, point: str, step: int, rank: int) -> None:
