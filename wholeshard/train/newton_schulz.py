@@ -17,8 +17,8 @@ machine and software runs the same arithmetic, whatever else the machine is doin
 timing could not promise that: on an AVX512-BF16 EPYC torch's Muon and `batched_fp32` are close
 (23 and 16 ms a step of the default job's matrices, quiet), load flipped the choice from run to
 run, and two runs of one command parted at step 2 (so did a run restarted before its first
-checkpoint). `auto` still times one step of each on a sample of this rank's matrices (about a
-second at most) for the run's header and `summary.json`: the figures show what the choice
+checkpoint). `auto` still times one step of each on a sample of this rank's matrices (a second or
+two at most) for the run's header and `summary.json`: the figures show what the choice
 costs on this machine, and never change it. Rank 0's choice holds on every rank (a job whose
 nodes differ runs one arithmetic).
 """
@@ -38,21 +38,21 @@ from ..optim import BatchedMuon
 from ..optim.rules import matrix_rule
 
 IMPLEMENTATIONS = ("torch_bf16", "batched_bf16", "batched_fp32")
-"""The implementations `--newton-schulz` names (and `auto` times, after its choice)."""
+"""The implementations `--newton-schulz` names, in the order `auto` times them."""
 SAMPLE_PER_SHAPE = 4
 """At most this many matrices of each shape are timed (enough to show what batching gains)."""
 BUDGET_S = 0.25
-"""`auto`'s choice is timed on the sample's groups until it has taken this long; the others on
-the same groups."""
+"""`auto` times torch's Muon on the sample's groups until it has taken this long (on a CPU
+without bf16 matmul units, its first group: one matrix), the others on the same groups."""
 SLOWER = 10.0
-"""Another implementation's timing stops once it has taken this many times the choice's (a CPU
-without bf16 matmul units takes ~35x as long for bf16 products): its figure is then a bound."""
+"""Another implementation's timing stops once it has taken this many times torch's Muon's: its
+figure is then a bound."""
 
 
 @dataclass(frozen=True)
 class Measured:
     """What `auto` timed (rank 0's): `seconds` of one step of each implementation on the same
-    sample; those in `stopped` were stopped past `SLOWER` times the choice's (at least that)."""
+    sample; those in `stopped` were stopped past `SLOWER` times torch's Muon's (at least that)."""
 
     seconds: dict[str, float]
     stopped: tuple[str, ...] = ()
@@ -179,15 +179,14 @@ def choose(
         return replace(implementation(resumed, ns_coefficients, ns_algorithm), resumed=True)
     name, why = machine_choice(device, ns_coefficients, ns_algorithm)
     found = [implementation(n, ns_coefficients, ns_algorithm) for n in names]
-    found.sort(key=lambda ns: ns.name != name)  # the choice first: it sets what is timed
     measured = measure(found, shapes, device) if len(found) > 1 and shapes else None
-    return replace(found[0], why=why, measured=measured)
+    return replace(implementation(name, ns_coefficients, ns_algorithm), why=why, measured=measured)
 
 
 def measure(
     found: list[NewtonSchulz], shapes: list[tuple[int, int]], device: torch.device
 ) -> Measured:
-    """One step of each of `found` on a sample of `shapes`: the first (the choice) on the
+    """One step of each of `found` on a sample of `shapes`: the first (torch's Muon) on the
     sample's groups until it has taken `BUDGET_S`, the others on those groups, each stopped
     once it has taken `SLOWER` times the first's."""
     groups = sample_groups(shapes)
@@ -197,8 +196,7 @@ def measure(
         seconds[ns.name], ran = step_seconds(ns, groups, device, SLOWER * first)
         if ran < len(groups):
             stopped.append(ns.name)
-    in_order = {n: seconds[n] for n in IMPLEMENTATIONS if n in seconds}
-    return Measured(in_order, tuple(n for n in IMPLEMENTATIONS if n in stopped))
+    return Measured(seconds, tuple(stopped))
 
 
 def sample_groups(shapes: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
