@@ -505,8 +505,8 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 PINNED_NEWTON_SCHULZ = ("--newton-schulz", "torch_bf16")
-"""What the tests' train jobs run Muon with: `auto` measures at every start, and on a close call
-(the micro model on some CPUs) two runs a test compares bit for bit could choose apart."""
+"""What the tests' train jobs run Muon with: one implementation on every CPU kind (`auto` runs
+`batched_fp32` on a CPU without bf16 matmul units, torch's Muon on the others)."""
 
 
 def train_config(**flags: Any) -> Any:

@@ -140,7 +140,7 @@ def run_one(name: str, flags: list[str], runs_dir: Path, reuse: bool = False) ->
 def cpu_kind(info: dict) -> str:
     """The CPU of `machine()`'s `info` and the bf16 matmul units it has
     (`wholeshard.capacity.cpu.cpu_bf16_matmul`), which decide how fast Muon's bf16 products run
-    (`wholeshard train --newton-schulz auto` measures; this names the machine it measured)."""
+    (and which one `wholeshard train --newton-schulz auto` runs; this names the machine)."""
     import torch
 
     units = info["cpu_bf16_matmul"]

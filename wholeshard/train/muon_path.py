@@ -60,9 +60,10 @@ def build_wholeshard(
 
 def newton_schulz_of(ddp: DataParallel, cfg: TrainConfig) -> NewtonSchulz:
     """How `muon` runs Newton-Schulz: `optim.newton_schulz`, or for `auto` the resumed run's
-    choice (read from its checkpoint by rank 0) or else the fastest on the matrices this rank
-    owns (every rank measures at once, as they will step; rank 0's choice holds everywhere). A
-    tensor-parallel model keeps torch's Muon: it orthogonalizes logical matrices."""
+    choice (read from its checkpoint by rank 0) or else the machine's (`newton_schulz.choose`),
+    with one step timed on the matrices this rank owns (every rank times at once, as they will
+    step; rank 0's choice and figures hold everywhere). A tensor-parallel model keeps torch's
+    Muon: it orthogonalizes logical matrices."""
     optim = cfg.optim
     setting = optim.newton_schulz
     if setting == "auto" and ddp.tensor_parallel:

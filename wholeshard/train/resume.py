@@ -117,7 +117,7 @@ def saved_newton_schulz(cfg: TrainConfig) -> str | None:
 
 def newton_schulz_warning(saved: str | None, now: NewtonSchulz | None) -> str | None:
     """A warning when a resumed run runs Muon's Newton-Schulz with implementation `now` where the
-    run it continues ran `saved` (`--newton-schulz auto` measures again at every start)."""
+    run it continues ran `saved` (`--newton-schulz` named another: `auto` keeps the saved one)."""
     if now is None or saved is None or saved == now.name:
         return None
     return (

@@ -98,8 +98,9 @@ class OptimConfig:
     """How `muon` runs Newton-Schulz: `torch_bf16` (torch's Muon: a matrix at a time, bf16
     products), `batched_bf16` or `batched_fp32` (`wholeshard.optim.BatchedMuon`: same-shape
     matrices together, products in bf16 or summed in fp32, fast on CPUs without bf16 units);
-    `auto` times each at start on this rank's matrices and keeps torch's Muon unless another
-    is 1.5x faster; resumed, it keeps the checkpoint's choice (`wholeshard.train.newton_schulz`)."""
+    `auto`: `batched_fp32` on an x86 CPU without bf16 matmul units (neither AVX512-BF16 nor AMX),
+    else torch's Muon, never by a timing, so a command always runs the same arithmetic on one
+    machine; resumed, it keeps the checkpoint's choice (`wholeshard.train.newton_schulz`)."""
     qk_clip: float | None = field(default=None, metadata=at_least(0, flag="qk-clip"))
     """MuonClip: after each step, scale the query and key rows of every attention head whose
     largest pre-softmax logit exceeded this (needs a model that reports them: the byte GPT);

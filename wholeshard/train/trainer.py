@@ -358,6 +358,7 @@ class Trainer:
             params=self.params,
             param_dtype=str(self.param_dtype).removeprefix("torch."),
             newton_schulz=self.newton_schulz and self.newton_schulz.name,
+            newton_schulz_auto=self.newton_schulz and self.newton_schulz.figures(),
             data=self.corpus.source,
             out=str(self.out),
         )
