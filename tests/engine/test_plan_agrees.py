@@ -36,13 +36,13 @@ from support import (
     mp,
     run,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
 from wholeshard import DataParallelConfig
 from wholeshard.capacity.costs import Mode, dtype_name, plan_costs, ring_bytes, step_collectives
 from wholeshard.distributed import collectives
 from wholeshard.engine import _storage
+from wholeshard.engine.config import Variant
 from wholeshard.optim._offload import StateOffload
 from wholeshard.planning import ParamSpec, plan_exactly
 from wholeshard.planning.sync import unit_gather, unit_reduce
@@ -241,20 +241,11 @@ Elsewhere it is exact."""
 
 
 def _mode(ddp_kw: dict) -> Mode:
-    """The plan's mode for a DataParallel made with `ddp_kw` (float32 where no dtype is given)."""
-    ignored = VARIANT_FIELDS | {"offload_state"}
-    cfg = DataParallelConfig(**{k: v for k, v in ddp_kw.items() if k not in ignored})
-    policy = cfg.mp_policy or MixedPrecisionPolicy()
-    param_dtype = policy.param_dtype or torch.float32
-    return Mode(
-        reshard_after_forward=cfg.reshard_after_forward,
-        param_dtype=param_dtype,
-        grad_reduce_dtype=policy.reduce_dtype or param_dtype,
-        overlap_grad_reduce=cfg.overlap_grad_reduce,
-        overlap_param_gather=cfg.overlap_param_gather,
-        param_sync=ddp_kw.get("param_sync", "allgather"),
-        offload_state=ddp_kw.get("offload_state", False),
-    )
+    """The plan's mode for a DataParallel made with `ddp_kw` (a float32 model)."""
+    variant = {k: v for k, v in ddp_kw.items() if k in VARIANT_FIELDS}
+    kw = {k: v for k, v in ddp_kw.items() if k not in variant and k != "offload_state"}
+    offload = ddp_kw.get("offload_state", False)
+    return Mode.of(DataParallelConfig(**kw), Variant(**variant), offload_state=offload)
 
 
 @pytest.mark.parametrize("name", list(MODES))

@@ -48,7 +48,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from ..engine.config import DataParallelConfig, Variant
 from ..planning.plan import Plan
 from ..planning.specs import ParamSpec, matrices
 from ..planning.sync import (
@@ -91,6 +93,29 @@ class Mode:
         if self.param_sync not in PARAM_SYNCS:
             raise ValueError(f"param_sync must be one of {PARAM_SYNCS}: {self.param_sync!r}")
         object.__setattr__(self, "transposed", frozenset(self.transposed))
+
+    @classmethod
+    def of(
+        cls,
+        config: DataParallelConfig,
+        variant: Variant | None = None,
+        model_dtype: Any = "float32",
+        **rest: Any,
+    ) -> Mode:
+        """The mode of `DataParallel(model, config, _variant=variant)` for a model whose params
+        are in `model_dtype`, read from the config as `DataParallel` reads it; `rest`: the
+        options the config does not hold (`clip_grad_norm`, `transposed`, `offload_state`)."""
+        policy = config.mp_policy
+        param = getattr(policy, "param_dtype", None) or model_dtype
+        return cls(
+            reshard_after_forward=config.reshard_after_forward,
+            param_dtype=param,
+            grad_reduce_dtype=getattr(policy, "reduce_dtype", None) or param,
+            overlap_grad_reduce=config.overlap_grad_reduce,
+            overlap_param_gather=config.overlap_param_gather,
+            param_sync=(variant or Variant()).param_sync,
+            **rest,
+        )
 
 
 @dataclass
