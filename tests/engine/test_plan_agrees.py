@@ -2,11 +2,14 @@
 
 Each mode trains the small transformer of `support` at 2-4 gloo ranks. The second step (the
 first makes the optimizer state) runs under a recorder of every collective the engine issues
-(op, group size, elements, dtype) and a probe of the engine's full-bucket allocations; then
-each rank reports `ddp.memory()` and its optimizer's master grads. The plan, re-planned in this
-process from the routes' specs (and equal to the one DataParallel made), must predict each
-rank's persistent bytes, the step's collectives as a multiset, the bytes they send, and the
-peak of full buckets alive at once ([Note: plan costs] in `wholeshard/capacity/costs.py`).
+(op, group size, elements, dtype), each attributed to the storage unit whose reduction or
+gather issued it, and a probe of the engine's full-bucket allocations; then each rank reports
+`ddp.memory()` and its optimizer's master grads. The plan, re-planned in this process from the
+routes' specs (and equal to the one DataParallel made), must predict each rank's persistent
+bytes, the step's collectives as a multiset, the bytes they send, and the peak of full buckets
+alive at once ([Note: plan costs] in `wholeshard/capacity/costs.py`); and each unit's reduction
+and gathers must be, in order, what its buckets' sync schemes describe ([Note: sync schemes] in
+`wholeshard/planning/sync.py`).
 """
 
 from __future__ import annotations
@@ -33,15 +36,17 @@ from support import (
     mp,
     run,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
 from wholeshard import DataParallelConfig
 from wholeshard.capacity.costs import Mode, dtype_name, plan_costs, ring_bytes, step_collectives
 from wholeshard.distributed import collectives
 from wholeshard.engine import _storage
+from wholeshard.engine.config import Variant
 from wholeshard.optim._offload import StateOffload
 from wholeshard.planning import ParamSpec, plan_exactly
+from wholeshard.planning.sync import unit_gather, unit_reduce
+from wholeshard.planning.units import storage_units
 
 BUCKET = 3000  # 4-5 buckets: the AdamW bucket holding `emb` (its grad lands last) is early in
 # reduce order, so the reductions wait for it and every full grad lives until backward ends
@@ -109,6 +114,38 @@ def _recording() -> Iterator[tuple[list[tuple], list[str]]]:
 
 
 @contextlib.contextmanager
+def _per_unit(log: list[tuple]) -> Iterator[dict[tuple[int, str], list]]:
+    """Attribute the entries appended to `log` to the storage unit that issued them: (index,
+    "reduce") -> its reduction's (started, and finished: the replica stage starts there);
+    (index, "gather") -> one list per gather."""
+    found: dict[tuple[int, str], list] = {}
+    unit = _storage.StorageUnit
+    originals = {name: getattr(unit, name) for name in ("start_reduce", "finish_reduce",
+                                                        "start_gather")}  # fmt: skip
+
+    def tagged(name: str, fn: Callable) -> Callable:
+        def wrapped(self, *args, **kwargs):
+            n = len(log)
+            out = fn(self, *args, **kwargs)
+            issued = [entry[:4] for entry in log[n:]]
+            if name == "start_gather":
+                found.setdefault((self.index, "gather"), []).append(issued)
+            else:
+                found.setdefault((self.index, "reduce"), []).extend(issued)
+            return out
+
+        return wrapped
+
+    for name, fn in originals.items():
+        setattr(unit, name, tagged(name, fn))
+    try:
+        yield found
+    finally:
+        for name, fn in originals.items():
+            setattr(unit, name, fn)
+
+
+@contextlib.contextmanager
 def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
     """The most bytes of full (gathered) bucket storage alive at once inside, sampled after
     every allocation of one (`_storage._alloc`: fully sharded gathers and first gradients)."""
@@ -152,7 +189,7 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
     ddp = data_parallel(make_model(), bucket_size=bucket_size, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, offload_state=offload)
     _step(ddp, opt, 0)  # makes the optimizer state
-    with _recording() as (engine, torch_calls), _peak(ddp) as peak:
+    with _recording() as (engine, torch_calls), _per_unit(engine) as per_unit, _peak(ddp) as peak:
         _step(ddp, opt, 1)
     pieces = opt.owned_pieces()
     return {
@@ -160,6 +197,7 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
         "memory": ddp.memory(),
         "master_grads": sum(g.nbytes for g in _master_grads(pieces)),
         "collectives": engine,
+        "per_unit": per_unit,
         "torch_calls": torch_calls,
         "peak": peak[0],
         "specs": [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in ddp.routes],
@@ -203,20 +241,11 @@ Elsewhere it is exact."""
 
 
 def _mode(ddp_kw: dict) -> Mode:
-    """The plan's mode for a DataParallel made with `ddp_kw` (float32 where no dtype is given)."""
-    ignored = VARIANT_FIELDS | {"offload_state"}
-    cfg = DataParallelConfig(**{k: v for k, v in ddp_kw.items() if k not in ignored})
-    policy = cfg.mp_policy or MixedPrecisionPolicy()
-    param_dtype = policy.param_dtype or torch.float32
-    return Mode(
-        reshard_after_forward=cfg.reshard_after_forward,
-        param_dtype=param_dtype,
-        grad_reduce_dtype=policy.reduce_dtype or param_dtype,
-        overlap_grad_reduce=cfg.overlap_grad_reduce,
-        overlap_param_gather=cfg.overlap_param_gather,
-        param_sync=ddp_kw.get("param_sync", "allgather"),
-        offload_state=ddp_kw.get("offload_state", False),
-    )
+    """The plan's mode for a DataParallel made with `ddp_kw` (a float32 model)."""
+    variant = {k: v for k, v in ddp_kw.items() if k in VARIANT_FIELDS}
+    kw = {k: v for k, v in ddp_kw.items() if k not in variant and k != "offload_state"}
+    offload = ddp_kw.get("offload_state", False)
+    return Mode.of(DataParallelConfig(**kw), Variant(**variant), offload_state=offload)
 
 
 @pytest.mark.parametrize("name", list(MODES))
@@ -264,6 +293,25 @@ def test_the_plan_tells_memory_collectives_and_bytes_of_a_real_run(name: str) ->
         if out["shard_rank"] == costs.worst_rank:
             assert costs.bytes_sent == sent
             assert costs.counts() == dict(Counter(op for op, *_ in calls))
+        _check_units(plan, specs, mode, out)
         groups = [c[4] for c in out["collectives"] if c[0].endswith("_coalesced")]
         assert bool(groups) == (strategy == "owners"), groups
         assert (max(groups, default=0) > 1) == (name == "owners-wide-buckets"), groups
+
+
+def _check_units(plan, specs, mode: Mode, out: dict) -> None:
+    """Each unit's reduction, and each of its gathers (every unit is gathered at least once a
+    step when k > 1, never when k = 1), issued in order what its buckets' sync schemes
+    describe."""
+    k, r = plan.shard_group_size, out["shard_rank"]
+    key = lambda c: (c.op, c.ranks, c.numel, c.dtype)  # noqa: E731
+    for u in storage_units(plan, specs):
+        want = unit_reduce(u.buckets, k, plan.dp_size // k, r, mode.grad_reduce_dtype,
+                           mode.param_sync)  # fmt: skip
+        assert out["per_unit"][u.index, "reduce"] == list(map(key, want)), (r, u.index)
+        gathers = out["per_unit"].get((u.index, "gather"), [])
+        want = list(map(key, unit_gather(u.buckets, k, mode.param_dtype, mode.param_sync)))
+        if k == 1:
+            assert not any(gathers), (r, u.index, gathers)
+        else:
+            assert gathers and all(g == want for g in gathers), (r, u.index, gathers, want)

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..capacity.costs import ring_bytes
 from ..distributed import collectives
+from ..planning.sync import ring_bytes
 from .timing import Timer
 
 GRAD_BYTES, PARAM_BYTES = 4, 2  # fp32 grads reduced, bf16 params gathered

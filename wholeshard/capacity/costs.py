@@ -22,18 +22,19 @@ The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and iss
   says the same).
 
 Per step (steady state: one forward, backward, `clip_grad_norm_` and `step()`, dp > 1): per
-planned bucket a reduce-scatter of the bucket in the shard group (an owner bucket: a
-`reduce_coalesced`, one group of a reduce per non-empty shard) and, with replicas, an all-reduce
-of the rank's shard across them (grad dtype); per bucket an all-gather (k broadcasts with
-`param_sync="broadcast"`; an owner bucket: a `broadcast_coalesced`, one group of a broadcast per
-non-empty shard) in the param dtype when k > 1, twice when fully sharded
-(forward and backward) except for the units kept gathered from forward to backward: the first
-in reduce order and those holding params of the root module (names without a dot); fully
-sharded with `overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit (which
-units every rank ran all the modules of: [Note: collective order] in the engine's `_schedule`);
-one float64 step check of 4 + (number of params) values over dp ranks; one fp32 norm over the
-shard group when clipping and k > 1. `ring_bytes` charges each what a bandwidth-optimal ring
-sends per rank (the table of `wholeshard.bench.traffic`; here over the op's own group).
+storage unit the collectives its buckets' sync schemes describe ([Note: sync schemes] in
+`planning.sync`, which the engine executes): its reduction (grad dtype: a reduce-scatter per
+bucket, an owner bucket's `reduce_coalesced`, and with replicas an all-reduce of the rank's
+shards across them) and, when k > 1, its gather (param dtype: an all-gather per bucket, k
+broadcasts with `param_sync="broadcast"`, an owner bucket's `broadcast_coalesced`), twice when
+fully sharded (forward and backward) except for the units kept gathered from forward to
+backward: the first in reduce order and those holding params of the root module (names without a
+dot); fully sharded with `overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit
+(which units every rank ran all the modules of: [Note: collective order] in the engine's
+`_schedule`); one float64 step check of 4 + (number of params) values over dp ranks; one fp32
+norm over the shard group when clipping and k > 1. `ring_bytes` charges each what a
+bandwidth-optimal ring sends per rank (the table of `wholeshard.bench.traffic`; here over the
+op's own group).
 
 Not modelled: frozen params and module buffers (not in a plan), FP8 param gather, the ping-pong
 scheme, activation checkpointing (re-gathers in backward), evaluation forwards, the gloo or
@@ -47,40 +48,24 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
+from ..engine.config import DataParallelConfig, Variant
 from ..planning.plan import Plan
 from ..planning.specs import ParamSpec, matrices
+from ..planning.sync import (
+    ELEMENT_BYTES,
+    PARAM_SYNCS,
+    ParamSync,
+    dtype_name,
+    unit_gather,
+    unit_reduce,
+)
+from ..planning.sync import OPS as OPS  # re-exported: the records costs are made of
+from ..planning.sync import Collective as Collective
+from ..planning.sync import ring_bytes as ring_bytes
 from ..planning.units import Unit, storage_units
 from . import _lifetimes
-
-ELEMENT_BYTES = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int32": 4,
-}
-"""Bytes per element of the dtypes a mode or a collective may name."""
-_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-            "half": "float16", "fp64": "float64", "double": "float64"}  # fmt: skip
-OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce", "reduce_coalesced",
-       "broadcast_coalesced")  # fmt: skip
-"""The collective kinds: torch's, and an owner bucket's coalesced groups of reduces and of
-broadcasts (one per owner's shard, [Note: owner collectives] in `distributed.collectives`)."""
-ParamSync = Literal["allgather", "broadcast"]
-
-
-def dtype_name(dtype: Any) -> str:
-    """The name in `ELEMENT_BYTES` of `dtype`: a name (`"bfloat16"`, `"bf16"`) or a torch dtype
-    (read from its name, so torch is never imported). ValueError for anything else."""
-    name = str(dtype).removeprefix("torch.")
-    name = _ALIASES.get(name, name)
-    if name not in ELEMENT_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(ELEMENT_BYTES)}")
-    return name
 
 
 @dataclass(frozen=True)
@@ -105,9 +90,32 @@ class Mode:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "grad_reduce_dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name)))
-        if self.param_sync not in ("allgather", "broadcast"):
-            raise ValueError(f"param_sync must be 'allgather' or 'broadcast': {self.param_sync!r}")
+        if self.param_sync not in PARAM_SYNCS:
+            raise ValueError(f"param_sync must be one of {PARAM_SYNCS}: {self.param_sync!r}")
         object.__setattr__(self, "transposed", frozenset(self.transposed))
+
+    @classmethod
+    def of(
+        cls,
+        config: DataParallelConfig,
+        variant: Variant | None = None,
+        model_dtype: Any = "float32",
+        **rest: Any,
+    ) -> Mode:
+        """The mode of `DataParallel(model, config, _variant=variant)` for a model whose params
+        are in `model_dtype`, read from the config as `DataParallel` reads it; `rest`: the
+        options the config does not hold (`clip_grad_norm`, `transposed`, `offload_state`)."""
+        policy = config.mp_policy
+        param = getattr(policy, "param_dtype", None) or model_dtype
+        return cls(
+            reshard_after_forward=config.reshard_after_forward,
+            param_dtype=param,
+            grad_reduce_dtype=getattr(policy, "reduce_dtype", None) or param,
+            overlap_grad_reduce=config.overlap_grad_reduce,
+            overlap_param_gather=config.overlap_param_gather,
+            param_sync=(variant or Variant()).param_sync,
+            **rest,
+        )
 
 
 @dataclass
@@ -191,39 +199,6 @@ def _persistent(mode: Mode, mine: Owned, kept: int) -> dict[str, int]:
     return out
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One collective a rank issues: `op` (one of `OPS`) over a group of `ranks`, moving
-    `numel` elements of `dtype` (the full input of a reduce-scatter, the full output of an
-    all-gather, the tensor of an all-reduce, a reduce or a broadcast); `what` it is for;
-    `group`: "shard" (k consecutive ranks), "replica" (dp / k ranks, k apart) or "dp" (every
-    rank)."""
-
-    op: str
-    ranks: int
-    numel: int
-    dtype: str
-    what: str
-    group: str
-
-    @property
-    def bytes_sent(self) -> int:
-        return ring_bytes(self.op, self.numel * ELEMENT_BYTES[self.dtype], self.ranks)
-
-
-def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
-    """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
-    bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather, and a
-    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S; a coalesced group of
-    reduces or broadcasts, of S in all, as one of S."""
-    ring = (ranks - 1) / ranks
-    if op == "all_reduce":
-        return round(2 * ring * nbytes)
-    if op in OPS:  # every other op
-        return round(ring * nbytes)
-    raise ValueError(f"unknown collective {op!r}; one of {OPS}")
-
-
 def step_collectives(
     plan: Plan, specs: Sequence[ParamSpec], mode: Mode, rank: int = 0
 ) -> list[Collective]:
@@ -234,29 +209,12 @@ def step_collectives(
     if dp == 1:
         return []
     units = _units(plan, specs)
-    grad, param = mode.grad_reduce_dtype, mode.param_dtype
-    out = []
-    for u in units:
-        for b in u.buckets:
-            if b.owners:
-                out.append(Collective("reduce_coalesced", k, b.numel, grad, "grads", "shard"))
-            else:
-                out.append(Collective("reduce_scatter", k, b.numel, grad, "grads", "shard"))
-            if dp > k and (mine := b.shard_len(rank)):
-                out.append(Collective("all_reduce", dp // k, mine, grad, "grads", "replica"))
+    grad, param, sync = mode.grad_reduce_dtype, mode.param_dtype, mode.param_sync
+    out = [c for u in units for c in unit_reduce(u.buckets, k, dp // k, rank, grad, sync)]
     if k > 1:  # fully sharded, a unit not kept from forward to backward is gathered twice
         kept = _lifetimes.kept_units(units) if fully_sharded(plan, mode) else range(len(units))
         for u in units:
-            times = 1 if u.index in kept else 2
-            for b in u.buckets:
-                if b.owners:
-                    sync = [Collective("broadcast_coalesced", k, b.numel, param, "params", "shard")]
-                elif mode.param_sync == "allgather":
-                    sync = [Collective("all_gather", k, b.numel, param, "params", "shard")]
-                else:
-                    sync = [Collective("broadcast", k, hi - lo, param, "params", "shard")
-                            for _, lo, hi in b.shards()]  # fmt: skip
-                out += sync * times
+            out += unit_gather(u.buckets, k, param, sync) * (1 if u.index in kept else 2)
     if fully_sharded(plan, mode) and mode.overlap_grad_reduce:
         out.append(Collective("all_reduce", dp, len(units), "int32", "modules run", "dp"))
     out.append(Collective("all_reduce", dp, 4 + len(specs), "float64", "step check", "dp"))

@@ -18,7 +18,8 @@ import math
 from collections.abc import Sequence
 
 from ..planning.specs import ParamSpec
-from .costs import Collective, Mode
+from ..planning.sync import Collective
+from .costs import Mode
 
 ROOT = ""
 """The unit of params outside every numbered block."""

@@ -32,8 +32,9 @@ from dataclasses import dataclass, replace
 
 from ..planning.plan import Plan
 from ..planning.specs import matrix_count, matrix_shape
+from ..planning.sync import ELEMENT_BYTES, Collective
 from .alpha_beta import FABRICS, Fabric, Price, Span, price
-from .costs import ELEMENT_BYTES, Collective, Costs, owned
+from .costs import Costs, owned
 
 NS_STEPS = 5
 """Newton-Schulz iterations per Muon update (torch.optim.Muon's default)."""

@@ -15,6 +15,7 @@ from ..capacity.choice import ShardGroupChoice
 from ..capacity.costs import Costs, fully_sharded
 from ..capacity.projection import FABRICS, GPUS, Projection
 from ..planning import Bucket, Plan
+from ..planning.sync import sync_scheme
 
 WIDTH = 100
 """Lines are wrapped to this many characters."""
@@ -58,8 +59,9 @@ def line(label: str, text: str) -> str:
 
 
 def collectives_of(bucket: Bucket) -> str:
-    """The collectives that sync `bucket` ([Note: owner buckets] in `planning.specs`)."""
-    return "reduce/broadcast" if bucket.owners else "reduce_scatter/all_gather"
+    """The collectives that sync `bucket`, in the words of its sync scheme ([Note: sync
+    schemes] in `planning.sync`)."""
+    return sync_scheme(bucket).words
 
 
 def headline(plan: Plan, source: str) -> str:

@@ -3,10 +3,10 @@
 [Note: storage units]
 A `StorageUnit` covers elements `[start, end)` of one planned buffer: one planned bucket, or
 several where a stacked param runs across them (a param's `.data` is one view: see
-`Buffer.storage_units`). Collectives run per planned bucket: equal shards by one reduce-scatter
-and one all-gather, an owner bucket's ([Note: owner buckets] in `planning.specs`) by one
-coalesced group of reduces and one of broadcasts, one per owner's shard ([Note: owner
-collectives]); in each, every rank moves as many elements (NCCL needs it).
+`Buffer.storage_units`). Collectives run per planned bucket, by its sync scheme ([Note: sync
+schemes] in `planning.sync`, run by `_sync`): equal shards by one reduce-scatter and one
+all-gather, an owner bucket's by one coalesced group of reduces and one of broadcasts, one per
+owner's shard; in each, every rank moves as many elements (NCCL needs it).
 
 [Note: resharding]
 Without resharding (ZeRO-1/2) the full `param` and `grad` tensors live for the whole run and
@@ -33,7 +33,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -43,8 +42,8 @@ from torch.distributed import ProcessGroup, Work
 from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
-
-ParamSync = Literal["allgather", "broadcast"]
+from ..planning.sync import ParamSync, sync_scheme
+from ._sync import half_of
 
 
 class UnitState(enum.Enum):
@@ -151,6 +150,7 @@ class StorageUnit:
         for b in self.buckets[:-1]:
             self._shard_at.append(self._shard_at[-1] + b.shard_len(groups.rank))
         self.param_shard = self.grad_shard = None
+        self._halves = [half_of(sync_scheme(b, groups.param_sync)) for b in self.buckets]
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self.open_window()
         self.reducing = self.gathering = None
@@ -169,9 +169,6 @@ class StorageUnit:
 
     def _shard_range(self, full: torch.Tensor, b: Bucket, rank: int) -> torch.Tensor:
         return self._elements(full, *b.shard(rank))
-
-    def _shards(self, full: torch.Tensor, b: Bucket) -> list[tuple[int, torch.Tensor]]:
-        return [(r, self._elements(full, lo, hi)) for r, lo, hi in b.shards()]
 
     def _own_shard(self, full: torch.Tensor, shard: torch.Tensor | None, i: int) -> torch.Tensor:
         """This rank's shard of bucket `i`: in the separate shard tensor when resharding."""
@@ -308,21 +305,16 @@ class StorageUnit:
             self.grad.zero_()
 
     def _reduce(self) -> InFlight:
-        """Reduce-scatter every bucket (an owner bucket: reduce each shard to its owner), then
-        sum across replicas; the average divides once, at the end ([Note: averaging])."""
+        """Reduce every bucket by its sync scheme (`planning.sync.unit_reduce` describes it),
+        then sum across replicas; the average divides once, at the end ([Note: averaging])."""
         group, replicas = self.groups.group, self.groups.replica_group
         mine = [self._own_shard(self.grad, self.grad_shard, i) for i in range(len(self.buckets))]
         n = 1 if replicas is None else dist.get_world_size(replicas)
         total = self.groups.divide_by or self.groups.size * n
         stage1 = total if replicas is None else 1
         handles = []
-        for out, b in zip(mine, self.buckets, strict=True):
-            if b.owners:
-                parts = self._shards(self.grad, b)
-                handles.append(collectives.reduce_to_owners(parts, group, stage1, out))
-            else:
-                full = self._bucket_range(self.grad, b)
-                handles.append(collectives.reduce_scatter_sum(out, full, group, stage1))
+        for out, b, half in zip(mine, self.buckets, self._halves, strict=True):
+            handles.append(half.reduce(self._bucket_range(self.grad, b), out, b, group, stage1))
         if replicas is None:
             return InFlight(handles)
         mine = [m for m in mine if m.numel()]  # the replicas hold the same (empty) shards
@@ -371,18 +363,12 @@ class StorageUnit:
     def _share(
         self, full: torch.Tensor, b: Bucket, mine: torch.Tensor, sync: ParamSync = "allgather"
     ) -> list[Work | None]:
-        """Dispatch the sync of bucket `b` of `full` (a full tensor of this unit): `mine` (this
-        rank's shard, which may alias its range of `full`) and the others' land in `full`, by an
-        all-gather, or a broadcast per shard (`sync="broadcast"`; owner buckets: coalesced)."""
+        """Dispatch the sync of bucket `b` of `full` (a full tensor of this unit) by its sync
+        scheme with `sync` (`planning.sync.sync_scheme`): `mine` (this rank's shard, which may
+        alias its range of `full`) and the others' land in `full`."""
+        half = half_of(sync_scheme(b, sync))
         group, rank = self.groups.gather_group, self.groups.rank
-        if sync == "allgather" and not b.owners:
-            return [collectives.all_gather(self._bucket_range(full, b), mine, group)]
-        own = self._shard_range(full, b, rank)
-        if own.numel() and own.data_ptr() != mine.data_ptr():
-            own.copy_(mine)
-        if b.owners:
-            return [collectives.broadcast_from_owners(self._shards(full, b), group)]
-        return [collectives.broadcast(t, r, group) for r, t in self._shards(full, b)]
+        return half.gather(self._bucket_range(full, b), mine, b, group, rank)
 
     def drop_temporaries(self) -> None:
         """Free temporary buffers a storage kind keeps between steps (none here)."""

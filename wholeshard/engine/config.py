@@ -19,6 +19,7 @@ from ..planning import SCHEMES, STRATEGIES
 from ..planning.plan import Scheme, Strategy
 from ..planning.routing import MatrixParams
 from ..planning.specs import is_int
+from ..planning.sync import PARAM_SYNCS, ParamSync
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,10 +46,6 @@ def literal_choices(hint: Any) -> tuple[Any, ...] | None:
         if typing.get_origin(t) is Literal:
             return typing.get_args(t)
     return None
-
-
-ParamSync = Literal["allgather", "broadcast"]
-PARAM_SYNCS: tuple[ParamSync, ...] = ("allgather", "broadcast")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ routes, a shapes file or a preset: the plan `DataParallel` makes with the same s
 `plan_exactly` plans exactly the strategy, bucket size and shard-group size it is told. What a
 plan costs is `wholeshard.capacity`'s, above the engine: nothing here imports it. The planners
 are private (`_whole`, `_rows`, `_balanced`, `_packing`, `_owners`, `_stacked`, `_elementwise`,
-`_unaligned`); `_invariants` checks them.
+`_unaligned`); `_invariants` checks them. `sync` describes the collectives each bucket's sync
+scheme issues (what the engine executes and `capacity` prices).
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):
@@ -33,6 +34,8 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   (`optim.OwnedPiece`).
 - scheme: how params are owned: "whole" (whole tensors in aligned shards: the design) or
   "ping_pong" (the legacy baseline).
+- sync scheme: how a bucket synchronizes (`Bucket.sync`): "equal_shards", "owners", or the
+  legacy "shard_broadcasts"; one description each in `sync`, of the collectives it issues.
 - strategy: how the whole-tensor planner assigns params to shards: "size_match", "balanced"
   (equal shards), "owners" (owner buckets), or "auto" (balanced where it meets the plan
   targets, else owners).

@@ -80,6 +80,12 @@ class Bucket:
         """Whether this is an owner bucket ([Note: owner buckets])."""
         return bool(self.owner_starts)
 
+    @property
+    def sync(self) -> str:
+        """The name of the scheme that syncs this bucket ([Note: sync schemes] in `sync`):
+        "owners" for an owner bucket, else "equal_shards"."""
+        return "owners" if self.owner_starts else "equal_shards"
+
     def shard(self, rank: int) -> tuple[int, int]:
         """Buffer range `[start, end)` of rank's shard (empty: `start == end`)."""
         if not self.owner_starts:

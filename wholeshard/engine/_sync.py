@@ -1,0 +1,91 @@
+"""The executable half of each sync scheme: the collectives `planning.sync` describes for a
+bucket, issued over `distributed.collectives` ([Note: sync schemes] in `planning.sync`).
+
+Each half takes the bucket's range of a full tensor of its storage unit (`full`, buffer
+elements `[b.start, b.end)`) and this rank's shard (`mine` or `out`: a view of its range of
+`full`, or a separate tensor of its size when resharding) and returns the handles in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+from ..planning import Bucket
+from ..planning.sync import EQUAL_SHARDS, OWNERS, SHARD_BROADCASTS, SyncScheme
+
+Group = ProcessGroup | None
+Reduce = Callable[[Tensor, Tensor, Bucket, Group, int], Any]
+"""(full, out, bucket, shard group, divide_by) -> one handle: the sums of this rank's shard
+land in `out`, divided by `divide_by` ([Note: averaging] in `distributed.collectives`)."""
+Gather = Callable[[Tensor, Tensor, Bucket, Group, int], list[Any]]
+"""(full, mine, bucket, gather group, rank) -> handles: every rank's shard lands in `full`."""
+
+
+@dataclass(frozen=True)
+class SyncHalf:
+    """What the engine runs for one sync scheme: its `reduce` and its `gather`."""
+
+    reduce: Reduce
+    gather: Gather
+
+
+def _shards(full: Tensor, b: Bucket) -> list[tuple[int, Tensor]]:
+    """(rank, view of `full`) of every non-empty shard of `b`."""
+    return [(r, full[lo - b.start : hi - b.start]) for r, lo, hi in b.shards()]
+
+
+def _place_mine(full: Tensor, mine: Tensor, b: Bucket, rank: int) -> None:
+    """Copy this rank's shard into its range of `full`, unless it is that range already."""
+    lo, hi = b.shard(rank)
+    own = full[lo - b.start : hi - b.start]
+    if own.numel() and own.data_ptr() != mine.data_ptr():
+        own.copy_(mine)
+
+
+def _reduce_scatter(full: Tensor, out: Tensor, b: Bucket, group: Group, divide_by: int) -> Any:
+    return collectives.reduce_scatter_sum(out, full, group, divide_by)
+
+
+def _reduce_to_owners(full: Tensor, out: Tensor, b: Bucket, group: Group, divide_by: int) -> Any:
+    return collectives.reduce_to_owners(_shards(full, b), group, divide_by, out)
+
+
+def _all_gather(full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int) -> list[Any]:
+    return [collectives.all_gather(full, mine, group)]
+
+
+def _broadcast_from_owners(
+    full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int
+) -> list[Any]:
+    _place_mine(full, mine, b, rank)
+    return [collectives.broadcast_from_owners(_shards(full, b), group)]
+
+
+def _broadcast_each_shard(
+    full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int
+) -> list[Any]:
+    _place_mine(full, mine, b, rank)
+    return [collectives.broadcast(t, r, group) for r, t in _shards(full, b)]
+
+
+HALVES = {
+    EQUAL_SHARDS.name: SyncHalf(_reduce_scatter, _all_gather),
+    OWNERS.name: SyncHalf(_reduce_to_owners, _broadcast_from_owners),
+    SHARD_BROADCASTS.name: SyncHalf(_reduce_scatter, _broadcast_each_shard),
+}
+"""Each sync scheme's executable half, by the scheme's name."""
+
+
+def half_of(scheme: SyncScheme) -> SyncHalf:
+    """The executable half of `scheme`."""
+    if scheme.name not in HALVES:
+        raise ValueError(
+            f"sync scheme {scheme.name!r} has no executable half; one of {list(HALVES)}"
+        )
+    return HALVES[scheme.name]

@@ -1,0 +1,179 @@
+"""How a bucket synchronizes: each sync scheme's collectives, as torch-free records.
+
+[Note: sync schemes]
+A sync scheme says which collectives bring a bucket's gradients, summed, to their owners
+(`reduce`) and the owners' params back to every rank (`gather`), in the order they are issued,
+over the k ranks of a shard group. It is the one description of a bucket's collectives: the
+engine executes it (`engine._sync` holds each scheme's executable half, by name), and
+`capacity` (costs, latency prices) and `wholeshard plan` read it. A bucket names its scheme
+(`Bucket.sync`); the schemes:
+
+- "equal_shards": k equal shards of `shard_numel`: one reduce-scatter of the bucket, one
+  all-gather of it.
+- "owners": an owner bucket ([Note: owner buckets] in `specs`; `owner_starts` is its data): a
+  coalesced group of one reduce per listed owner's shard, and one of a broadcast per shard
+  ([Note: owner collectives] in `distributed.collectives`).
+- "shard_broadcasts": the legacy baseline of equal shards with `param_sync="broadcast"`
+  (`DataParallel(..., _variant=Variant(param_sync="broadcast"))`): one reduce-scatter, then one
+  broadcast per shard (`sync_scheme` picks it; owner buckets broadcast anyway).
+
+A storage unit reduces its buckets in buffer order, each by its scheme, and with replicas (dp /
+k shard groups) then all-reduces each non-empty reduced shard of its rank across them, in the
+same order, once every bucket's first stage has landed (`unit_reduce`); it gathers its buckets
+in buffer order (`unit_gather`). The legacy ping-pong scheme's unaligned buffer is synced whole
+(`engine._unaligned_storage`), not by buckets, and is not described here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .specs import Bucket
+
+ELEMENT_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int32": 4,
+}
+"""Bytes per element of the dtypes a mode or a collective may name."""
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "half": "float16", "fp64": "float64", "double": "float64"}  # fmt: skip
+OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce", "reduce_coalesced",
+       "broadcast_coalesced")  # fmt: skip
+"""The collective kinds: torch's, and an owner bucket's coalesced groups of reduces and of
+broadcasts (one per owner's shard, [Note: owner collectives] in `distributed.collectives`)."""
+ParamSync = Literal["allgather", "broadcast"]
+PARAM_SYNCS: tuple[ParamSync, ...] = ("allgather", "broadcast")
+"""How updated params reach every rank: by each bucket's own scheme (`allgather`), or, for equal
+shards, by one broadcast per shard (`broadcast`, the legacy baseline: "shard_broadcasts")."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name in `ELEMENT_BYTES` of `dtype`: a name (`"bfloat16"`, `"bf16"`) or a torch dtype
+    (read from its name, so torch is never imported). ValueError for anything else."""
+    name = str(dtype).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in ELEMENT_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(ELEMENT_BYTES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issues: `op` (one of `OPS`) over a group of `ranks`, moving
+    `numel` elements of `dtype` (the full input of a reduce-scatter, the full output of an
+    all-gather, the tensor of an all-reduce, a reduce or a broadcast; a coalesced group's parts
+    together); `what` it is for; `group`: "shard" (k consecutive ranks), "replica" (dp / k
+    ranks, k apart) or "dp" (every rank)."""
+
+    op: str
+    ranks: int
+    numel: int
+    dtype: str
+    what: str
+    group: str
+
+    @property
+    def bytes_sent(self) -> int:
+        return ring_bytes(self.op, self.numel * ELEMENT_BYTES[self.dtype], self.ranks)
+
+
+def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
+    """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
+    bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather, and a
+    pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S; a coalesced group of
+    reduces or broadcasts, of S in all, as one of S."""
+    ring = (ranks - 1) / ranks
+    if op == "all_reduce":
+        return round(2 * ring * nbytes)
+    if op in OPS:  # every other op
+        return round(ring * nbytes)
+    raise ValueError(f"unknown collective {op!r}; one of {OPS}")
+
+
+Describe = Callable[[Bucket, int, str], list[Collective]]
+"""(bucket, shard group size k, dtype name) -> the collectives, in order."""
+
+
+@dataclass(frozen=True)
+class SyncScheme:
+    """One way a bucket synchronizes ([Note: sync schemes]): `reduce` and `gather` describe
+    the collectives it issues on the shard group; `words` says them in `wholeshard plan`'s
+    bucket table."""
+
+    name: str
+    reduce: Describe
+    gather: Describe
+    words: str
+
+
+def _one(op: str, what: str) -> Describe:
+    """A scheme half of one `op` over the whole bucket (coalesced groups count as one)."""
+    return lambda b, k, dtype: [Collective(op, k, b.numel, dtype, what, "shard")]
+
+
+def _broadcast_each_shard(b: Bucket, k: int, dtype: str) -> list[Collective]:
+    return [
+        Collective("broadcast", k, hi - lo, dtype, "params", "shard") for _, lo, hi in b.shards()
+    ]
+
+
+EQUAL_SHARDS = SyncScheme(
+    "equal_shards",
+    _one("reduce_scatter", "grads"),
+    _one("all_gather", "params"),
+    "reduce_scatter/all_gather",
+)
+OWNERS = SyncScheme(
+    "owners",
+    _one("reduce_coalesced", "grads"),
+    _one("broadcast_coalesced", "params"),
+    "reduce/broadcast",
+)
+SHARD_BROADCASTS = SyncScheme(
+    "shard_broadcasts",
+    _one("reduce_scatter", "grads"),
+    _broadcast_each_shard,
+    "reduce_scatter/broadcast",
+)
+SYNC_SCHEMES = {s.name: s for s in (EQUAL_SHARDS, OWNERS, SHARD_BROADCASTS)}
+"""Every sync scheme by name."""
+
+
+def sync_scheme(bucket: Bucket, param_sync: ParamSync = "allgather") -> SyncScheme:
+    """The scheme that syncs `bucket`: its own (`Bucket.sync`), or with the legacy
+    `param_sync="broadcast"`, equal shards gathered by broadcasts ([Note: sync schemes])."""
+    if param_sync == "broadcast" and bucket.sync == EQUAL_SHARDS.name:
+        return SHARD_BROADCASTS
+    return SYNC_SCHEMES[bucket.sync]
+
+
+def unit_reduce(
+    buckets: Sequence[Bucket],
+    k: int,
+    replicas: int,
+    rank: int,
+    dtype: str,
+    param_sync: ParamSync = "allgather",
+) -> list[Collective]:
+    """The collectives reducing one storage unit's `buckets` on shard-group rank `rank`, in
+    order: each bucket's scheme's, then with `replicas` > 1 an all-reduce of each of the rank's
+    non-empty shards across the replica group ([Note: sync schemes])."""
+    out = [c for b in buckets for c in sync_scheme(b, param_sync).reduce(b, k, dtype)]
+    if replicas > 1:
+        out += [Collective("all_reduce", replicas, n, dtype, "grads", "replica")
+                for b in buckets if (n := b.shard_len(rank))]  # fmt: skip
+    return out
+
+
+def unit_gather(
+    buckets: Sequence[Bucket], k: int, dtype: str, param_sync: ParamSync = "allgather"
+) -> list[Collective]:
+    """The collectives gathering one storage unit's `buckets` (k > 1), in order."""
+    return [c for b in buckets for c in sync_scheme(b, param_sync).gather(b, k, dtype)]
