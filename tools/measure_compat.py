@@ -218,7 +218,9 @@ def measure(name: str, python: str, keep: bool) -> dict:
             file=sys.stderr,
         )
         for test in result["failing"]:
-            print(f"[{name}]   FAILED {test} (with {said})", file=sys.stderr)
+            print(f"[{name}]   FAILED {test}", file=sys.stderr)
+        if result["failing"]:
+            print(f"[{name}]   (these failed with {said})", file=sys.stderr)
     ok = all(s["ok"] for s in suites)
     return {**doc, "result": "passed" if ok else "failed", "suites": suites}
 

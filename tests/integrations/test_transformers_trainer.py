@@ -136,7 +136,8 @@ def validation() -> list[dict[str, torch.Tensor]]:
 
 
 def _hyper() -> dict[str, Any]:
-    return {k: ARGS[k] for k in ("learning_rate", "weight_decay", "adam_beta2")}
+    keys = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+    return {k: ARGS[k] for k in keys}
 
 
 class CountingTrainer(transformers.Trainer):
