@@ -8,6 +8,7 @@ import importlib
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from wholeshard.planning import ParamSpec
 
 FABRIC = FABRICS["nvlink4-ndr400"]
 INTRA, INTER = FABRIC.intra, FABRIC.inter
+NODE_RING = 370e9
+"""A ring over whole DGX H100 nodes: eight NDR NICs a node (8 x 50 GB/s) at NCCL's Hopper cap."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -31,6 +34,36 @@ def test_spans_place_consecutive_and_strided_groups_on_nodes() -> None:
     assert Span.of(4, 2, 8) == Span(4, 4, 1)  # replicas 2 apart: one node
     assert Span.of(16, 8, 8) == Span(16, 1, 16)  # replicas a node apart: one per node
     assert Span.of(3, 1, 8) == Span(3, 3, 1)
+
+
+def test_a_group_across_nodes_sends_through_every_nic_its_ranks_reach() -> None:
+    """NCCL's tuning model: a ring's channels leave a node through a NIC each, so a flat group
+    of whole nodes gets the node's eight NICs (at the Hopper cap), a group with one rank per
+    node one NIC, a group inside a node NVLink; the latency term is the same either way."""
+    assert INTRA.bandwidth == 450e9 and INTER.bandwidth == 50e9 and FABRIC.nics == 8
+    dp, numel = 1024, 1 << 28
+    sent = ring_bytes("reduce_scatter", numel * 4, dp)
+
+    def bandwidth(c: Collective, k: int) -> float:
+        return collective_price(c, dp, k, FABRIC).bandwidth_s
+
+    flat = Collective("reduce_scatter", dp, numel, "float32", "grads", "dp")
+    assert bandwidth(flat, dp) == pytest.approx(sent / 370e9)
+    replicas = Collective("reduce_scatter", dp // 8, numel, "float32", "grads", "replica")
+    ring = ring_bytes("reduce_scatter", numel * 4, dp // 8)  # 128 ranks a node apart: 1 a node
+    assert bandwidth(replicas, 8) == pytest.approx(ring / 50e9)
+    shard = Collective("reduce_scatter", 8, numel, "float32", "grads", "shard")
+    assert bandwidth(shard, 8) == pytest.approx(ring_bytes("reduce_scatter", numel * 4, 8) / 450e9)
+    # Replicas 4 apart: two ranks a node, two NICs; a fabric of one NIC a node: one NIC always.
+    assert FABRIC.beta(Span.of(256, 4, 8)) == 2 * 50e9
+    one_nic = replace(FABRIC, nics=1)
+    assert one_nic.beta(Span.of(dp, 1, 8)) == one_nic.beta(Span.of(128, 8, 8)) == 50e9
+    assert FABRIC.beta(Span.of(8, 1, 8)) == one_nic.beta(Span.of(8, 1, 8)) == 450e9
+    flat_one_nic = price("reduce_scatter", Span.of(dp, 1, 8), sent, numel * 4, one_nic)
+    assert flat_one_nic.latency_s == collective_price(flat, dp, dp, FABRIC).latency_s
+    # Below the cap the NICs decide; a PCIe node's ring is its PCIe link's.
+    assert FABRICS["nvlink3-hdr200"].beta(Span.of(64, 1, 8)) == 8 * 25e9
+    assert FABRICS["pcie4-eth100"].beta(Span.of(64, 1, 8)) == 32e9
 
 
 def test_in_one_node_every_kind_takes_its_algorithms_hops() -> None:
@@ -55,13 +88,13 @@ def test_hops_between_nodes_cost_the_inter_node_alpha() -> None:
     span, sent = Span.of(32, 1, 8), 3100  # 4 nodes of 8
     chain = price("broadcast", span, sent, 3200, FABRIC)
     assert chain.latency_s == pytest.approx(28 * INTRA.latency + 3 * INTER.latency)
-    assert chain.bandwidth_s == pytest.approx(sent / INTER.bandwidth)
+    assert chain.bandwidth_s == pytest.approx(sent / NODE_RING)
     group = price("broadcast_coalesced", span, sent, 3200, FABRIC)  # the chains run at once
     assert group.latency_s == pytest.approx(chain.latency_s)
     # A small all-reduce takes the tree: 2 ((8 - 1) + log2 4) hops, twice the payload sent.
     tree = price("all_reduce", span, ring_bytes("all_reduce", 8, 32), 8, FABRIC)
     assert tree.latency_s == pytest.approx(2 * (7 * INTRA.latency + 2 * INTER.latency))
-    assert tree.bandwidth_s == pytest.approx(16 / INTER.bandwidth)
+    assert tree.bandwidth_s == pytest.approx(16 / NODE_RING)
     # A large one the ring: 62 hops, 6 of them between nodes.
     big = 1 << 32
     ring = price("all_reduce", span, ring_bytes("all_reduce", big, 32), big, FABRIC)
@@ -90,7 +123,7 @@ def test_an_owner_buckets_group_costs_a_chains_latency_once() -> None:
     sent = ring_bytes("reduce_coalesced", bucket, n)
     one = price("reduce_coalesced", Span.of(n, 1, 8), sent, bucket, FABRIC)
     assert one.latency_s == pytest.approx(896 * INTRA.latency + 127 * INTER.latency)
-    assert one.bandwidth_s == pytest.approx(sent / INTER.bandwidth)
+    assert one.bandwidth_s == pytest.approx(sent / NODE_RING)
     owners = 3
     each = price("reduce", Span.of(n, 1, 8), sent // owners, bucket // owners, FABRIC)
     assert owners * each.latency_s == pytest.approx(owners * one.latency_s)

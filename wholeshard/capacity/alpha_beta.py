@@ -19,11 +19,23 @@ A collective over n ranks, `per_node` of them on each of `nodes` nodes (`Span`),
 Of a ring's or chain's hops, nodes - 1 (twice that for an all-reduce's ring) cross nodes and
 cost the inter-node alpha, the others the intra-node one, as NCCL's tuning model counts them
 (`ncclTopoTuneModel`, src/graph/tuning.cc). The bandwidth term is the bytes one rank sends
-(`costs.ring_bytes`; the tree's 2 S) over the slowest link the group crosses: the inter-node
-one once it spans nodes.
+(`costs.ring_bytes`; the tree's 2 S) over the group's beta (`Fabric.beta`):
+
+- inside one node, the intra-node link;
+- across nodes, the node's ring bandwidth: min(nics, per_node) NICs at the per-NIC beta, at
+  most `ring_cap` and the intra-node link. NCCL runs a collective on several channels, each a
+  ring (or tree) that leaves a node through its own NIC, and its tuning model sets the bus
+  bandwidth to the channels times one channel's inter-node bandwidth, capped per GPU
+  generation (`ncclTopoTuneModel` in NCCL's src/graph/tuning.cc: 370 GB/s on Hopper, 235 GB/s
+  on Ampere; later releases leave the bound to the channels' speeds, at most 48 GB/s a NIC in
+  src/graph/search.cc). So a flat ring over whole DGX H100 nodes leaves each node through all
+  eight NICs (7/8 of each GPU's hops are NVLink): min(8 x 50, 370) = 370 GB/s, where NVIDIA
+  quotes 46-48 GB/s per NDR NIC in practice. A group with one rank per node (a replica group
+  whose ranks sit a node or more apart) has one GPU, so one NIC, per node: each GPU on its own
+  rail, 50 GB/s. A fabric of `nics=1` prices every group that spans nodes at one NIC's beta.
 Left out: NCCL's per-launch base latency (a few microseconds), its protocols (LL, LL128 and
-Simple trade latency for bandwidth per message size), NVLink SHARP and in-network reductions,
-congestion, and more than one level of nodes.
+Simple trade latency for bandwidth per message size), its per-channel caps on trees and LL128,
+NVLink SHARP and in-network reductions, congestion, and more than one level of nodes.
 """
 
 from __future__ import annotations
@@ -51,30 +63,46 @@ class Link:
 
 @dataclass(frozen=True)
 class Fabric:
-    """GPUs per node, the link among a node's GPUs and the one between nodes."""
+    """GPUs per node, the link among a node's GPUs, one NIC's link between nodes, the NICs a
+    node has and NCCL's cap on a ring's bus bandwidth ([Note: alpha-beta prices])."""
 
     gpus_per_node: int
     intra: Link
     inter: Link
+    nics: int
+    ring_cap: float = math.inf
+
+    def beta(self, span: Span) -> float:
+        """Bytes/s one rank of `span` sends: the intra-node link in one node, else the node's
+        ring bandwidth (min(nics, per_node) NICs, at most `ring_cap` and the intra-node link)."""
+        if span.nodes == 1:
+            return self.intra.bandwidth
+        nics = min(self.nics, span.per_node)
+        return min(nics * self.inter.bandwidth, self.ring_cap, self.intra.bandwidth)
 
 
 NVLINK4, NVLINK3, PCIE4 = 450e9, 300e9, 32e9
 NDR, HDR, ROCE200, ETH100 = 400e9 / 8, 200e9 / 8, 200e9 / 8, 100e9 / 8
 NVLINK_HOP, PCI_HOP, NET_HOP = 3.4e-6, 5.7e-6, 9.6e-6
+HOPPER_RING, AMPERE_RING = 370e9, 235e9
 
 FABRICS = {
-    "nvlink4-ndr400": Fabric(8, Link(NVLINK4, NVLINK_HOP), Link(NDR, NET_HOP)),  # DGX H100/H200
-    "nvlink3-hdr200": Fabric(8, Link(NVLINK3, NVLINK_HOP), Link(HDR, NET_HOP)),  # DGX A100
-    "nvlink4-roce200": Fabric(8, Link(NVLINK4, NVLINK_HOP), Link(ROCE200, NET_HOP)),
-    "pcie4-eth100": Fabric(8, Link(PCIE4, PCI_HOP), Link(ETH100, NET_HOP)),
+    "nvlink4-ndr400": Fabric(8, Link(NVLINK4, NVLINK_HOP), Link(NDR, NET_HOP), 8, HOPPER_RING),
+    "nvlink3-hdr200": Fabric(8, Link(NVLINK3, NVLINK_HOP), Link(HDR, NET_HOP), 8, AMPERE_RING),
+    "nvlink4-roce200": Fabric(8, Link(NVLINK4, NVLINK_HOP), Link(ROCE200, NET_HOP), 8, HOPPER_RING),
+    "pcie4-eth100": Fabric(8, Link(PCIE4, PCI_HOP), Link(ETH100, NET_HOP), 8),
 }
 """Fabrics by name, and where each figure comes from.
 
 Betas, per GPU and direction: NVLink 4 450 GB/s (NVIDIA H100 data sheet: 900 GB/s both
 directions), NVLink 3 300 GB/s (A100 data sheet: 600 GB/s), PCIe 4.0 x16 32 GB/s (PCI-SIG:
-16 GT/s x 16 lanes, 128b/130b, 31.5 GB/s); one NIC per GPU: NDR InfiniBand 400 Gb/s = 50 GB/s
-(ConnectX-7; DGX H100 has eight), HDR InfiniBand 200 Gb/s = 25 GB/s (ConnectX-6; DGX A100 has
-eight), 200 Gb/s RoCE 25 GB/s, 100 Gb/s Ethernet 12.5 GB/s (line rates).
+16 GT/s x 16 lanes, 128b/130b, 31.5 GB/s); per NIC, one NIC per GPU (eight a node): NDR
+InfiniBand 400 Gb/s = 50 GB/s (ConnectX-7; DGX H100 has eight), HDR InfiniBand 200 Gb/s = 25
+GB/s (ConnectX-6; DGX A100 has eight), 200 Gb/s RoCE 25 GB/s, 100 Gb/s Ethernet 12.5 GB/s (line
+rates). Ring caps, NCCL's tuning model's cap on a ring's bus bandwidth by GPU generation
+(src/graph/tuning.cc): Hopper 370 GB/s, Ampere 235 GB/s; none for the PCIe fabric, whose ring
+the PCIe link caps. A node's ring bandwidth: nvlink4-ndr400 370 GB/s, nvlink3-hdr200 200 GB/s,
+nvlink4-roce200 200 GB/s, pcie4-eth100 32 GB/s.
 Alphas, per hop: NCCL's tuning model's ring latencies for its Simple protocol (`hwLat` in
 src/graph/tuning.cc): NVLink 3.4 us, PCI 5.7 us, network 9.6 us (one figure for every
 network: TCP sockets are slower in practice); its LL protocol, chosen for small messages,
@@ -116,7 +144,7 @@ def price(op: str, span: Span, sent: int, payload: int, fabric: Fabric) -> Price
     if n <= 1:
         return Price(0.0, 0.0)
     intra, inter = fabric.intra, fabric.inter
-    beta = (intra if span.nodes == 1 else inter).bandwidth
+    beta = fabric.beta(span)
     crossings = span.nodes - 1
     laps = 2 if op == "all_reduce" else 1
     hops, crossings = laps * (n - 1), laps * crossings

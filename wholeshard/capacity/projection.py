@@ -6,10 +6,12 @@ Three terms, each at data-sheet peaks, added up as if nothing overlapped:
 
 - `comm_s`: every collective of the step (`Costs.collectives`) priced by [Note: alpha-beta
   prices] in `alpha_beta`: `latency_s` (hops times the per-hop alpha, by the algorithm NCCL
-  runs the kind with) plus `bandwidth_s` (bytes sent over the link's beta). A group of
+  runs the kind with) plus `bandwidth_s` (bytes sent over the group's beta). A group of
   consecutive ranks that fits in one node (shard groups of k <= GPUs per node) runs on the
-  intra-node link, any other crosses the inter-node one (one NIC per GPU, rail-optimised):
-  replica groups and the step check span nodes as soon as dp exceeds a node.
+  intra-node link; one that spans nodes at the node's ring bandwidth, every NIC its ranks on a
+  node reach (rail-optimised, one NIC per GPU): a flat group of whole nodes all of them, a
+  replica group with one rank per node one NIC. Replica groups and the step check span nodes as
+  soon as dp exceeds a node.
 - `newton_schulz_s`: the busiest rank's Newton-Schulz products (`ns_flops`: 5 iterations of
   `4 m^2 n + 2 m^3` flops per owned (m, n) matrix, m <= n) at the GPU's dense bf16 peak.
 - `elementwise_s`: the rest of the optimizer step is memory-bound: every byte of this rank's

@@ -205,7 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fabric",
         choices=sorted(FABRICS),
         help="project the step's communication (latency and bandwidth terms) and optimizer time "
-        "on this fabric (GPUs per node, intra- and inter-node links: docs/planning.md)",
+        "on this fabric (GPUs and NICs per node, intra- and inter-node links: docs/planning.md)",
     )
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="with --fabric")
     parser.add_argument(
