@@ -5,7 +5,9 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
 
     python tests/train/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
 
-`KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`) or `kill` (SIGKILL). `WHEN`: `after_step`
+`KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL), `node` (SIGKILL to
+the torchrun agent that started this worker, then to the worker: a lost node) or `hold` (sleep
+until stopped, for at most `HOLD_S`: the run waits there for a node to join). `WHEN`: `after_step`
 (default: once the step and its checkpoint are done), `before_save` (before that step's save
 starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
 checkpoint on disk, the other ranks blocked in or past the save). Under torchrun a fault fires
@@ -22,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from wholeshard.train import trainer
 from wholeshard.train.config import TrainConfig
 
 WHENS = (trainer.AFTER_STEP, trainer.BEFORE_SAVE, "mid_save")
+HOLD_S = 120  # a held worker's longest wait: a test that never stops it fails, never hangs
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class Fault:
     when: str = trainer.AFTER_STEP
 
     def __post_init__(self) -> None:
-        if self.kind not in ("raise", "exit", "kill") or self.when not in WHENS:
+        if self.kind not in ("raise", "exit", "kill", "node", "hold") or self.when not in WHENS:
             raise ValueError(f"bad fault {self}")
 
     @classmethod
@@ -59,6 +63,11 @@ class Fault:
             raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")
         if self.kind == "exit":
             os._exit(3)
+        if self.kind == "hold":
+            time.sleep(HOLD_S)
+            raise RuntimeError(f"held {HOLD_S} s at step {self.step}: nobody stopped the worker")
+        if self.kind == "node":
+            os.kill(os.getppid(), signal.SIGKILL)  # torchrun's agent (its workers: own sessions)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __call__(self, point: str, step: int, rank: int) -> None:
