@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 from test_train_e2e import MARKER, _marked
 from torch.distributed import TCPStore
+from train_faults import train_job
 
 from wholeshard.train import outputs
 
@@ -72,8 +74,8 @@ class Agents:
         torchrun = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={HOST}:{self.store.port}",
-            "--rdzv-conf=is_host=false,last_call_timeout=2", "--max-restarts=3",
-            "--monitor-interval=0.2",
+            "--rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=1",
+            "--max-restarts=3", "--monitor-interval=0.2",
         ]  # fmt: skip
         entry = ["-m", "wholeshard"] if fault is None else [str(FAULTS), fault]
         log = self.log_dir / f"agent{len(self.procs)}.log"
@@ -127,36 +129,31 @@ def _world_events(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """The uninterrupted run: 2 local ranks (bitwise torchrun's 2-rank run: test_train_e2e)."""
+def reference_run(text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run, single process (the full batch at once): its directory."""
     out = tmp_path_factory.mktemp("elastic") / "reference"
-    argv = _train_args(text_file, out, "--nproc", "2")
-    proc = subprocess.run(
-        [sys.executable, "-m", "wholeshard", *argv],
-        env=_env(uuid.uuid4().hex),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return _steps(out)
+    assert train_job([*_train_args(text_file, out), "--nproc", "1"], out)["code"] == 0
+    return out
 
 
-def _check_losses(out: Path, reference: dict[int, dict], same_until: int) -> dict[int, dict]:
-    """Every step logged once, with the global batch's tokens; losses bitwise the reference's
-    up to step `same_until` (the same world size), within `LOSS_RTOL` after."""
+@pytest.fixture(scope="module")
+def reference(reference_run: Path) -> dict[int, dict]:
+    """The uninterrupted run's step records, by step."""
+    return _steps(reference_run)
+
+
+def _check_losses(out: Path, reference: dict[int, dict]) -> None:
+    """Every step logged once, with the global batch's tokens, its losses within `LOSS_RTOL`
+    of the uninterrupted run's."""
     steps = _steps(out)
-    assert sorted(steps) == list(range(STEPS + 1))
+    assert sorted(steps) == sorted(reference) == list(range(STEPS + 1))
     for step, rec in steps.items():
         ref = reference[step]
         assert rec["tokens"] == ref["tokens"] == step * 4 * 16  # the global batch, unchanged
         for key in ("loss", "val_loss"):
+            assert (key in rec) == (key in ref), (step, key)
             if key in ref:
-                if step <= same_until:
-                    assert rec[key] == ref[key], (step, key)
-                else:
-                    assert rec[key] == pytest.approx(ref[key], rel=LOSS_RTOL), (step, key)
-    return steps
+                assert rec[key] == pytest.approx(ref[key], rel=LOSS_RTOL), (step, key)
 
 
 def test_losing_a_node_mid_save_finishes_at_world_size_1(
@@ -185,11 +182,12 @@ def test_losing_a_node_mid_save_finishes_at_world_size_1(
     assert event["first_step"] == 5 and event["last_logged_step"] >= 8
     assert event["per_rank"] == event["batch_size"] == 4 and event["accumulation"] == 1
     assert event["since_last_step_s"] > 0
-    _check_losses(out, reference, same_until=4)
+    _check_losses(out, reference)
     summary = json.loads((out / outputs.SUMMARY).read_text())
     assert summary["world_size"] == 1 and summary["batch_size"] == 4
 
 
+@pytest.mark.slow  # ~45 s; test_resuming_at_another_world_size_records_it is its fast part
 def test_a_joining_node_grows_the_job_to_world_size_2(
     text_file: Path, tmp_path: Path, reference: dict[int, dict]
 ) -> None:
@@ -216,5 +214,36 @@ def test_a_joining_node_grows_the_job_to_world_size_2(
     assert (event["from"], event["to"], event["resume_step"], event["first_step"]) == (1, 2, 8, 9)
     assert event["per_rank"] == 2 and event["batch_size"] == 4
     assert event["time"] > joined
-    _check_losses(out, reference, same_until=0)
+    _check_losses(out, reference)
     assert json.loads((out / outputs.SUMMARY).read_text())["world_size"] == 2
+
+
+def test_resuming_at_another_world_size_records_it(
+    text_file: Path, tmp_path: Path, reference_run: Path, reference: dict[int, dict]
+) -> None:
+    """The grow without torchrun: the 1-rank run as it was at step 8 (its checkpoint of step 8
+    `latest`, its records up to there) relaunched on 2 local ranks with `--resume auto`
+    continues from step 8 at world size 2, says so in its header and `metrics.jsonl`, and stays
+    within the bound."""
+    out = tmp_path / "run"
+    shutil.copytree(reference_run / "checkpoints" / "step-8", out / "checkpoints" / "step-8")
+    (out / "checkpoints" / "latest").write_text("step-8")
+    kept = [line for line in (reference_run / outputs.METRICS).read_text().splitlines()
+            if json.loads(line)["step"] <= 8]  # fmt: skip
+    (out / outputs.METRICS).write_text("\n".join(kept) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "wholeshard", *_train_args(text_file, out), "--nproc", "2"],
+        env=_env(uuid.uuid4().hex),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "world size 1 -> 2 (the checkpoint of step 8 was saved by 1 rank(s)); the global "
+        "batch and its order are unchanged: 4 sequences per step = 2 ranks x 2" in proc.stderr
+    )
+    [event] = _world_events(out)
+    assert (event["from"], event["to"], event["resume_step"], event["first_step"]) == (1, 2, 8, 9)
+    assert event["last_logged_step"] == 8 and event["since_last_step_s"] > 0
+    _check_losses(out, reference)

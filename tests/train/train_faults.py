@@ -6,8 +6,9 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
     python tests/train/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
 
 `KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL), `node` (SIGKILL to
-the torchrun agent that started this worker, then to the worker: a lost node) or `hold` (sleep
-until stopped, for at most `HOLD_S`: the run waits there for a node to join). `WHEN`: `after_step`
+the torchrun agent that started this worker, then to the worker: a lost node) or `hold` (in a
+world of one rank, sleep until stopped, for at most `HOLD_S`: the run waits there for a node to
+join; in a larger world, nothing). `WHEN`: `after_step`
 (default: once the step and its checkpoint are done), `before_save` (before that step's save
 starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
 checkpoint on disk, the other ranks blocked in or past the save). Under torchrun a fault fires
@@ -76,6 +77,8 @@ class Fault:
             return
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return
+        if self.kind == "hold" and os.environ.get("WORLD_SIZE", "1") != "1":
+            return  # (a node joined: torchrun's restart for it keeps the restart count)
         if point == self.when:
             self.fire()
         elif point == trainer.BEFORE_SAVE and self.when == "mid_save":
