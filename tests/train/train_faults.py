@@ -8,11 +8,12 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
 `KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL), `node` (SIGKILL to
 the torchrun agent that started this worker, then to the worker: a lost node) or `hold` (in a
 world of one rank, sleep until stopped, for at most `HOLD_S`: the run waits there for a node to
-join; in a larger world, nothing). `WHEN`: `after_step`
-(default: once the step and its checkpoint are done), `before_save` (before that step's save
-starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
-checkpoint on disk, the other ranks blocked in or past the save). Under torchrun a fault fires
-on the first attempt only (`TORCHELASTIC_RESTART_COUNT` 0), so that a relaunch runs clean.
+join; in a larger world, nothing). `WHEN`: `after_step` (default: once the step and its
+checkpoint are done), `before_save` (before that step's save starts), `mid_save` (inside the
+save, once its first checkpoint file item is written: a partial checkpoint on disk, the other
+ranks blocked in or past the save) or `in_flight` (the same, `IN_FLIGHT_S` later: a background
+save every rank has staged, training going on beside it). Under torchrun a fault fires on the
+first attempt only (`TORCHELASTIC_RESTART_COUNT` 0), so that a relaunch runs clean.
 
 The train tests also share from here how they run a job and read its output: `micro_argv`,
 `train_job` and `metrics`.
@@ -37,7 +38,8 @@ from wholeshard.cli import build_parser
 from wholeshard.train import trainer
 from wholeshard.train.config import TrainConfig
 
-WHENS = (trainer.AFTER_STEP, trainer.BEFORE_SAVE, "mid_save")
+WHENS = (trainer.AFTER_STEP, trainer.BEFORE_SAVE, "mid_save", "in_flight")
+IN_FLIGHT_S = 2.0  # how long an `in_flight` fault lets the ranks train on beside the save
 HOLD_S = 120  # a held worker's longest wait: a test that never stops it fails, never hangs
 
 
@@ -81,11 +83,13 @@ class Fault:
             return  # (a node joined: torchrun's restart for it keeps the restart count)
         if point == self.when:
             self.fire()
-        elif point == trainer.BEFORE_SAVE and self.when == "mid_save":
+        elif point == trainer.BEFORE_SAVE and self.when in ("mid_save", "in_flight"):
             write_item = dcp_fs._write_item
 
             def write_then_fail(*args, **kwargs):
                 result = write_item(*args, **kwargs)
+                if self.when == "in_flight":
+                    time.sleep(IN_FLIGHT_S)
                 self.fire()
                 return result
 
