@@ -41,6 +41,7 @@ def test_the_split_follows_the_world(
         (24, 8, 2, 1, "world sizes that can: 1, 3, 4, 6, 8, 12, 24;"),  # not 2: 12 a rank
         (4, None, 3, 2, "over the 3 data-parallel ranks (6 ranks / tp 2); world sizes that can: 2, "
          "4, 8;"),
+        (10**400, None, 3, 1, "world sizes that can (up to 1024): 1, 2, 4, 5, 8, 10, 16,"),
     ],
 )  # fmt: skip
 def test_a_world_that_cannot_split_the_batch_names_those_that_can(

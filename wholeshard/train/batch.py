@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LISTED_DP = 1024
+"""The most data-parallel ranks the refusal of a world lists world sizes for."""
+
 
 @dataclass(frozen=True)
 class BatchSplit:
@@ -53,12 +56,14 @@ def split_batch(batch_size: int, micro_batch_size: int | None, dp: int, tp: int 
     ValueError naming the world sizes that can split it where `dp` cannot."""
     if not fits(batch_size, micro_batch_size, dp):
         micro = "" if micro_batch_size is None else f" in micro-batches of {micro_batch_size}"
-        can = [tp * d for d in range(1, batch_size + 1) if fits(batch_size, micro_batch_size, d)]
+        top = min(batch_size, LISTED_DP)
+        can = [tp * d for d in range(1, top + 1) if fits(batch_size, micro_batch_size, d)]
         ranks = f"{dp} data-parallel ranks" + (f" ({dp * tp} ranks / tp {tp})" if tp > 1 else "")
+        upto = f" (up to {LISTED_DP * tp})" if top < batch_size else ""
         raise ValueError(
             f"batch_size={batch_size} sequences{micro} do not split evenly over the {ranks}; "
-            f"world sizes that can: {', '.join(map(str, can))}; or use a batch_size that is a "
-            f"multiple of {dp * (micro_batch_size or 1)}"
+            f"world sizes that can{upto}: {', '.join(map(str, can))}; or use a batch_size that "
+            f"is a multiple of {dp * (micro_batch_size or 1)}"
         )
     per_rank = batch_size // dp
     micro = per_rank if micro_batch_size is None else min(per_rank, micro_batch_size)
