@@ -24,6 +24,7 @@ MANY = [
     "--param-dtype", "bfloat16", "--fp8", "tensorwise", "--gradient-checkpointing",
     "--data-field", "body", "--val-fraction", "0.1", "--cache-dir", "tokens",
     "--data", 'dir with "quotes"\\back\tslash/ü', "--batch-size", "48", "--seq-len", "96",
+    "--micro-batch-size", "12",
     "--steps", "90", "--lr", "3.5e-4", "--weight-decay", "0.1", "--warmup", "9",
     "--schedule", "wsd", "--min-lr-ratio", "0.1", "--clip-grad", "0.5", "--on-nonfinite", "skip",
     "--matrix-optimizer", "normuon", "--ns-coefficients", "polar_express", "--qk-clip", "50",

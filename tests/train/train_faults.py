@@ -5,13 +5,17 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
 
     python tests/train/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
 
-`KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL) or `hold` (writes the
-file `held` in the directory `$WHOLESHARD_TEST_HOLD`, then waits there until the test writes
-`release`: with `mid_save`, a background save held in flight). `WHEN`: `after_step`
-(default: once the step and its checkpoint are done), `before_save` (before that step's save
-starts) or `mid_save` (inside the save, once its first checkpoint file item is written: a partial
-checkpoint on disk, the other ranks blocked in or past the save). Under torchrun a fault fires
-on the first attempt only (`TORCHELASTIC_RESTART_COUNT` 0), so that a relaunch runs clean.
+`KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL), `node` (SIGKILL to
+the torchrun agent that started this worker, then to the worker: a lost node), `wait` (in a
+world of one rank, sleep until stopped, for at most `WAIT_S`: the run waits there for a node to
+join; in a larger world, nothing) or `hold` (writes the file `held` in the directory
+`$WHOLESHARD_TEST_HOLD`, then waits there until the test writes `release`: with `mid_save`, a
+background save held in flight). `WHEN`: `after_step` (default: once the step and its
+checkpoint are done), `before_save` (before that step's save starts), `mid_save` (inside the
+save, once its first checkpoint file item is written: a partial checkpoint on disk, the other
+ranks blocked in or past the save) or `in_flight` (the same, `IN_FLIGHT_S` later: a background
+save every rank has staged, training going on beside it). Under torchrun a fault fires on the
+first attempt only (`TORCHELASTIC_RESTART_COUNT` 0), so that a relaunch runs clean.
 
 The train tests also share from here how they run a job and read its output: `micro_argv`,
 `train_job` and `metrics`.
@@ -36,7 +40,9 @@ from wholeshard.cli import build_parser
 from wholeshard.train import trainer
 from wholeshard.train.config import TrainConfig
 
-WHENS = (trainer.AFTER_STEP, trainer.BEFORE_SAVE, "mid_save")
+WHENS = (trainer.AFTER_STEP, trainer.BEFORE_SAVE, "mid_save", "in_flight")
+IN_FLIGHT_S = 2.0  # how long an `in_flight` fault lets the ranks train on beside the save
+WAIT_S = 120  # a waiting worker's longest wait: a test that never stops it fails, never hangs
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,8 @@ class Fault:
     when: str = trainer.AFTER_STEP
 
     def __post_init__(self) -> None:
-        if self.kind not in ("raise", "exit", "kill", "hold") or self.when not in WHENS:
+        kinds = ("raise", "exit", "kill", "node", "wait", "hold")
+        if self.kind not in kinds or self.when not in WHENS:
             raise ValueError(f"bad fault {self}")
 
     @classmethod
@@ -68,6 +75,11 @@ class Fault:
             while not (hold / "release").exists():
                 time.sleep(0.01)
             return
+        if self.kind == "wait":
+            time.sleep(WAIT_S)
+            raise RuntimeError(f"waited {WAIT_S} s at step {self.step}: nobody stopped the worker")
+        if self.kind == "node":
+            os.kill(os.getppid(), signal.SIGKILL)  # torchrun's agent (its workers: own sessions)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __call__(self, point: str, step: int, rank: int) -> None:
@@ -76,13 +88,17 @@ class Fault:
             return
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return
+        if self.kind == "wait" and os.environ.get("WORLD_SIZE", "1") != "1":
+            return  # (a node joined: torchrun's restart for it keeps the restart count)
         if point == self.when:
             self.fire()
-        elif point == trainer.BEFORE_SAVE and self.when == "mid_save":
+        elif point == trainer.BEFORE_SAVE and self.when in ("mid_save", "in_flight"):
             write_item = dcp_fs._write_item
 
             def write_then_fail(*args, **kwargs):
                 result = write_item(*args, **kwargs)
+                if self.when == "in_flight":
+                    time.sleep(IN_FLIGHT_S)
                 self.fire()
                 return result
 
@@ -130,47 +146,10 @@ def poisoned_train(cfg: TrainConfig, poison: Poison) -> dict:
     return trainer.train(cfg)
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """A worker on a machine at its worst for `--newton-schulz auto`: its Newton-Schulz timings
-    report `favour` 10000x faster than the rest (what load can do to a close call), and rank
-    `victim` (if any) is SIGKILLed once, just before the run's first checkpoint (the file
-    `marker` says it was)."""
-
-    favour: str
-    marker: str = ""
-    victim: int | None = None
-
-    def install(self) -> None:
-        from wholeshard.train import checkpoints, newton_schulz
-
-        def timed(ns, groups, device, limit):
-            return (1e-5 if ns.name == self.favour else 0.1), len(groups)
-
-        newton_schulz.step_seconds = timed
-        save = checkpoints.RunCheckpoints.save
-
-        def killed_once(run: checkpoints.RunCheckpoints, step: int, progress: dict) -> None:
-            if int(os.environ["RANK"]) == self.victim and not os.path.exists(self.marker):
-                Path(self.marker).write_text(f"killed before the checkpoint of step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
-            save(run, step, progress)
-
-        checkpoints.RunCheckpoints.save = killed_once
-
-
-def loaded_train(cfg: TrainConfig, loaded: Loaded) -> dict:
-    """`train` with `loaded` installed: a worker entry point."""
-    loaded.install()
-    return trainer.train(cfg)
-
-
-def run_train(argv: list[str], fault: Fault | Poison | Loaded) -> int:
+def run_train(argv: list[str], fault: Fault | Poison) -> int:
     """Run the `wholeshard train ...` command line `argv` with every rank running
-    `faulty_train` (or `poisoned_train`, `loaded_train`); returns the exit code."""
+    `faulty_train` (or `poisoned_train`); returns the exit code."""
     args = build_parser().parse_args(argv)
-    if isinstance(fault, Loaded):
-        return args.run(args, worker=functools.partial(loaded_train, loaded=fault))
     if isinstance(fault, Poison):
         return args.run(args, worker=functools.partial(poisoned_train, poison=fault))
     return args.run(args, worker=functools.partial(faulty_train, fault=fault))
@@ -189,7 +168,7 @@ def micro_argv(data: Path, out: Path, steps: int, eval_every: int, *extra: str) 
     ]  # fmt: skip
 
 
-def train_job(argv: list[str], out: Path, fault: Fault | Loaded | None = None) -> dict:
+def train_job(argv: list[str], out: Path, fault: Fault | None = None) -> dict:
     """Run the command line `argv` in process (through `run_train` with a `fault`): its exit
     "code" and, if that is 0, the "summary" it wrote to `out`."""
     code = cli.main(argv) if fault is None else run_train(argv, fault)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.config import ConfigError, DataParallelConfig, literal_choices
+from .batch import BatchSplit, split_batch
 from .sections import (
     DEFAULT_LR,
     GPT_SIZES,
@@ -173,7 +174,8 @@ class TrainConfig:
     def data_parallel_size(self, world: int) -> int:
         """The data-parallel ranks of a world of `world` ranks (world = dp x tp); ConfigError,
         naming the field, where the job does not fit that world: `tp` must divide it, and
-        `parallel.shard_group_size` and `data.batch_size` must split over its dp ranks. The
+        `parallel.shard_group_size` and `data.batch_size` must split over its dp ranks
+        (`batch_split`). The
         command line checks this before any worker starts, every rank again at its start."""
         if world % self.tp:
             raise ConfigError(
@@ -193,13 +195,17 @@ class TrainConfig:
                 f"shard_group_size={k} does not divide the {ranks}: params are sharded within "
                 f"groups of that many ranks; choose one of {divisors}, or leave it unset",
             )
-        if self.data.batch_size % dp:
-            raise ConfigError(
-                "data.batch_size",
-                f"batch_size={self.data.batch_size} sequences do not split evenly over the "
-                f"{ranks}; use a multiple of {dp}",
-            )
+        self.batch_split(dp)
         return dp
+
+    def batch_split(self, dp: int) -> BatchSplit:
+        """How `data.batch_size` splits over `dp` data-parallel ranks (per rank, micro-batches);
+        ConfigError naming the world sizes that can split it where `dp` cannot."""
+        d = self.data
+        try:
+            return split_batch(d.batch_size, d.micro_batch_size, dp, self.tp)
+        except ValueError as e:
+            raise ConfigError("data.batch_size", str(e)) from None
 
     @property
     def is_hf(self) -> bool:

@@ -111,10 +111,12 @@ class RunLog:
         resume_step: int | None = None,
     ):
         """`resume_step`: continue the run in `out`, keeping its records up to that step (and
-        its events, such as restarts)."""
+        its events, such as restarts); `last_logged` is then the last step record it held (the
+        previous attempt's last sign of life), if any."""
         self.out = Path(out)
         self.enabled = enabled
         self.records: list[dict] = []
+        self.last_logged: dict | None = None
         self._file = None
         self._bar = None
         if not enabled:
@@ -124,6 +126,7 @@ class RunLog:
             with open(self.out / METRICS) as f:
                 kept = [json.loads(line) for line in f if line.strip()]
             self.records = [r for r in kept if "event" in r or r["step"] <= resume_step]
+            self.last_logged = next((r for r in reversed(kept) if "event" not in r), None)
         for name in RUN_FILES:  # a run we were allowed to replace or continue: rewrite it
             (self.out / name).unlink(missing_ok=True)
         self._file = open(self.out / METRICS, "w")
@@ -153,6 +156,14 @@ class RunLog:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.n = rec["step"]
             self._bar.refresh()
+
+    def event(self, rec: dict) -> None:
+        """Append an event record (`{"event": name, ...}`) to `metrics.jsonl`."""
+        if self.enabled:
+            rec = {k: _clean(v) for k, v in rec.items()}
+            self.records.append(rec)
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
 
     def note(self, text: str) -> None:
         """Print a line for the user on stderr (above the progress bar)."""

@@ -71,8 +71,12 @@ class DataConfig:
     """Where tokenized data is cached (memory-mapped token ids keyed by the data files, their
     sizes and mtimes, and the tokenizer); None: `token-cache` beside the output directory."""
     batch_size: int = field(default=32, metadata=at_least(1))
-    """Global batch in sequences per step; each data-parallel rank takes a contiguous 1/dp slice
-    of it (dp = world / tp), so it is a multiple of dp."""
+    """Global batch in sequences per optimizer step, whatever the world size; each data-parallel
+    rank takes a contiguous 1/dp slice of it (dp = world / tp), so it is a multiple of dp."""
+    micro_batch_size: int | None = field(default=None, metadata=at_least(1))
+    """The most sequences one rank runs through forward and backward at once: a larger share of
+    the batch is accumulated over equal micro-batches of this size (`wholeshard.train.batch`);
+    None: the whole share at once."""
     seq_len: int = field(default=128, metadata=at_least(1, high=65536))
     """Tokens (bytes, for byte-level data) per training sequence: the context length."""
 

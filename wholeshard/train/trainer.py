@@ -16,6 +16,7 @@ write maybe still going on). Hooks watch the run or stop it
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -34,6 +35,7 @@ from . import data, outputs
 from .baseline import build_ddp_adamw, step_or_skip
 from .checkpoints import RunCheckpoints
 from .config import TrainConfig
+from .elastic import WORLD_SIZE, WorldChange, world_change
 from .env import (
     DistEnv,
     GlobalMean,
@@ -93,6 +95,7 @@ class Trainer:
         self.cfg, self.env, self.hooks = cfg, env, hooks
         set_threads(cfg.threads, env)
         self.data_world = cfg.data_parallel_size(env.world)  # tp ranks share a batch
+        self.batch = cfg.batch_split(self.data_world)
         self.out = cfg.output.out or outputs.default_out_dir()
         self._build()
         self.corpus = self._load_data()
@@ -174,19 +177,8 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         """Forward, backward, clip, update and schedule for `step`; returns its figures. Raises
         FloatingPointError on a non-finite loss (before the update) or gradient (policy error)."""
-        cfg, env = self.cfg, self.env
-        x, y = data.train_batch(
-            self.corpus.train,
-            step,
-            cfg.data.batch_size,
-            cfg.data.seq_len,
-            cfg.seed,
-            self.data_rank,
-            self.data_world,
-        )
-        loss = self.loss(*data.on_device(env.device, x, y))
-        mean = GlobalMean(loss, env)  # reduced beside backward, read once backward is queued
-        loss.backward()
+        cfg = self.cfg
+        mean = self._forward_backward(step)
         loss_value = mean.value()
         if not math.isfinite(loss_value):
             raise FloatingPointError(
@@ -203,6 +195,34 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.scheduler.step()
         return {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
+
+    def _forward_backward(self, step: int) -> GlobalMean:
+        """Gradients of this rank's share of `step`'s batch, in `self.batch.accumulation`
+        micro-batches (all but the last under `no_sync`: reduced once); returns the mean loss
+        over the global batch, its all-reduce started before the last backward."""
+        cfg, env, split = self.cfg, self.env, self.batch
+        d, rank, world = cfg.data, self.data_rank, self.data_world
+        x, y = data.train_batch(
+            self.corpus.train, step, d.batch_size, d.seq_len, cfg.seed, rank, world
+        )
+        micro = list(zip(x.split(split.micro), y.split(split.micro), strict=True))
+        losses: list[torch.Tensor] = []
+
+        def forward(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+            loss = self.loss(*data.on_device(env.device, xs, ys))
+            loss = loss / split.accumulation if split.accumulation > 1 else loss
+            losses.append(loss.detach())
+            return loss
+
+        if len(micro) > 1:
+            no_sync = getattr(self.module, "no_sync", contextlib.nullcontext)  # (bare: 1 rank)
+            with no_sync():
+                for xs, ys in micro[:-1]:
+                    forward(xs, ys).backward()
+        loss = forward(*micro[-1])
+        mean = GlobalMean(sum(losses), env)
+        loss.backward()
+        return mean
 
     def _update(self) -> bool:
         """The optimizer step; True when skipped for non-finite gradients (policy skip)."""
@@ -245,7 +265,9 @@ class Trainer:
             progress=cfg.output.progress,
             resume_step=None if resumed is None else resumed["step"],
         )
-        self._announce(log)
+        last = log.last_logged
+        change = None if resumed is None else world_change(resumed, env.world, self.batch, last)
+        self._announce(log, change)
         auto = "--resume auto: " if cfg.checkpoint.resume == AUTO else ""
         if auto and ckpt is None:
             log.note(
@@ -260,6 +282,7 @@ class Trainer:
                 progress = dict(
                     first_val=first_val, last_val=first_val, last_loss=math.nan, skipped_steps=0
                 )
+                progress[WORLD_SIZE] = env.world  # each checkpoint records the world saving it
                 if cfg.reliability.max_restarts:  # so that every restart resumes from one
                     self.checkpoints.save(0, progress)
                 start = 1
@@ -269,9 +292,13 @@ class Trainer:
                     log.note(f"wholeshard train: {warning}")
                 progress = {k: resumed.get(k, math.nan) for k in PROGRESS}
                 progress["skipped_steps"] = resumed.get("skipped_steps", 0)
+                progress[WORLD_SIZE] = env.world
                 start = resumed["step"] + 1
             for step in range(start, cfg.optim.steps + 1):
                 self._step_and_log(step, progress, log, tracer)
+                if change:  # the first step at the new world size is done
+                    log.event(change.event(step))
+                    change = None
             self.checkpoints.wait()  # the last checkpoint is complete before the run says it ended
             return self._finish(log, progress)
         except BaseException:
@@ -282,7 +309,7 @@ class Trainer:
                 tracer.stop()
             log.close()
 
-    def _announce(self, log: outputs.RunLog) -> None:
+    def _announce(self, log: outputs.RunLog, change: WorldChange | None) -> None:
         cfg, env, corpus = self.cfg, self.env, self.corpus
         log.note(
             f"wholeshard train: {self.job.label} ({self.params / 1e6:.2f}M params), "
@@ -291,7 +318,8 @@ class Trainer:
             f"({corpus.files} files, {len(corpus.train) + len(corpus.val):,} {corpus.unit}); "
             f"out: {self.out}"
         )
-        notes = [routing_summary(self.module.routes)] if cfg.optim.name == "muon" else []
+        notes = [change.note() if change else f"batch: {self.batch.describe()}"]
+        notes += [routing_summary(self.module.routes)] if cfg.optim.name == "muon" else []
         notes += [self.newton_schulz.describe()] if self.newton_schulz is not None else []
         notes += [f"wholeshard train: {w}" for w in [torchrun_restart_warning()] if w is not None]
         for note in notes:
@@ -338,6 +366,7 @@ class Trainer:
             "tokens_per_s": tokens / step_s,
             "step_s": step_s,
             "comm_wait_s": self.comm_wait_s() - waited,
+            "time": time.time(),
         }
         if figures["skipped"]:
             rec["skipped"] = True
