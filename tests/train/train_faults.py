@@ -146,10 +146,47 @@ def poisoned_train(cfg: TrainConfig, poison: Poison) -> dict:
     return trainer.train(cfg)
 
 
-def run_train(argv: list[str], fault: Fault | Poison) -> int:
+@dataclass(frozen=True)
+class Loaded:
+    """A worker on a machine at its worst for `--newton-schulz auto`: its Newton-Schulz timings
+    report `favour` 10000x faster than the rest (what load can do to a close call), and rank
+    `victim` (if any) is SIGKILLed once, just before the run's first checkpoint (the file
+    `marker` says it was)."""
+
+    favour: str
+    marker: str = ""
+    victim: int | None = None
+
+    def install(self) -> None:
+        from wholeshard.train import checkpoints, newton_schulz
+
+        def timed(ns, groups, device, limit):
+            return (1e-5 if ns.name == self.favour else 0.1), len(groups)
+
+        newton_schulz.step_seconds = timed
+        save = checkpoints.RunCheckpoints.save
+
+        def killed_once(run: checkpoints.RunCheckpoints, step: int, progress: dict) -> None:
+            if int(os.environ["RANK"]) == self.victim and not os.path.exists(self.marker):
+                Path(self.marker).write_text(f"killed before the checkpoint of step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            save(run, step, progress)
+
+        checkpoints.RunCheckpoints.save = killed_once
+
+
+def loaded_train(cfg: TrainConfig, loaded: Loaded) -> dict:
+    """`train` with `loaded` installed: a worker entry point."""
+    loaded.install()
+    return trainer.train(cfg)
+
+
+def run_train(argv: list[str], fault: Fault | Poison | Loaded) -> int:
     """Run the `wholeshard train ...` command line `argv` with every rank running
-    `faulty_train` (or `poisoned_train`); returns the exit code."""
+    `faulty_train` (or `poisoned_train`, `loaded_train`); returns the exit code."""
     args = build_parser().parse_args(argv)
+    if isinstance(fault, Loaded):
+        return args.run(args, worker=functools.partial(loaded_train, loaded=fault))
     if isinstance(fault, Poison):
         return args.run(args, worker=functools.partial(poisoned_train, poison=fault))
     return args.run(args, worker=functools.partial(faulty_train, fault=fault))
@@ -168,7 +205,7 @@ def micro_argv(data: Path, out: Path, steps: int, eval_every: int, *extra: str) 
     ]  # fmt: skip
 
 
-def train_job(argv: list[str], out: Path, fault: Fault | None = None) -> dict:
+def train_job(argv: list[str], out: Path, fault: Fault | Loaded | None = None) -> dict:
     """Run the command line `argv` in process (through `run_train` with a `fault`): its exit
     "code" and, if that is 0, the "summary" it wrote to `out`."""
     code = cli.main(argv) if fault is None else run_train(argv, fault)
