@@ -200,8 +200,10 @@ def measure(name: str, python: str, keep: bool) -> dict:
     venv = COMPAT / name
     COMPAT.mkdir(exist_ok=True)
     started = datetime.date.today().isoformat()
-    print(f"[{name}] installing into {venv.relative_to(ROOT)} ({python})", file=sys.stderr)
-    error = None if keep and venv.exists() else install(name, venv, python, extras, pins)
+    reuse = keep and venv.exists()
+    doing = "reusing" if reuse else f"installing into (with {python})"
+    print(f"[{name}] {doing} {venv.relative_to(ROOT)}", file=sys.stderr)
+    error = None if reuse else install(name, venv, python, extras, pins)
     doc: dict = {"set": name, "date": started, "requested": pins or ["newest of every package"]}
     if error is not None:
         print(f"[{name}] install FAILED:\n{error}", file=sys.stderr)
