@@ -7,10 +7,7 @@ imports, and a KeyboardInterrupt raised inside one can be swallowed or turned in
 by an extension module's initialisation (torch's import of numpy does both), so the process does
 not wait for it to surface. Work that cleans up on the way out (launched workers, a training
 rank, an export's partial output) runs under `raises`: SIGINT is a KeyboardInterrupt again, which
-`main` (or the subcommand) reports in the same one line. Launched workers run in their own
-session: the launcher forwards its first KeyboardInterrupt to them and stops them at a second
-([Note: Ctrl-C] in `wholeshard.distributed.launch`), so a training rank finishes its checkpoint
-save in flight. A SIGINT that is ignored (`nohup`, a
+`main` (or the subcommand) reports in the same one line. A SIGINT that is ignored (`nohup`, a
 background job) stays ignored; outside the main thread both do nothing (signals are the main
 thread's).
 """
