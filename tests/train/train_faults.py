@@ -6,11 +6,9 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
     python tests/train/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
 
 `KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL), `node` (SIGKILL to
-the torchrun agent that started this worker, then to the worker: a lost node), `wait` (in a
+the torchrun agent that started this worker, then to the worker: a lost node) or `wait` (in a
 world of one rank, sleep until stopped, for at most `WAIT_S`: the run waits there for a node to
-join; in a larger world, nothing) or `hold` (writes the file `held` in the directory
-`$WHOLESHARD_TEST_HOLD`, then waits there until the test writes `release`: with `mid_save`, a
-background save held in flight). `WHEN`: `after_step` (default: once the step and its
+join; in a larger world, nothing). `WHEN`: `after_step` (default: once the step and its
 checkpoint are done), `before_save` (before that step's save starts), `mid_save` (inside the
 save, once its first checkpoint file item is written: a partial checkpoint on disk, the other
 ranks blocked in or past the save) or `in_flight` (the same, `IN_FLIGHT_S` later: a background
@@ -55,7 +53,7 @@ class Fault:
     when: str = trainer.AFTER_STEP
 
     def __post_init__(self) -> None:
-        kinds = ("raise", "exit", "kill", "node", "wait", "hold")
+        kinds = ("raise", "exit", "kill", "node", "wait")
         if self.kind not in kinds or self.when not in WHENS:
             raise ValueError(f"bad fault {self}")
 
@@ -69,12 +67,6 @@ class Fault:
             raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")
         if self.kind == "exit":
             os._exit(3)
-        if self.kind == "hold":
-            hold = Path(os.environ["WHOLESHARD_TEST_HOLD"])
-            (hold / "held").write_text(f"rank {self.rank}, step {self.step}")
-            while not (hold / "release").exists():
-                time.sleep(0.01)
-            return
         if self.kind == "wait":
             time.sleep(WAIT_S)
             raise RuntimeError(f"waited {WAIT_S} s at step {self.step}: nobody stopped the worker")

@@ -3,20 +3,9 @@
 
 The launcher is the single place that starts local workers (train job, bench, tests). It
 guarantees: a worker that raises or dies takes the others down and its traceback reaches the
-caller; Ctrl-C stops every worker, the first letting each finish what it is doing on its way
-out ([Note: Ctrl-C]); workers die with their parent, so nothing is orphaned; a worker exits as
-soon as it is done, without interpreter finalization, and one that still exits abnormally fails
-the launch ([Note: worker exit]).
-
-[Note: Ctrl-C]
-Workers run in their own session, as torchrun's do, so a terminal's Ctrl-C reaches the
-launching process alone, which decides (a SIGINT that reached a worker while it imported, before
-it left the terminal's process group, is dropped). The first KeyboardInterrupt in `launch` is
-forwarded: each worker running its function gets SIGINT, a KeyboardInterrupt there, so its
-`except` and `finally` blocks run (a training rank finishes its checkpoint save in flight:
-`wholeshard.train.checkpoints`), and `launch` waits for every worker to exit, then raises
-KeyboardInterrupt; a worker not yet running its function is stopped. A second KeyboardInterrupt
-stops every worker at once (SIGTERM, then SIGKILL).
+caller; Ctrl-C stops every worker; workers die with their parent, so nothing is orphaned; a
+worker exits as soon as it is done, without interpreter finalization, and one that still exits
+abnormally fails the launch ([Note: worker exit]).
 """
 
 from __future__ import annotations
@@ -81,7 +70,6 @@ def _worker(
     nproc: int,
     store_path: str,
     results: Any,
-    running: Any,
     timeout_s: float,
     forked: bool,
     backend: str,
@@ -90,9 +78,9 @@ def _worker(
 ) -> None:
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the launcher asks for stacks before killing a hang
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # drops one that came while importing
-    if hasattr(os, "setsid"):  # the parent decides when workers stop ([Note: Ctrl-C])
-        os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    if hasattr(signal, "pthread_sigmask"):  # (held since `launch` started it: see there)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -102,11 +90,7 @@ def _worker(
     )
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo traffic stays on loopback
-    try:  # from here the parent's forwarded Ctrl-C is a KeyboardInterrupt, reported as any error
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        running[rank] = 1
-        if hasattr(signal, "pthread_sigmask"):  # (held since `launch` started it: see there)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
         if forked:  # OpenMP's thread pool does not survive fork: a child using it can hang
             torch.set_num_threads(1)
         else:
@@ -131,7 +115,6 @@ def _worker(
         results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # reported: nothing more to interrupt
     _end(results, forked)
 
 
@@ -206,18 +189,6 @@ def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
     time.sleep(0.5)
 
 
-def _interrupt(procs: list[mp.process.BaseProcess], running: Any, results: Any) -> None:
-    """Forward a first Ctrl-C ([Note: Ctrl-C]): SIGINT to each worker running its function, the
-    others stopped; return once every worker has exited (its report read and dropped). A second
-    Ctrl-C raises KeyboardInterrupt here."""
-    for rank, p in enumerate(procs):
-        if p.pid is not None and p.exitcode is None:
-            os.kill(p.pid, signal.SIGINT if running[rank] else signal.SIGTERM)
-    while any(p.pid is not None and p.exitcode is None for p in procs):
-        with contextlib.suppress(queue.Empty):  # (a full pipe would hold a worker's exit)
-            results.get(timeout=_POLL_S)
-
-
 def _stop(procs: list[mp.process.BaseProcess]) -> None:
     procs = [p for p in procs if p.pid is not None]  # a failed start leaves the rest unstarted
     for p in procs:
@@ -274,7 +245,6 @@ def launch(
     store_dir = tempfile.mkdtemp(prefix="wholeshard-launch-")
     store_path = os.path.join(store_dir, "store")
     results = ctx.Queue()
-    running = ctx.Array("b", nproc, lock=False)  # worker r has its Ctrl-C handler: running[r]
     procs = [
         ctx.Process(
             target=_worker,
@@ -285,7 +255,6 @@ def launch(
                 nproc,
                 store_path,
                 results,
-                running,
                 collective_timeout_s,
                 forked,
                 backend,
@@ -333,9 +302,6 @@ def launch(
             if p.exitcode != 0:
                 raise WorkerFailed(rank, f"{exit_reason(p.exitcode)} at exit, after its result")
         return [values[r] for r in range(nproc)]
-    except KeyboardInterrupt:
-        _interrupt(procs, running, results)
-        raise
     finally:
         _stop(procs)
         results.close()

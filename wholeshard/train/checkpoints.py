@@ -6,10 +6,9 @@ it writes to host memory, and training steps on while it is written; the next sa
 it first (`save_checkpoint` does), and so does the end of the run, before the summary: a run
 that ends has its last checkpoint complete. A run that fails (or is interrupted) waits for the
 save in flight too, so the checkpoint it was writing still becomes the one a resume starts
-from; a second Ctrl-C abandons it, leaving the previous one `latest`. (A Ctrl-C reaches every
-rank as one KeyboardInterrupt: `wholeshard train`'s launcher forwards its first and stops the
-workers at its second, [Note: Ctrl-C] in `wholeshard.distributed.launch`; torchrun forwards the
-signal to its workers' sessions likewise.)
+from. A Ctrl-C does not: `wholeshard train`'s launcher stops every worker at once, leaving the
+previous checkpoint `latest` (a first Ctrl-C that let the ranks finish the save would have to
+stop them at one step boundary, or a rank left inside a collective waits for its peer).
 """
 
 from __future__ import annotations
@@ -75,26 +74,16 @@ class RunCheckpoints:
 
     def wait(self, log: outputs.RunLog | None = None) -> None:
         """Wait for the checkpoint being written in the background, if any. With `log` (the run
-        is failing already, or was interrupted), say so while it waits, and a failed save is a
-        note there rather than a second error. A KeyboardInterrupt while waiting leaves the save
-        to wait for again (the failing run's wait); the next abandons it."""
-        saving = self.saving
+        is failing already), a failed save is a note there rather than a second error."""
+        saving, self.saving = self.saving, None
         if saving is None:
             return
-        if log is not None and not saving.done():
-            log.note(
-                f"wholeshard train: stopping once the checkpoint of step {saving.step} is "
-                f"written (Ctrl-C again to abandon it; {self.cfg.checkpoint_dir} then resumes "
-                f"from the one before)"
-            )
         try:
             saving.wait()
         except Exception as e:
-            self.saving = None
             if log is None:
                 raise
             log.note(f"wholeshard train: {e}")
-        self.saving = None
 
     def resume(self, path: os.PathLike) -> dict[str, Any]:
         """Load checkpoint `path` into the model, optimizer and scheduler; returns its `extra`
