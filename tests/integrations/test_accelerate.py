@@ -244,7 +244,7 @@ def test_what_it_refuses_names_the_fix(runs: dict) -> None:
         if two["refusals"]["processes"] == 2:  # accelerate 1.10 finds a multi-process CPU run
             assert world == "no error"
         else:
-            assert "Accelerate runs 1 process(es) but torch.distributed has 2" in world
+            assert "Accelerate is set up for 1 process(es) but torch.distributed has 2" in world
             assert "cpu=True" in world
     assert out["world"] == "no error"
     for two in runs["ranks"]:  # what goes where, printed at prepare by the main process alone

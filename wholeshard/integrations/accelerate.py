@@ -39,13 +39,12 @@ from typing import Any
 
 import accelerate
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..engine.data_parallel import DataParallel
 from ..optim.layerwise import LayerwiseOptimizer
-from .start import RoutingCounts, check_optimizer, data_parallel_of
+from .start import RoutingCounts, check_optimizer, check_process_count, data_parallel_of
 
 CHECKPOINT_DIR = "wholeshard"
 """Where in a `save_state` directory the wholeshard checkpoint lives (`wholeshard_1`, ... for
@@ -107,14 +106,11 @@ class WholeshardAccelerator(accelerate.Accelerator):
         return tuple(result) if len(result) > 1 else result[0]
 
     def _prepare_data_parallel(self, ddp: DataParallel) -> DataParallel:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.num_processes != world:
-            raise ValueError(
-                f"Accelerate runs {self.num_processes} process(es) but torch.distributed has "
-                f"{world}: Accelerate would not shard the dataloaders (every rank would train "
-                f"on every batch). On CPU pass WholeshardAccelerator(cpu=True) (Accelerate's "
-                f"multi-process CPU mode); build the accelerator before the DataParallel"
-            )
+        fix = (
+            "On CPU pass WholeshardAccelerator(cpu=True) (Accelerate's multi-process CPU mode); "
+            "build the accelerator before the DataParallel"
+        )
+        check_process_count("Accelerate", self.num_processes, fix)
         self.prepare_model(ddp, device_placement=False, evaluation_mode=True)  # autocast, no DDP
         self.wholeshard_models.append(ddp)
         self.print(RoutingCounts.of(ddp.routes).summary("the matrix rule"))  # the main process's
