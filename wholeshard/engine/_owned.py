@@ -46,10 +46,5 @@ def owned_ranges(
             unit = units[p.name]
             lo = p.start + offset
             param, grad = unit.owned_views(lo, lo + length)
-            if buffer.whole:
-                shape: tuple[int, ...] = p.shape
-            elif buffer.kind == "stacked":
-                shape = p.shape[-2:]
-            else:
-                shape = (length,)
+            shape = buffer.piece_shape(p, length)
             yield OwnedRange(route, offset, param.view(shape), grad.view(shape), unit.index)

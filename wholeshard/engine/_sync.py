@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..planning import Bucket
-from ..planning.sync import EQUAL_SHARDS, OWNERS, SHARD_BROADCASTS, SyncScheme
+from ..planning.sync import EQUAL_SHARDS, EXCHANGE, OWNERS, SHARD_BROADCASTS, SyncScheme
 
 Group = ProcessGroup | None
 Reduce = Callable[[Tensor, Tensor, Bucket, Group, int], Any]
@@ -78,6 +78,8 @@ HALVES = {
     EQUAL_SHARDS.name: SyncHalf(_reduce_scatter, _all_gather),
     OWNERS.name: SyncHalf(_reduce_to_owners, _broadcast_from_owners),
     SHARD_BROADCASTS.name: SyncHalf(_reduce_scatter, _broadcast_each_shard),
+    # The exchange to and from the owners is the step's, per batch of buckets (`_exchange`).
+    EXCHANGE.name: SyncHalf(_reduce_scatter, _all_gather),
 }
 """Each sync scheme's executable half, by the scheme's name."""
 

@@ -36,6 +36,7 @@ def check_buffer(buffer: Buffer, specs: Sequence[ParamSpec] | None = None) -> No
     {
         "matrix": _check_whole,
         "stacked": _check_stacked,
+        "exchange": _check_exchange,
         "adamw": _check_elementwise,
         "unaligned": _check_whole,
     }[buffer.kind](buffer)
@@ -52,7 +53,7 @@ def check_buffer(buffer: Buffer, specs: Sequence[ParamSpec] | None = None) -> No
                 f"{tuple(spec.shape)}; placements must follow the specs' order (registration "
                 f"order)"
             )
-        if spec.tied and buffer.kind == "matrix":
+        if spec.tied and buffer.kind in ("matrix", "exchange"):
             _check_alone(buffer, p)
 
 
@@ -216,6 +217,9 @@ def _check_alone(buffer: Buffer, p: Placement) -> None:
             f"tied param {p.name!r} must sit alone at the start of bucket {b.index}"
         )
     expected = round_up(p.numel, buffer.align)
+    if buffer.kind == "exchange":  # equal shards of the padded param
+        expected = round_up(p.numel, buffer.shard_group_size * buffer.align)
+        expected //= buffer.shard_group_size
     if not b.owners and b.shard_numel != expected:
         raise AssertionError(
             f"tied param {p.name!r}: bucket {b.index} has shard_numel {b.shard_numel}, "
@@ -223,14 +227,32 @@ def _check_alone(buffer: Buffer, p: Placement) -> None:
         )
 
 
-def _check_elementwise(buffer: Buffer) -> None:
-    """Params packed tightly in backprop order, each bucket padded only up to `k * align`."""
+def _check_exchange(buffer: Buffer) -> None:
+    """Packed as element-wise params are, in exchange buckets; each Muon param lists one owner
+    in the group per matrix ([Note: exchange buffers] in `_exchange`)."""
+    k = buffer.shard_group_size
+    for b in buffer.buckets:
+        _expect(b.exchanged, f"exchange bucket {b.index} is not marked exchanged")
+    for p in buffer.placements:
+        where = f"param {p.name!r} [{p.start}, {p.end})"
+        if not all(0 <= o < k for o in p.owners):
+            raise AssertionError(f"{where}: owners {p.owners} are not ranks 0..{k - 1}")
+        if p.owners and p.numel % len(p.owners):
+            raise AssertionError(f"{where}: {len(p.owners)} owners do not split its matrices")
+        whole = p.owners[0] if len(p.owners) == 1 and len(p.shape) == 2 else None
+        _expect(p.owner == whole, f"{where}: owner {p.owner}, expected {whole}")
+    _check_elementwise(buffer, owned_apart=True)
+
+
+def _check_elementwise(buffer: Buffer, owned_apart: bool = False) -> None:
+    """Params packed tightly in backprop order, each bucket padded only up to `k * align`
+    (`owned_apart`: an exchange buffer, whose matrices' owners `_check_exchange` checks)."""
     k, align = buffer.shard_group_size, buffer.align
     last_end: dict[int, int] = {}  # bucket -> end of its last param so far, in buffer order
     previous: Placement | None = None
     for p in reversed(buffer.placements):  # backprop order = buffer order
         where = f"param {p.name!r} [{p.start}, {p.end})"
-        if p.owner is not None:
+        if p.owner is not None and not owned_apart:
             raise AssertionError(f"{where}: element-wise params have owner None")
         b = _check_placement(buffer, p)
         if p.end > b.end:
@@ -251,11 +273,11 @@ def _check_elementwise(buffer: Buffer) -> None:
         previous = p
     for b in buffer.buckets:
         if b.index not in last_end:
-            raise AssertionError(f"adamw bucket {b.index} holds no params; drop it")
+            raise AssertionError(f"{buffer.kind} bucket {b.index} holds no params; drop it")
         if b.end - round_up(last_end[b.index], align) >= k * align:
             raise AssertionError(
-                f"adamw bucket {b.index} pads {b.end - last_end[b.index]} elements at its end; "
-                f"round it up to a multiple of k * align = {k * align}, no more"
+                f"{buffer.kind} bucket {b.index} pads {b.end - last_end[b.index]} elements at "
+                f"its end; round it up to a multiple of k * align = {k * align}, no more"
             )
 
 

@@ -92,14 +92,20 @@ def _whole(
 
 def _deal(order: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None) -> list[int]:
     """Each param's owner: costliest first to the rank of least (cost, elements, rank)."""
-    costs = [spec_cost(s, matrix_cost) for s in order]
-    ranked = sorted(range(len(order)), key=lambda i: (-costs[i], -order[i].numel, i))
+    return deal([spec_cost(s, matrix_cost) for s in order], [s.numel for s in order], k)
+
+
+def deal(costs: Sequence[int], sizes: Sequence[int], k: int) -> list[int]:
+    """The owner of each item of `costs` and `sizes` (elements) over `k` ranks, the one owner
+    rule of the owners and exchange strategies: costliest first (ties: larger, then earlier), each
+    to the rank of least (cost, elements, rank) so far."""
+    ranked = sorted(range(len(costs)), key=lambda i: (-costs[i], -sizes[i], i))
     loads = [(0, 0, r) for r in range(k)]
-    owners = [0] * len(order)
+    owners = [0] * len(costs)
     for i in ranked:
         cost, numel, rank = heapq.heappop(loads)
         owners[i] = rank
-        heapq.heappush(loads, (cost + costs[i], numel + order[i].numel, rank))
+        heapq.heappush(loads, (cost + costs[i], numel + sizes[i], rank))
     return owners
 
 

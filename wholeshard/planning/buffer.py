@@ -10,6 +10,9 @@ A buffer is one flat tensor of one kind, cut into buckets; what a rank owns depe
   may spread over consecutive shards; each matrix's owner follows from its offset.
 - `"adamw"`: element-wise. Params are packed tightly in backprop order and may straddle shards;
   each bucket is padded to a multiple of `k * align`, no more.
+- `"exchange"`: every param of the exchange strategy ([Note: exchange buffers] in `_exchange`):
+  per-layer buckets of equal shards; element-wise params owned by their shards' holders, each
+  matrix of a Muon param by the rank in `Placement.owners`, wherever its elements lie.
 - `"unaligned"`: the legacy ping-pong baseline ([Note: unaligned buffers] in `_unaligned`):
   every param whole, no shards (a bucket is one shard of its own size, held by every rank),
   owners dealt by size over the `shard_group_size` ranks, no alignment.
@@ -38,8 +41,8 @@ from .specs import (
     shape_cost,
 )
 
-BufferKind = Literal["matrix", "stacked", "adamw", "unaligned"]
-KINDS: tuple[BufferKind, ...] = ("matrix", "stacked", "adamw", "unaligned")
+BufferKind = Literal["matrix", "stacked", "exchange", "adamw", "unaligned"]
+KINDS: tuple[BufferKind, ...] = ("matrix", "stacked", "exchange", "adamw", "unaligned")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Buffer:
         return {
             "matrix": "whole tensors",
             "stacked": "whole matrices",
+            "exchange": "whole matrices exchanged to owners, the rest element-wise",
             "adamw": "element-wise",
             "unaligned": "whole tensors, unaligned",
         }[self.kind]
@@ -111,7 +115,9 @@ class Buffer:
                 f"rank {rank} is not in the shard group 0..{self.shard_group_size - 1}; "
                 "pass the rank within the group (Plan.shard_rank(global_rank))"
             )
-        if self.kind == "stacked":
+        if self.kind == "stacked" or placement.owners:
+            if len(placement.owners) == 1:
+                return (0, placement.numel) if placement.owners[0] == rank else (0, 0)
             raise ValueError("a stacked param may have several owned ranges: use owned()")
         if self.kind == "unaligned":
             return (0, placement.numel) if placement.owner == rank else (0, 0)
@@ -129,6 +135,10 @@ class Buffer:
                         yield p, m.start - p.start, m.end - m.start
             return
         for p in self.placements:
+            if p.owners:  # an exchange buffer's matrices
+                unit = p.numel // len(p.owners)
+                yield from ((p, j * unit, unit) for j, o in enumerate(p.owners) if o == rank)
+                continue
             offset, length = self.owned_range(p, rank)
             if length:
                 yield p, offset, length
@@ -145,7 +155,20 @@ class Buffer:
         elif self.kind == "matrix":
             for p in self.placements:
                 costs[p.owner] += shape_cost(p.shape, matrix_cost)
+        elif self.kind == "exchange":
+            for p in self.placements:
+                for owner in p.owners:
+                    costs[owner] += shape_cost(matrix_shape(p.shape), matrix_cost)
         return costs
+
+    def piece_shape(self, placement: Placement, length: int) -> tuple[int, ...]:
+        """The shape of an owned range of `length` elements of `placement` (from `owned`): the
+        param's for a whole tensor, one matrix's for a matrix of a stack, else flat."""
+        if length == placement.numel and (self.whole or len(placement.owners) == 1):
+            return placement.shape
+        if self.kind == "stacked" or placement.owners:
+            return matrix_shape(placement.shape)
+        return (length,)
 
     def check(self, specs: Sequence[ParamSpec] | None = None) -> None:
         """Raise AssertionError naming the bucket or param if an invariant is broken. With

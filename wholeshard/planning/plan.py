@@ -5,6 +5,7 @@ planning call, decides those settings (what `DataParallel` makes) and plans thro
 Pure planning: param specs in, plain data out. `specs_by_kind` puts every param in exactly one
 buffer of one kind (`buffer`): 2-D matrix-routed params in "matrix" (`_whole`), those with more
 dims (fused MoE experts) in "stacked" (`_stacked`), the others in "adamw" (`_elementwise`); with
+strategy "exchange", every param in one "exchange" buffer (`_exchange`); with
 `scheme="ping_pong"`, every param in the legacy baseline's "unaligned" buffer (`_unaligned`).
 
 [Note: shard groups]
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from ._elementwise import plan_elementwise
+from ._exchange import plan_exchange
 from ._owners import plan_owned
 from ._stacked import plan_stacked
 from ._unaligned import plan_unaligned
@@ -29,8 +31,8 @@ from ._whole import plan_whole
 from .buffer import KINDS, Buffer, BufferKind
 from .specs import MatrixCost, ParamSpec, cost_imbalance, is_int
 
-Strategy = Literal["auto", "balanced", "owners", "size_match"]
-STRATEGIES: tuple[Strategy, ...] = ("auto", "balanced", "owners", "size_match")
+Strategy = Literal["auto", "balanced", "owners", "size_match", "exchange"]
+STRATEGIES: tuple[Strategy, ...] = ("auto", "balanced", "owners", "size_match", "exchange")
 DEFAULT_STRATEGY: Strategy = "auto"
 """What `DataParallel`, `wholeshard plan`, the train job and `auto.plan_for` use (`plan_for`
 resolves it); `plan_exactly` plans one named strategy and defaults to "balanced"."""
@@ -105,7 +107,11 @@ class Plan:
                 raise AssertionError(f"{b.kind} buffer holds no params; leave it out")
         by_kind: dict[BufferKind, list[ParamSpec]] | None = None
         if specs is not None:
-            by_kind = {"unaligned": list(specs)} if kinds == ["unaligned"] else specs_by_kind(specs)
+            by_kind = (
+                {"unaligned": list(specs)}
+                if kinds == ["unaligned"]
+                else specs_by_kind(specs, self.strategy)
+            )
         for b in self.buffers:
             b.check(None if by_kind is None else by_kind.get(b.kind, []))
         placed = sum(len(b.placements) for b in self.buffers)
@@ -167,12 +173,12 @@ def plan_exactly(
     if strategy == "auto":
         raise ValueError(
             "strategy='auto' chooses between plans: use wholeshard.planning.plan_for (what "
-            "DataParallel uses), or name one of 'balanced', 'owners', 'size_match'"
+            "DataParallel uses), or name one of 'balanced', 'owners', 'size_match', 'exchange'"
         )
     if scheme == "ping_pong":
         plan = Plan(dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, size),))
     else:
-        by_kind = specs_by_kind(specs)
+        by_kind = specs_by_kind(specs, strategy)
         buffers = tuple(
             plan_buffer(kind, tuple(by_kind[kind]), k, size, align, strategy, matrix_cost)
             for kind in KINDS
@@ -195,6 +201,8 @@ def plan_buffer(
     """The buffer of one kind (not "unaligned") of validated `specs` over `k` ranks, planned by
     `strategy` (not "auto"), not yet checked; `bucket_size` None: one bucket (the private
     planners' spelling of `ONE_BUCKET`)."""
+    if kind == "exchange":
+        return plan_exchange(specs, k, bucket_size, align, matrix_cost)
     if kind == "adamw":
         return plan_elementwise(specs, k, bucket_size, align)
     if strategy == "owners":
@@ -204,9 +212,13 @@ def plan_buffer(
     return plan_whole(specs, k, strategy, bucket_size, align, matrix_cost)
 
 
-def specs_by_kind(specs: Sequence[ParamSpec]) -> dict[BufferKind, list[ParamSpec]]:
-    """`specs` grouped by the kind of buffer each goes to (with the default scheme), each group
-    in registration order."""
+def specs_by_kind(
+    specs: Sequence[ParamSpec], strategy: str = "balanced"
+) -> dict[BufferKind, list[ParamSpec]]:
+    """`specs` grouped by the kind of buffer each goes to (with the default scheme) under
+    `strategy`, each group in registration order."""
+    if strategy == "exchange":
+        return {"exchange": list(specs)} if specs else {}
     by_kind: dict[BufferKind, list[ParamSpec]] = {}
     for s in specs:
         kind: BufferKind = "adamw" if not s.matrix else "stacked" if len(s.shape) > 2 else "matrix"

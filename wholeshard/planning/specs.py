@@ -63,6 +63,10 @@ class Bucket:
     all-gather, with no equal-shard constraint, so no padding and no minimum size (a bucket of
     whole matrices over k equal shards holds at least k times its widest one). Only the owners
     are listed, so a bucket costs the same at 8 ranks as at 1024.
+
+    An exchange bucket (`exchanged`, [Note: exchange buffers] in `_exchange`) has equal shards
+    whose holders are not the owners of its matrices: `owner` names the shard's holder there,
+    and `Placement.owners` the rank that steps each matrix.
     """
 
     index: int
@@ -70,6 +74,7 @@ class Bucket:
     end: int
     shard_numel: int
     owner_starts: tuple[tuple[int, int], ...] = ()
+    exchanged: bool = False
 
     @property
     def numel(self) -> int:
@@ -83,7 +88,9 @@ class Bucket:
     @property
     def sync(self) -> str:
         """The name of the scheme that syncs this bucket ([Note: sync schemes] in `sync`):
-        "owners" for an owner bucket, else "equal_shards"."""
+        "owners" for an owner bucket, "exchange" for an exchange bucket, else "equal_shards"."""
+        if self.exchanged:
+            return "exchange"
         return "owners" if self.owner_starts else "equal_shards"
 
     def shard(self, rank: int) -> tuple[int, int]:
@@ -112,7 +119,8 @@ class Bucket:
             yield rank, *self.shard(rank)
 
     def owner(self, element: int) -> int:
-        """The rank whose shard holds buffer element `element`: the only owner rule."""
+        """The rank whose shard holds buffer element `element`: the only owner rule (in an
+        exchange bucket, the holder: matrices are owned by `Placement.owners`)."""
         if self.owner_starts:
             i = bisect.bisect_right(self.owner_starts, element, key=operator.itemgetter(1))
             return self.owner_starts[i - 1][0]
@@ -129,6 +137,9 @@ class Placement:
     start: int
     end: int
     owner: int | None  # the rank that updates the param whole; None where pieces are owned
+    owners: tuple[int, ...] = ()
+    """In an exchange buffer, the rank that steps each matrix of a Muon param (one for a 2-D
+    param, one per matrix of a stack); empty for element-wise params and in other buffers."""
 
     @property
     def numel(self) -> int:

@@ -13,6 +13,11 @@ engine executes it (`engine._sync` holds each scheme's executable half, by name)
 - "owners": an owner bucket ([Note: owner buckets] in `specs`; `owner_starts` is its data): a
   coalesced group of one reduce per listed owner's shard, and one of a broadcast per shard
   ([Note: owner collectives] in `distributed.collectives`).
+- "exchange": an exchange bucket ([Note: exchange buffers] in `_exchange`): one reduce-scatter
+  and one all-gather, as equal shards; the step adds, per batch of exchange buckets in reduce
+  order (`exchange_batches`), one all-to-all of the reduced matrix pieces to their owners after
+  the batch's reductions, in the grad dtype, and one back, in the param dtype, before its
+  gathers (`exchange`: each rank's sizes and peers).
 - "shard_broadcasts": the legacy baseline of equal shards with `param_sync="broadcast"`
   (`DataParallel(..., _variant=Variant(param_sync="broadcast"))`): one reduce-scatter, then one
   broadcast per shard (`sync_scheme` picks it; owner buckets broadcast anyway).
@@ -30,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._exchange import Segment
 from .specs import Bucket
 
 ELEMENT_BYTES = {
@@ -45,9 +51,10 @@ ELEMENT_BYTES = {
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
             "half": "float16", "fp64": "float64", "double": "float64"}  # fmt: skip
 OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce", "reduce_coalesced",
-       "broadcast_coalesced")  # fmt: skip
-"""The collective kinds: torch's, and an owner bucket's coalesced groups of reduces and of
-broadcasts (one per owner's shard, [Note: owner collectives] in `distributed.collectives`)."""
+       "broadcast_coalesced", "all_to_all")  # fmt: skip
+"""The collective kinds: torch's, an owner bucket's coalesced groups of reduces and of
+broadcasts (one per owner's shard, [Note: owner collectives] in `distributed.collectives`), and
+the exchange's all-to-all with split sizes (`all_to_all_single`)."""
 ParamSync = Literal["allgather", "broadcast"]
 PARAM_SYNCS: tuple[ParamSync, ...] = ("allgather", "broadcast")
 """How updated params reach every rank: by each bucket's own scheme (`allgather`), or, for equal
@@ -69,8 +76,10 @@ class Collective:
     """One collective a rank issues: `op` (one of `OPS`) over a group of `ranks`, moving
     `numel` elements of `dtype` (the full input of a reduce-scatter, the full output of an
     all-gather, the tensor of an all-reduce, a reduce or a broadcast; a coalesced group's parts
-    together); `what` it is for; `group`: "shard" (k consecutive ranks), "replica" (dp / k
-    ranks, k apart) or "dp" (every rank)."""
+    together; what this rank sends in an all-to-all); `what` it is for; `group`: "shard" (k
+    consecutive ranks), "replica" (dp / k ranks, k apart) or "dp" (every rank). An all-to-all
+    also says what this rank `received` (elements) and from or to how many `peers` it moves
+    anything (zero-size pairs are not sent)."""
 
     op: str
     ranks: int
@@ -78,6 +87,8 @@ class Collective:
     dtype: str
     what: str
     group: str
+    received: int = 0
+    peers: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -88,8 +99,10 @@ def ring_bytes(op: str, nbytes: int, ranks: int) -> int:
     """Bytes one rank sends for `op` on a payload of `nbytes` over `ranks` ranks, by a
     bandwidth-optimal ring: all-reduce 2 (n-1)/n S; reduce-scatter, all-gather, and a
     pipelined reduce or broadcast (n - 1 of the n ranks send S) (n-1)/n S; a coalesced group of
-    reduces or broadcasts, of S in all, as one of S."""
+    reduces or broadcasts, of S in all, as one of S; an all-to-all, S (what it sends)."""
     ring = (ranks - 1) / ranks
+    if op == "all_to_all":
+        return nbytes
     if op == "all_reduce":
         return round(2 * ring * nbytes)
     if op in OPS:  # every other op
@@ -142,7 +155,13 @@ SHARD_BROADCASTS = SyncScheme(
     _broadcast_each_shard,
     "reduce_scatter/broadcast",
 )
-SYNC_SCHEMES = {s.name: s for s in (EQUAL_SHARDS, OWNERS, SHARD_BROADCASTS)}
+EXCHANGE = SyncScheme(
+    "exchange",
+    _one("reduce_scatter", "grads"),
+    _one("all_gather", "params"),
+    "reduce_scatter/all_gather, exchanged",
+)
+SYNC_SCHEMES = {s.name: s for s in (EQUAL_SHARDS, OWNERS, SHARD_BROADCASTS, EXCHANGE)}
 """Every sync scheme by name."""
 
 
@@ -177,3 +196,32 @@ def unit_gather(
 ) -> list[Collective]:
     """The collectives gathering one storage unit's `buckets` (k > 1), in order."""
     return [c for b in buckets for c in sync_scheme(b, param_sync).gather(b, k, dtype)]
+
+
+def exchange_batches(buckets: int, every: int | None) -> list[range]:
+    """The batches of an exchange buffer's `buckets` (indices, buffer order = reduce order)
+    that one all-to-all each way serves: `every` buckets each, or all at once (None)."""
+    step = buckets if every is None else every
+    return [range(lo, min(lo + step, buckets)) for lo in range(0, buckets, max(step, 1))]
+
+
+def exchange(
+    segments: Sequence[Segment], k: int, rank: int, dtype: str, to_owners: bool
+) -> Collective:
+    """The all-to-all shard-group rank `rank` issues for one batch's `segments`
+    ([Note: exchange buffers] in `_exchange`): the reduced gradients to their owners
+    (`to_owners`, grad dtype), or the updated params back to their holders (param dtype)."""
+    src, dst = ("holder", "owner") if to_owners else ("owner", "holder")
+    sent = [s for s in segments if getattr(s, src) == rank]
+    got = [s for s in segments if getattr(s, dst) == rank]
+    peers = {getattr(s, dst) for s in sent} | {getattr(s, src) for s in got}
+    return Collective(
+        "all_to_all",
+        k,
+        sum(s.numel for s in sent),
+        dtype,
+        "grads to owners" if to_owners else "params to holders",
+        "shard",
+        received=sum(s.numel for s in got),
+        peers=len(peers),
+    )

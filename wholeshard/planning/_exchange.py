@@ -1,0 +1,140 @@
+"""The exchange strategy: one buffer of every param, in per-layer buckets of equal shards, each
+matrix stepped whole by an owner dealt apart from the layout.
+
+[Note: exchange buffers]
+FSDP2 spends one reduce-scatter and one all-gather per transformer block. An exchange buffer
+does the same: every trainable param (matrices, stacks, element-wise params) is packed tightly
+in backprop order, each starting on an `align`-element boundary, and cut into buckets that close
+where the next param belongs to another layer (`specs.layer_of`; each run of params outside
+numbered modules counts as one) once they hold `bucket_size` elements, or around a tied param,
+which sits alone; each bucket is padded to a multiple of `k * align` and cut into k equal shards
+(`Bucket.exchanged`). A param never spans buckets; a matrix may span shards. Element-wise params
+are owned as in an "adamw" buffer: rank r steps what its shard holds. Each matrix of a Muon
+param (a 2-D param, or each matrix of a stack) is owned whole by the rank `_owners.deal` gives
+it over the whole buffer, costliest first to the rank with the least cost so far, which is the
+owners strategy's rule, so the busiest rank's matrix work is the same. After the
+reduce-scatter, the pieces of each matrix that other ranks' shards hold are sent to its owner
+(`segments`, an all-to-all in the engine), and after the update the owner sends them back
+before the all-gather: each reduced element crosses once each way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ._owners import deal
+from .buffer import Buffer
+from .specs import (
+    Bucket,
+    MatrixCost,
+    ParamSpec,
+    Placement,
+    layer_of,
+    matrix_count,
+    matrix_shape,
+    round_up,
+    shape_cost,
+)
+
+
+def plan_exchange(
+    specs: Sequence[ParamSpec],
+    k: int,
+    bucket_size: int | None,
+    align: int,
+    matrix_cost: MatrixCost | None = None,
+) -> Buffer:
+    """The "exchange" buffer of validated `specs` (registration order, every param) over `k`
+    ranks ([Note: exchange buffers]); not yet checked. `bucket_size` None: one bucket between
+    tied params."""
+    owners = _owners(specs, k, matrix_cost)
+    n = len(specs)
+    placements: list[Placement | None] = [None] * n
+    buckets: list[Bucket] = []
+    start = cursor = 0  # of the open bucket; where the next param goes
+
+    def close() -> None:
+        nonlocal start, cursor
+        end = start + round_up(cursor - start, k * align)
+        buckets.append(Bucket(len(buckets), start, end, (end - start) // k, exchanged=True))
+        start = cursor = end
+
+    for i in range(n - 1, -1, -1):
+        spec = specs[i]
+        if spec.tied and cursor > start:
+            close()
+        mine = owners[i]
+        owner = mine[0] if mine and len(spec.shape) == 2 else None
+        placements[i] = Placement(
+            spec.name, tuple(spec.shape), len(buckets), cursor, cursor + spec.numel, owner, mine
+        )
+        cursor = round_up(cursor + spec.numel, align)
+        full = bucket_size is None or cursor - start >= bucket_size
+        layer_ends = i == 0 or layer_of(specs[i - 1].name) != layer_of(spec.name)
+        if i == 0 or spec.tied or specs[i - 1].tied or (full and layer_ends):
+            close()
+    return Buffer("exchange", k, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
+
+
+def _owners(
+    specs: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None
+) -> list[tuple[int, ...]]:
+    """Per spec, the owner of each of its matrices (none for an element-wise param), dealt in
+    backprop order, as the owners strategy deals."""
+    items: list[tuple[int, int, int]] = []  # (spec, cost, elements) of every matrix
+    for i in range(len(specs) - 1, -1, -1):
+        s = specs[i]
+        if s.matrix:
+            shape = matrix_shape(s.shape)
+            count = matrix_count(s.shape) if len(s.shape) > 2 else 1
+            items += [(i, shape_cost(shape, matrix_cost), math.prod(shape))] * count
+    dealt = deal([c for _, c, _ in items], [n for _, _, n in items], k)
+    owners: list[list[int]] = [[] for _ in specs]
+    for (i, _, _), rank in zip(items, dealt, strict=True):
+        owners[i].append(rank)
+    return [tuple(o) for o in owners]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements `[start, end)` of a bucket's matrix that the shard of `holder` holds and
+    `owner` steps (holder != owner): what the exchange moves, holder to owner for gradients and
+    back for params."""
+
+    bucket: int
+    start: int
+    end: int
+    holder: int
+    owner: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def matrix_ranges(buffer: Buffer) -> Iterator[tuple[Placement, int, int, int]]:
+    """(placement, start, end, owner) of every matrix of an exchange buffer, in registration
+    order of the params (a stack's matrices in order)."""
+    for p in buffer.placements:
+        if not p.owners:
+            continue
+        unit = p.numel // len(p.owners)
+        for j, owner in enumerate(p.owners):
+            yield p, p.start + j * unit, p.start + (j + 1) * unit, owner
+
+
+def segments(buffer: Buffer) -> tuple[Segment, ...]:
+    """Every piece of an exchange buffer's matrices held by a rank other than its owner, in
+    buffer order ([Note: exchange buffers])."""
+    out = []
+    for p, lo, hi, owner in matrix_ranges(buffer):
+        b = buffer.buckets[p.bucket]
+        first, last = b.owner(lo), b.owner(hi - 1)
+        for holder in range(first, last + 1):
+            s_lo, s_hi = b.shard(holder)
+            if holder != owner:
+                out.append(Segment(b.index, max(lo, s_lo), min(hi, s_hi), holder, owner))
+    out.sort(key=lambda s: s.start)
+    return tuple(out)
