@@ -174,6 +174,59 @@ class _Finish:
         return True
 
 
+class AllToAll:
+    """An all-to-all in flight: `wait()` waits, then copies what arrived into the receiving
+    views, in order."""
+
+    def __init__(self, work: Work | None, got: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
+        self.work, self.got, self.into = work, got, into
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        at = 0
+        for view in self.into:
+            n = view.numel()
+            view.copy_(self.got[at : at + n].view_as(view))
+            at += n
+        return True
+
+
+def all_to_all(
+    sends: Sequence[torch.Tensor],
+    into: Sequence[torch.Tensor],
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: ProcessGroup | None,
+    *,
+    like: torch.Tensor,
+) -> AllToAll:
+    """Send `sends`, concatenated in order, `send_splits[r]` elements to each group rank r, and
+    receive `recv_splits[r]` from each, written into `into` in order (`all_to_all_single` with
+    split sizes; a rank's zero-size peers move nothing). Dtype and device: `like`'s. Every rank
+    of the group calls it, whether or not it moves anything (its splits are all 0)."""
+    flat = [t.reshape(-1) for t in sends]
+    out = torch.cat(flat) if flat else like.new_empty(0)
+    got = like.new_empty(sum(recv_splits))
+    try:
+        work = dist.all_to_all_single(
+            got, out, list(recv_splits), list(send_splits), group=group, async_op=True
+        )
+    except (NotImplementedError, RuntimeError) as e:
+        if "all_to_all" not in str(e).lower() and "alltoall" not in str(e).lower():
+            raise
+        raise RuntimeError(
+            f"the {dist.get_backend(group)} process group has no all-to-all with split sizes "
+            f"for {like.device.type} tensors, which strategy='exchange' needs: use a backend "
+            f"that has one (NCCL on CUDA, gloo on CPU) or another strategy ('balanced', "
+            f"'owners'). Backend error: {e}"
+        ) from e
+    return AllToAll(work, got, into)
+
+
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None) -> Work | None:
     """Concatenate every rank's `shard` into `full` (`shard` may alias its own chunk of `full`)."""
     return _all_gather(full, shard, group=group, async_op=True)

@@ -35,15 +35,6 @@ Two exceptions keep a unit across the forward/backward boundary when grad is ena
 unit in backprop order (it would be gathered again at once, as FSDP2 keeps its root's params),
 and a unit one of whose modules returned nothing autograd can hook (its backward could not be
 announced). The end of the root's forward and of every backward releases whatever is left.
-
-[Note: pipelined step]
-With `pipelined_step` the optimizer walks the units in reduce order (`reduced_in_order`): wait
-for unit b's reduction, let the caller update b's owned params, dispatch b's gather at once,
-then unit b + 1, whose reduction and b's gather are in flight meanwhile. Gathers then leave in
-reduce order, which every rank walks alike; they belong on the separate all-gather group, where
-they do not queue behind the reductions. Fully sharded, nothing is gathered between steps: the
-walk only overlaps the updates with the reductions still in flight, and the next forward gathers
-as usual.
 """
 
 from __future__ import annotations
@@ -57,6 +48,8 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
+from ._exchange import Exchange
+from ._pipelined import reduced_in_order
 from ._skips import RanEverywhere
 from ._storage import StorageUnit, UnitState
 from ._waits import WaitTimer
@@ -72,6 +65,9 @@ class Scheduler:
 
     `gathers`: params need gathering at all (more than one rank per shard group);
     `reduces`: gradients need reducing (more than one rank).
+    `exchange`: an exchange plan's exchanges ([Note: exchange buffers] in `planning._exchange`):
+    a unit counts as reduced once its batch's pieces reached their owners, and is gathered once
+    the owners' updated pieces are back in their holders' shards.
     """
 
     units: list[StorageUnit]  # in reduce order: units[i].index == i
@@ -80,6 +76,8 @@ class Scheduler:
     forward_left: list[int]  # per unit: of those, modules yet to finish this forward
     wait_timer: WaitTimer  # time held up by waits on collectives since construction
     sync_grads: bool  # False inside no_sync
+    grads_reduced: bool  # this step's reductions (and exchanges) have all landed
+    exchange: Exchange | None
 
     def __init__(
         self,
@@ -92,8 +90,10 @@ class Scheduler:
         overlap_param_gather: bool,
         reshard: bool,
         agree_group: ProcessGroup | None = None,
+        exchange: Exchange | None = None,
     ) -> None:
         self.units = list(units)
+        self.exchange = exchange
         if [b.index for b in self.units] != list(range(len(self.units))):
             raise AssertionError("units must come in reduce order, numbered 0, 1, ...")
         self.forward_order = [self.units[i] for i in forward_order]
@@ -106,7 +106,7 @@ class Scheduler:
         self.wait_timer = WaitTimer(self.units[0].param.device)
         self.sync_grads = True
         self._next_reduce = 0  # units whose reduction was dispatched this step
-        self._grads_reduced = False
+        self.grads_reduced = False
         self._queue: deque[StorageUnit] = deque()
         self._queued: set[int] = set()
         self._gathering = 0  # gathers in flight
@@ -118,7 +118,7 @@ class Scheduler:
 
     def receive_grad(self, unit: StorageUnit, i: int, param: torch.Tensor, name: str) -> None:
         """Receive a param's gradient, complete for this backward: add it into its unit's grad."""
-        if self._grads_reduced or unit.index < self._next_reduce:
+        if self.grads_reduced or unit.index < self._next_reduce:
             raise RuntimeError(
                 f"a gradient for {name!r} was received after its unit was reduced: call "
                 f"optimizer.zero_grad() before the next backward, and wrap all but the last "
@@ -153,7 +153,7 @@ class Scheduler:
         if not unit.complete:
             return False
         if self.ran.pending:  # time only the one wait, not every lookup
-            with self._blocked():
+            with self.blocked():
                 self.ran.read_agreement()
         return self.ran[unit.index]
 
@@ -161,7 +161,7 @@ class Scheduler:
         n = self._next_reduce
         if self.reshard and n >= REDUCES_IN_FLIGHT:
             # Bound the full grads alive at once: finish the oldest reduction still in flight.
-            with self._blocked():
+            with self.blocked():
                 self.units[n - REDUCES_IN_FLIGHT].finish_reduce()
         with record_function("wholeshard.grad_sync.start"):
             self.units[n].start_reduce()
@@ -174,45 +174,34 @@ class Scheduler:
                 self._start_reduce()
 
     def reduced_in_order(self) -> Iterator[int]:
-        """The pipelined step ([Note: pipelined step]): yield each unit's index in reduce order
-        once this rank's grad shards hold its averages; when the caller comes back, having
-        written the unit's owned params, dispatch the unit's gather (fully sharded: mark it
-        stale for the next forward). Every rank must walk it to the end."""
-        self.finish_param_sync()  # a gather still in flight must land before params are written
-        self.start_grad_sync()
-        for b in self.units:
-            with record_function(f"wholeshard.step.unit{b.index}"):
-                with record_function("wholeshard.grad_sync.finish"), self._blocked():
-                    b.finish_reduce()
-                yield b.index
-                if self.gathers:
-                    b.mark_stale()
-                    if not self.reshard:
-                        self._start_gather(b)
-        self._grads_reduced = True
-        if self.gathers and self.reshard:
-            self.release_all()
+        """The pipelined step ([Note: pipelined step] in `_pipelined`): yield each unit's index
+        in reduce order once this rank's grad shards hold its averages; when the caller comes
+        back, having written the unit's owned params, dispatch the unit's gather (fully sharded:
+        mark it stale for the next forward). Every rank must walk it to the end."""
+        return reduced_in_order(self)
 
     def finish_grad_sync(self) -> None:
         """Wait until every owned grad shard holds its average; params that got no gradient
         count as zero (readiness is decided here)."""
-        if self._grads_reduced:
+        if self.grads_reduced:
             return
         self.start_grad_sync()
-        with record_function("wholeshard.grad_sync.finish"), self._blocked():
+        with record_function("wholeshard.grad_sync.finish"), self.blocked():
+            if self.exchange is not None:
+                self.exchange.grads()
             for b in self.units:
                 b.finish_reduce()
-        self._grads_reduced = True
+        self.grads_reduced = True
 
     def zero_grads(self) -> None:
         """Zero every gradient and open the next accumulation window."""
-        with self._blocked():  # never zero under an in-flight reduction
+        with self.blocked():  # never zero under an in-flight reduction
             for b in self.units:
                 b.finish_reduce()
         for b in self.units:
             b.zero_grads()
         self._next_reduce = 0
-        self._grads_reduced = False
+        self.grads_reduced = False
 
     # -- params -----------------------------------------------------------------------------
 
@@ -223,6 +212,9 @@ class Scheduler:
         self.finish_param_sync()
         if not self.gathers:
             return
+        if self.exchange is not None:
+            with self.blocked():
+                self.exchange.params()
         for b in self.units:
             b.mark_stale()
         if self.reshard:
@@ -252,7 +244,7 @@ class Scheduler:
         full precision (no param sync pending); return them."""
         todo = [b for b in units if not b.readable]
         for b in todo:
-            self._start_gather(b, full=True)
+            self.start_gather(b, full=True)
         for b in todo:
             self._finish_gather(b)
         return todo
@@ -349,7 +341,7 @@ class Scheduler:
         if self._queue:
             b = self._queue.popleft()
             self._queued.discard(b.index)
-            self._start_gather(b)
+            self.start_gather(b)
 
     def _ensure(self, units: Sequence[StorageUnit]) -> None:
         for b in units:
@@ -360,18 +352,18 @@ class Scheduler:
                     while b.state is not UnitState.GATHERING:
                         self._dispatch_next()
                 else:
-                    self._start_gather(b)
+                    self.start_gather(b)
             self._finish_gather(b)
         if self.overlap_param_gather and not self._gathering:  # prefetch one, in queue order
             self._dispatch_next()
 
-    def _start_gather(self, b: StorageUnit, full: bool = False) -> None:
+    def start_gather(self, b: StorageUnit, full: bool = False) -> None:
         with record_function("wholeshard.param_sync.start"):
             b.start_gather(full)
         self._gathering += 1
 
     def _finish_gather(self, b: StorageUnit) -> None:
-        with record_function("wholeshard.param_sync.finish"), self._blocked():
+        with record_function("wholeshard.param_sync.finish"), self.blocked():
             b.finish_gather()
         self._gathering -= 1
         self.forward_left[b.index] = self.users[b.index]
@@ -381,7 +373,7 @@ class Scheduler:
             self._finish_gather(b)
         b.release_params()
 
-    def _blocked(self) -> contextlib.AbstractContextManager[None]:
+    def blocked(self) -> contextlib.AbstractContextManager[None]:
         """Count the time spent inside as held up by collectives."""
         return self.wait_timer.blocked()
 

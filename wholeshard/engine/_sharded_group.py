@@ -34,6 +34,7 @@ from ..planning.routing import Route
 from ..planning.specs import MatrixCost
 from ..planning.units import storage_units
 from . import _hooks as hooks
+from ._exchange import Exchange
 from ._fp8_storage import fp8_storage_factory
 from ._meta import fill_owned
 from ._owned import OwnedRange, owned_ranges
@@ -148,6 +149,17 @@ class ShardedGroup:
             broadcast_the_rest(rest, self.process_group, storages[0].param.device)
         registered = {r.name: i for i, r in enumerate(routes)}
         first = [min(registered[p.name] for _, p in s.params) for s in storages]
+        exchanged = [b for b in self.plan.buffers if b.kind == "exchange"]
+        exchange = None
+        if exchanged and gathers:
+            exchange = Exchange(
+                exchanged[0],
+                storages,
+                self.shard_rank,
+                self.shard_group_size,
+                self.shard_group,
+                variant.exchange_every,
+            )
         self.scheduler = Scheduler(
             storages,
             sorted(range(len(storages)), key=first.__getitem__),  # forward order
@@ -157,6 +169,7 @@ class ShardedGroup:
             overlap_param_gather=cfg.overlap_param_gather,
             reshard=reshard,
             agree_group=self.process_group,
+            exchange=exchange,
         )
         self.slot_of = {p.name: (b, i) for b in storages for i, (_, p) in enumerate(b.params)}
         self.hooks = hooks.grad_hooks(self.scheduler, storages)

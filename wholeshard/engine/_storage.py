@@ -178,6 +178,15 @@ class StorageUnit:
         return shard[self._shard_at[i] : self._shard_at[i] + b.shard_len(self.groups.rank)]
 
     def owned_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat (param, grad) views of buffer elements `[lo, hi)` that this rank owns: in its
+        shard of one bucket (`held_views`), or, in an exchange unit, of a matrix it owns
+        wherever it lies, in the full tensors ([Note: exchange buffers] in
+        `planning._exchange`). Storage that persists between steps."""
+        if self.kind == "exchange" and not self.reshard:
+            return self._elements(self.param, lo, hi), self._elements(self.grad, lo, hi)
+        return self.held_views(lo, hi)
+
+    def held_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat (param, grad) views of buffer elements `[lo, hi)`, which lie in this rank's shard
         of one bucket: storage that persists between steps in every mode."""
         for i, b in enumerate(self.buckets):

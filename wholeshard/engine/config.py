@@ -208,6 +208,9 @@ class Variant:
     `size_match` (equal shards in rows of same-size matrices, Megatron's rule), or `auto`:
     balanced where it meets the plan targets (bucket bound, 1% padding, 1.10 imbalance), else
     owners."""
+    exchange_every: int | None = None
+    """With the exchange strategy: exchange gradients to their owners, and params back, after
+    every this many buckets in reduce order; None: once per step (the same bits either way)."""
     separate_all_gather_group: bool | None = None
     """Sync params on a second process group, so gathers do not queue behind reductions.
     None: on when fully sharded or pipelined (where gathers run beside reductions)."""
@@ -222,6 +225,14 @@ class Variant:
                 raise ConfigError(
                     name, f"{name} must be one of {choices}, got {getattr(self, name)!r}"
                 )
+        if self.exchange_every is not None and not (
+            is_int(self.exchange_every) and self.exchange_every >= 1
+        ):
+            raise ConfigError(
+                "exchange_every",
+                f"exchange_every must be None (once per step) or an int >= 1 (buckets), got "
+                f"{self.exchange_every!r}",
+            )
         if self.separate_all_gather_group not in (None, True, False):
             raise ConfigError(
                 "separate_all_gather_group",
@@ -231,6 +242,14 @@ class Variant:
 
     def check(self, config: DataParallelConfig) -> None:
         """Raise `ConfigError` if `config` cannot run under this variant."""
+        if self.strategy == "exchange":
+            for name in ("reshard_after_forward", "fp8_param_gather"):
+                if getattr(config, name):
+                    raise ConfigError(
+                        name,
+                        f"strategy='exchange' cannot take {name}=True yet: use strategy "
+                        f"'owners' or 'balanced' with it",
+                    )
         if self.scheme == "whole":
             return
         for name, why in (

@@ -106,7 +106,7 @@ class StepProtocol:
         """The pipelined step: yield each unit's index (in `DataParallel.units`) once its
         grads are reduced; when the caller, having written its owned params, comes back, its
         param sync is dispatched. Every rank walks it to the end ([Note: pipelined step] in
-        `_schedule`)."""
+        `_pipelined`)."""
         first = 0
         for s in self.schedulers:
             yield from (first + i for i in s.reduced_in_order())

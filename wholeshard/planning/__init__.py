@@ -41,6 +41,7 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   targets, else owners).
 """
 
+from ._exchange import Segment, segments
 from .auto import plan_for
 from .buffer import KINDS, Buffer
 from .plan import (
@@ -56,6 +57,8 @@ from .plan import (
 from .specs import Bucket, ParamSpec, Placement
 
 __all__ = [
+    "Segment",
+    "segments",
     "DEFAULT_STRATEGY",
     "KINDS",
     "ONE_BUCKET",

@@ -1,0 +1,151 @@
+"""The exchange of an exchange buffer's matrices between the shards that hold them and the ranks
+that own them ([Note: exchange buffers] in `planning._exchange`).
+
+After a batch of units is reduced (each rank's shard summed and averaged), one all-to-all sends
+every piece of a matrix that this rank's shard holds to the matrix's owner, in the grad dtype,
+where it lands in the owner's storage of the whole matrix (`StorageUnit.owned_views`); after the
+update, one all-to-all sends the owners' updated pieces back to the holders' shards, in the param
+dtype, before the units' gathers. Each direction moves exactly `planning.sync.exchange`'s sizes:
+the pieces each rank sends to a peer are packed in buffer order, peers ascending, and unpacked
+in the same order, so no sizes travel. Zero-size peers are left out of the split sizes' effect
+(nothing moves), and a batch in which no rank moves anything still issues its all-to-all on every
+rank, so every rank issues the same collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+from ..planning import Buffer, Segment, segments
+from ..planning.sync import exchange_batches
+from ._storage import StorageUnit
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One segment as this rank moves it: its unit and buffer range, and the peer."""
+
+    peer: int
+    unit: StorageUnit
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The units one all-to-all each way serves, and this rank's pieces of it: `held` (in its
+    shard, owned by a peer) and `owned` (of its matrices, held by a peer), each sorted by
+    (peer, start); per peer, the elements of each."""
+
+    units: tuple[StorageUnit, ...]
+    held: tuple[_Piece, ...]
+    owned: tuple[_Piece, ...]
+    held_splits: tuple[int, ...]
+    owned_splits: tuple[int, ...]
+
+
+class Exchange:
+    """The exchanges of one sharded group's exchange buffer, for shard-group rank `rank` of
+    `size` on `group`: `units` are the buffer's storage units (one per bucket, buffer order);
+    `every`: buckets per batch (None: one batch per step)."""
+
+    def __init__(
+        self,
+        buffer: Buffer,
+        units: Sequence[StorageUnit],
+        rank: int,
+        size: int,
+        group: ProcessGroup | None,
+        every: int | None,
+    ) -> None:
+        self.group = group
+        if [u.buckets for u in units] != [(b,) for b in buffer.buckets]:
+            raise AssertionError("an exchange buffer's units are its buckets, in buffer order")
+        by_bucket: dict[int, list[Segment]] = {}
+        for s in segments(buffer):
+            by_bucket.setdefault(s.bucket, []).append(s)
+        self.batches = []
+        for batch in exchange_batches(len(buffer.buckets), every):
+            segs = [s for b in batch for s in by_bucket.get(b, ())]
+            held = sorted(
+                (
+                    _Piece(s.owner, units[s.bucket], s.start, s.end)
+                    for s in segs
+                    if s.holder == rank
+                ),
+                key=lambda p: (p.peer, p.start),
+            )
+            owned = sorted(
+                (
+                    _Piece(s.holder, units[s.bucket], s.start, s.end)
+                    for s in segs
+                    if s.owner == rank
+                ),
+                key=lambda p: (p.peer, p.start),
+            )
+            self.batches.append(
+                _Batch(
+                    tuple(units[b] for b in batch),
+                    tuple(held),
+                    tuple(owned),
+                    _splits(held, size),
+                    _splits(owned, size),
+                )
+            )
+
+    def grads(self, batches: Sequence[_Batch] | None = None) -> None:
+        """Finish the reductions of the units of `batches` (None: all), dispatching each
+        batch's exchange to the owners once its units are reduced; wait for every one."""
+        landing = []
+        for batch in self.batches if batches is None else batches:
+            for unit in batch.units:
+                unit.finish_reduce()
+            landing.append(self.grads_to_owners(batch))
+        _wait(landing, "the exchange of reduced gradients to their owners")
+
+    def params(self, batches: Sequence[_Batch] | None = None) -> None:
+        """Send the owners' updated pieces of `batches` (None: all) back to their holders."""
+        landing = [
+            self.params_to_holders(b) for b in (self.batches if batches is None else batches)
+        ]
+        _wait(landing, "the exchange of updated params to their holders")
+
+    def grads_to_owners(self, batch: _Batch) -> collectives.AllToAll:
+        """Dispatch the batch's reduced pieces to their owners (the batch's units reduced)."""
+        return collectives.all_to_all(
+            [p.unit.held_views(p.start, p.end)[1] for p in batch.held],
+            [p.unit.owned_views(p.start, p.end)[1] for p in batch.owned],
+            batch.held_splits,
+            batch.owned_splits,
+            self.group,
+            like=batch.units[0].grad,
+        )
+
+    def params_to_holders(self, batch: _Batch) -> collectives.AllToAll:
+        """Dispatch the owners' updated pieces of the batch back to the shards holding them."""
+        return collectives.all_to_all(
+            [p.unit.owned_views(p.start, p.end)[0] for p in batch.owned],
+            [p.unit.held_views(p.start, p.end)[0] for p in batch.held],
+            batch.owned_splits,
+            batch.held_splits,
+            self.group,
+            like=batch.units[0].param,
+        )
+
+
+def _splits(pieces: Sequence[_Piece], size: int) -> tuple[int, ...]:
+    """Elements per peer (group rank) of `pieces`."""
+    out = [0] * size
+    for p in pieces:
+        out[p.peer] += p.end - p.start
+    return tuple(out)
+
+
+def _wait(handles: Sequence[collectives.AllToAll], what: str) -> None:
+    with collectives.naming(what):
+        for h in handles:
+            h.wait()
