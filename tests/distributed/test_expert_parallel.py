@@ -109,6 +109,7 @@ MODES = {
     "overlap": dict(overlap_grad_reduce=True, overlap_param_gather=True),
     "fully_sharded": dict(reshard_after_forward=True, overlap_grad_reduce=True),
     "pipelined": dict(pipelined_step=True, overlap_grad_reduce=True),
+    "exchange": dict(strategy="exchange", bucket_size=1, overlap_grad_reduce=True),
 }
 
 
@@ -116,6 +117,8 @@ MODES = {
     ("layout", "mode", "dims"),
     [
         ("stacked", "zero", DP_EP),
+        ("stacked", "exchange", DP_EP),  # experts and dense params both exchanged
+        ("dtensor", "exchange", EP_TP),
         pytest.param("stacked", "overlap", DP_EP, marks=pytest.mark.slow),
         ("modules", "fully_sharded", DP_EP),
         ("stacked", "pipelined", DP_EP),

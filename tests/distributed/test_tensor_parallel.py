@@ -155,6 +155,8 @@ MORE = {
     "pipelined": dict(pipelined_step=True, overlap_grad_reduce=True),
     "overlapped_gathers": dict(overlap_grad_reduce=True, overlap_param_gather=True),
     "owners": dict(strategy="owners", bucket_size=1),
+    "exchange": dict(strategy="exchange", bucket_size=1),
+    "exchange-pipelined": dict(strategy="exchange", pipelined_step=True, exchange_every=1),
 }
 
 

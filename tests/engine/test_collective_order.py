@@ -69,10 +69,11 @@ def _recording() -> list[tuple]:
     `collectives` and torch's own functions: (op, group, elements, dtype)."""
     calls: list[tuple] = []
 
-    def record(op: str, fn: Callable) -> Callable:
+    def record(op: str, fn: Callable, sized: bool = True) -> Callable:
         def wrapped(*args, **kwargs):
             t = args[0]
-            calls.append((op, kwargs.get("group") or dist.group.WORLD, t.numel(), str(t.dtype)))
+            numel = t.numel() if sized else None  # an all-to-all's sizes differ by rank
+            calls.append((op, kwargs.get("group") or dist.group.WORLD, numel, str(t.dtype)))
             return fn(*args, **kwargs)
 
         return wrapped
@@ -80,6 +81,7 @@ def _recording() -> list[tuple]:
     dist.all_reduce = record("all_reduce", dist.all_reduce)
     dist.broadcast = record("broadcast", dist.broadcast)
     dist.reduce = record("reduce", dist.reduce)
+    dist.all_to_all_single = record("all_to_all", dist.all_to_all_single, sized=False)
     collectives._all_gather = record("all_gather", collectives._all_gather)
     collectives._reduce_scatter = record("reduce_scatter", collectives._reduce_scatter)
     return calls
@@ -166,6 +168,17 @@ MODES = {
         "tensorwise",
         False,
     ),
+    "exchange-overlap": (dict(strategy="exchange", **OVERLAP), None, False),
+    "exchange-pipelined-unchecked": (
+        dict(strategy="exchange", pipelined_step=True, exchange_every=1, **OVERLAP),
+        None,
+        True,
+    ),
+    "exchange-shard-groups-sync": (
+        dict(strategy="exchange", shard_group_size=2, overlap_grad_reduce=False),
+        None,
+        False,
+    ),
 }
 
 
@@ -180,6 +193,8 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(mode: str) -> 
     world = 4 if "shard_group_size" in ddp_kw else 2
     seqs = run_detail(_steps, world, ddp_kw, recipe, unchecked)
     assert len(seqs[0]) > 20  # construction, 4 steps and evaluations all issue collectives
+    if "exchange" in mode:  # not vacuous
+        assert any(call[0] == "all_to_all" for call in seqs[0])
     for rank, seq in enumerate(seqs[1:], start=1):
         for i, (a, b) in enumerate(zip(seqs[0], seq, strict=False)):
             assert a == b, f"collective #{i}: rank 0 issues {a}, rank {rank} issues {b}"
