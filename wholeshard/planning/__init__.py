@@ -14,8 +14,9 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   (`routing.Route`, `Route.matrix`; `routing.route_params` is the one routing decision).
 - plan: every buffer of a model for `dp` ranks in shard groups of `k` (`planning.Plan`).
 - buffer: one flat tensor holding params of one kind (`planning.Buffer`): "matrix" (whole
-  tensors), "stacked" (whole matrices of expert stacks), "adamw" (element-wise), or
-  "unaligned" (the ping-pong baseline's).
+  tensors), "stacked" (whole matrices of expert stacks), "exchange" (every param, matrices
+  owned apart from the shards that hold them), "adamw" (element-wise), or "unaligned" (the
+  ping-pong baseline's).
 - bucket: a contiguous range of a buffer, cut into `k` shards (`planning.Bucket`): equal ones,
   reduce-scattered and all-gathered, or an owner bucket's, of any length, reduced to and
   broadcast from each owner; each bucket is reduced and gathered as one unit of collectives.
@@ -34,11 +35,12 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   (`optim.OwnedPiece`).
 - scheme: how params are owned: "whole" (whole tensors in aligned shards: the design) or
   "ping_pong" (the legacy baseline).
-- sync scheme: how a bucket synchronizes (`Bucket.sync`): "equal_shards", "owners", or the
-  legacy "shard_broadcasts"; one description each in `sync`, of the collectives it issues.
+- sync scheme: how a bucket synchronizes (`Bucket.sync`): "equal_shards", "owners",
+  "exchange", or the legacy "shard_broadcasts"; one description each in `sync`, of the
+  collectives it issues.
 - strategy: how the whole-tensor planner assigns params to shards: "size_match", "balanced"
-  (equal shards), "owners" (owner buckets), or "auto" (balanced where it meets the plan
-  targets, else owners).
+  (equal shards), "owners" (owner buckets), "exchange" (`_exchange`), or "auto" (balanced
+  where it meets the plan targets, else owners).
 """
 
 from ._exchange import Segment, segments
