@@ -136,7 +136,7 @@ def _candidates(
         size = bucket_size_for(shapes.used, k, name) if bucket_size is None else bucket_size
         elementwise = shapes.elementwise(k, size)
         limit = bucket_limit_at(target, elementwise)
-        why = shapes.hopeless(k, limit, equal_shards=name != "owners")
+        why = shapes.hopeless(k, limit, equal_shards=name in ("balanced", "size_match"))
         planned_none = not any(a.figures for a in attempts)
         if why is not None and not (force and planned_none and name == names[-1]):
             attempts.append(Attempt(k, name, None, why))

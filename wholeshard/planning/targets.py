@@ -83,9 +83,10 @@ def largest_unit(plan: Plan) -> int:
 
 def bucket_size_for(used: int, k: int, strategy: str) -> int:
     """The default bucket size of a plan at k: `default_bucket_size(used, k)` for equal shards
-    (a bucket is reduce-scattered over k ranks, so it is sized for k); with owner buckets, which
-    need no room per rank, the size for one rank."""
-    return default_bucket_size(used, 1 if strategy == "owners" else k)
+    of whole matrices (a bucket is reduce-scattered over k ranks, so it is sized for k); with
+    owner buckets, which need no room per rank, and exchange buckets, which close at a layer's
+    end once they hold it (so a large model's layer is a bucket), the size for one rank."""
+    return default_bucket_size(used, 1 if strategy in ("owners", "exchange") else k)
 
 
 class Shapes:
@@ -95,6 +96,7 @@ class Shapes:
         self, specs: tuple[ParamSpec, ...], align: int, matrix_cost: MatrixCost | None
     ) -> None:
         self.align, self.matrix_cost = align, matrix_cost
+        self.specs = specs
         self.by_kind = specs_by_kind(specs)
         whole = self.by_kind.get("matrix", [])
         self.used = sum(s.numel for s in specs)
@@ -141,7 +143,8 @@ class Shapes:
     ) -> Plan:
         """What `plan_exactly` makes of the specs at k with `strategy` (not "auto"), not yet
         checked (the specs are validated), given its element-wise buffer."""
-        by_kind, cost = self.by_kind, self.matrix_cost
+        cost = self.matrix_cost
+        by_kind = specs_by_kind(self.specs, strategy) if strategy == "exchange" else self.by_kind
         buffers = tuple(
             elementwise
             if kind == "adamw"
