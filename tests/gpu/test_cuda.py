@@ -75,6 +75,23 @@ def test_owner_buckets_of_several_owners_on_cuda_match_the_reference() -> None:
         assert_matches(out, ref)
 
 
+@pytest.mark.parametrize(
+    "ddp_kw",
+    [OVERLAP, dict(pipelined_step=True, exchange_every=1, **OVERLAP)],
+    ids=["overlap", "pipelined-per-bucket"],
+)
+def test_exchange_strategy_on_cuda_matches_the_reference(ddp_kw: dict) -> None:
+    """The exchange's all-to-alls of CUDA tensors ([Note: exchange buffers]): NCCL at world
+    size 1 (nothing to exchange), gloo at 3 ranks."""
+    kw = dict(bucket_size=3000, strategy="exchange", **ddp_kw)
+    [one] = run_cuda(_run, 1, 3, backend="nccl", ddp_kw=kw)
+    outs = run_cuda(_run, 3, 3, ddp_kw=kw)
+    cuda_deterministic()
+    ref = reference_run(3, device="cuda")
+    for out in [one, *outs]:
+        assert_matches(out, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_overlap_and_fully_sharded_are_bitwise_sync_on_cuda(dtype: torch.dtype) -> None:
     kw = dict(param_dtype=dtype, evaluate=True)
