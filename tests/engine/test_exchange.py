@@ -128,3 +128,22 @@ def test_checkpoints_load_across_schemes_and_world_sizes(tmp_path, save, load) -
     ref = reference_run(4)
     for out in outs:
         assert_matches(out | {"losses": ref["losses"]}, ref, torch.float32)  # params only
+
+
+def _without_all_to_all() -> str:
+    import torch.distributed as dist
+
+    def lacking(*args, **kwargs):
+        raise RuntimeError("ProcessGroupX does not support alltoall_base")
+
+    dist.all_to_all_single = lacking
+    try:
+        wholeshard_run(1, ddp_kw=EXCHANGE)
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_backend_without_all_to_all_is_named_on_every_rank() -> None:
+    for said in run(_without_all_to_all, 2):
+        assert "has no all-to-all with split sizes" in said and "strategy" in said, said
