@@ -178,6 +178,13 @@ CONFIGS: dict[str, BenchConfig] = {
             pipelined_step=True,
         ),
         wholeshard(
+            "ws_exchange",
+            "ws_overlap with the exchange strategy: per-layer reduce-scatter, each matrix's "
+            "pieces sent to its owner and back by one all-to-all each way a step",
+            strategy="exchange",
+            **_OVERLAP,
+        ),
+        wholeshard(
             "ws_fully_sharded",
             "wholeshard fully sharded (reshard after forward) + overlap, own all-gather group",
             reshard_after_forward=True,
