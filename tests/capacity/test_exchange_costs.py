@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +18,19 @@ from wholeshard.capacity._exchange import exchange_slots
 from wholeshard.capacity.alpha_beta import FABRICS, Span, all_to_all_price, price
 from wholeshard.capacity.choice import plan_and_choice
 from wholeshard.capacity.costs import Mode, owned, plan_costs
-from wholeshard.capacity.equal_shards import equal_shard_collectives
+from wholeshard.capacity.equal_shards import (
+    equal_shard_collectives,
+    matrix_shapes,
+    megabatch_all_to_alls,
+)
 from wholeshard.capacity.presets import preset
-from wholeshard.capacity.projection import comm_price, project, rank_ns_flops, step_comm_price
+from wholeshard.capacity.projection import (
+    GPUS,
+    comm_price,
+    project,
+    rank_ns_flops,
+    step_comm_price,
+)
 from wholeshard.capacity.strategy_choice import figures
 from wholeshard.engine.config import DataParallelConfig
 from wholeshard.planning import ParamSpec, plan_exactly
@@ -28,8 +42,8 @@ INTRA, INTER = FABRIC.intra, FABRIC.inter
 ZERO = Mode(param_dtype="bfloat16", grad_reduce_dtype="float32")
 SHARDED = dataclasses.replace(ZERO, reshard_after_forward=True)
 GIB = 1024**3
-H100 = 989e12
-"""The dense bf16 flop/s the projection charges Newton-Schulz at on `h100` (`GPUS`)."""
+H100 = GPUS["h100"][0]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _toy() -> list[ParamSpec]:
@@ -218,8 +232,8 @@ WHOLE_COPIES = (
     "it owns (params and grads), about twice the params and grads today's plan keeps"
 )
 LAYER_GATHER = (
-    "fully sharded, a gathered unit is a whole layer (or more: the default bucket size merges "
-    "layers at dp 256+), where today's owner buckets gather 40M-element pieces"
+    "fully sharded, a gathered unit is a whole layer (or several, where the default bucket size "
+    "is larger), where today's owner buckets gather 40M-element pieces"
 )
 MISSES = {
     **{(p, dp, "device_bytes"): WHOLE_COPIES
@@ -255,3 +269,36 @@ def test_issue_45_done_when(name: str, dp: int, sharded: bool, figure: str) -> N
     sharded peak (qwen3-30b-a3b at dp 64: under 10 GiB), on nvlink4-ndr400."""
     value, bound = _done_when(name, dp, sharded)[figure]
     assert value <= bound, (value, bound)
+
+
+def test_dion_style_megabatches_are_dense_all_to_alls_per_shape() -> None:
+    """Per shape, ceil(count / dp) megabatches of dp padded matrices, each a dense all-to-all
+    to the owners (grad dtype) and one back (param dtype), n - 1 peers each way."""
+    specs = [ParamSpec(f"layers.{i}.w", (10, 6), matrix=True) for i in range(5)]
+    specs += [ParamSpec("layers.0.experts", (7, 3, 6), matrix=True)]
+    specs += [ParamSpec("norm.weight", (6,), matrix=False)]
+    assert matrix_shapes(specs) == {(10, 6): 5, (3, 6): 7}
+    got = megabatch_all_to_alls(specs, 4, ZERO)
+    assert len(got) == 2 * (2 + 2)
+    assert {(c.op, c.peers, c.ranks) for c in got} == {("all_to_all", 3, 4)}
+    wide = [c for c in got if c.numel == 3 * 3 * 6]  # dp - 1 row shards of 3 padded rows
+    assert len(wide) == 4 and {c.dtype for c in wide} == {"float32", "bfloat16"}
+    assert all(c.received == c.numel for c in got)
+    assert megabatch_all_to_alls(specs, 1) == []
+
+
+def test_the_documented_exchange_model_is_what_the_code_prices() -> None:
+    """docs/results/exchange-model.json (rendered into docs/planning.md) for the fast presets:
+    rerun `python tools/measure_exchange_model.py` when the costs or their prices change."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        measure = importlib.import_module("measure_exchange_model")
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    doc = json.loads((REPO / "docs" / "results" / "exchange-model.json").read_text())
+    rows = {(r["preset"], r["dp"]): r for r in doc["rows"]}
+    assert set(rows) == {(p, dp) for p in measure.PRESET_NAMES for dp in measure.DPS}
+    for dp in measure.DPS:
+        row, choices = measure.one("llama3-8b", dp, GPUS[doc["gpu"]][0])
+        assert row == rows["llama3-8b", dp]
+        assert choices == [c for c in doc["choices"] if (c["preset"], c["dp"]) == ("llama3-8b", dp)]

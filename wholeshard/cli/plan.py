@@ -98,6 +98,8 @@ def plan_json(
         }
         if buffer.kind == "stacked":  # the owner of each matrix, in order
             entry["matrix_owners"] = [m.owner for m in matrices(p, buffer.buckets)]
+        elif len(p.owners) > 1:  # a stack in an exchange buffer
+            entry["matrix_owners"] = list(p.owners)
         params.append(entry)
     return {
         "dp": plan.dp_size,
