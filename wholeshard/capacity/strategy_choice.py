@@ -20,11 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..planning.plan import Plan
 from ..planning.specs import ParamSpec
-from .alpha_beta import Fabric
+from .alpha_beta import FABRICS, Fabric
 from .choice import plan_and_choice
-from .costs import Mode, plan_costs
+from .costs import Costs, plan_costs
 from .projection import GPUS, rank_ns_flops, step_comm_price
 
 COMPARED = ("balanced", "owners", "exchange")
@@ -49,13 +48,10 @@ class StrategyFigures:
         return {n: getattr(self, n) for n in names}
 
 
-def figures(
-    plan: Plan, specs: Sequence[ParamSpec], mode: Mode, fabric: Fabric, gpu: str
-) -> StrategyFigures:
-    """The step figures of `plan` (planned from `specs`) in `mode` on `fabric` and `gpu`."""
-    costs = plan_costs(plan, specs, mode)
+def figures(costs: Costs, fabric: Fabric, gpu: str) -> StrategyFigures:
+    """The step figures of `costs` (a plan's, in a mode) on `fabric` and `gpu`."""
     comm = step_comm_price(costs, fabric)
-    ns = max(rank_ns_flops(plan)) / GPUS[gpu][0]
+    ns = max(rank_ns_flops(costs.plan)) / GPUS[gpu][0]
     return StrategyFigures(len(costs.collectives), comm.latency_s, comm.bandwidth_s, ns)
 
 
@@ -103,17 +99,16 @@ class StrategyChoice:
 
 
 def strategy_choice(
-    plan: Plan,
+    costs: Costs,
     specs: Sequence[ParamSpec],
-    mode: Mode,
-    fabric_name: str,
-    fabric: Fabric,
+    fabric: str,
     gpu: str,
     bucket_size: int | None = None,
 ) -> StrategyChoice:
-    """[Note: strategy figures] of `plan` (planned from `specs` with `bucket_size`) in `mode`
-    on `fabric` (named `fabric_name`) and `gpu`."""
-    found = {plan.strategy: figures(plan, specs, mode, fabric, gpu)}
+    """[Note: strategy figures] of the plan of `costs` (planned from `specs` with
+    `bucket_size`) in its mode on `fabric` (a key of `FABRICS`) and `gpu` (of `GPUS`)."""
+    plan, mode, links = costs.plan, costs.mode, FABRICS[fabric]
+    found = {plan.strategy: figures(costs, links, gpu)}
     unplanned = {}
     for name in COMPARED:
         if name in found:
@@ -129,7 +124,7 @@ def strategy_choice(
         except ValueError as e:  # no plan of this strategy for these settings
             unplanned[name] = str(e).splitlines()[0]
             continue
-        found[name] = figures(other, specs, mode, fabric, gpu)
+        found[name] = figures(plan_costs(other, specs, mode), links, gpu)
     rest = [s for s in COMPARED if s in found and s != plan.strategy]
     runner_up = min(rest, key=lambda s: found[s].step_s, default=None)
-    return StrategyChoice(plan.strategy, runner_up, found, fabric_name, gpu, unplanned)
+    return StrategyChoice(plan.strategy, runner_up, found, fabric, gpu, unplanned)

@@ -303,9 +303,7 @@ def main(args: argparse.Namespace) -> int:
         costs = plan_costs(plan, specs, mode)
         projected = hint = None
         fabric = args.fabric or CHOICE_FABRIC
-        strategies = strategy_choice(
-            plan, specs, mode, fabric, FABRICS[fabric], args.gpu, args.bucket_size
-        )
+        strategies = strategy_choice(costs, specs, fabric, args.gpu, args.bucket_size)
         if args.fabric is not None:
             projected = project(costs, args.fabric, args.gpu)
             settings = {"strategy": args.strategy, "shard_group_size": args.shard_group_size}
