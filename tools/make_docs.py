@@ -39,6 +39,9 @@ REQUIRED = {
     "bench": "docs/benchmarks.md",
     "plans-recommended": "docs/planning.md",
     "plans-latency": "docs/planning.md",
+    "exchange-model": "docs/planning.md",
+    "exchange-choices": "docs/planning.md",
+    "exchange-gloo": "docs/planning.md",
     "compat": "docs/compat.md",
 }
 """Blocks that must exist (on that page): `--check` fails when a marker goes missing."""
@@ -620,6 +623,78 @@ def plans_latency() -> list[str]:
     return [header, "", *table(head, "lrlrrrrrrrrr", body)]
 
 
+DESIGNS = {
+    "auto": "today's default",
+    "exchange": "exchange",
+    "equal_shards": "equal shards (FSDP2 floor)",
+    "dion": "dion-style (padded megabatches)",
+}
+"""The designs of the exchange model's table, in its order."""
+
+
+def exchange_model() -> list[str]:
+    """Per preset and dp: today's default plan, the exchange plan, equal shards and the
+    dion-style form, priced under both bandwidth models."""
+    doc = load("exchange-model.json")
+    gib = 1024**3
+    body = []
+    for r in doc["rows"]:
+        for key, words in DESIGNS.items():
+            d = r["designs"][key]
+            ns = d["newton_schulz_s"]
+            bw = d["bandwidth_s"]
+            steps = [d["latency_s"] + bw[m] + (ns or 0) for m in ("N", "P")]
+            name = f"{words} ({r['auto_strategy']})" if key == "auto" else words
+            body.append([
+                r["preset"], r["dp"], name, f"{d['collectives']:,}", f"{d['latency_s']:.3f}",
+                f"{d['bytes_sent'] / gib:,.1f}", f"{bw['N']:.3f}", f"{bw['P']:.3f}",
+                "-" if ns is None else f"{ns:.4f}", f"{steps[0]:.3f}", f"{steps[1]:.3f}",
+            ])  # fmt: skip
+    head = ["preset", "dp", "design", "collectives", "latency s", "GiB sent", "bandwidth s (N)",
+            "bandwidth s (P)", "Newton-Schulz s", "step s (N)", "step s (P)"]  # fmt: skip
+    how = "python tools/measure_exchange_model.py"
+    extra = f"priced on `{doc['fabric']}` with `{doc['gpu']}`"
+    header = measured(doc["date"], doc["machine"], how, "docs/results/exchange-model.json", extra)
+    return [header, "", *table(head, "lrlrrrrrrrr", body)]
+
+
+def exchange_choices() -> list[str]:
+    """Where the fastest of balanced, owners and exchange is not what the rule "balanced where
+    it meets the targets, else exchange" picks, on every fabric."""
+    doc = load("exchange-model.json")
+    rows = [c for c in doc["choices"] if c["rule"] != c["winner"]]
+    body = [
+        [c["preset"], c["dp"], f"`{c['fabric']}`", c["rule"], c["winner"],
+         *(f"{c['step_s'][s]:.3f}" for s in ("balanced", "owners", "exchange"))]
+        for c in rows
+    ]  # fmt: skip
+    head = ["preset", "dp", "fabric", "rule picks", "fastest", "balanced step s",
+            "owners step s", "exchange step s"]  # fmt: skip
+    agree = len(doc["choices"]) - len(rows)
+    how = "python tools/measure_exchange_model.py"
+    extra = f"{agree} of {len(doc['choices'])} (preset, dp, fabric) agree"
+    header = measured(doc["date"], doc["machine"], how, "docs/results/exchange-model.json", extra)
+    return [header, "", *table(head, "lrlllrrr", body)]
+
+
+def exchange_gloo() -> list[str]:
+    """One bucket's reduction and gather, gloo on this CPU: reduce-scatter + exchange against
+    today's owner groups."""
+    doc = load("exchange-gloo.json")
+    body = [
+        [r["ranks"], r["mb"], r["matrices"], f"{r['owner_group_ms']:.1f}",
+         f"{r['exchange_ms']:.1f}", f"{r['exchange_ms'] / r['owner_group_ms']:.2f}",
+         f"{r['reduce_scatter_ms']:.1f}", f"{r['all_to_all_ms']:.1f}"]
+        for r in doc["rows"]
+    ]  # fmt: skip
+    head = ["ranks", "MB", "matrices", "owner groups ms", "reduce-scatter + exchange ms",
+            "ratio", "of which reduce-scatter + all-gather ms", "all-to-alls ms"]  # fmt: skip
+    how = "python tools/measure_exchange.py"
+    extra = f"median of {doc['repeats']}"
+    header = measured(doc["date"], doc["machine"], how, "docs/results/exchange-gloo.json", extra)
+    return [header, "", *table(head, "rrrrrrrr", body)]
+
+
 # -- results: resident memory -----------------------------------------------------------------
 
 
@@ -696,6 +771,9 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "plans-every-k": plans_every_k,
     "plans-scale": scale,
     "plans-latency": plans_latency,
+    "exchange-model": exchange_model,
+    "exchange-choices": exchange_choices,
+    "exchange-gloo": exchange_gloo,
     "rss": rss,
     "compat": compat,
 }

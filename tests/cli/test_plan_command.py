@@ -74,8 +74,22 @@ def test_json_has_every_field_with_its_type(
         "per_rank",
         "per_step",
         "assumed_dtypes",
+        "strategy_choice",
     }
     assert (doc["dp"], doc["shard_group_size"], doc["strategy"]) == (4, 2, "balanced")
+    choice = doc["strategy_choice"]
+    assert set(choice) == {"chosen", "runner_up", "fabric", "gpu", "figures", "unplanned"}
+    assert (choice["chosen"], choice["fabric"], choice["gpu"]) == (
+        "balanced",
+        "nvlink4-ndr400",
+        "h100",
+    )
+    assert set(choice["figures"]) == {"balanced", "owners", "exchange"} and not choice["unplanned"]
+    others = {s: f["step_s"] for s, f in choice["figures"].items() if s != "balanced"}
+    assert choice["runner_up"] == min(others, key=others.__getitem__)
+    for f in choice["figures"].values():
+        terms = f["latency_s"] + f["bandwidth_s"] + f["newton_schulz_s"]
+        assert f["step_s"] == pytest.approx(terms) and isinstance(f["collectives"], int)
     assert doc["bucket_size"] == 4096
     for field in ("padding_fraction", "ns_cost_imbalance", "plan_seconds"):
         assert isinstance(doc[field], float) and doc[field] >= 0
@@ -239,25 +253,26 @@ def test_offload_state_splits_memory_between_device_and_host(
 
 def test_the_table_leads_with_what_a_user_decides_on(capsys: pytest.CaptureFixture[str]) -> None:
     """The model and its ranks, then the mode, memory per rank, step time (here: how to project
-    it) and traffic; the plan's detail (strategy and why, buckets, padding, Newton-Schulz) and
-    the bucket tables after them."""
+    it) and traffic; the plan's detail (strategy and why, the other strategies' steps, buckets,
+    padding, Newton-Schulz) and the bucket tables after them."""
     code, out, _ = run(["--preset", "llama3-8b", "--dp", "8"], capsys)
     assert code == 0
     labels = [line.split("  ")[0] for line in out.splitlines() if line[:1] not in ("", " ")]
-    assert labels[:11] == [
+    assert labels[:12] == [
         "llama3-8b: 8.03B params (291 tensors) on 8 ranks, one shard group",
         "mode",
         "memory per rank",
         "step time",
         "traffic per step",
         "plan",
+        "strategies",
         "shard groups",
         "buckets",
         "padding",
         "Newton-Schulz",
         "planned in",
     ]
-    assert labels[11].startswith("buffer 0 (matrix, whole tensors)")
+    assert labels[12].startswith("buffer 0 (matrix, whole tensors)")
     assert "not projected: name the network with --fabric (nvlink3-hdr200," in lead(out)
     specs = preset("llama3-8b")
     costs = plan_costs(plan_for(specs, 8), specs, Mode(param_dtype="bfloat16"))
@@ -647,3 +662,28 @@ def test_tp_plans_each_ranks_slices_and_reports_newton_schulz_traffic(
     assert out.startswith("llama3-8b (one tp rank's slices of 2): 4.54B params")
     code, _, err = run(["--preset", "llama3-8b", "--dp", "8", "--tp", "3"], capsys)
     assert code == 2 and "does not split evenly over tp=3" in err
+
+
+def test_exchange_strategy_shows_its_buffer_all_to_alls_and_the_runner_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--strategy exchange`: one exchange buffer, two all-to-alls a step (to the owners and
+    back) in the traffic line with their bytes, and the strategies line beside the others."""
+    argv = ["--preset", "llama3-8b", "--dp", "64", "--strategy", "exchange"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    assert "buffer 0 (exchange, whole matrices exchanged to owners" in out
+    traffic = " ".join(out.split("traffic per step")[1].split("\n\n")[0].split())
+    assert "2 all_to_all" in traffic and "of it in the all-to-alls, rank" in traffic
+    strategies = " ".join(out.split("strategies")[1].split("shard groups")[0].split())
+    assert strategies.startswith("chosen exchange") and "runner-up" in strategies
+    code, out, _ = run([*argv, "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 0 and [b["kind"] for b in doc["buffers"]] == ["exchange"]
+    assert doc["per_step"]["collectives"]["all_to_all"] == 2
+    assert doc["per_step"]["bytes_sent_by_op"]["all_to_all"] > 0
+    choice = doc["strategy_choice"]
+    assert choice["chosen"] == "exchange" and choice["runner_up"] in ("balanced", "owners")
+    exchange, owners = choice["figures"]["exchange"], choice["figures"]["owners"]
+    assert exchange["step_s"] < owners["step_s"]
+    assert exchange["newton_schulz_s"] == pytest.approx(owners["newton_schulz_s"])

@@ -70,3 +70,16 @@ def test_owners_are_the_owner_strategys_and_each_element_crosses_once(preset: st
 def test_batches_cover_the_buckets_in_order() -> None:
     assert exchange_batches(5, None) == [range(0, 5)]
     assert exchange_batches(5, 2) == [range(0, 2), range(2, 4), range(4, 5)]
+
+
+@pytest.mark.parametrize("shape", [(), (7,)])
+def test_a_muon_param_of_fewer_than_two_dims_is_owned_whole(shape: tuple[int, ...]) -> None:
+    """Routed to Muon by a shapes file, a scalar or vector has no matrix: one rank owns it
+    whole, as in a "matrix" buffer (found by tests/cli/test_fuzz_cli.py)."""
+    specs = [ParamSpec("a.w", (6, 4), matrix=True), ParamSpec("a.v", shape, matrix=True)]
+    plan = plan_exactly(specs, 2, bucket_size=1, strategy="exchange", align=8)
+    (buffer,) = plan.buffers
+    vector = buffer.placements[1]
+    assert len(vector.owners) == 1 and vector.owner is None
+    (owned,) = [piece for r in range(2) for piece in buffer.owned(r) if piece[0] == vector]
+    assert owned == (vector, 0, vector.numel)

@@ -14,7 +14,22 @@ A collective over n ranks, `per_node` of them on each of `nodes` nodes (`Span`),
   algorithm only), n - 1 hops;
 - reduce_coalesced, broadcast_coalesced (an owner bucket's reduces, or broadcasts, one per
   owner, issued as one group: `distributed.collectives`): their chains run at once, so the
-  group takes one chain's n - 1 hops, and its bytes are those of one chain over the bucket.
+  group takes one chain's n - 1 hops, and its bytes are those of one chain over the bucket;
+- all_to_all (an exchange buffer's, `planning.sync.exchange`): NCCL has no all-to-all algorithm:
+  torch issues `all_to_all_single` as grouped point-to-point, one send and one receive per peer
+  inside one group (`ncclGroupStart/End`). Priced pairwise (the MPICH pairwise exchange's (p-1)
+  alpha, an upper bound: NCCL spreads a group's peers over its channels and runs several at
+  once): one alpha per peer the rank moves anything to or from (`peers`; zero-size pairs are not
+  sent). A record carries how many peers, not which, so min(peers, per_node - 1) of them are
+  charged the intra-node alpha and the rest the network's: exact for a dense all-to-all (n - 1
+  peers, per_node - 1 of them in the node), and for a sparse one the fewest network hops its
+  count allows (a rank's peers are the owners of the matrices around its shard, dealt by cost
+  anywhere): it undercharges such a one by at most (per_node - 1) x (network - intra-node
+  alpha), 43 us on nvlink4-ndr400. Bandwidth: the larger of the bytes the rank sends and
+  receives, at one NIC's beta when the group spans nodes (each message is point-to-point: it
+  leaves through the NIC of its GPU, not over a ring of the node's NICs; the bytes to peers in
+  the node, over NVLink, are charged at that rate too, an upper bound), else the intra-node
+  link.
 
 Of a ring's or chain's hops, nodes - 1 (twice that for an all-reduce's ring) cross nodes and
 cost the inter-node alpha, the others the intra-node one, as NCCL's tuning model counts them
@@ -51,6 +66,7 @@ ALGORITHMS = {
     "broadcast": "chain",
     "reduce_coalesced": "chains at once",
     "broadcast_coalesced": "chains at once",
+    "all_to_all": "point-to-point, one message per peer",
 }
 """The collective kinds priced here, and the algorithm each is priced by."""
 
@@ -137,9 +153,14 @@ class Price:
 def price(op: str, span: Span, sent: int, payload: int, fabric: Fabric) -> Price:
     """One `op` over `span` ([Note: alpha-beta prices]): `sent` bytes one rank sends by the
     ring (or chain) algorithm, `payload` the collective's tensor in bytes (an all-reduce's
-    tree sends twice that). ValueError for a kind not in `ALGORITHMS`."""
+    tree sends twice that). ValueError for a kind not in `ALGORITHMS`, and for an all-to-all
+    (`all_to_all_price`)."""
     if op not in ALGORITHMS:
         raise ValueError(f"unknown collective {op!r}; one of {sorted(ALGORITHMS)}")
+    if op == "all_to_all":
+        raise ValueError(
+            "an all_to_all is priced by its peers and both directions: use all_to_all_price"
+        )
     n = span.ranks
     if n <= 1:
         return Price(0.0, 0.0)
@@ -155,3 +176,14 @@ def price(op: str, span: Span, sent: int, payload: int, fabric: Fabric) -> Price
     tree_hops = 2 * ((span.per_node - 1) * intra.latency + depth * inter.latency)
     tree = Price(tree_hops, 2 * payload / beta)
     return min(ring, tree, key=lambda p: p.seconds)
+
+
+def all_to_all_price(span: Span, sent: int, received: int, peers: int, fabric: Fabric) -> Price:
+    """One rank's all-to-all over `span` ([Note: alpha-beta prices]): `sent` and `received`
+    bytes, to and from `peers` other ranks."""
+    if span.ranks <= 1 or peers == 0:
+        return Price(0.0, 0.0)
+    near = min(peers, span.per_node - 1)
+    latency = near * fabric.intra.latency + (peers - near) * fabric.inter.latency
+    beta = fabric.intra.bandwidth if span.nodes == 1 else fabric.inter.bandwidth
+    return Price(latency, max(sent, received) / beta)

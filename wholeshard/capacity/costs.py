@@ -6,9 +6,11 @@ The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and iss
 `_storage`, `_schedule` and `optim`), for one shard-group rank r:
 
 - `params`, `grads` (what `DataParallel.memory()` calls them): every storage unit's full
-  buffers (ZeRO-1/2), or only rank r's shard of each bucket when fully sharded; in the param
-  and grad-reduce dtypes. Fully sharded means `reshard_after_forward` with more than one rank
-  per shard group (the engine ignores it otherwise).
+  buffers (ZeRO-1/2), or only rank r's shard of each bucket when fully sharded, and then, of an
+  exchange buffer, also a whole copy of every matrix r owns (the optimizer's whole-matrix views,
+  kept between steps); in the param and grad-reduce dtypes. Fully sharded means
+  `reshard_after_forward` with more than one rank per shard group (the engine ignores it
+  otherwise).
 - `masters`: an fp32 copy of every element r owns when the param dtype is not float32, else of
   the owned Muon weights stored transposed (`Mode.transposed`); `master_grads` (not in
   `memory()`): an fp32 grad for each such master, and for every owned piece when the
@@ -29,12 +31,16 @@ shards across them) and, when k > 1, its gather (param dtype: an all-gather per 
 broadcasts with `param_sync="broadcast"`, an owner bucket's `broadcast_coalesced`), twice when
 fully sharded (forward and backward) except for the units kept gathered from forward to
 backward: the first in reduce order and those holding params of the root module (names without a
-dot); fully sharded with `overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit
+dot); of an exchange buffer, per batch of its buckets (`sync.exchange_batches` of
+`Mode.exchange_every`), one all-to-all of the reduced matrix pieces to their owners (grad dtype)
+and one back (param dtype), whose sizes and peers differ from rank to rank (`exchange_slots`:
+the buffer's `segments` grouped by rank once and cached, since a dp-1024 plan has about 100K of
+them); fully sharded with `overlap_grad_reduce`, one int32 all-reduce over dp of a flag per unit
 (which units every rank ran all the modules of: [Note: collective order] in the engine's
 `_schedule`); one float64 step check of 4 + (number of params) values over dp ranks; one fp32
 norm over the shard group when clipping and k > 1. `ring_bytes` charges each what a
 bandwidth-optimal ring sends per rank (the table of `wholeshard.bench.traffic`; here over the
-op's own group).
+op's own group), and an all-to-all what the rank sends.
 
 Not modelled: frozen params and module buffers (not in a plan), FP8 param gather, the ping-pong
 scheme, activation checkpointing (re-gathers in backward), evaluation forwards, the gloo or
@@ -52,7 +58,7 @@ from typing import Any
 
 from ..engine.config import DataParallelConfig, Variant
 from ..planning.plan import Plan
-from ..planning.specs import ParamSpec, matrices
+from ..planning.specs import ParamSpec, is_int, matrices
 from ..planning.sync import (
     ELEMENT_BYTES,
     PARAM_SYNCS,
@@ -66,6 +72,7 @@ from ..planning.sync import Collective as Collective
 from ..planning.sync import ring_bytes as ring_bytes
 from ..planning.units import Unit, storage_units
 from . import _lifetimes
+from ._exchange import exchange_slots
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,9 @@ class Mode:
     dtype (DataParallel's None means the model's own: give it here). `clip_grad_norm`: the
     step calls `clip_grad_norm_` (the train job always does). `transposed`: names of Muon
     weights stored (in, out), which keep fp32 masters even in float32. `offload_state`: the
-    optimizer keeps masters and state in host memory (`LayerwiseOptimizer(offload_state=)`)."""
+    optimizer keeps masters and state in host memory (`LayerwiseOptimizer(offload_state=)`).
+    `exchange_every`: an exchange buffer's buckets per all-to-all batch (None: one batch a
+    step; the engine's `Variant.exchange_every`)."""
 
     reshard_after_forward: bool = False
     param_dtype: str = "float32"
@@ -86,12 +95,16 @@ class Mode:
     clip_grad_norm: bool = True
     transposed: frozenset[str] = field(default_factory=frozenset)
     offload_state: bool = False
+    exchange_every: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "grad_reduce_dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name)))
         if self.param_sync not in PARAM_SYNCS:
             raise ValueError(f"param_sync must be one of {PARAM_SYNCS}: {self.param_sync!r}")
+        every = self.exchange_every
+        if every is not None and (not is_int(every) or every < 1):
+            raise ValueError(f"exchange_every must be None or an int >= 1, got {every!r}")
         object.__setattr__(self, "transposed", frozenset(self.transposed))
 
     @classmethod
@@ -114,6 +127,7 @@ class Mode:
             overlap_grad_reduce=config.overlap_grad_reduce,
             overlap_param_gather=config.overlap_param_gather,
             param_sync=(variant or Variant()).param_sync,
+            exchange_every=getattr(variant, "exchange_every", None),
             **rest,
         )
 
@@ -126,10 +140,13 @@ class Owned:
     adamw: int = 0
     adamw_pieces: int = 0
     transposed: int = 0  # Muon elements of weights stored (in, out)
+    exchanged: int = 0  # of `matrix`, an exchange buffer's (kept whole when fully sharded)
 
 
 def owned(plan: Plan, transposed: frozenset[str] = frozenset()) -> list[Owned]:
-    """Per shard-group rank, what it owns (as `Buffer.owned` deals it), in one pass."""
+    """Per shard-group rank, what it owns (as `Buffer.owned` deals it), in one pass over the
+    placements (`Buffer.owned` walks them all once per rank: about 30 s for moe-256x at dp
+    1024)."""
     out = [Owned() for _ in range(plan.shard_group_size)]
     for buffer in plan.buffers:
         for p in buffer.placements:
@@ -139,7 +156,13 @@ def owned(plan: Plan, transposed: frozenset[str] = frozenset()) -> list[Owned]:
             elif buffer.kind == "stacked":
                 for m in matrices(p, buffer.buckets):
                     out[m.owner].matrix += m.end - m.start
-            elif buffer.kind == "adamw":
+            elif buffer.kind == "exchange" and p.owners:  # each matrix whole by its owner
+                unit = p.numel // len(p.owners)
+                for rank in p.owners:
+                    out[rank].matrix += unit
+                    out[rank].exchanged += unit
+                    out[rank].transposed += unit if p.name in transposed else 0
+            elif buffer.kind in ("adamw", "exchange"):  # element-wise: what each shard holds
                 b = buffer.buckets[p.bucket]
                 for r in range(b.owner(p.start), b.owner(p.end - 1) + 1):
                     lo, hi = b.shard(r)
@@ -163,9 +186,10 @@ def fully_sharded(plan: Plan, mode: Mode) -> bool:
     return mode.reshard_after_forward and plan.dp_size > 1 and plan.shard_group_size > 1
 
 
-def _kept(plan: Plan, mode: Mode) -> list[int]:
-    """Per shard-group rank, the buffer elements it keeps between steps: all of them, or its
-    shards when fully sharded (one pass over the buckets: an owner bucket lists its owners)."""
+def _kept(plan: Plan, mode: Mode, mine: Sequence[Owned]) -> list[int]:
+    """Per shard-group rank, the buffer elements it keeps between steps: all of them, or when
+    fully sharded its shards and a whole copy of each exchanged matrix it owns (`mine`), in one
+    pass over the buckets (an owner bucket lists its owners)."""
     k = plan.shard_group_size
     if not fully_sharded(plan, mode):
         return [plan.numel] * k
@@ -177,7 +201,7 @@ def _kept(plan: Plan, mode: Mode) -> list[int]:
                 continue
             for r, lo, hi in b.shards():
                 kept[r] += hi - lo
-    return [n + equal for n in kept]
+    return [n + equal + o.exchanged for n, o in zip(kept, mine, strict=True)]
 
 
 def _persistent(mode: Mode, mine: Owned, kept: int) -> dict[str, int]:
@@ -204,13 +228,15 @@ def step_collectives(
 ) -> list[Collective]:
     """Every collective shard-group rank `rank` issues in one training step, as a multiset
     (within a step the order depends on the schedule); empty at dp 1 ([Note: plan costs]). Only
-    the all-reduce across replicas of an owner bucket's shard differs between ranks."""
+    the all-reduce across replicas of an owner bucket's shard and an exchange buffer's
+    all-to-alls differ between ranks."""
     dp, k = plan.dp_size, plan.shard_group_size
     if dp == 1:
         return []
     units = _units(plan, specs)
     grad, param, sync = mode.grad_reduce_dtype, mode.param_dtype, mode.param_sync
     out = [c for u in units for c in unit_reduce(u.buckets, k, dp // k, rank, grad, sync)]
+    out += [slot[rank] for slot in exchange_slots(plan, mode)]
     if k > 1:  # fully sharded, a unit not kept from forward to backward is gathered twice
         kept = _lifetimes.kept_units(units) if fully_sharded(plan, mode) else range(len(units))
         for u in units:
@@ -231,8 +257,9 @@ class Costs:
     largest unit's full params and grads (`memory()`'s `transient_unit`), `peak_transient`: the
     most bytes of full units alive at once in a step (0 unless fully sharded); `collectives`:
     one step's, of `worst_rank` (`step_collectives` of another rank differs only in the owner
-    buckets' all-reduces across replicas); `host[r]`: of rank r's persistent bytes, those in
-    host memory (`Mode.offload_state`; else 0), the rest on the device (`device_bytes`)."""
+    buckets' all-reduces across replicas and in the exchange's all-to-alls, which the projection
+    prices at their busiest rank: `exchange_slots`); `host[r]`: of rank r's persistent bytes,
+    those in host memory (`Mode.offload_state`; else 0), the rest on the device (`device_bytes`)."""
 
     plan: Plan
     mode: Mode
@@ -277,8 +304,8 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     `Mode()`, ZeRO-1/2 in float32)."""
     mode = mode or Mode()
     units = _units(plan, specs)
-    kept = _kept(plan, mode)
     mine = owned(plan, mode.transposed)
+    kept = _kept(plan, mode, mine)
     per_rank = tuple(_persistent(mode, o, kept[r]) for r, o in enumerate(mine))
     host = tuple(
         p["masters"] + p["optimizer_state"] - 4 * o.adamw_pieces if mode.offload_state else 0

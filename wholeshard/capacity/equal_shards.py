@@ -10,6 +10,8 @@ ranks (grad dtype) and all-gathered (param dtype; before forward, and again befo
 when resharding after forward, except the root's, which FSDP2 keeps); clipping adds one
 all-reduce of the norm. A matrix optimizer over those shards would still need every matrix
 whole for Newton-Schulz: that traffic is not counted, so the baseline is a floor.
+`megabatch_all_to_alls` adds the traffic of one that does (dion's dense all-to-alls of
+same-shape matrices padded to a multiple of dp), for docs/planning.md's comparison.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..planning.specs import ParamSpec
+from ..planning.specs import ParamSpec, matrix_count, matrix_shape
 from ..planning.sync import Collective
 from .costs import Mode
 
@@ -62,4 +64,36 @@ def equal_shard_collectives(
         out += [Collective("all_gather", dp, numel, param, "params", "dp")] * gathers
     if mode.clip_grad_norm:
         out.append(Collective("all_reduce", dp, 1, "float32", "grad norm", "dp"))
+    return out
+
+
+def megabatch_all_to_alls(
+    specs: Sequence[ParamSpec], dp: int, mode: Mode | None = None
+) -> list[Collective]:
+    """The dense all-to-alls a dion-style matrix optimizer adds to FSDP2's equal shards
+    (microsoft/dion's `megabatch_orthogonalize_async`, which torchtitan vendors) in a step over
+    `dp` ranks: per shape of Muon matrix (a stack counts each of its matrices), ceil(count / dp)
+    megabatches of dp matrices (the last padded with zero matrices); per megabatch one dense
+    all-to-all in the grad dtype brings matrix i whole to rank i (each rank sends its dim-0
+    padded row shard of every other rank's matrix and receives the dp - 1 other shards of its
+    own), and one in the param dtype sends the results back. Empty at dp 1."""
+    mode = mode or Mode()
+    if dp == 1:
+        return []
+    out = []
+    for (m, n), count in matrix_shapes(specs).items():
+        moved = (dp - 1) * math.ceil(m / dp) * n
+        for dtype, what in ((mode.grad_reduce_dtype, "grads"), (mode.param_dtype, "params")):
+            one = Collective("all_to_all", dp, moved, dtype, what, "dp", moved, dp - 1)
+            out += [one] * math.ceil(count / dp)
+    return out
+
+
+def matrix_shapes(specs: Sequence[ParamSpec]) -> dict[tuple[int, int], int]:
+    """How many Muon matrices of each (rows, cols) shape `specs` hold (a stack's each)."""
+    out: dict[tuple[int, int], int] = {}
+    for s in specs:
+        if s.matrix and len(s.shape) >= 2:
+            shape = matrix_shape(s.shape)
+            out[shape] = out.get(shape, 0) + matrix_count(s.shape)
     return out

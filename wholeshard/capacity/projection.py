@@ -11,7 +11,10 @@ Three terms, each at data-sheet peaks, added up as if nothing overlapped:
   intra-node link; one that spans nodes at the node's ring bandwidth, every NIC its ranks on a
   node reach (rail-optimised, one NIC per GPU): a flat group of whole nodes all of them, a
   replica group with one rank per node one NIC. Replica groups and the step check span nodes as
-  soon as dp exceeds a node.
+  soon as dp exceeds a node. An exchange buffer's all-to-alls differ from rank to rank, and each
+  ends when its last rank's messages do, so each is priced at its busiest rank: the most
+  seconds (latency plus bandwidth) of any rank's record of it (`exchange_slots` in `costs`),
+  not at `Costs.collectives`' rank (the one holding the most bytes).
 - `newton_schulz_s`: the busiest rank's Newton-Schulz products (`ns_flops`: 5 iterations of
   `4 m^2 n + 2 m^3` flops per owned (m, n) matrix, m <= n) at the GPU's dense bf16 peak.
 - `elementwise_s`: the rest of the optimizer step is memory-bound: every byte of this rank's
@@ -35,8 +38,9 @@ from dataclasses import dataclass, replace
 from ..planning.plan import Plan
 from ..planning.specs import matrix_count, matrix_shape
 from ..planning.sync import ELEMENT_BYTES, Collective
-from .alpha_beta import FABRICS, Fabric, Price, Span, price
-from .costs import Costs, owned
+from ._exchange import exchange_slots
+from .alpha_beta import FABRICS, Fabric, Price, Span, all_to_all_price, price
+from .costs import Costs, Mode, owned
 
 NS_STEPS = 5
 """Newton-Schulz iterations per Muon update (torch.optim.Muon's default)."""
@@ -74,6 +78,9 @@ def collective_price(c: Collective, dp: int, k: int, fabric: Fabric) -> Price:
     stride = k if c.group == "replica" else 1
     span = Span.of(c.ranks, stride, fabric.gpus_per_node)
     payload = c.numel * ELEMENT_BYTES[c.dtype]
+    if c.op == "all_to_all":
+        received = c.received * ELEMENT_BYTES[c.dtype]
+        return all_to_all_price(span, payload, received, c.peers, fabric)
     return price(c.op, span, c.bytes_sent, payload, fabric)
 
 
@@ -81,6 +88,27 @@ def comm_price(collectives: Sequence[Collective], dp: int, k: int, fabric: Fabri
     """The latency and bandwidth terms of `collectives`, added up (nothing overlapped)."""
     prices = [collective_price(c, dp, k, fabric) for c in collectives]
     return Price(sum(p.latency_s for p in prices), sum(p.bandwidth_s for p in prices))
+
+
+def exchange_price(plan: Plan, mode: Mode, fabric: Fabric) -> Price:
+    """The latency and bandwidth terms of a step's all-to-alls (`exchange_slots`), each at its
+    busiest rank ([Note: the step projection]), added up."""
+    dp, k = plan.dp_size, plan.shard_group_size
+    busiest = [
+        max((collective_price(c, dp, k, fabric) for c in slot), key=lambda p: p.seconds)
+        for slot in exchange_slots(plan, mode)
+    ]
+    return Price(sum(p.latency_s for p in busiest), sum(p.bandwidth_s for p in busiest))
+
+
+def step_comm_price(costs: Costs, fabric: Fabric) -> Price:
+    """The communication terms of a step of `costs` on `fabric` ([Note: the step projection]):
+    its collectives, the all-to-alls at their busiest rank."""
+    plan = costs.plan
+    rest = [c for c in costs.collectives if c.op != "all_to_all"]
+    comm = comm_price(rest, plan.dp_size, plan.shard_group_size, fabric)
+    a2a = exchange_price(plan, costs.mode, fabric)
+    return Price(comm.latency_s + a2a.latency_s, comm.bandwidth_s + a2a.bandwidth_s)
 
 
 def collective_seconds(c: Collective, plan: Plan, fabric: Fabric) -> float:
@@ -136,7 +164,7 @@ def project(costs: Costs, fabric: str, gpu: str) -> Projection:
         raise ValueError(f"unknown GPU {gpu!r}; one of {sorted(GPUS)}")
     flops, memory = GPUS[gpu]
     plan, mode = costs.plan, costs.mode
-    comm = comm_price(costs.collectives, plan.dp_size, plan.shard_group_size, FABRICS[fabric])
+    comm = step_comm_price(costs, FABRICS[fabric])
     element = ELEMENT_BYTES[mode.param_dtype] + ELEMENT_BYTES[mode.grad_reduce_dtype]
     touched = [
         p["masters"] + p["master_grads"] + p["optimizer_state"] + (o.matrix + o.adamw) * element

@@ -4,11 +4,12 @@ show what the plan costs each rank in the mode the flags name (`capacity.costs`;
 users train: bf16 params, grads reduced in fp32): persistent bytes by kind, the peak of
 transient full buckets, one step's collectives and bytes sent; with `--fabric`, a projection of
 the step's communication and optimizer time (`capacity.projection`) and, where its latency term
-is a large share, a `--bucket-size` that shrinks it (`capacity.bucket_hint`); then the plan
-itself (`plan_text`, or `--json`). Exit codes: 0 planned, 2 bad input (argparse errors, an
-unreadable or malformed shapes file or model, a model no torch process could hold, a model no
-plan can serve).
-"""
+is a large share, a `--bucket-size` that shrinks it (`capacity.bucket_hint`); the chosen
+strategy's step beside the runner-up among balanced, owners and exchange
+(`capacity.strategy_choice`, on `--fabric` or nvlink4-ndr400); then the plan itself
+(`plan_text`, or `--json`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
+or malformed shapes file or model, a model no torch process could hold, a model no plan can
+serve)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ..capacity.model_shapes import HF_DIR, ModelError, model_specs
 from ..capacity.presets import PRESETS
 from ..capacity.projection import FABRICS, GPUS, project
 from ..capacity.shapes import load_shapes
+from ..capacity.strategy_choice import strategy_choice
 from ..capacity.tp_traffic import TP_MODES, local_specs, ns_traffic
 from ..planning import DEFAULT_STRATEGY, STRATEGIES, Bucket, ParamSpec, Plan
 from ..planning.specs import matrices
@@ -44,6 +46,8 @@ grads reduced in fp32); `--json`'s `assumed_dtypes` lists those it assumed."""
 MODE_FIELDS = ("reshard_after_forward", "param_dtype", "grad_reduce_dtype", "overlap_grad_reduce",
                "overlap_param_gather", "param_sync", "clip_grad_norm", "offload_state")  # fmt: skip
 """The `Mode` fields the JSON's `mode` echoes (with the plan's `shard_group_size`)."""
+CHOICE_FABRIC = "nvlink4-ndr400"
+"""The fabric the strategy comparison is projected on when `--fabric` names none."""
 
 
 def costs_json(costs: Costs) -> dict[str, Any]:
@@ -94,6 +98,8 @@ def plan_json(
         }
         if buffer.kind == "stacked":  # the owner of each matrix, in order
             entry["matrix_owners"] = [m.owner for m in matrices(p, buffer.buckets)]
+        elif len(p.owners) > 1:  # a stack in an exchange buffer
+            entry["matrix_owners"] = list(p.owners)
         params.append(entry)
     return {
         "dp": plan.dp_size,
@@ -296,6 +302,8 @@ def main(args: argparse.Namespace) -> int:
         )
         costs = plan_costs(plan, specs, mode)
         projected = hint = None
+        fabric = args.fabric or CHOICE_FABRIC
+        strategies = strategy_choice(costs, specs, fabric, args.gpu, args.bucket_size)
         if args.fabric is not None:
             projected = project(costs, args.fabric, args.gpu)
             settings = {"strategy": args.strategy, "shard_group_size": args.shard_group_size}
@@ -307,6 +315,7 @@ def main(args: argparse.Namespace) -> int:
         doc = plan_json(plan, specs, seconds, costs) | {"assumed_dtypes": assumed}
         if choice is not None:
             doc["shard_group_choice"] = choice_json(choice)
+        doc["strategy_choice"] = strategies.as_dict()
         if projected is not None:
             doc["projection"] = projected.as_dict()
             doc["projection"]["bucket_size_hint"] = None if hint is None else hint.as_dict()
@@ -325,7 +334,8 @@ def main(args: argparse.Namespace) -> int:
         if args.tp > 1:
             source += f" (one tp rank's slices of {args.tp})"
         print(plan_table(plan, seconds, source, costs, choice=choice, projected=projected,
-                         hint=hint, assumed=flags, tp_sent=tp_sent))  # fmt: skip
+                         hint=hint, assumed=flags, tp_sent=tp_sent,
+                         strategies=strategies))  # fmt: skip
     if args.png is not None:
         try:
             from .plan_picture import draw_png

@@ -14,6 +14,7 @@ from ..capacity.bucket_hint import BucketSizeHint
 from ..capacity.choice import ShardGroupChoice
 from ..capacity.costs import Costs, fully_sharded
 from ..capacity.projection import FABRICS, GPUS, Projection
+from ..capacity.strategy_choice import StrategyChoice
 from ..planning import Bucket, Plan
 from ..planning.sync import sync_scheme
 
@@ -26,6 +27,8 @@ STRATEGY_WORDS = {
     "size_match": "equal shards of size-matched rows, one reduce-scatter and one all-gather per "
     "bucket",
     "owners": "owner buckets, a coalesced reduce and broadcast per bucket (one per owner)",
+    "exchange": "one buffer of per-layer equal shards, one reduce-scatter and one all-gather per "
+    "bucket, matrices exchanged whole to their owners by one all-to-all each way per batch",
 }
 """What each strategy's buckets are, in the words of the table."""
 
@@ -114,9 +117,11 @@ def costs_lines(costs: Costs, assumed: Sequence[str] = ()) -> list[str]:
         else f"rank {worst} of {k} holds the most; the least {size(least)}"
     )
     counts = ", ".join(f"{n:,} {op}" for op, n in costs.counts().items())
+    a2a = costs.bytes_by_op().get("all_to_all")
+    exchanged = "" if a2a is None else f"; {size(a2a)} of it in the all-to-alls, rank {worst}'s"
     traffic = (
         f"{size(costs.bytes_sent)} sent per rank in {len(costs.collectives):,} collectives "
-        f"({counts}; ring model)"
+        f"({counts}; ring model{exchanged})"
         if costs.collectives
         else "none: one rank"
     )
@@ -138,9 +143,15 @@ def step_line(projected: Projection | None) -> str:
     )
 
 
-def detail(plan: Plan, seconds: float, choice: ShardGroupChoice | None) -> str:
-    """The plan's summary: strategy (with `choice`, why), shard groups, buckets and bucket
-    size, padding, Newton-Schulz balance, planning time."""
+def detail(
+    plan: Plan,
+    seconds: float,
+    choice: ShardGroupChoice | None,
+    strategies: StrategyChoice | None = None,
+) -> str:
+    """The plan's summary: strategy (with `choice`, why; with `strategies`, its step beside the
+    others'), shard groups, buckets and bucket size, padding, Newton-Schulz balance, planning
+    time."""
     k = plan.shard_group_size
     used = sum(b.used for b in plan.buffers)
     ns = plan.rank_costs()
@@ -159,8 +170,10 @@ def detail(plan: Plan, seconds: float, choice: ShardGroupChoice | None) -> str:
         "element-wise one also where a layer ends, and a param wider than that fills one alone"
     )
     groups = f"dp {plan.dp_size} = {plan.dp_size // k} shard group(s) of {k} ranks"
+    compared = [] if strategies is None else [line("strategies", strategies.describe())]
     return "\n".join([
         line("plan", strategy),
+        *compared,
         line("shard groups", groups),
         line("buckets", buckets),
         line("padding", f"{plan.padding_fraction:.3%} ({plan.numel - used:,} of {plan.numel:,} "
@@ -216,12 +229,14 @@ def plan_table(
     hint: BucketSizeHint | None = None,
     assumed: Sequence[str] = (),
     tp_sent: str | None = None,
+    strategies: StrategyChoice | None = None,
 ) -> str:
     """The whole text: with `costs`, first what a user decides on (the headline, the mode,
     memory per rank, the step time or how to project it, with `hint` (of `projected`) a
     bucket size with less latency, traffic per step and, with `tp_sent`, tensor
     parallelism's), then the plan's summary (with `choice`, why it was
-    chosen) and one line per bucket of every buffer."""
+    chosen; with `strategies`, its step beside the other layouts') and one line per bucket of
+    every buffer."""
     lines = [headline(plan, source), ""]
     if costs is not None:
         mode, memory, traffic = costs_lines(costs, assumed)
@@ -231,4 +246,4 @@ def plan_table(
         lines.append(traffic)
         lines += [] if tp_sent is None else [line("tensor parallel", tp_sent)]
         lines.append("")
-    return "\n".join([*lines, detail(plan, seconds, choice), bucket_tables(plan)])
+    return "\n".join([*lines, detail(plan, seconds, choice, strategies), bucket_tables(plan)])

@@ -96,14 +96,17 @@ def _coalesced(
     or all-gather (and `batch_isend_irecv`, whose mechanism this is). Each reduce is a ring (a
     pipelined chain) over the k ranks: per rank (k-1)/k of the bucket sent, the ring
     reduce-scatter's volume, summed in the ring's fixed order, in place (no receive buffer).
-    An all-to-all (each rank sends every owner its range, the owner sums the k copies; or
-    grouped point-to-point, the same exchange) was measured and rejected: an owner receives k
-    copies of its shard, and owner buckets have 1-3 owners (their matrices are wider than an
-    equal shard), so at the presets' dp 8-1024 the owner's link carries 8-1000 times the ring's
-    bytes per bucket, and a receive buffer bounded by the bucket would take 3,200 to 5.2
-    million all-to-alls a step; on gloo at 4 ranks it took 1.7-3.2 times as long as these
-    groups for 16-64 MB buckets, faster only at 1 MB (tools/measure_owner_sync.py). gloo does
-    not coalesce: there a group is its collectives one after the other, summed alike.
+    An all-to-all of unreduced gradients (each rank sends every owner its range, the owner sums
+    the k copies; or grouped point-to-point, the same exchange) was measured and rejected: an
+    owner receives k copies of its shard, and owner buckets have 1-3 owners (their matrices are
+    wider than an equal shard), so at the presets' dp 8-1024 the owner's link carries 8-1000
+    times the ring's bytes per bucket, and a receive buffer bounded by the bucket would take
+    3,200 to 5.2 million all-to-alls a step; on gloo at 4 ranks it took 1.7-3.2 times as long as
+    these groups for 16-64 MB buckets, faster only at 1 MB (tools/measure_owner_sync.py). That
+    holds of unreduced gradients only: after a reduce-scatter each element is summed, and an
+    all-to-all of the reduced pieces to their owners moves each once (the exchange strategy,
+    [Note: exchange buffers] in `planning._exchange`). gloo does not coalesce: there a group is
+    its collectives one after the other, summed alike.
     """
     if not calls:
         return None

@@ -33,7 +33,6 @@ from .specs import (
     Placement,
     layer_of,
     matrix_count,
-    matrix_shape,
     round_up,
     shape_cost,
 )
@@ -81,13 +80,14 @@ def plan_exchange(
 def _owners(
     specs: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None
 ) -> list[tuple[int, ...]]:
-    """Per spec, the owner of each of its matrices (none for an element-wise param), dealt in
-    backprop order, as the owners strategy deals."""
+    """Per spec, the owner of each of its matrices (none for an element-wise param; one for a
+    Muon param of fewer than two dims, whole, as a "matrix" buffer owns it), dealt in backprop
+    order, as the owners strategy deals."""
     items: list[tuple[int, int, int]] = []  # (spec, cost, elements) of every matrix
     for i in range(len(specs) - 1, -1, -1):
         s = specs[i]
         if s.matrix:
-            shape = matrix_shape(s.shape)
+            shape = tuple(s.shape[-2:])  # one matrix's (the whole param below two dims)
             count = matrix_count(s.shape) if len(s.shape) > 2 else 1
             items += [(i, shape_cost(shape, matrix_cost), math.prod(shape))] * count
     dealt = deal([c for _, c, _ in items], [n for _, _, n in items], k)

@@ -158,7 +158,7 @@ class Buffer:
         elif self.kind == "exchange":
             for p in self.placements:
                 for owner in p.owners:
-                    costs[owner] += shape_cost(matrix_shape(p.shape), matrix_cost)
+                    costs[owner] += shape_cost(p.shape[-2:], matrix_cost)  # 0 below 2-D
         return costs
 
     def piece_shape(self, placement: Placement, length: int) -> tuple[int, ...]:
