@@ -54,6 +54,7 @@ FINE = 256  # 10 buckets, most reduced during backward when overlapped
 WIDE = 20000  # owner buckets of 1 and 3 owners at 3 ranks: a coalesced group of several parts
 _ENGINE_OP = re.compile(r"(reduce_scatter|all_reduce|all_gather|broadcast|reduce)(_sum|_avg|_min)?")
 _OWNER_OP = {"reduce_to_owners": "reduce_coalesced", "broadcast_from_owners": "broadcast_coalesced"}
+RECEIVED: list[int] = []  # per all-to-all this process issued: the elements it received
 
 
 @contextlib.contextmanager
@@ -74,6 +75,12 @@ def _recording() -> Iterator[tuple[list[tuple], list[str]]]:
 
         def wrapped(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments
+            if op == "all_to_all":  # sends, into, splits, group, like: this rank's sizes
+                ranks = dist.get_world_size(bound["group"])
+                numel = sum(t.numel() for t in bound["sends"])
+                engine.append((op, ranks, numel, dtype_name(bound["like"].dtype), 1))
+                RECEIVED.append(sum(bound["recv_splits"]))
+                return fn(*args, **kwargs)
             # A coalesced group ([Note: owner collectives]): one entry, all its parts' elements.
             parts = [t for _, t in bound["parts"]] if "parts" in bound else []
             t = bound["full"] if "full" in bound else bound.get("tensor", parts and parts[0])
@@ -96,12 +103,15 @@ def _recording() -> Iterator[tuple[list[tuple], list[str]]]:
             patch(collectives, name, engine_op(match.group(1), fn))
         elif name in _OWNER_OP:
             patch(collectives, name, engine_op(_OWNER_OP[name], fn))
+        elif name == "all_to_all":
+            patch(collectives, name, engine_op("all_to_all", fn))
     for name in (
         "all_reduce",
         "broadcast",
         "reduce",
         "all_gather_into_tensor",
         "reduce_scatter_tensor",
+        "all_to_all_single",
     ):
         patch(dist, name, torch_op(name, getattr(dist, name)))
     for name in ("_all_gather", "_reduce_scatter"):
@@ -189,6 +199,7 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
     ddp = data_parallel(make_model(), bucket_size=bucket_size, **ddp_kw)
     opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW, offload_state=offload)
     _step(ddp, opt, 0)  # makes the optimizer state
+    RECEIVED.clear()
     with _recording() as (engine, torch_calls), _per_unit(engine) as per_unit, _peak(ddp) as peak:
         _step(ddp, opt, 1)
     pieces = opt.owned_pieces()
@@ -201,6 +212,10 @@ def _train(bucket_size: int, ddp_kw: dict) -> dict:
         "torch_calls": torch_calls,
         "peak": peak[0],
         "specs": [ParamSpec(r.name, r.shape, r.matrix, r.tied) for r in ddp.routes],
+        "received": list(RECEIVED),
+        "owned_matrix_elements": sum(
+            o.param.numel() for o in ddp.step_protocol.owned() if o.route.matrix
+        ),  # fmt: skip
         "plan": ddp.plan,
     }
 
@@ -225,6 +240,13 @@ MODES = {  # name: (ranks, bucket size, DataParallel options)
     "offload-bf16-grads": (2, BUCKET, dict(mp_policy=mp(BF16, BF16), offload_state=True)),
     "offload-fully-sharded-bf16": (2, BUCKET, dict(FULLY, mp_policy=mp(BF16), offload_state=True)),
     "owners-wide-buckets": (3, WIDE, dict(strategy="owners", **OVERLAP)),
+    "exchange-4": (4, BUCKET, dict(strategy="exchange", **OVERLAP)),
+    "exchange-8-per-bucket-bf16": (
+        8,
+        FINE,
+        dict(strategy="exchange", exchange_every=1, mp_policy=mp(BF16), pipelined_step=True),
+    ),
+    "exchange-hybrid": (4, FINE, dict(strategy="exchange", shard_group_size=2, **SYNC)),
 }
 PEAK_WITHIN = {
     "fully-sharded-fine": 0.01,
@@ -294,6 +316,12 @@ def test_the_plan_tells_memory_collectives_and_bytes_of_a_real_run(name: str) ->
             assert costs.bytes_sent == sent
             assert costs.counts() == dict(Counter(op for op, *_ in calls))
         _check_units(plan, specs, mode, out)
+        a2a = [c for c in issued if c.op == "all_to_all"]
+        assert bool(a2a) == (strategy == "exchange" and plan.shard_group_size > 1), a2a
+        assert sorted(out["received"]) == sorted(c.received for c in a2a), rank
+        grads = [c.received for c in a2a if c.what == "grads to owners"]
+        # no owner receives more than the elements it owns
+        assert sum(grads) <= out["owned_matrix_elements"], (rank, grads)
         groups = [c[4] for c in out["collectives"] if c[0].endswith("_coalesced")]
         assert bool(groups) == (strategy == "owners"), groups
         assert (max(groups, default=0) > 1) == (name == "owners-wide-buckets"), groups
