@@ -164,10 +164,16 @@ def detail(
         for b in plan.buffers
     )
     total = sum(len(b.buckets) for b in plan.buffers)
+    closes = (
+        "a bucket closes where a layer ends once it holds that many elements (a layer is a "
+        "bucket at the least)"
+        if plan.strategy == "exchange"
+        else "a bucket closes once it holds about that many elements, an element-wise one also "
+        "where a layer ends, and a param wider than that fills one alone"
+    )
     buckets = (
         f"{total:,} in {len(plan.buffers)} buffer(s): {ranges}; bucket size "
-        f"{plan.bucket_size:,}: a bucket closes once it holds about that many elements, an "
-        "element-wise one also where a layer ends, and a param wider than that fills one alone"
+        f"{plan.bucket_size:,}: {closes}"
     )
     groups = f"dp {plan.dp_size} = {plan.dp_size // k} shard group(s) of {k} ranks"
     compared = [] if strategies is None else [line("strategies", strategies.describe())]
