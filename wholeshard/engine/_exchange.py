@@ -63,6 +63,8 @@ class Exchange:
         every: int | None,
     ) -> None:
         self.group = group
+        self._landing: list[collectives.AllToAll] = []  # dispatched to the owners, in order
+        self._landed = 0  # of those, waited for
         if [u.buckets for u in units] != [(b,) for b in buffer.buckets]:
             raise AssertionError("an exchange buffer's units are its buckets, in buffer order")
         by_bucket: dict[int, list[Segment]] = {}
@@ -97,21 +99,39 @@ class Exchange:
                 )
             )
 
-    def grads(self, batches: Sequence[_Batch] | None = None) -> None:
-        """Finish the reductions of the units of `batches` (None: all), dispatching each
-        batch's exchange to the owners once its units are reduced; wait for every one."""
-        landing = []
-        for batch in self.batches if batches is None else batches:
+    def dispatch(self, last_unit: int) -> None:
+        """Dispatch the exchange to the owners of every batch whose units are all among the
+        first `last_unit` + 1, not yet dispatched, each once its units' reductions finished
+        (on CUDA a stream's wait, not the host's). The scheduler calls it before it reduces
+        unit `last_unit` + 1, so every rank issues a batch's exchange between the reductions
+        of its last unit and of the next batch's first, in backward or at the step alike."""
+        while len(self._landing) < len(self.batches):
+            batch = self.batches[len(self._landing)]
+            if batch.units[-1].index > last_unit:
+                return
             for unit in batch.units:
                 unit.finish_reduce()
-            landing.append(self.grads_to_owners(batch))
-        _wait(landing, "the exchange of reduced gradients to their owners")
+            self._landing.append(self.grads_to_owners(batch))
 
-    def params(self, batches: Sequence[_Batch] | None = None) -> None:
-        """Send the owners' updated pieces of `batches` (None: all) back to their holders."""
-        landing = [
-            self.params_to_holders(b) for b in (self.batches if batches is None else batches)
-        ]
+    def grads(self, through: int | None = None) -> None:
+        """Dispatch what is left of the exchanges to the owners of batches 0..`through` (None:
+        every batch), each once its units are reduced, and wait for them."""
+        last = len(self.batches) - 1 if through is None else through
+        self.dispatch(self.batches[last].units[-1].index)
+        _wait(self._landing[self._landed : last + 1], "the exchange of reduced gradients")
+        self._landed = max(self._landed, last + 1)
+
+    def reset(self) -> None:
+        """A new accumulation window: wait for any exchange still in flight (it writes the
+        grads about to be zeroed), then forget them."""
+        _wait(self._landing[self._landed :], "the exchange of reduced gradients")
+        self._landing, self._landed = [], 0
+
+    def params(self, batch: int | None = None) -> None:
+        """Send the owners' updated pieces of batch `batch` (None: every batch) back to their
+        holders."""
+        todo = self.batches if batch is None else [self.batches[batch]]
+        landing = [self.params_to_holders(b) for b in todo]
         _wait(landing, "the exchange of updated params to their holders")
 
     def grads_to_owners(self, batch: _Batch) -> collectives.AllToAll:

@@ -45,11 +45,13 @@ def reduced_in_order(s: Scheduler) -> Iterator[int]:
     s.finish_param_sync()  # a gather still in flight must land before params are written
     s.start_grad_sync()
     ex, exchanged = s.exchange, s.grads_reduced  # (clipping may have reduced them already)
-    walk = [(b, b.units) for b in ex.batches] if ex else [(None, (u,)) for u in s.units]
+    walk = (
+        [(i, b.units) for i, b in enumerate(ex.batches)] if ex else [(None, (u,)) for u in s.units]
+    )
     for batch, units in walk:
         if ex is not None and batch is not None and not exchanged:
             with record_function("wholeshard.grad_sync.finish"), s.blocked():
-                ex.grads([batch])
+                ex.grads(batch)
         for b in units:
             with record_function(f"wholeshard.step.unit{b.index}"):
                 with record_function("wholeshard.grad_sync.finish"), s.blocked():
@@ -59,7 +61,7 @@ def reduced_in_order(s: Scheduler) -> Iterator[int]:
                     _updated(s, b)
         if ex is not None and batch is not None and s.gathers:
             with s.blocked():
-                ex.params([batch])
+                ex.params(batch)
             for b in units:
                 _updated(s, b)
     s.grads_reduced = True

@@ -163,6 +163,9 @@ class Scheduler:
             # Bound the full grads alive at once: finish the oldest reduction still in flight.
             with self.blocked():
                 self.units[n - REDUCES_IN_FLIGHT].finish_reduce()
+        if self.exchange is not None and n:  # the batches before unit n leave first, so the
+            with self.blocked():  # order is the same on a rank that reduces n only at the step
+                self.exchange.dispatch(n - 1)
         with record_function("wholeshard.grad_sync.start"):
             self.units[n].start_reduce()
         self._next_reduce += 1
@@ -198,6 +201,9 @@ class Scheduler:
         with self.blocked():  # never zero under an in-flight reduction
             for b in self.units:
                 b.finish_reduce()
+        if self.exchange is not None:
+            with self.blocked():
+                self.exchange.reset()
         for b in self.units:
             b.zero_grads()
         self._next_reduce = 0
