@@ -331,6 +331,28 @@ def wholeshard_run(
     return out | {"ddp": ddp} if keep_ddp else out
 
 
+def train_part(
+    path: str, steps: range, load: bool, make: Callable[[], nn.Module], **ddp_kw: Any
+) -> dict[str, Any]:
+    """Train `make()` wrapped with `ddp_kw` (`data_parallel`) over `steps`, loading the
+    checkpoint at `path` first if `load`, else saving one there after; returns the full params
+    and the plan's first buffer kind."""
+    rank, world = rank_world()
+    model = make()
+    ddp = data_parallel(model, **ddp_kw)
+    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
+    if load:
+        wholeshard.load_checkpoint(path, ddp, opt)
+    for step in steps:
+        lm_loss(ddp, *local_batch(step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    if not load:
+        wholeshard.save_checkpoint(path, ddp, opt, extra={"step": steps.stop})
+    with ddp.full_params():
+        return {"params": full_params(model), "kind": ddp.plan.buffers[0].kind}
+
+
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
 SYNC = dict(overlap_grad_reduce=False)
 """Every collective at the step (the default reduces during backward)."""

@@ -19,6 +19,7 @@ from support import (
     make_model,
     reference_run,
     run,
+    train_part,
     wholeshard_run,
 )
 from test_stacks import make_moe
@@ -92,29 +93,6 @@ def test_fully_sharded_and_fp8_gather_are_refused_with_the_fix() -> None:
         Variant(exchange_every=0)
 
 
-def _train_part(path: str, steps: range, load: bool, ddp_kw: dict) -> dict:
-    """Train the test model over `steps` (loading `path` first if `load`), then save there."""
-    import torch.distributed as dist
-    from support import ADAMW_KW, MUON_KW, full_params, local_batch
-
-    import wholeshard
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
-    ddp = data_parallel(model, **ddp_kw)
-    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
-    if load:
-        wholeshard.load_checkpoint(path, ddp, opt)
-    for step in steps:
-        lm_loss(ddp, *local_batch(step, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-    if not load:
-        wholeshard.save_checkpoint(path, ddp, opt, extra={"step": steps.stop})
-    with ddp.full_params():
-        return {"params": full_params(model), "kind": ddp.plan.buffers[0].kind}
-
-
 @pytest.mark.parametrize(
     ("save", "load"),
     [((3, EXCHANGE), (2, dict(bucket_size=3000))), ((2, dict(bucket_size=3000)), (4, EXCHANGE))],
@@ -122,8 +100,8 @@ def _train_part(path: str, steps: range, load: bool, ddp_kw: dict) -> dict:
 )
 def test_checkpoints_load_across_schemes_and_world_sizes(tmp_path, save, load) -> None:
     path = str(tmp_path / "ckpt")
-    saved = run(_train_part, save[0], path, range(0, 2), False, save[1])[0]
-    outs = run(_train_part, load[0], path, range(2, 4), True, load[1])
+    saved = run(train_part, save[0], path, range(0, 2), False, make_model, **save[1])[0]
+    outs = run(train_part, load[0], path, range(2, 4), True, make_model, **load[1])
     assert {saved["kind"], outs[0]["kind"]} == {"exchange", "matrix"}  # across schemes
     ref = reference_run(4)
     for out in outs:

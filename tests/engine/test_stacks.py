@@ -22,6 +22,7 @@ from support import (
     mp,
     reference_run,
     run,
+    train_part,
     wholeshard_run,
 )
 from torch import nn
@@ -224,34 +225,12 @@ def test_stack_bucket_membership_and_order() -> None:
 # -- checkpoints -------------------------------------------------------------------------------
 
 
-def _train_part(path: str, steps: range, load: bool, dtype: torch.dtype) -> dict:
-    """Train `make_moe()` over `steps` (loading `path` first if `load`), then save to `path`."""
-    import torch.distributed as dist
-    from support import ADAMW_KW, MUON_KW, full_params, lm_loss, local_batch
-
-    import wholeshard
-
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    model = make_moe()
-    ddp = wholeshard.DataParallel(model, bucket_size=1500, mp_policy=mp(dtype))
-    opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
-    if load:
-        wholeshard.load_checkpoint(path, ddp, opt)
-    for step in steps:
-        lm_loss(ddp, *local_batch(step, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-    if not load:
-        wholeshard.save_checkpoint(path, ddp, opt, extra={"step": steps.stop})
-    ddp.finish_param_sync()
-    return {"params": full_params(model)}
-
-
 @pytest.mark.parametrize(("save_at", "load_at"), [(2, 3), (3, 0)])
 def test_stacked_checkpoint_reshards_across_world_sizes(tmp_path, save_at, load_at) -> None:
     path = str(tmp_path / "ckpt")
-    run(_train_part, save_at, path, range(0, 2), False, torch.float32)
-    out = run(_train_part, load_at, path, range(2, 4), True, torch.float32)[0]
+    kw = dict(bucket_size=1500, mp_policy=mp(torch.float32))
+    run(train_part, save_at, path, range(0, 2), False, make_moe, **kw)
+    out = run(train_part, load_at, path, range(2, 4), True, make_moe, **kw)[0]
     ref = reference_run(4, make=make_moe)
     for name, want in ref["params"].items():
         torch.testing.assert_close(out["params"][name], want, atol=3e-3, rtol=0)
