@@ -26,19 +26,28 @@ class DistEnv:
 
 
 class GlobalMean:
-    """The mean of a scalar over the ranks: its all-reduce starts now (on a copy), `value()`
-    reads it (the host waits for the device there: call it once more work is queued)."""
+    """The mean of a scalar over the ranks, and whether any rank raised `flag` (the same answer
+    on every rank: it rides on the same all-reduce). The all-reduce starts now (on a copy);
+    `value()` and `flagged()` read it (the host waits for the device there: call them once more
+    work is queued)."""
 
-    def __init__(self, t: torch.Tensor, env: DistEnv) -> None:
-        self.t, self.world = t.detach().clone(), env.world
+    def __init__(self, t: torch.Tensor, env: DistEnv, flag: bool = False) -> None:
+        self.t, self.world = torch.stack([t.detach(), t.new_tensor(float(flag))]), env.world
         self.work = dist.all_reduce(self.t, async_op=True) if env.world > 1 else None
 
-    def value(self) -> float:
+    def _wait(self) -> None:
         if self.work is not None:
             with collectives.naming("the all-reduce of the loss"):
                 self.work.wait()
-            self.t /= self.world
-        return self.t.item()
+            self.work = None
+
+    def value(self) -> float:
+        self._wait()
+        return (self.t[0] / self.world).item()
+
+    def flagged(self) -> bool:
+        self._wait()
+        return bool(self.t[1].item() > 0)
 
 
 def all_ok(ok: bool, env: DistEnv) -> bool:
