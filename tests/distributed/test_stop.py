@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from support import run
 
 from wholeshard.distributed import stop
@@ -31,7 +32,14 @@ def asked() -> Iterator[None]:
         stop.withdraw()
 
 
+def _joined() -> None:
+    """Every rank has joined the group: a rank that exits at once could close its connection
+    while a peer still sets up the group's ("Connection closed by peer")."""
+    dist.barrier()
+
+
 def _stop_when_asked() -> int:
+    _joined()
     deadline = time.monotonic() + WAIT_S
     while not stop.requested():
         assert time.monotonic() < deadline, "the launcher never forwarded the request"
@@ -40,7 +48,13 @@ def _stop_when_asked() -> int:
 
 
 def _finish() -> int:
+    _joined()
     return int(os.environ["RANK"])
+
+
+def _requested() -> bool:
+    _joined()
+    return stop.requested()
 
 
 def test_the_request_reaches_every_worker_and_the_launch_ends_interrupted(asked) -> None:
@@ -53,7 +67,7 @@ def test_workers_that_finish_anyway_return_their_values(asked) -> None:
 
 
 def test_a_worker_sees_no_request_of_its_own() -> None:
-    assert launch(stop.requested, 2, start_method="fork", timeout=60) == [False, False]
+    assert launch(_requested, 2, start_method="fork", timeout=60) == [False, False]
 
 
 def _mean_and_flag(asked_ranks: tuple[int, ...]) -> tuple[float, bool]:
