@@ -4,7 +4,7 @@ wholeshard` and the `wholeshard` entry point, and while spawned workers import.
 
 A Ctrl-C lands at a chosen import, not at a chosen time: a `sitecustomize` hook sends SIGINT to
 the process group (as a terminal does; or to its own process alone) when the command's process
-(or, with `in_worker`, a worker) first imports the module named.
+(or, with `in_worker`, the first worker) first imports the module named.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from wholeshard.cli.train import STOPPING
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 180
@@ -33,6 +35,10 @@ if module and in_worker == (os.environ.get("WS_TEST_SIGINT_IN") == "worker"):
         def find_spec(self, name, path=None, target=None):
             if name == module:
                 sys.meta_path.remove(self)
+                try:  # once: the first worker's
+                    os.close(os.open("sigint-sent", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    return None
                 if os.environ.get("WS_TEST_SIGINT_TO") == "self":
                     os.kill(os.getpid(), signal.SIGINT)
                 else:
@@ -113,14 +119,19 @@ def test_ctrl_c_during_an_import_exits_130_with_one_line(
     assert not (tmp_path / "run").exists()
 
 
-def test_ctrl_c_while_workers_import_stops_them_with_one_line(
+def test_ctrl_c_while_workers_import_stops_them_after_the_first_step(
     tmp_path: Path, text_file: Path
 ) -> None:
     """Spawned workers import torch for seconds before they ignore SIGINT themselves; a Ctrl-C
-    then reaches the command alone, which stops them."""
+    then reaches the command alone, which asks them to stop: both do after step 1, the first
+    step boundary, without a traceback."""
     argv = _train(text_file, "--nproc", "2")
     rc, out, err = _interrupted(tmp_path, "-m", argv, "torch", in_worker=True)
-    assert (rc, out, err) == (130, "", "wholeshard train: interrupted; all workers stopped.\n")
+    assert (rc, out) == (130, ""), err
+    assert err.startswith(STOPPING + "\n") and "Traceback" not in err, err
+    assert "wholeshard train: stopped after step 1\n" in err, err
+    assert err.endswith("wholeshard train: interrupted; all workers stopped.\n"), err
+    assert not (tmp_path / "run" / "summary.json").exists()
 
 
 def test_a_worker_importing_leaves_sigint_to_the_command(tmp_path: Path, text_file: Path) -> None:

@@ -6,9 +6,13 @@ running `faulty_train`. As a program (spawned workers find this module on `sys.p
     python tests/train/train_faults.py RANK:STEP:KIND[:WHEN] train FLAGS...
 
 `KIND`: `raise` (RuntimeError), `exit` (`os._exit(3)`), `kill` (SIGKILL), `node` (SIGKILL to
-the torchrun agent that started this worker, then to the worker: a lost node) or `wait` (in a
+the torchrun agent that started this worker, then to the worker: a lost node), `wait` (in a
 world of one rank, sleep until stopped, for at most `WAIT_S`: the run waits there for a node to
-join; in a larger world, nothing). `WHEN`: `after_step` (default: once the step and its
+join; in a larger world, nothing) or `hold` (with `mid_save`: the save's write on this rank
+writes the file `holding` in the directory `$WHOLESHARD_TEST_HOLD` and waits there until the
+test writes `release`, while this rank's training waits after the step until it is asked to
+stop, `stop.requested()`: a Ctrl-C lands while that background save is in flight, before the
+next save; each wait lasts at most `WAIT_S`). `WHEN`: `after_step` (default: once the step and its
 checkpoint are done), `before_save` (before that step's save starts), `mid_save` (inside the
 save, once its first checkpoint file item is written: a partial checkpoint on disk, the other
 ranks blocked in or past the save) or `in_flight` (the same, `IN_FLIGHT_S` later: a background
@@ -35,6 +39,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from wholeshard import cli
 from wholeshard.cli import build_parser
+from wholeshard.distributed import stop
 from wholeshard.train import trainer
 from wholeshard.train.config import TrainConfig
 
@@ -53,7 +58,7 @@ class Fault:
     when: str = trainer.AFTER_STEP
 
     def __post_init__(self) -> None:
-        kinds = ("raise", "exit", "kill", "node", "wait")
+        kinds = ("raise", "exit", "kill", "node", "wait", "hold")
         if self.kind not in kinds or self.when not in WHENS:
             raise ValueError(f"bad fault {self}")
 
@@ -70,6 +75,11 @@ class Fault:
         if self.kind == "wait":
             time.sleep(WAIT_S)
             raise RuntimeError(f"waited {WAIT_S} s at step {self.step}: nobody stopped the worker")
+        if self.kind == "hold":
+            hold = Path(os.environ["WHOLESHARD_TEST_HOLD"])
+            (hold / "holding").write_text(f"rank {self.rank}, the save of step {self.step}")
+            _until((hold / "release").exists, "released the save")
+            return
         if self.kind == "node":
             os.kill(os.getppid(), signal.SIGKILL)  # torchrun's agent (its workers: own sessions)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -95,6 +105,17 @@ class Fault:
                 return result
 
             dcp_fs._write_item = write_then_fail
+        elif point == trainer.AFTER_STEP and self.kind == "hold":
+            _until(stop.requested, "asked the run to stop")
+
+
+def _until(ready, what: str) -> None:
+    """Wait until `ready()`, for at most `WAIT_S`."""
+    deadline = time.monotonic() + WAIT_S
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"held for {WAIT_S} s: nobody {what}")
+        time.sleep(0.01)
 
 
 def faulty_train(cfg: TrainConfig, fault: Fault) -> dict:

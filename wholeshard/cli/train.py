@@ -9,6 +9,13 @@ flag's default is marked `_Default`, so that a flag left out does not override t
 Without torchrun it spawns `--nproc` CPU workers (gloo over 127.0.0.1) with
 `wholeshard.distributed.launch`; under torchrun every launched process runs `train()` itself.
 Both paths end in the same `wholeshard.train.trainer.train(config)`.
+
+Ctrl-C: the first asks every rank to stop after the step in progress, once the checkpoint being
+written in the background is complete; a second stops at once, abandoning it
+(`interrupt.stops_at_a_step`). Without torchrun, the terminal's Ctrl-C reaches this process (the
+workers ignore SIGINT), which asks its workers and, at a second, stops them. Under torchrun the
+agent forwards its SIGINT to every worker, which asks itself, and sends SIGTERM (which ends a
+worker at once) at a second, or SIGKILL after its `--shutdown-timeout` (30 s by default).
 """
 
 from __future__ import annotations
@@ -38,6 +45,11 @@ _TITLES = {
     "reliability": "reliability",
     "output": "output",
 }
+STOPPING = (
+    "wholeshard train: stopping after the step in progress, once the checkpoint being written "
+    "(if any) is complete; Ctrl-C again to stop at once"
+)
+"""What the first Ctrl-C prints."""
 _METAVARS = {
     "name": "tiny|small|micro|hf:DIR|hf-config:FILE",
     "path": "PATH",
@@ -316,13 +328,17 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
     if under_torchrun:
         from ..distributed.collectives import CollectiveError
 
+        rank0 = os.environ["RANK"] == "0"
         try:
-            with interrupt.raises():
+            with interrupt.stops_at_a_step(STOPPING if rank0 else None, exit_as="wholeshard train"):
                 summary = worker(cfg)
         except CollectiveError as e:  # torchrun tears the job down when this rank exits
             print(f"wholeshard train: {e}", file=sys.stderr, flush=True)
             return 1
-        if int(os.environ["RANK"]) == 0:
+        except KeyboardInterrupt:  # (stopped at a step, the save in flight complete)
+            print(interrupt.line("wholeshard train"), file=sys.stderr, flush=True)
+            return interrupt.INTERRUPTED
+        if rank0:
             _print_summary(summary, args.json)
         return 0
 
@@ -330,7 +346,7 @@ def run(args: argparse.Namespace, worker: Callable[[TrainConfig], dict] | None =
     from ..train.restarts import train_local
 
     try:
-        with interrupt.raises():  # the launcher stops every worker on its way out
+        with interrupt.stops_at_a_step(STOPPING):  # the launcher asks its workers, or stops them
             summary = train_local(cfg, args.nproc, worker)
     except WorkerFailed as e:
         print(f"wholeshard train: worker failed; all workers stopped.\n{e}", file=sys.stderr)

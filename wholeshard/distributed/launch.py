@@ -3,9 +3,11 @@
 
 The launcher is the single place that starts local workers (train job, bench, tests). It
 guarantees: a worker that raises or dies takes the others down and its traceback reaches the
-caller; Ctrl-C stops every worker; workers die with their parent, so nothing is orphaned; a
-worker exits as soon as it is done, without interpreter finalization, and one that still exits
-abnormally fails the launch ([Note: worker exit]).
+caller; Ctrl-C stops every worker, at once, or at their next step boundary when the caller
+asks them to stop (`stop.request()`, [Note: stopping at a step]: each worker sees
+`stop.requested()`); workers die with their parent, so nothing is orphaned; a worker exits as
+soon as it is done, without interpreter finalization, and one that still exits abnormally fails
+the launch ([Note: worker exit]).
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import stop
+
 _POLL_S = 0.05
 _GRACE_S = 3.0
+_RETURNED, _RAISED, _STOPPED = "returned", "raised", "stopped"  # how a worker's function ended
 
 
 class WorkerFailed(RuntimeError):
@@ -70,6 +75,7 @@ def _worker(
     nproc: int,
     store_path: str,
     results: Any,
+    asked: Any,
     timeout_s: float,
     forked: bool,
     backend: str,
@@ -79,6 +85,7 @@ def _worker(
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the launcher asks for stacks before killing a hang
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    stop.listen(asked)
     if hasattr(signal, "pthread_sigmask"):  # (held since `launch` started it: see there)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ.update(
@@ -112,9 +119,11 @@ def _worker(
         )
         # Plain pickle: the queue's own pickler would share tensors by file descriptor, which
         # dies with this process.
-        results.put((rank, True, pickle.dumps(fn(*args))))
+        results.put((rank, _RETURNED, pickle.dumps(fn(*args))))
+    except KeyboardInterrupt:  # (SIGINT is ignored: `fn` stopped where it was asked to)
+        results.put((rank, _STOPPED, b""))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, _RAISED, traceback.format_exc()))
     _end(results, forked)
 
 
@@ -228,7 +237,9 @@ def launch(
     (it raises after `collective_timeout_s`).
     Raises WorkerFailed if a worker raises or exits abnormally (at its exit too, after its
     result: [Note: worker exit]), TimeoutError after `timeout` seconds; either way every worker
-    is stopped first.
+    is stopped first. A stop requested in this process meanwhile (`stop.request()`) reaches
+    every worker within `_POLL_S`; once each has ended, by returning or by raising
+    KeyboardInterrupt where it stopped, and one did the latter, this raises KeyboardInterrupt.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -245,6 +256,7 @@ def launch(
     store_dir = tempfile.mkdtemp(prefix="wholeshard-launch-")
     store_path = os.path.join(store_dir, "store")
     results = ctx.Queue()
+    asked = ctx.Event()  # the workers' `stop.requested()`
     procs = [
         ctx.Process(
             target=_worker,
@@ -255,6 +267,7 @@ def launch(
                 nproc,
                 store_path,
                 results,
+                asked,
                 collective_timeout_s,
                 forked,
                 backend,
@@ -266,6 +279,7 @@ def launch(
         for rank in range(nproc)
     ]
     values: dict[int, Any] = {}
+    stopped: set[int] = set()  # workers whose function stopped where it was asked to
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         # A spawned worker imports for seconds before `_worker` ignores SIGINT; it starts with
@@ -274,26 +288,30 @@ def launch(
         with _sigint_held():
             for p in procs:
                 p.start()
-        while len(values) < nproc:
+        while len(values) + len(stopped) < nproc:
+            if stop.requested() and not asked.is_set():
+                asked.set()
             try:
-                rank, ok, value = results.get(timeout=_POLL_S)
+                rank, outcome, value = results.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [
-                    r for r, p in enumerate(procs) if r not in values and p.exitcode is not None
-                ]
+                ended = values.keys() | stopped
+                dead = [r for r, p in enumerate(procs) if r not in ended and p.exitcode is not None]
                 if not dead:
                     if deadline is not None and time.monotonic() > deadline:
                         _dump_stacks(procs)
                         raise TimeoutError(f"workers did not finish within {timeout} s") from None
                     continue
                 try:  # a worker that reported just before exiting: its message may be in flight
-                    rank, ok, value = results.get(timeout=1.0)
+                    rank, outcome, value = results.get(timeout=1.0)
                 except queue.Empty:
                     code = procs[dead[0]].exitcode
                     raise WorkerFailed(dead[0], f"{exit_reason(code)}, without a result") from None
-            if not ok:
+            if outcome == _RAISED:
                 raise _root_cause(procs, rank, value)
-            values[rank] = pickle.loads(value)
+            if outcome == _STOPPED:
+                stopped.add(rank)
+            else:
+                values[rank] = pickle.loads(value)
         for rank, p in enumerate(procs):  # a crash at exit fails the launch too
             p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if p.exitcode is None:
@@ -301,6 +319,8 @@ def launch(
                 raise TimeoutError(f"workers did not exit within {timeout} s")
             if p.exitcode != 0:
                 raise WorkerFailed(rank, f"{exit_reason(p.exitcode)} at exit, after its result")
+        if stopped:
+            raise KeyboardInterrupt
         return [values[r] for r in range(nproc)]
     finally:
         _stop(procs)

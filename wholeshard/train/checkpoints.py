@@ -4,11 +4,12 @@ in the background by default (`checkpoint.blocking` for foreground ones), and a 
 A background save (`wholeshard.checkpoint.AsyncSave`) returns once every rank has copied what
 it writes to host memory, and training steps on while it is written; the next save waits for
 it first (`save_checkpoint` does), and so does the end of the run, before the summary: a run
-that ends has its last checkpoint complete. A run that fails (or is interrupted) waits for the
-save in flight too, so the checkpoint it was writing still becomes the one a resume starts
-from. A Ctrl-C does not: `wholeshard train`'s launcher stops every worker at once, leaving the
-previous checkpoint `latest` (a first Ctrl-C that let the ranks finish the save would have to
-stop them at one step boundary, or a rank left inside a collective waits for its peer).
+that ends has its last checkpoint complete. A run that fails or is stopped waits for the save
+in flight too, so the checkpoint it was writing still becomes the one a resume starts from. The
+first Ctrl-C of `wholeshard train` stops every rank after the same step ([Note: stopping at a
+step] in `wholeshard.distributed.stop`), starting no new save, and so finishes the save in
+flight (`latest` then names it); a second stops every process at once, abandoning it: the
+previous checkpoint stays `latest`, and the next save removes the partial `.tmp-step-N`.
 """
 
 from __future__ import annotations
@@ -74,10 +75,13 @@ class RunCheckpoints:
 
     def wait(self, log: outputs.RunLog | None = None) -> None:
         """Wait for the checkpoint being written in the background, if any. With `log` (the run
-        is failing already), a failed save is a note there rather than a second error."""
+        is failing or stopping already), say so while it waits, and a failed save is a note
+        there rather than a second error."""
         saving, self.saving = self.saving, None
         if saving is None:
             return
+        if log is not None and not saving.done():
+            log.note(f"wholeshard train: finishing the checkpoint of step {saving.step}")
         try:
             saving.wait()
         except Exception as e:

@@ -26,19 +26,31 @@ class DistEnv:
 
 
 class GlobalMean:
-    """The mean of a scalar over the ranks: its all-reduce starts now (on a copy), `value()`
-    reads it (the host waits for the device there: call it once more work is queued)."""
+    """The mean of a scalar over the ranks, and whether any rank raised `flag` (the same answer
+    on every rank: it rides on the same all-reduce). The all-reduce starts now (on a copy);
+    `value()` and `flagged()` read it, once (the host waits for the device there: call the first
+    once more work is queued)."""
 
-    def __init__(self, t: torch.Tensor, env: DistEnv) -> None:
-        self.t, self.world = t.detach().clone(), env.world
+    def __init__(self, t: torch.Tensor, env: DistEnv, flag: bool = False) -> None:
+        flag_t = torch.full_like(t, float(flag))  # (a fill on the device, not a host copy)
+        self.t, self.world = torch.stack([t.detach(), flag_t]), env.world
         self.work = dist.all_reduce(self.t, async_op=True) if env.world > 1 else None
+        self._read: list[float] | None = None
+
+    def _values(self) -> list[float]:
+        if self._read is None:
+            if self.work is not None:
+                with collectives.naming("the all-reduce of the loss"):
+                    self.work.wait()
+            self.t[0] /= self.world
+            self._read = self.t.tolist()
+        return self._read
 
     def value(self) -> float:
-        if self.work is not None:
-            with collectives.naming("the all-reduce of the loss"):
-                self.work.wait()
-            self.t /= self.world
-        return self.t.item()
+        return self._values()[0]
+
+    def flagged(self) -> bool:
+        return self._values()[1] > 0
 
 
 def all_ok(ok: bool, env: DistEnv) -> bool:

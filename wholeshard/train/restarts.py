@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from ..distributed import stop
 from ..distributed.launch import WorkerFailed
 from . import outputs
 from .config import TrainConfig
@@ -27,7 +28,8 @@ def train_local(
     cfg: TrainConfig, nproc: int, worker: Callable[[TrainConfig], dict] = train
 ) -> dict:
     """Run `worker(cfg)` on `nproc` local workers, restarting up to `max_restarts` times;
-    returns rank 0's summary. Raises the last `WorkerFailed` when no restart is left."""
+    returns rank 0's summary. Raises the last `WorkerFailed` when no restart is left, or once the
+    job was asked to stop (a first Ctrl-C: `wholeshard.distributed.stop`)."""
     from ..distributed.launch import launch  # looked up per call: tests replace it
 
     restarts = 0
@@ -36,7 +38,7 @@ def train_local(
             timeout = cfg.reliability.collective_timeout
             return launch(worker, nproc, args=(cfg,), collective_timeout_s=timeout)[0]
         except WorkerFailed as failure:
-            if restarts == cfg.reliability.max_restarts:
+            if restarts == cfg.reliability.max_restarts or stop.requested():
                 raise
             restarts += 1
             cfg = _relaunch_config(cfg, failure, restarts)

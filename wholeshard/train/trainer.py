@@ -6,12 +6,11 @@ One code path for any world size: it uses the process group that is already init
 CUDA, gloo on CPU), else runs as a single process.
 
 [Note: hooks]
-`train(config, hooks)` calls every `hook(point, step, rank)` on every rank at two points of a
-step: `BEFORE_SAVE` just before a checkpoint save starts (on steps that save), and `AFTER_STEP`
-once the step's update, and its checkpoint if any, is done (a background save: staged, its
-write maybe still going on). Hooks watch the run or stop it
-(the tests make a rank raise or die there, or arm a fault inside the save that follows
-`BEFORE_SAVE`); they must not change training state.
+`train(config, hooks)` calls every `hook(point, step, rank)` on every rank at two points of a step:
+`BEFORE_SAVE` just before a checkpoint save starts (on steps that save), and `AFTER_STEP` once the
+step's update, and its checkpoint if any, is done (a background save: staged, its write maybe still
+going on). Hooks watch the run or stop it (the tests make a rank raise or die there, or arm a fault
+inside the save that follows `BEFORE_SAVE`); they must not change training state.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from ..distributed import stop
 from ..planning.routing import routing_summary
 from . import data, outputs
 from .baseline import build_ddp_adamw, step_or_skip
@@ -179,10 +179,10 @@ class Trainer:
         FloatingPointError on a non-finite loss (before the update) or gradient (policy error)."""
         cfg = self.cfg
         mean = self._forward_backward(step)
-        loss_value = mean.value()
-        if not math.isfinite(loss_value):
+        loss = mean.value()
+        if not math.isfinite(loss):
             raise FloatingPointError(
-                f"non-finite loss ({loss_value}) at step {step}: stopped before the update; "
+                f"non-finite loss ({loss}) at step {step}: stopped before the update; "
                 f"nothing was saved at this step"
             )
         max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else math.inf
@@ -194,7 +194,7 @@ class Trainer:
             raise FloatingPointError(f"at step {step}: {e}") from None
         self.opt.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
+        return dict(loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, stop=mean.flagged())
 
     def _forward_backward(self, step: int) -> GlobalMean:
         """Gradients of this rank's share of `step`'s batch, in `self.batch.accumulation`
@@ -220,7 +220,7 @@ class Trainer:
                 for xs, ys in micro[:-1]:
                     forward(xs, ys).backward()
         loss = forward(*micro[-1])
-        mean = GlobalMean(sum(losses), env)
+        mean = GlobalMean(sum(losses), env, flag=stop.requested())
         loss.backward()
         return mean
 
@@ -330,10 +330,11 @@ class Trainer:
     ) -> None:
         """One step, its evaluation, its checkpoint (with the hooks around it; after the
         evaluation, so that it holds the step's validation loss) and its metrics record."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        waited = self.comm_wait_s()
+        cfg, t0, waited = self.cfg, time.perf_counter(), self.comm_wait_s()
         figures = self.train_step(step)
+        if figures["stop"]:  # the interrupted path, on every rank: [Note: stopping at a step]
+            log.note(f"wholeshard train: stopped after step {step}")
+            raise KeyboardInterrupt
         progress["skipped_steps"] += figures["skipped"]
         progress["last_loss"] = figures["loss"]
         if tracer is not None:
