@@ -9,15 +9,23 @@ cached per buffer, and hand `exchange` only the segments that touch the rank: th
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..planning._exchange import Segment, segments
+from ..planning import Segment, segments
 from ..planning.buffer import Buffer
 from ..planning.plan import Plan
 from ..planning.sync import Collective, exchange, exchange_batches
 
-if TYPE_CHECKING:
-    from .costs import Mode
+
+class Mode(Protocol):
+    """What the exchange reads of a `costs.Mode` (which imports this module)."""
+
+    @property
+    def exchange_every(self) -> int | None: ...
+    @property
+    def grad_reduce_dtype(self) -> str: ...
+    @property
+    def param_dtype(self) -> str: ...
 
 
 @functools.lru_cache(maxsize=8)
