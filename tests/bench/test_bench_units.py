@@ -264,7 +264,9 @@ def test_pipelined_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong(
     i = names.index("ws_overlap")
     fully_sharded = ["ws_fully_sharded", "ws_fully_sharded_one_group"]
     fp8 = ["ws_fp8_mxfp8", "ws_fp8_tensorwise"]
-    assert names[i + 1 : i + 7] == ["ws_pipelined", *fully_sharded, *fp8, "ws_ping_pong"]
+    want = ["ws_pipelined", "ws_exchange", *fully_sharded, *fp8, "ws_ping_pong"]
+    assert names[i + 1 : i + 8] == want
+    assert CONFIGS["ws_exchange"].variant == Variant(strategy="exchange")
     overlap = dict(overlap_grad_reduce=True, overlap_param_gather=True)
     assert CONFIGS["ws_pipelined"].parallel == DataParallelConfig(pipelined_step=True, **overlap)
     assert CONFIGS["ws_fp8_tensorwise"].parallel.fp8_param_gather is True
