@@ -186,6 +186,7 @@ MODES = {
     "fully_sharded": dict(reshard_after_forward=True, bucket_size=3000),
     "pipelined": dict(overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True),
     "owners": dict(strategy="owners", reshard_after_forward=True, bucket_size=3000),
+    "exchange": dict(strategy="exchange", reshard_after_forward=True, bucket_size=3000),
 }
 
 
@@ -253,8 +254,17 @@ FULLY_SHARDED = {"reshard_after_forward": True, "bucket_size": 3000}
         (4, {}),
         (3, FULLY_SHARDED),
         (3, dict(FULLY_SHARDED, strategy="owners")),
+        (3, dict(FULLY_SHARDED, strategy="exchange")),
     ],
-    ids=["1", "3", "3-small-buckets", "4", "3-fully-sharded", "3-owners-fully-sharded"],
+    ids=[
+        "1",
+        "3",
+        "3-small-buckets",
+        "4",
+        "3-fully-sharded",
+        "3-owners-fully-sharded",
+        "3-exchange-fully-sharded",
+    ],
 )
 def test_reshard_2_ranks_to_n(saved_at_2: dict, nproc: int, ddp_kw: dict) -> None:
     _assert_loads_and_continues(saved_at_2, nproc, ddp_kw)

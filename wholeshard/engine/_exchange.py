@@ -9,7 +9,9 @@ dtype, before the units' gathers. Each direction moves exactly `planning.sync.ex
 the pieces each rank sends to a peer are packed in buffer order, peers ascending, and unpacked
 in the same order, so no sizes travel. Zero-size peers are left out of the split sizes' effect
 (nothing moves), and a batch in which no rank moves anything still issues its all-to-all on every
-rank, so every rank issues the same collectives.
+rank, so every rank issues the same collectives. Fully sharded, an owner's matrices live in
+copies apart from its shards ([Note: owned copies] in `_owned_copies`): the pieces its own shard
+holds are copied there beside the all-to-all each way (`_Batch.local`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..planning import Buffer, Segment, segments
+from ..planning import Buffer, Segment, pieces
 from ..planning.sync import exchange_batches
 from ._storage import StorageUnit
 
@@ -39,11 +41,13 @@ class _Piece:
 class _Batch:
     """The units one all-to-all each way serves, and this rank's pieces of it: `held` (in its
     shard, owned by a peer) and `owned` (of its matrices, held by a peer), each sorted by
-    (peer, start); per peer, the elements of each."""
+    (peer, start); `local` (in its shard, of its matrices, where these have owned copies);
+    per peer, the elements of each."""
 
     units: tuple[StorageUnit, ...]
     held: tuple[_Piece, ...]
     owned: tuple[_Piece, ...]
+    local: tuple[_Piece, ...]
     held_splits: tuple[int, ...]
     owned_splits: tuple[int, ...]
 
@@ -68,7 +72,7 @@ class Exchange:
         if [u.buckets for u in units] != [(b,) for b in buffer.buckets]:
             raise AssertionError("an exchange buffer's units are its buckets, in buffer order")
         by_bucket: dict[int, list[Segment]] = {}
-        for s in segments(buffer):
+        for s in pieces(buffer):
             by_bucket.setdefault(s.bucket, []).append(s)
         self.batches = []
         for batch in exchange_batches(len(buffer.buckets), every):
@@ -77,7 +81,7 @@ class Exchange:
                 (
                     _Piece(s.owner, units[s.bucket], s.start, s.end)
                     for s in segs
-                    if s.holder == rank
+                    if s.holder == rank != s.owner
                 ),
                 key=lambda p: (p.peer, p.start),
             )
@@ -85,15 +89,21 @@ class Exchange:
                 (
                     _Piece(s.holder, units[s.bucket], s.start, s.end)
                     for s in segs
-                    if s.owner == rank
+                    if s.owner == rank != s.holder
                 ),
                 key=lambda p: (p.peer, p.start),
             )
+            local = [
+                _Piece(rank, units[s.bucket], s.start, s.end)
+                for s in segs
+                if s.holder == rank == s.owner and units[s.bucket].owned_copies is not None
+            ]
             self.batches.append(
                 _Batch(
                     tuple(units[b] for b in batch),
                     tuple(held),
                     tuple(owned),
+                    tuple(local),
                     _splits(held, size),
                     _splits(owned, size),
                 )
@@ -136,6 +146,8 @@ class Exchange:
 
     def grads_to_owners(self, batch: _Batch) -> collectives.AllToAll:
         """Dispatch the batch's reduced pieces to their owners (the batch's units reduced)."""
+        for p in batch.local:
+            p.unit.owned_views(p.start, p.end)[1].copy_(p.unit.held_views(p.start, p.end)[1])
         return collectives.all_to_all(
             [p.unit.held_views(p.start, p.end)[1] for p in batch.held],
             [p.unit.owned_views(p.start, p.end)[1] for p in batch.owned],
@@ -147,6 +159,8 @@ class Exchange:
 
     def params_to_holders(self, batch: _Batch) -> collectives.AllToAll:
         """Dispatch the owners' updated pieces of the batch back to the shards holding them."""
+        for p in batch.local:
+            p.unit.held_views(p.start, p.end)[0].copy_(p.unit.owned_views(p.start, p.end)[0])
         return collectives.all_to_all(
             [p.unit.owned_views(p.start, p.end)[0] for p in batch.owned],
             [p.unit.held_views(p.start, p.end)[0] for p in batch.held],
