@@ -173,6 +173,11 @@ MODES = {
         None,
         True,
     ),
+    "exchange-fp8-gather": (
+        dict(strategy="exchange", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
+        "tensorwise",
+        False,
+    ),
     "owners-fp8-gather": (
         dict(strategy="owners", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
         "tensorwise",

@@ -14,9 +14,7 @@ from support import (
     assert_bitwise_equal,
     assert_matches,
     batch,
-    data_parallel,
     lm_loss,
-    make_model,
     reference_run,
     run,
     train_part,
@@ -85,9 +83,7 @@ def test_expert_stacks_match_per_expert_muon() -> None:
         assert_matches(out, ref, torch.float32)
 
 
-def test_fp8_gather_is_refused_with_the_fix() -> None:
-    with pytest.raises(ConfigError, match="strategy='exchange' cannot take fp8_param_gather"):
-        data_parallel(make_model(), strategy="exchange", fp8_param_gather=True)
+def test_a_bad_exchange_batching_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="exchange_every must be None"):
         Variant(exchange_every=0)
 

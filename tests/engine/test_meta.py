@@ -88,6 +88,7 @@ MODES = MAIN_MODES | {
     "owners-fully-sharded": dict(strategy="owners", reshard_after_forward=True, **OVERLAP),
     "exchange": dict(strategy="exchange", **OVERLAP),
     "exchange-fully-sharded": dict(strategy="exchange", reshard_after_forward=True, **OVERLAP),
+    "exchange-fp8-gather": dict(strategy="exchange", fp8_param_gather=True, **OVERLAP),
 }
 
 

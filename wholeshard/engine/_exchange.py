@@ -11,12 +11,12 @@ in the same order, so no sizes travel. Zero-size peers are left out of the split
 (nothing moves), and a batch in which no rank moves anything still issues its all-to-all on every
 rank, so every rank issues the same collectives. Fully sharded, an owner's matrices live in
 copies apart from its shards ([Note: owned copies] in `_owned_copies`): the pieces its own shard
-holds are copied there beside the all-to-all each way (`_Batch.local`).
+holds are copied there beside the all-to-all each way (`Moves.local`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch.distributed import ProcessGroup
@@ -38,7 +38,7 @@ class _Piece:
 
 
 @dataclass(frozen=True)
-class _Batch:
+class Moves:
     """The units one all-to-all each way serves, and this rank's pieces of it: `held` (in its
     shard, owned by a peer) and `owned` (of its matrices, held by a peer), each sorted by
     (peer, start); `local` (in its shard, of its matrices, where these have owned copies);
@@ -74,40 +74,16 @@ class Exchange:
         by_bucket: dict[int, list[Segment]] = {}
         for s in pieces(buffer):
             by_bucket.setdefault(s.bucket, []).append(s)
-        self.batches = []
-        for batch in exchange_batches(len(buffer.buckets), every):
-            segs = [s for b in batch for s in by_bucket.get(b, ())]
-            held = sorted(
-                (
-                    _Piece(s.owner, units[s.bucket], s.start, s.end)
-                    for s in segs
-                    if s.holder == rank != s.owner
-                ),
-                key=lambda p: (p.peer, p.start),
+        self.batches = [
+            moves(
+                [units[b] for b in batch],
+                [s for b in batch for s in by_bucket.get(b, ())],
+                units.__getitem__,
+                rank,
+                size,
             )
-            owned = sorted(
-                (
-                    _Piece(s.holder, units[s.bucket], s.start, s.end)
-                    for s in segs
-                    if s.owner == rank != s.holder
-                ),
-                key=lambda p: (p.peer, p.start),
-            )
-            local = [
-                _Piece(rank, units[s.bucket], s.start, s.end)
-                for s in segs
-                if s.holder == rank == s.owner and units[s.bucket].owned_copies is not None
-            ]
-            self.batches.append(
-                _Batch(
-                    tuple(units[b] for b in batch),
-                    tuple(held),
-                    tuple(owned),
-                    tuple(local),
-                    _splits(held, size),
-                    _splits(owned, size),
-                )
-            )
+            for batch in exchange_batches(len(buffer.buckets), every)
+        ]
 
     def dispatch(self, last_unit: int) -> None:
         """Dispatch the exchange to the owners of every batch whose units are all among the
@@ -144,7 +120,7 @@ class Exchange:
         landing = [self.params_to_holders(b) for b in todo]
         _wait(landing, "the exchange of updated params to their holders")
 
-    def grads_to_owners(self, batch: _Batch) -> collectives.AllToAll:
+    def grads_to_owners(self, batch: Moves) -> collectives.AllToAll:
         """Dispatch the batch's reduced pieces to their owners (the batch's units reduced)."""
         for p in batch.local:
             p.unit.owned_views(p.start, p.end)[1].copy_(p.unit.held_views(p.start, p.end)[1])
@@ -157,7 +133,7 @@ class Exchange:
             like=batch.units[0].grad,
         )
 
-    def params_to_holders(self, batch: _Batch) -> collectives.AllToAll:
+    def params_to_holders(self, batch: Moves) -> collectives.AllToAll:
         """Dispatch the owners' updated pieces of the batch back to the shards holding them."""
         for p in batch.local:
             p.unit.held_views(p.start, p.end)[0].copy_(p.unit.owned_views(p.start, p.end)[0])
@@ -169,6 +145,42 @@ class Exchange:
             self.group,
             like=batch.units[0].param,
         )
+
+
+def moves(
+    units: Sequence[StorageUnit],
+    segs: Sequence[Segment],
+    unit_of: Callable[[int], StorageUnit],
+    rank: int,
+    size: int,
+) -> Moves:
+    """What shard-group rank `rank` of `size` moves of `segs` (pieces of the matrices of
+    `units`; `unit_of(bucket)` holds each), in the order every rank packs and unpacks them."""
+    held = [
+        _Piece(s.owner, unit_of(s.bucket), s.start, s.end)
+        for s in segs
+        if s.holder == rank != s.owner
+    ]
+    owned = [
+        _Piece(s.holder, unit_of(s.bucket), s.start, s.end)
+        for s in segs
+        if s.owner == rank != s.holder
+    ]
+    local = [
+        _Piece(rank, unit_of(s.bucket), s.start, s.end)
+        for s in segs
+        if s.holder == rank == s.owner and unit_of(s.bucket).owned_copies is not None
+    ]
+    held.sort(key=lambda p: (p.peer, p.start))
+    owned.sort(key=lambda p: (p.peer, p.start))
+    return Moves(
+        tuple(units),
+        tuple(held),
+        tuple(owned),
+        tuple(local),
+        _splits(held, size),
+        _splits(owned, size),
+    )
 
 
 def _splits(pieces: Sequence[_Piece], size: int) -> tuple[int, ...]:

@@ -242,12 +242,6 @@ class Variant:
 
     def check(self, config: DataParallelConfig) -> None:
         """Raise `ConfigError` if `config` cannot run under this variant."""
-        if self.strategy == "exchange" and config.fp8_param_gather:
-            raise ConfigError(
-                "fp8_param_gather",
-                "strategy='exchange' cannot take fp8_param_gather=True yet: use strategy "
-                "'owners' or 'balanced' with it",
-            )
         if self.scheme == "whole":
             return
         for name, why in (

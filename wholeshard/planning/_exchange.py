@@ -136,14 +136,17 @@ def placement_matrices(p: Placement) -> Iterator[tuple[int, int, int]]:
 def pieces(buffer: Buffer) -> tuple[Segment, ...]:
     """Every piece of an exchange buffer's matrices that one shard holds, its owner's own
     included, in buffer order ([Note: exchange buffers])."""
-    out = []
-    for p, lo, hi, owner in matrix_ranges(buffer):
-        b = buffer.buckets[p.bucket]
-        for holder in range(b.owner(lo), b.owner(hi - 1) + 1):
-            s_lo, s_hi = b.shard(holder)
-            out.append(Segment(b.index, max(lo, s_lo), min(hi, s_hi), holder, owner))
+    out = [s for p in buffer.placements for s in placement_pieces(p, buffer.buckets[p.bucket])]
     out.sort(key=lambda s: s.start)
     return tuple(out)
+
+
+def placement_pieces(p: Placement, b: Bucket) -> Iterator[Segment]:
+    """The pieces of the matrices of param `p`, which lies in bucket `b`, one per shard."""
+    for lo, hi, owner in placement_matrices(p):
+        for holder in range(b.owner(lo), b.owner(hi - 1) + 1):
+            s_lo, s_hi = b.shard(holder)
+            yield Segment(b.index, max(lo, s_lo), min(hi, s_hi), holder, owner)
 
 
 def segments(buffer: Buffer) -> tuple[Segment, ...]:
