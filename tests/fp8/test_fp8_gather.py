@@ -202,6 +202,38 @@ def test_tensorwise_on_the_exchange_strategy_sends_fp8_bytes() -> None:
     assert sum(out["all_to_all torch.uint8"] for out in outs[1]) > 0
 
 
+def _element_wise_fp8_weights(strategy: str, fp8_param_gather: bool) -> dict:
+    """Converted linears that the wrapper routes to AdamW (all but the first): element-wise
+    params that span shards, so no one rank holds such a weight whole to quantize it."""
+    torch.manual_seed(0)
+    model = fp8.convert(Deep(), "tensorwise", matrix_params=lambda name, p: True)
+    ddp, opt = wrapped(
+        model,
+        bucket_size=8192,
+        mp_policy=mp(torch.bfloat16),
+        fp8_param_gather=fp8_param_gather,
+        matrix_params=lambda name, p: name.startswith("layers.0."),
+        strategy=strategy,
+    )
+    x = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(3):
+        loss = ddp(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "units": sorted({type(b).__name__ for b in ddp.units})}
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "exchange"])
+def test_fp8_weights_no_rank_holds_whole_are_quantized_after_a_bf16_gather(strategy: str) -> None:
+    off = run(_element_wise_fp8_weights, 3, strategy, False)
+    on = run(_element_wise_fp8_weights, 3, strategy, True)
+    assert "MixedFp8Storage" in on[0]["units"], on[0]["units"]
+    assert [out["losses"] for out in on] == [out["losses"] for out in off]
+
+
 def _staged_at_step() -> list:
     """The seed's trap: stage bf16(master) at the step and let `zero_grad` clear the (grad-
     aliased) staging before the deferred gathers of the next forward ship it."""

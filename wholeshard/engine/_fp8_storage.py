@@ -21,7 +21,8 @@ it; autograd needs its shape); `full_params()` gathers the bf16 values transient
   all-gathers after it, in dispatch order), sends each piece's bytes to the shard holding it
   before the all-gathers; the scale slots are the owners'.
 Units that mix converted and other params gather bf16 as usual and quantize their converted
-layers locally afterwards (`quantize_mixed`).
+layers locally afterwards (`MixedFp8Storage`), as do tensorwise units with a weight no one rank
+holds whole (an element-wise one across shards: `quantizer`).
 """
 
 from __future__ import annotations
@@ -72,16 +73,12 @@ class Fp8Storage(StorageUnit):
                 self._moves = moves((self,), pieces, lambda _: self, rank, size)
 
     def _quantizes(self, b: Bucket, rank: int) -> list[int]:
-        """Indices of the params of bucket `b` that `rank` quantizes, in buffer order: those in
-        its shard, or in an exchange unit those it owns."""
-        lo, hi = b.shard(rank)
-
-        def quantizes(p: Placement) -> bool:
-            if self.kind == "exchange":
-                return p.bucket == b.index and p.owner == rank
-            return lo <= p.start and p.end <= hi
-
-        mine = [n for n, (_, p) in enumerate(self.params) if quantizes(p)]
+        """Indices of the params of bucket `b` that `rank` quantizes, in buffer order."""
+        mine = [
+            n
+            for n, (_, p) in enumerate(self.params)
+            if p.bucket == b.index and quantizer(self.kind, p, b) == rank
+        ]
         return sorted(mine, key=lambda n: self.params[n][1].start)
 
     def keep_shards(self) -> None:
@@ -219,17 +216,31 @@ class MixedFp8Storage(StorageUnit):
             module.fp8_weight = quantize_weight(self.params[n][0], module.recipe)
 
 
+def quantizer(kind: str, p: Placement, b: Bucket) -> int | None:
+    """The rank that quantizes FP8 weight `p` of bucket `b` of a `kind` buffer whole for a
+    tensorwise FP8 gather: in an exchange buffer its matrix's owner, else the rank whose shard
+    holds it whole; None if no rank holds it whole (an element-wise param across shards)."""
+    if kind == "exchange" and p.owners:
+        return p.owner
+    first = b.owner(p.start)
+    return first if b.owner(p.end - 1) == first else None
+
+
 def fp8_storage_factory(module: nn.Module) -> Callable[..., StorageUnit]:
-    """Builds `Fp8Storage` where every param is an `Fp8Linear` weight of one recipe,
-    `MixedFp8Storage` where some are, plain `StorageUnit` elsewhere."""
+    """Builds `Fp8Storage` where every param is an `Fp8Linear` weight of one recipe (and for
+    tensorwise, each weight has its `quantizer`), `MixedFp8Storage` where some are, plain
+    `StorageUnit` elsewhere."""
     owner = {id(m.weight): m for m in module.modules() if isinstance(m, Fp8Linear)}
 
     def make(index: int, kind: str, buckets, params, groups, **kwargs) -> StorageUnit:
         modules = [owner.get(id(param)) for param, _ in params]
         recipes = {m.recipe for m in modules if m is not None}
         args = (index, kind, buckets, params, groups)
-        if None not in modules and len(recipes) == 1:
-            return Fp8Storage(*args, modules=modules, recipe=recipes.pop(), **kwargs)
+        at = {b.index: b for b in buckets}
+        whole = all(quantizer(kind, p, at[p.bucket]) is not None for _, p in params)
+        recipe = recipes.pop() if len(recipes) == 1 else None
+        if None not in modules and (recipe == "mxfp8" or (recipe == "tensorwise" and whole)):
+            return Fp8Storage(*args, modules=modules, recipe=recipe, **kwargs)
         members = [(n, m) for n, m in enumerate(modules) if m is not None]
         if members:
             return MixedFp8Storage(*args, fp8_members=members, **kwargs)

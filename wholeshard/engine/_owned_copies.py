@@ -7,11 +7,13 @@ tensors; fully sharded, those are freed between steps, so a unit keeps, beside t
 shards, one copy of every matrix this rank owns: `param` (the param dtype) and `grad` (the grad
 dtype), each the owned matrices end to end in buffer order. `StorageUnit.owned_views` returns
 views of them, so the optimizer reads and writes only these. The exchange fills `grad` after
-the reduction (the pieces this rank's shard holds by a local copy, the rest by the all-to-all)
-and, after the update, writes `param` back into the holders' shards the same two ways, which
-the units then gather as fully sharded units do. The copies take their first values from the
-full param when the unit keeps its shards (`take`). So a rank holds between steps its shards
-plus its owned matrices, params and grads; the peak adds one unit's full tensors.
+the reduction (the pieces this rank's shard holds by a local copy, the rest by the all-to-all),
+writing every element, so `grad` is never zeroed; after the update it writes `param` back into
+the holders' shards the same two ways, and the units then gather as fully sharded units do. The
+copies take their first values from the full param when the unit keeps its shards (`take`).
+So a rank holds between steps its shards plus its owned matrices, params and grads; the peak
+adds one unit's full tensors. (An FP8 unit is always fully sharded, so it keeps them in every
+mode: [Note: FP8 units] in `_fp8_storage`.)
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class OwnedCopies:
         for lo, hi in self.ranges:
             self._at.append(self._at[-1] + hi - lo)
         self.param = param_like.new_empty(self._at[-1])
-        self.grad = grad_like.new_zeros(self._at[-1])
+        self.grad = grad_like.new_zeros(self._at[-1])  # written whole by each grad exchange
 
     def views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(param, grad) views of buffer elements `[lo, hi)` if they lie in one owned matrix."""

@@ -248,8 +248,7 @@ class StorageUnit:
     # -- resharding ([Note: resharding]) ----------------------------------------------------
 
     def keep_shards(self) -> None:
-        """Start resharding: copy this rank's shards (and owned copies) out of the full tensors,
-        then free them."""
+        """Start resharding: keep this rank's shards and owned copies, then free the full ones."""
         if self.param_shard is not None:
             return
         numel = self._shard_at[-1] + self.buckets[-1].shard_len(self.groups.rank)
@@ -319,13 +318,11 @@ class StorageUnit:
                 _free(self.grad)
 
     def zero_grads(self) -> None:
-        """Zero every gradient: the shards (and owned copies), and the full grads unless
-        resharding frees them."""
+        """Zero every gradient: the shards, and the full grads unless resharding frees them
+        (owned copies are overwritten whole by every exchange)."""
         if self.reducing is not None:
             raise AssertionError("never zero gradients under an in-flight reduction")
         self.open_window()
-        if self.owned_copies is not None:
-            self.owned_copies.grad.zero_()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
             _free(self.grad)
