@@ -280,6 +280,23 @@ def test_fully_sharded_checkpoint_loads_in_any_mode(
 
 
 @pytest.fixture(scope="module")
+def saved_exchange_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Fully sharded on the exchange strategy: the owners' matrices are saved from their owned
+    copies, which the shards do not hold whole."""
+    kw = dict(FULLY_SHARDED, strategy="exchange")
+    return _saved_at_2(tmp_path_factory.mktemp("ckpt2exchange"), kw)
+
+
+@pytest.mark.parametrize(
+    "nproc,ddp_kw", [(1, {}), (3, {}), (4, {"shard_group_size": 2})], ids=["1", "3", "4-hybrid"]
+)
+def test_an_exchange_checkpoint_loads_at_any_world_size(
+    saved_exchange_at_2: dict, nproc: int, ddp_kw: dict
+) -> None:
+    _assert_loads_and_continues(saved_exchange_at_2, nproc, ddp_kw)
+
+
+@pytest.fixture(scope="module")
 def saved_hybrid_at_4(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """4 ranks in shard groups of 2: every element is owned twice, once per replica, and the
     checkpoint holds it once (DCP refused two ranks writing the same chunk)."""

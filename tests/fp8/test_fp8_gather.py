@@ -18,6 +18,7 @@ from support import (
     make_model,
     mp,
     run,
+    run_detail,
     train_steps,
     wholeshard_run,
     wrapped,
@@ -101,13 +102,14 @@ def plain_blocks(recipe: str) -> Callable[[], nn.Module]:
     return make
 
 
-@pytest.mark.parametrize("reshard", [False, True], ids=["zero", "fully_sharded"])
+@pytest.mark.parametrize("reshard", [False, True], ids=["zero", "fully_sharded_pipelined"])
 def test_fp8_param_gather_on_the_exchange_strategy(reshard: bool) -> None:
     """Exchange units: the owners quantize whole matrices from their owned copies and send the
     holders their pieces' bytes (units of FP8 weights alone), or every rank quantizes the
-    gathered bf16 values (mixed units); bitwise the same training as quantizing every forward."""
-    mode = dict(strategy="exchange", reshard_after_forward=reshard)
-    for rank_out in run(_on_and_off, 3, mode, plain_blocks):
+    gathered bf16 values (mixed units); bitwise the same training as quantizing every forward.
+    Fully sharded and pipelined, every rank's collectives are checked in order (`run_detail`)."""
+    mode = dict(strategy="exchange", reshard_after_forward=reshard, pipelined_step=reshard)
+    for rank_out in (run_detail if reshard else run)(_on_and_off, 3, mode, plain_blocks):
         for (recipe, overlap), (off, on) in rank_out.items():
             assert on["fp8_units"] > 0 and on["spanning"] > 0, (recipe, overlap)
             assert_bitwise_equal(on, off)
