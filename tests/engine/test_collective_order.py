@@ -163,21 +163,6 @@ MODES = {
         None,
         True,
     ),
-    "exchange-pipelined-fully-sharded": (
-        dict(strategy="exchange", pipelined_step=True, **FULLY_SHARDED, **OVERLAP),
-        None,
-        False,
-    ),
-    "exchange-fully-sharded-unchecked": (
-        dict(strategy="exchange", exchange_every=1, **FULLY_SHARDED, **OVERLAP),
-        None,
-        True,
-    ),
-    "exchange-fp8-gather": (
-        dict(strategy="exchange", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
-        "tensorwise",
-        False,
-    ),
     "owners-fp8-gather": (
         dict(strategy="owners", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
         "tensorwise",
@@ -192,6 +177,21 @@ MODES = {
     "exchange-shard-groups-sync": (
         dict(strategy="exchange", shard_group_size=2, overlap_grad_reduce=False),
         None,
+        False,
+    ),
+    "exchange-pipelined-fully-sharded": (
+        dict(strategy="exchange", pipelined_step=True, **FULLY_SHARDED, **OVERLAP),
+        None,
+        False,
+    ),
+    "exchange-fully-sharded-unchecked": (
+        dict(strategy="exchange", exchange_every=1, **FULLY_SHARDED, **OVERLAP),
+        None,
+        True,
+    ),
+    "exchange-fp8-gather": (
+        dict(strategy="exchange", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
+        "tensorwise",
         False,
     ),
 }

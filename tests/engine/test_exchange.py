@@ -15,6 +15,7 @@ from support import (
     assert_matches,
     batch,
     lm_loss,
+    make_model,
     reference_run,
     run,
     train_part,
