@@ -186,6 +186,7 @@ MODES = {
     "fully_sharded": dict(reshard_after_forward=True, bucket_size=3000),
     "pipelined": dict(overlap_grad_reduce=True, overlap_param_gather=True, pipelined_step=True),
     "owners": dict(strategy="owners", reshard_after_forward=True, bucket_size=3000),
+    "exchange": dict(strategy="exchange", reshard_after_forward=True, bucket_size=3000),
 }
 
 
@@ -253,8 +254,17 @@ FULLY_SHARDED = {"reshard_after_forward": True, "bucket_size": 3000}
         (4, {}),
         (3, FULLY_SHARDED),
         (3, dict(FULLY_SHARDED, strategy="owners")),
+        (3, dict(FULLY_SHARDED, strategy="exchange")),
     ],
-    ids=["1", "3", "3-small-buckets", "4", "3-fully-sharded", "3-owners-fully-sharded"],
+    ids=[
+        "1",
+        "3",
+        "3-small-buckets",
+        "4",
+        "3-fully-sharded",
+        "3-owners-fully-sharded",
+        "3-exchange-fully-sharded",
+    ],
 )
 def test_reshard_2_ranks_to_n(saved_at_2: dict, nproc: int, ddp_kw: dict) -> None:
     _assert_loads_and_continues(saved_at_2, nproc, ddp_kw)
@@ -267,6 +277,23 @@ def test_fully_sharded_checkpoint_loads_in_any_mode(
     saved_fully_sharded_at_2: dict, nproc: int, ddp_kw: dict
 ) -> None:
     _assert_loads_and_continues(saved_fully_sharded_at_2, nproc, ddp_kw)
+
+
+@pytest.fixture(scope="module")
+def saved_exchange_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Fully sharded on the exchange strategy: the owners' matrices are saved from their owned
+    copies, which the shards do not hold whole."""
+    kw = dict(FULLY_SHARDED, strategy="exchange")
+    return _saved_at_2(tmp_path_factory.mktemp("ckpt2exchange"), kw)
+
+
+@pytest.mark.parametrize(
+    "nproc,ddp_kw", [(1, {}), (3, {}), (4, {"shard_group_size": 2})], ids=["1", "3", "4-hybrid"]
+)
+def test_an_exchange_checkpoint_loads_at_any_world_size(
+    saved_exchange_at_2: dict, nproc: int, ddp_kw: dict
+) -> None:
+    _assert_loads_and_continues(saved_exchange_at_2, nproc, ddp_kw)
 
 
 @pytest.fixture(scope="module")

@@ -179,6 +179,21 @@ MODES = {
         None,
         False,
     ),
+    "exchange-pipelined-fully-sharded": (
+        dict(strategy="exchange", pipelined_step=True, **FULLY_SHARDED, **OVERLAP),
+        None,
+        False,
+    ),
+    "exchange-fully-sharded-unchecked": (
+        dict(strategy="exchange", exchange_every=1, **FULLY_SHARDED, **OVERLAP),
+        None,
+        True,
+    ),
+    "exchange-fp8-gather": (
+        dict(strategy="exchange", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
+        "tensorwise",
+        False,
+    ),
 }
 
 

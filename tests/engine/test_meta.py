@@ -86,6 +86,9 @@ MODES = MAIN_MODES | {
     "ping-pong": dict(scheme="ping_pong", param_sync="broadcast"),
     "fp8-gather": dict(fp8_param_gather=True, **OVERLAP),
     "owners-fully-sharded": dict(strategy="owners", reshard_after_forward=True, **OVERLAP),
+    "exchange": dict(strategy="exchange", **OVERLAP),
+    "exchange-fully-sharded": dict(strategy="exchange", reshard_after_forward=True, **OVERLAP),
+    "exchange-fp8-gather": dict(strategy="exchange", fp8_param_gather=True, **OVERLAP),
 }
 
 
@@ -137,7 +140,7 @@ def _full_units_alive_while_building(ddp_kw: dict) -> list[int]:
     return [*alive, sum(_storage._allocated(b.param) for b in built)]
 
 
-@pytest.mark.parametrize("strategy", ["balanced", "owners"])
+@pytest.mark.parametrize("strategy", ["balanced", "owners", "exchange"])
 def test_fully_sharded_construction_holds_one_full_unit_beside_the_shards(strategy: str) -> None:
     """Issue 20: peak memory during construction is at most one unit beside the owned shards."""
     ddp_kw = dict(bucket_size=3000, strategy=strategy, reshard_after_forward=True, **OVERLAP)

@@ -247,6 +247,12 @@ MODES = {  # name: (ranks, bucket size, DataParallel options)
         dict(strategy="exchange", exchange_every=1, mp_policy=mp(BF16), pipelined_step=True),
     ),
     "exchange-hybrid": (4, FINE, dict(strategy="exchange", shard_group_size=2, **SYNC)),
+    "exchange-fully-sharded": (3, BUCKET, dict(FULLY, strategy="exchange", **OVERLAP)),
+    "exchange-hybrid-fully-sharded-bf16": (
+        4,
+        FINE,
+        dict(FULLY, strategy="exchange", shard_group_size=2, mp_policy=mp(BF16), **SYNC),
+    ),
 }
 PEAK_WITHIN = {
     "fully-sharded-fine": 0.01,

@@ -3,9 +3,12 @@ at every forward (bitwise), FP8 bytes on the wire for tensorwise, and the stagin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from support import (
+    DIM,
     MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
@@ -15,6 +18,7 @@ from support import (
     make_model,
     mp,
     run,
+    run_detail,
     train_steps,
     wholeshard_run,
     wrapped,
@@ -37,19 +41,26 @@ MODES = {
 }
 
 
-def _on_and_off(mode: dict) -> dict:
-    """For both recipes, sync and overlapped: the run with FP8 param gather and without."""
+def _on_and_off(mode: dict, make: Callable[[str], Callable[[], nn.Module]] = fp8_model) -> dict:
+    """For both recipes, sync and overlapped: the run with FP8 param gather and without, of the
+    model `make(recipe)` makes."""
     out = {}
     for recipe in fp8.RECIPES:
         for overlap in (False, True):
             kw = dict(BUCKETS, **mode, **(OVERLAP if overlap else {}))
-            common = dict(make=fp8_model(recipe), param_dtype=torch.bfloat16, evaluate=True)
+            common = dict(make=make(recipe), param_dtype=torch.bfloat16, evaluate=True)
             off = wholeshard_run(STEPS, ddp_kw=kw, **common)
             on = wholeshard_run(
                 STEPS, ddp_kw=dict(kw, fp8_param_gather=True), keep_ddp=True, **common
             )
             ddp = on.pop("ddp")
             on["fp8_units"] = sum(isinstance(b, Fp8Unit) for b in ddp.units)
+            on["spanning"] = sum(  # FP8 weights whose shards two ranks hold
+                b.buckets[0].owner(p.start) != b.buckets[0].owner(p.end - 1)
+                for b in ddp.units
+                if isinstance(b, Fp8Unit)
+                for _, p in b.params
+            )
             out[recipe, overlap] = (off, on)
     return out
 
@@ -62,6 +73,45 @@ def test_fp8_param_gather_is_bitwise_equal_to_quantizing_every_forward(
     for rank_out in run(_on_and_off, nproc, MODES[mode]):
         for (recipe, overlap), (off, on) in rank_out.items():
             assert on["fp8_units"] > 0, (recipe, overlap)
+            assert_bitwise_equal(on, off)
+            assert on["evals"] == off["evals"], (recipe, overlap)
+
+
+class PlainBlock(nn.Module):
+    """Bias-free linears only: on the exchange strategy the bucket of its layer holds FP8
+    weights alone, and its matrices span shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, 4 * DIM, bias=False)
+        self.out = nn.Linear(4 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(nn.functional.gelu(self.fc(x)))
+
+
+def plain_blocks(recipe: str) -> Callable[[], nn.Module]:
+    """Makes `make_model()` with `PlainBlock`s, converted to FP8 `recipe`: units of FP8
+    weights alone (the blocks') and a unit mixing them with other params (the head's)."""
+
+    def make() -> nn.Module:
+        model = make_model()
+        model.blocks = nn.ModuleList(PlainBlock() for _ in range(2))
+        return fp8.convert(model, recipe)
+
+    return make
+
+
+@pytest.mark.parametrize("reshard", [False, True], ids=["zero", "fully_sharded_pipelined"])
+def test_fp8_param_gather_on_the_exchange_strategy(reshard: bool) -> None:
+    """Exchange units: the owners quantize whole matrices from their owned copies and send the
+    holders their pieces' bytes (units of FP8 weights alone), or every rank quantizes the
+    gathered bf16 values (mixed units); bitwise the same training as quantizing every forward.
+    Fully sharded and pipelined, every rank's collectives are checked in order (`run_detail`)."""
+    mode = dict(strategy="exchange", reshard_after_forward=reshard, pipelined_step=reshard)
+    for rank_out in (run_detail if reshard else run)(_on_and_off, 3, mode, plain_blocks):
+        for (recipe, overlap), (off, on) in rank_out.items():
+            assert on["fp8_units"] > 0 and on["spanning"] > 0, (recipe, overlap)
             assert_bitwise_equal(on, off)
             assert on["evals"] == off["evals"], (recipe, overlap)
 
@@ -101,33 +151,89 @@ class Deep(nn.Module):
         return x
 
 
-def _gather_bytes(fp8_param_gather: bool) -> int:
+def _sent_bytes(fp8_param_gather: bool, **ddp_kw) -> dict[str, int]:
+    """Bytes this rank sends in the param sync of one step: by all-gathers, and by all-to-alls
+    (the exchange strategy's) by dtype."""
     torch.manual_seed(0)
     model = fp8.convert(Deep(), "tensorwise", matrix_params=lambda name, p: True)
-    ddp = wholeshard.DataParallel(
-        model, bucket_size=8192, mp_policy=mp(torch.bfloat16), fp8_param_gather=fp8_param_gather
+    ddp = data_parallel(
+        model,
+        bucket_size=8192,
+        mp_policy=mp(torch.bfloat16),
+        fp8_param_gather=fp8_param_gather,
+        **ddp_kw,
     )
     opt = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW)
-    sent = []
-    original = collectives.all_gather
+    sent = {"all_gather": 0}
+    all_gather, all_to_all = collectives.all_gather, collectives.all_to_all
 
-    def counting(full, shard, group):
-        sent.append(shard.numel() * shard.element_size())
-        return original(full, shard, group)
+    def gathering(full, shard, group):
+        sent["all_gather"] += shard.numel() * shard.element_size()
+        return all_gather(full, shard, group)
+
+    def exchanging(sends, into, send_splits, recv_splits, group, *, like):
+        key = f"all_to_all {like.dtype}"
+        sent[key] = sent.get(key, 0) + sum(send_splits) * like.element_size()
+        return all_to_all(sends, into, send_splits, recv_splits, group, like=like)
 
     ddp(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
-    collectives.all_gather = counting
+    collectives.all_gather, collectives.all_to_all = gathering, exchanging
     try:
         opt.step()
     finally:
-        collectives.all_gather = original
-    return sum(sent)
+        collectives.all_gather, collectives.all_to_all = all_gather, all_to_all
+    return sent
 
 
 def test_tensorwise_sends_fp8_bytes() -> None:
-    bf16 = run(_gather_bytes, 2, False)[0]
-    tensorwise = run(_gather_bytes, 2, True)[0]
+    bf16 = run(_sent_bytes, 2, False)[0]["all_gather"]
+    tensorwise = run(_sent_bytes, 2, True)[0]["all_gather"]
     assert 0 < tensorwise <= 0.52 * bf16, (tensorwise, bf16)
+
+
+def test_tensorwise_on_the_exchange_strategy_sends_fp8_bytes() -> None:
+    """The all-gathers ship FP8 bytes; the owners send the holders each piece's bytes, half the
+    bf16 pieces the param exchange sends back (which the shards keep for `full_params()`)."""
+    exchange = dict(strategy="exchange")
+    outs = run(_sent_bytes, 3, False, **exchange), run(_sent_bytes, 3, True, **exchange)
+    for bf16, tensorwise in zip(*outs, strict=True):
+        assert 0 < tensorwise["all_gather"] <= 0.52 * bf16["all_gather"], (tensorwise, bf16)
+        pieces = bf16["all_to_all torch.bfloat16"]
+        assert tensorwise["all_to_all torch.bfloat16"] == pieces
+        assert tensorwise["all_to_all torch.uint8"] * 2 == pieces
+    assert sum(out["all_to_all torch.uint8"] for out in outs[1]) > 0
+
+
+def _element_wise_fp8_weights(strategy: str, fp8_param_gather: bool) -> dict:
+    """Converted linears that the wrapper routes to AdamW (all but the first): element-wise
+    params that span shards, so no one rank holds such a weight whole to quantize it."""
+    torch.manual_seed(0)
+    model = fp8.convert(Deep(), "tensorwise", matrix_params=lambda name, p: True)
+    ddp, opt = wrapped(
+        model,
+        bucket_size=8192,
+        mp_policy=mp(torch.bfloat16),
+        fp8_param_gather=fp8_param_gather,
+        matrix_params=lambda name, p: name.startswith("layers.0."),
+        strategy=strategy,
+    )
+    x = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(3):
+        loss = ddp(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "units": sorted({type(b).__name__ for b in ddp.units})}
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "exchange"])
+def test_fp8_weights_no_rank_holds_whole_are_quantized_after_a_bf16_gather(strategy: str) -> None:
+    off = run(_element_wise_fp8_weights, 3, strategy, False)
+    on = run(_element_wise_fp8_weights, 3, strategy, True)
+    assert "MixedFp8Storage" in on[0]["units"], on[0]["units"]
+    assert [out["losses"] for out in on] == [out["losses"] for out in off]
 
 
 def _staged_at_step() -> list:

@@ -9,18 +9,20 @@ dtype, before the units' gathers. Each direction moves exactly `planning.sync.ex
 the pieces each rank sends to a peer are packed in buffer order, peers ascending, and unpacked
 in the same order, so no sizes travel. Zero-size peers are left out of the split sizes' effect
 (nothing moves), and a batch in which no rank moves anything still issues its all-to-all on every
-rank, so every rank issues the same collectives.
+rank, so every rank issues the same collectives. Fully sharded, an owner's matrices live in
+copies apart from its shards ([Note: owned copies] in `_owned_copies`): the pieces its own shard
+holds are copied there beside the all-to-all each way (`Moves.local`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..planning import Buffer, Segment, segments
+from ..planning import Buffer, Segment, pieces
 from ..planning.sync import exchange_batches
 from ._storage import StorageUnit
 
@@ -36,14 +38,16 @@ class _Piece:
 
 
 @dataclass(frozen=True)
-class _Batch:
+class Moves:
     """The units one all-to-all each way serves, and this rank's pieces of it: `held` (in its
     shard, owned by a peer) and `owned` (of its matrices, held by a peer), each sorted by
-    (peer, start); per peer, the elements of each."""
+    (peer, start); `local` (in its shard, of its matrices, where these have owned copies);
+    per peer, the elements of each."""
 
     units: tuple[StorageUnit, ...]
     held: tuple[_Piece, ...]
     owned: tuple[_Piece, ...]
+    local: tuple[_Piece, ...]
     held_splits: tuple[int, ...]
     owned_splits: tuple[int, ...]
 
@@ -68,36 +72,18 @@ class Exchange:
         if [u.buckets for u in units] != [(b,) for b in buffer.buckets]:
             raise AssertionError("an exchange buffer's units are its buckets, in buffer order")
         by_bucket: dict[int, list[Segment]] = {}
-        for s in segments(buffer):
+        for s in pieces(buffer):
             by_bucket.setdefault(s.bucket, []).append(s)
-        self.batches = []
-        for batch in exchange_batches(len(buffer.buckets), every):
-            segs = [s for b in batch for s in by_bucket.get(b, ())]
-            held = sorted(
-                (
-                    _Piece(s.owner, units[s.bucket], s.start, s.end)
-                    for s in segs
-                    if s.holder == rank
-                ),
-                key=lambda p: (p.peer, p.start),
+        self.batches = [
+            moves(
+                [units[b] for b in batch],
+                [s for b in batch for s in by_bucket.get(b, ())],
+                units.__getitem__,
+                rank,
+                size,
             )
-            owned = sorted(
-                (
-                    _Piece(s.holder, units[s.bucket], s.start, s.end)
-                    for s in segs
-                    if s.owner == rank
-                ),
-                key=lambda p: (p.peer, p.start),
-            )
-            self.batches.append(
-                _Batch(
-                    tuple(units[b] for b in batch),
-                    tuple(held),
-                    tuple(owned),
-                    _splits(held, size),
-                    _splits(owned, size),
-                )
-            )
+            for batch in exchange_batches(len(buffer.buckets), every)
+        ]
 
     def dispatch(self, last_unit: int) -> None:
         """Dispatch the exchange to the owners of every batch whose units are all among the
@@ -134,8 +120,10 @@ class Exchange:
         landing = [self.params_to_holders(b) for b in todo]
         _wait(landing, "the exchange of updated params to their holders")
 
-    def grads_to_owners(self, batch: _Batch) -> collectives.AllToAll:
+    def grads_to_owners(self, batch: Moves) -> collectives.AllToAll:
         """Dispatch the batch's reduced pieces to their owners (the batch's units reduced)."""
+        for p in batch.local:
+            p.unit.owned_views(p.start, p.end)[1].copy_(p.unit.held_views(p.start, p.end)[1])
         return collectives.all_to_all(
             [p.unit.held_views(p.start, p.end)[1] for p in batch.held],
             [p.unit.owned_views(p.start, p.end)[1] for p in batch.owned],
@@ -145,8 +133,10 @@ class Exchange:
             like=batch.units[0].grad,
         )
 
-    def params_to_holders(self, batch: _Batch) -> collectives.AllToAll:
+    def params_to_holders(self, batch: Moves) -> collectives.AllToAll:
         """Dispatch the owners' updated pieces of the batch back to the shards holding them."""
+        for p in batch.local:
+            p.unit.held_views(p.start, p.end)[0].copy_(p.unit.owned_views(p.start, p.end)[0])
         return collectives.all_to_all(
             [p.unit.owned_views(p.start, p.end)[0] for p in batch.owned],
             [p.unit.held_views(p.start, p.end)[0] for p in batch.held],
@@ -155,6 +145,42 @@ class Exchange:
             self.group,
             like=batch.units[0].param,
         )
+
+
+def moves(
+    units: Sequence[StorageUnit],
+    segs: Sequence[Segment],
+    unit_of: Callable[[int], StorageUnit],
+    rank: int,
+    size: int,
+) -> Moves:
+    """What shard-group rank `rank` of `size` moves of `segs` (pieces of the matrices of
+    `units`; `unit_of(bucket)` holds each), in the order every rank packs and unpacks them."""
+    held = [
+        _Piece(s.owner, unit_of(s.bucket), s.start, s.end)
+        for s in segs
+        if s.holder == rank != s.owner
+    ]
+    owned = [
+        _Piece(s.holder, unit_of(s.bucket), s.start, s.end)
+        for s in segs
+        if s.owner == rank != s.holder
+    ]
+    local = [
+        _Piece(rank, unit_of(s.bucket), s.start, s.end)
+        for s in segs
+        if s.holder == rank == s.owner and unit_of(s.bucket).owned_copies is not None
+    ]
+    held.sort(key=lambda p: (p.peer, p.start))
+    owned.sort(key=lambda p: (p.peer, p.start))
+    return Moves(
+        tuple(units),
+        tuple(held),
+        tuple(owned),
+        tuple(local),
+        _splits(held, size),
+        _splits(owned, size),
+    )
 
 
 def _splits(pieces: Sequence[_Piece], size: int) -> tuple[int, ...]:

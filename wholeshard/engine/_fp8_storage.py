@@ -14,9 +14,15 @@ it; autograd needs its shape); `full_params()` gathers the bf16 values transient
   `zero_grad` cleared in between.
 - tensorwise (FP8 on the wire): the owner, holding whole matrices, quantizes each with its exact
   amax into its slot of a persistent uint8 buffer; the all-gather ships those bytes and a second,
-  small one the per-matrix scales, so every rank holds exactly the owner's bits.
+  small one the per-matrix scales, so every rank holds exactly the owner's bits. In an exchange
+  unit a matrix may span shards ([Note: exchange buffers] in `planning._exchange`): its owner
+  quantizes it whole from its owned copy ([Note: owned copies] in `_owned_copies`), and an
+  all-to-all on the gather group, waited for at dispatch (so every rank issues it, and the
+  all-gathers after it, in dispatch order), sends each piece's bytes to the shard holding it
+  before the all-gathers; the scale slots are the owners'.
 Units that mix converted and other params gather bf16 as usual and quantize their converted
-layers locally afterwards (`quantize_mixed`).
+layers locally afterwards (`MixedFp8Storage`), as do tensorwise units with a weight no one rank
+holds whole (an element-wise one across shards: `quantizer`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from torch import nn
 from ..distributed import collectives
 from ..fp8.formats import Fp8Tensorwise
 from ..fp8.linear import Fp8Linear, Fp8Weight, quantize_weight
-from ..planning import Bucket
+from ..planning import Bucket, Placement, placement_pieces
+from ._exchange import moves
 from ._storage import InFlight, StorageUnit, UnitState, _alloc, _allocated, _free
 
 
@@ -50,20 +57,29 @@ class Fp8Storage(StorageUnit):
             self._bytes = torch.zeros(
                 self.end - self.start, dtype=torch.uint8, device=self.param.device
             )
-            # Scale slots: per bucket, per rank, one per matrix of that rank's shard.
-            self._shard_params = [
-                [self._in_shard(b, r) for r in range(self.groups.size)] for b in self.buckets
+            # Scale slots: per bucket, per rank, one per matrix that rank quantizes.
+            self._quantized_by = [
+                [self._quantizes(b, r) for r in range(self.groups.size)] for b in self.buckets
             ]
             self._scales = [
-                torch.zeros(self.groups.size * max(1, *map(len, shards)), device=self.param.device)
-                for shards in self._shard_params
+                torch.zeros(self.groups.size * max(1, *map(len, ranks)), device=self.param.device)
+                for ranks in self._quantized_by
             ]
+            if self.kind == "exchange":  # the owners' bytes that other ranks' shards hold
+                at = {b.index: b for b in self.buckets}
+                pieces = [s for _, p in self.params for s in placement_pieces(p, at[p.bucket])]
+                pieces.sort(key=lambda s: s.start)
+                rank, size = self.groups.rank, self.groups.size
+                self._moves = moves((self,), pieces, lambda _: self, rank, size)
 
-    def _in_shard(self, b: Bucket, rank: int) -> list[int]:
-        """Indices of the params in `rank`'s shard of bucket `b`, in buffer order."""
-        lo, hi = b.shard(rank)
-        inside = [n for n, (_, p) in enumerate(self.params) if lo <= p.start and p.end <= hi]
-        return sorted(inside, key=lambda n: self.params[n][1].start)
+    def _quantizes(self, b: Bucket, rank: int) -> list[int]:
+        """Indices of the params of bucket `b` that `rank` quantizes, in buffer order."""
+        mine = [
+            n
+            for n, (_, p) in enumerate(self.params)
+            if p.bucket == b.index and quantizer(self.kind, p, b) == rank
+        ]
+        return sorted(mine, key=lambda n: self.params[n][1].start)
 
     def keep_shards(self) -> None:
         super().keep_shards()
@@ -143,26 +159,42 @@ class Fp8Storage(StorageUnit):
 
     def _gather_bytes(self) -> InFlight:
         group, rank = self.groups.gather_group, self.groups.rank
-        handles = []
-        for i, b in enumerate(self.buckets):
-            mine = self._own_shard(self.param, self.param_shard, i)
-            lo = b.shard(rank)[0]
-            scales = self._scales[i].view(self.groups.size, -1)[rank]
-            for j, n in enumerate(self._shard_params[i][rank]):
+        mine = [self._scales[i].view(self.groups.size, -1)[rank] for i in range(len(self.buckets))]
+        for i, scales in enumerate(mine):
+            for j, n in enumerate(self._quantized_by[i][rank]):
                 p = self.params[n][1]
-                q = quantize_weight(mine[p.start - lo : p.end - lo].view(p.shape), "tensorwise")
+                q = quantize_weight(self.owned_views(p.start, p.end)[0].view(p.shape), "tensorwise")
                 self._param_range(self._bytes, p).copy_(
                     q.rowwise.data.view(torch.uint8).reshape(-1)
                 )
                 scales[j] = q.rowwise.scale
+        if self.kind == "exchange":
+            self._bytes_to_holders()
+        handles = []
+        for i, b in enumerate(self.buckets):
             handles += self._share(self._bytes, b, self._shard_range(self._bytes, b, rank))
-            handles.append(collectives.all_gather(self._scales[i], scales, group))
+            handles.append(collectives.all_gather(self._scales[i], mine[i], group))
         return InFlight(handles)
 
+    def _bytes_to_holders(self) -> None:
+        """Send the bytes of the owned matrices' pieces that other shards hold to them, and
+        receive this shard's pieces from their owners."""
+        m = self._moves
+        exchange = collectives.all_to_all(
+            [self._elements(self._bytes, p.start, p.end) for p in m.owned],
+            [self._elements(self._bytes, p.start, p.end) for p in m.held],
+            m.owned_splits,
+            m.held_splits,
+            self.groups.gather_group,
+            like=self._bytes,
+        )
+        with collectives.naming(f"the FP8 bytes of unit {self.index} to their holders"):
+            exchange.wait()
+
     def _set_tensorwise(self) -> None:
-        for i, shards in enumerate(self._shard_params):
+        for i, ranks in enumerate(self._quantized_by):
             scales = self._scales[i].view(self.groups.size, -1)
-            for r, members in enumerate(shards):
+            for r, members in enumerate(ranks):
                 for j, n in enumerate(members):
                     p = self.params[n][1]
                     data = self._param_range(self._bytes, p).view(torch.float8_e4m3fn).view(p.shape)
@@ -184,17 +216,31 @@ class MixedFp8Storage(StorageUnit):
             module.fp8_weight = quantize_weight(self.params[n][0], module.recipe)
 
 
+def quantizer(kind: str, p: Placement, b: Bucket) -> int | None:
+    """The rank that quantizes FP8 weight `p` of bucket `b` of a `kind` buffer whole for a
+    tensorwise FP8 gather: in an exchange buffer its matrix's owner, else the rank whose shard
+    holds it whole; None if no rank holds it whole (an element-wise param across shards)."""
+    if kind == "exchange" and p.owners:
+        return p.owner
+    first = b.owner(p.start)
+    return first if b.owner(p.end - 1) == first else None
+
+
 def fp8_storage_factory(module: nn.Module) -> Callable[..., StorageUnit]:
-    """Builds `Fp8Storage` where every param is an `Fp8Linear` weight of one recipe,
-    `MixedFp8Storage` where some are, plain `StorageUnit` elsewhere."""
+    """Builds `Fp8Storage` where every param is an `Fp8Linear` weight of one recipe (and for
+    tensorwise, each weight has its `quantizer`), `MixedFp8Storage` where some are, plain
+    `StorageUnit` elsewhere."""
     owner = {id(m.weight): m for m in module.modules() if isinstance(m, Fp8Linear)}
 
     def make(index: int, kind: str, buckets, params, groups, **kwargs) -> StorageUnit:
         modules = [owner.get(id(param)) for param, _ in params]
         recipes = {m.recipe for m in modules if m is not None}
         args = (index, kind, buckets, params, groups)
-        if None not in modules and len(recipes) == 1:
-            return Fp8Storage(*args, modules=modules, recipe=recipes.pop(), **kwargs)
+        at = {b.index: b for b in buckets}
+        whole = all(quantizer(kind, p, at[p.bucket]) is not None for _, p in params)
+        recipe = recipes.pop() if len(recipes) == 1 else None
+        if None not in modules and (recipe == "mxfp8" or (recipe == "tensorwise" and whole)):
+            return Fp8Storage(*args, modules=modules, recipe=recipe, **kwargs)
         members = [(n, m) for n, m in enumerate(modules) if m is not None]
         if members:
             return MixedFp8Storage(*args, fp8_members=members, **kwargs)

@@ -12,8 +12,9 @@ be described on every rank. With `param_init=fn`, `DataParallel`:
    full buffer, under torch's RNG seeded from the name (`seeded`), so an `fn` that draws from
    torch's global generator (`nn.init.normal_`) gives the same values at any world size and in
    any mode; fully sharded, the unit then keeps only this rank's shards (one full unit exists
-   at a time beside the owned shards);
-3. gathers the params, so every rank holds every owner's values.
+   at a time beside the owned shards), and on the exchange strategy its owned matrices;
+3. gathers the params, so every rank holds every owner's values (on the exchange strategy,
+   after the param exchange has sent the owners' pieces to the shards holding them).
 `fn` also fills every frozen param, on every rank (each holds them whole). Buffers stay
 uninitialised: as with FSDP2, the model's own buffer init runs after wrapping (e.g. rotary
 tables), on every rank alike.

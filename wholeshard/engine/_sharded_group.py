@@ -179,8 +179,9 @@ class ShardedGroup:
             self.hooks += hooks.register(self.scheduler, module, unit_of, reshard=reshard)
         if on_demand or self.fp8_param_gather:  # params can be stale between steps
             self.hooks += hooks.refuse_stale_reads(self.scheduler, module, unit_of)
-        if self.fp8_param_gather or (self._fill and not reshard):
-            self.scheduler.params_updated()  # the owners' values (the first FP8 weights)
+        if self.fp8_param_gather or (self._fill and (not reshard or exchange is not None)):
+            # The owners' values (the first FP8 weights; the holders' pieces of owned matrices).
+            self.scheduler.params_updated()
             self.scheduler.finish_param_sync()
 
     def _fill_initial(self, storage: StorageUnit) -> None:

@@ -15,7 +15,8 @@ shards in the separate `param_shard` and `grad_shard` tensors, and the full tens
 exists only from `start_gather` to `release_params` (params) and from the first gradient to the
 end of the reduction (grads). The `nn.Parameter` objects never change: released, each param's
 `.data` (a DTensor's local tensor) is empty, and the full storage is freed with `resize_(0)`
-and regrown in place, so the views autograd saved in forward see the values in backward.
+and regrown in place, so the views autograd saved in forward see the values in backward. An
+exchange unit also keeps whole copies of the matrices this rank owns ([Note: owned copies]).
 
 [Note: unit states]
 What the params of a storage unit hold, as a `UnitState`:
@@ -43,6 +44,7 @@ from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
 from ..planning.sync import ParamSync, sync_scheme
+from ._owned_copies import OwnedCopies
 from ._sync import half_of
 
 
@@ -106,6 +108,7 @@ class StorageUnit:
     grad: torch.Tensor  # 1D, the same range (grad-reduce dtype); freed when resharding
     param_shard: torch.Tensor | None  # 1D, this rank's shards of every bucket; resharding only
     grad_shard: torch.Tensor | None  # 1D, likewise
+    owned_copies: OwnedCopies | None  # an exchange unit's owned matrices; resharding only
     state: UnitState
     received: list[bool]  # per param: a gradient was added into `grad` this window (any backward)
     final: list[bool]  # per param: its gradient is final (received in a synchronising backward)
@@ -150,6 +153,10 @@ class StorageUnit:
         for b in self.buckets[:-1]:
             self._shard_at.append(self._shard_at[-1] + b.shard_len(groups.rank))
         self.param_shard = self.grad_shard = None
+        self.owned_copies = None
+        if reshard and kind == "exchange":
+            placements = (p for _, p in self.params)
+            self.owned_copies = OwnedCopies(placements, groups.rank, self.param, self.grad)
         self._halves = [half_of(sync_scheme(b, groups.param_sync)) for b in self.buckets]
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self.open_window()
@@ -180,9 +187,13 @@ class StorageUnit:
     def owned_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat (param, grad) views of buffer elements `[lo, hi)` that this rank owns: in its
         shard of one bucket (`held_views`), or, in an exchange unit, of a matrix it owns
-        wherever it lies, in the full tensors ([Note: exchange buffers] in
-        `planning._exchange`). Storage that persists between steps."""
-        if self.kind == "exchange" and not self.reshard:
+        wherever it lies: in the full tensors, or fully sharded in its owned copies ([Note:
+        owned copies] in `_owned_copies`). Storage that persists between steps."""
+        if self.owned_copies is not None:
+            views = self.owned_copies.views(lo, hi)
+            if views is not None:
+                return views
+        elif self.kind == "exchange":
             return self._elements(self.param, lo, hi), self._elements(self.grad, lo, hi)
         return self.held_views(lo, hi)
 
@@ -198,10 +209,12 @@ class StorageUnit:
         raise AssertionError(f"[{lo}, {hi}) is not inside this rank's shard of one bucket")
 
     def persistent_bytes(self) -> tuple[int, int]:
-        """(param, grad) bytes this unit holds between steps."""
+        """(param, grad) bytes this unit holds between steps: fully sharded, its shards and
+        its owned copies."""
         if self.param_shard is None or self.grad_shard is None:
             return self.param.nbytes, self.grad.nbytes
-        return self.param_shard.nbytes, self.grad_shard.nbytes
+        param, grad = self.owned_copies.nbytes() if self.owned_copies else (0, 0)
+        return self.param_shard.nbytes + param, self.grad_shard.nbytes + grad
 
     def full_bytes(self) -> int:
         """Bytes of the full param and grad tensors when materialised."""
@@ -235,7 +248,7 @@ class StorageUnit:
     # -- resharding ([Note: resharding]) ----------------------------------------------------
 
     def keep_shards(self) -> None:
-        """Start resharding: copy this rank's shards out of the full tensors, then free them."""
+        """Start resharding: keep this rank's shards and owned copies, then free the full ones."""
         if self.param_shard is not None:
             return
         numel = self._shard_at[-1] + self.buckets[-1].shard_len(self.groups.rank)
@@ -245,6 +258,8 @@ class StorageUnit:
             self._own_shard(self.param, self.param_shard, i).copy_(
                 self._shard_range(self.param, b, self.groups.rank)
             )
+        if self.owned_copies is not None:
+            self.owned_copies.take(self.param, self.start)
         self.release_params()
         _free(self.grad)
 
@@ -303,7 +318,8 @@ class StorageUnit:
                 _free(self.grad)
 
     def zero_grads(self) -> None:
-        """Zero every gradient: the shards, and the full grads unless resharding frees them."""
+        """Zero every gradient: the shards, and the full grads unless resharding frees them
+        (owned copies are overwritten whole by every exchange)."""
         if self.reducing is not None:
             raise AssertionError("never zero gradients under an in-flight reduction")
         self.open_window()

@@ -242,14 +242,6 @@ class Variant:
 
     def check(self, config: DataParallelConfig) -> None:
         """Raise `ConfigError` if `config` cannot run under this variant."""
-        if self.strategy == "exchange":
-            for name in ("reshard_after_forward", "fp8_param_gather"):
-                if getattr(config, name):
-                    raise ConfigError(
-                        name,
-                        f"strategy='exchange' cannot take {name}=True yet: use strategy "
-                        f"'owners' or 'balanced' with it",
-                    )
         if self.scheme == "whole":
             return
         for name, why in (

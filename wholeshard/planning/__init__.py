@@ -43,7 +43,7 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   where it meets the plan targets, else owners).
 """
 
-from ._exchange import Segment, segments
+from ._exchange import Segment, pieces, placement_matrices, placement_pieces, segments
 from .auto import plan_for
 from .buffer import KINDS, Buffer
 from .plan import (
@@ -60,6 +60,9 @@ from .specs import Bucket, ParamSpec, Placement
 
 __all__ = [
     "Segment",
+    "pieces",
+    "placement_matrices",
+    "placement_pieces",
     "segments",
     "DEFAULT_STRATEGY",
     "KINDS",

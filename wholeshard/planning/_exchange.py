@@ -15,7 +15,10 @@ it over the whole buffer, costliest first to the rank with the least cost so far
 owners strategy's rule, so the busiest rank's matrix work is the same. After the
 reduce-scatter, the pieces of each matrix that other ranks' shards hold are sent to its owner
 (`segments`, an all-to-all in the engine), and after the update the owner sends them back
-before the all-gather: each reduced element crosses once each way.
+before the all-gather: each reduced element crosses once each way. Fully sharded, the owner keeps
+a copy of each matrix it owns beside its shards ([Note: owned copies] in
+`engine._owned_copies`), and the pieces its own shard holds (`pieces` with holder == owner) are
+copied between the two on the owner alone; the gathers then run from the shards as usual.
 """
 
 from __future__ import annotations
@@ -100,8 +103,9 @@ def _owners(
 @dataclass(frozen=True)
 class Segment:
     """Elements `[start, end)` of a bucket's matrix that the shard of `holder` holds and
-    `owner` steps (holder != owner): what the exchange moves, holder to owner for gradients and
-    back for params."""
+    `owner` steps. Where holder != owner (`segments`), the exchange moves it, holder to owner
+    for gradients and back for params; where holder == owner, a fully sharded owner copies it
+    between its shard and its whole copy of the matrix (`pieces`)."""
 
     bucket: int
     start: int
@@ -118,23 +122,33 @@ def matrix_ranges(buffer: Buffer) -> Iterator[tuple[Placement, int, int, int]]:
     """(placement, start, end, owner) of every matrix of an exchange buffer, in registration
     order of the params (a stack's matrices in order)."""
     for p in buffer.placements:
-        if not p.owners:
-            continue
+        yield from ((p, lo, hi, owner) for lo, hi, owner in placement_matrices(p))
+
+
+def placement_matrices(p: Placement) -> Iterator[tuple[int, int, int]]:
+    """(start, end, owner) of each matrix of an exchange buffer's param (none if element-wise)."""
+    if p.owners:
         unit = p.numel // len(p.owners)
         for j, owner in enumerate(p.owners):
-            yield p, p.start + j * unit, p.start + (j + 1) * unit, owner
+            yield p.start + j * unit, p.start + (j + 1) * unit, owner
+
+
+def pieces(buffer: Buffer) -> tuple[Segment, ...]:
+    """Every piece of an exchange buffer's matrices that one shard holds, its owner's own
+    included, in buffer order ([Note: exchange buffers])."""
+    out = [s for p in buffer.placements for s in placement_pieces(p, buffer.buckets[p.bucket])]
+    out.sort(key=lambda s: s.start)
+    return tuple(out)
+
+
+def placement_pieces(p: Placement, b: Bucket) -> Iterator[Segment]:
+    """The pieces of the matrices of param `p`, which lies in bucket `b`, one per shard."""
+    for lo, hi, owner in placement_matrices(p):
+        for holder in range(b.owner(lo), b.owner(hi - 1) + 1):
+            s_lo, s_hi = b.shard(holder)
+            yield Segment(b.index, max(lo, s_lo), min(hi, s_hi), holder, owner)
 
 
 def segments(buffer: Buffer) -> tuple[Segment, ...]:
-    """Every piece of an exchange buffer's matrices held by a rank other than its owner, in
-    buffer order ([Note: exchange buffers])."""
-    out = []
-    for p, lo, hi, owner in matrix_ranges(buffer):
-        b = buffer.buckets[p.bucket]
-        first, last = b.owner(lo), b.owner(hi - 1)
-        for holder in range(first, last + 1):
-            s_lo, s_hi = b.shard(holder)
-            if holder != owner:
-                out.append(Segment(b.index, max(lo, s_lo), min(hi, s_hi), holder, owner))
-    out.sort(key=lambda s: s.start)
-    return tuple(out)
+    """The pieces the exchange moves: those held by a rank other than the matrix's owner."""
+    return tuple(s for s in pieces(buffer) if s.holder != s.owner)

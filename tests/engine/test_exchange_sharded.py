@@ -1,0 +1,80 @@
+"""Fully sharded mode on the exchange strategy ([Note: owned copies] in
+`engine._owned_copies`): each rank keeps its equal shards and whole copies of the matrices it
+owns. The same arithmetic as ZeRO-1/2 on the exchange plan, so the two are compared bitwise;
+both against the one-process reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import (
+    OVERLAP,
+    assert_bitwise_equal,
+    assert_matches,
+    reference_run,
+    run,
+    wholeshard_run,
+)
+from test_stacks import make_moe
+
+from wholeshard.planning._exchange import matrix_ranges, pieces, segments
+
+STEPS = 3
+EXCHANGE = dict(strategy="exchange", bucket_size=3000)
+FS = dict(reshard_after_forward=True)
+
+
+def _both(ddp_kw: dict, **kw) -> dict:
+    """The same training on the exchange plan in ZeRO-1/2 mode and fully sharded, in one
+    launch, with no-grad forwards after every step; and what the fully sharded rank keeps."""
+    ddp_kw = dict(EXCHANGE, **ddp_kw)
+    zero = wholeshard_run(STEPS, ddp_kw=ddp_kw, evaluate=True, **kw)
+    fs = wholeshard_run(STEPS, ddp_kw=dict(ddp_kw, **FS), evaluate=True, keep_ddp=True, **kw)
+    ddp = fs.pop("ddp")
+    units = ddp.units
+    (buffer,) = ddp.plan.buffers
+    rank = ddp.plan.shard_rank(torch.distributed.get_rank())
+    return {
+        "zero": zero,
+        "fs": fs,
+        "memory": ddp.memory(),
+        "shards": sum(u.param_shard.numel() for u in units),
+        "copies": sum(u.owned_copies.param.numel() for u in units),
+        "owned": sum(hi - lo for _, lo, hi, o in matrix_ranges(buffer) if o == rank),
+        "moved": len(segments(buffer)),
+        "local": sum(s.holder == s.owner for s in pieces(buffer)),
+        "elem": (units[0].param.element_size(), units[0].grad.element_size()),
+    }
+
+
+def _assert_fs_equals_zero(nproc: int, ddp_kw: dict, **kw) -> None:
+    ref = reference_run(STEPS, **kw)
+    outs = run(_both, nproc, ddp_kw, **kw)
+    assert outs[0]["moved"] > 0 and outs[0]["local"] > 0  # both ways of reaching an owner
+    for out in outs:
+        assert_bitwise_equal(out["fs"], out["zero"])
+        assert out["fs"]["evals"] == out["zero"]["evals"], "no-grad forwards between steps"
+        assert_matches(out["fs"], ref, torch.float32)
+        # memory(): this rank's shards plus its owned copies, params and grads.
+        assert out["copies"] == out["owned"]
+        held = out["shards"] + out["copies"]
+        assert out["memory"]["params"] == held * out["elem"][0]
+        assert out["memory"]["grads"] == held * out["elem"][1]
+
+
+@pytest.mark.parametrize(
+    ("nproc", "overlap"),
+    [pytest.param(2, False, marks=pytest.mark.core), (2, True), (3, True), (4, False)],
+    ids=["2-sync", "2-overlap", "3-overlap", "4-sync"],
+)
+def test_fully_sharded_is_bitwise_equal_to_zero(nproc: int, overlap: bool) -> None:
+    _assert_fs_equals_zero(nproc, OVERLAP if overlap else {})
+
+
+def test_shard_groups_pipelined_and_batched_exchanges() -> None:
+    _assert_fs_equals_zero(4, dict(shard_group_size=2, pipelined_step=True, **OVERLAP))
+    _assert_fs_equals_zero(3, dict(exchange_every=1, **OVERLAP))
+
+
+def test_expert_stacks() -> None:
+    _assert_fs_equals_zero(3, dict(bucket_size=1500, **OVERLAP), make=make_moe)
