@@ -37,7 +37,8 @@ from ..fp8.formats import Fp8Tensorwise
 from ..fp8.linear import Fp8Linear, Fp8Weight, quantize_weight
 from ..planning import Bucket, Placement, placement_pieces
 from ._exchange import moves
-from ._storage import InFlight, StorageUnit, UnitState, _alloc, _allocated, _free
+from ._storage import StorageUnit, UnitState, _alloc, _allocated, _free
+from ._sync import InFlight
 
 
 class Fp8Storage(StorageUnit):

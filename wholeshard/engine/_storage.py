@@ -32,7 +32,6 @@ Transitions: FRESH -> STALE (`mark_stale`, after an update); STALE or RELEASED -
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,7 @@ from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
 from ..planning.sync import ParamSync, sync_scheme
 from ._owned_copies import OwnedCopies
-from ._sync import half_of
+from ._sync import InFlight, half_of
 
 
 class UnitState(enum.Enum):
@@ -55,25 +54,6 @@ class UnitState(enum.Enum):
     STALE = enum.auto()
     GATHERING = enum.auto()
     RELEASED = enum.auto()
-
-
-@dataclass
-class InFlight:
-    """Collectives of one storage unit in flight: wait on every handle, then call `then`, which
-    may start a second stage and return its handles (waited on too). A failure is raised as a
-    `CollectiveError` naming `what` (set by the storage that dispatched them)."""
-
-    handles: list[Work | None]
-    then: Callable[[], list[Work | None] | None] | None = None
-    what: str = "a collective"
-
-    def wait(self) -> None:
-        with collectives.naming(self.what):
-            for h in self.handles:
-                collectives.wait(h)
-            if self.then is not None:
-                for h in self.then() or ():
-                    collectives.wait(h)
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Work
 
 from ..distributed import collectives
 from ..planning import Bucket
 from ..planning.sync import EQUAL_SHARDS, EXCHANGE, OWNERS, SHARD_BROADCASTS, SyncScheme
+
+
+@dataclass
+class InFlight:
+    """Collectives of one storage unit in flight: wait on every handle, then call `then`, which
+    may start a second stage and return its handles (waited on too). A failure is raised as a
+    `CollectiveError` naming `what` (set by the storage that dispatched them)."""
+
+    handles: list[Work | None]
+    then: Callable[[], list[Work | None] | None] | None = None
+    what: str = "a collective"
+
+    def wait(self) -> None:
+        with collectives.naming(self.what):
+            for h in self.handles:
+                collectives.wait(h)
+            if self.then is not None:
+                for h in self.then() or ():
+                    collectives.wait(h)
+
 
 Group = ProcessGroup | None
 Reduce = Callable[[Tensor, Tensor, Bucket, Group, int], Any]

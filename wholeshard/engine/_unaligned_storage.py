@@ -12,7 +12,8 @@ import torch
 
 from ..distributed import collectives
 from ..planning import Placement
-from ._storage import InFlight, StorageUnit
+from ._storage import StorageUnit
+from ._sync import InFlight
 
 
 class UnalignedStorage(StorageUnit):
