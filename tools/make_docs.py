@@ -624,7 +624,7 @@ def plans_latency() -> list[str]:
 
 
 DESIGNS = {
-    "auto": "today's default",
+    "auto": "default before the exchange",
     "exchange": "exchange",
     "equal_shards": "equal shards (FSDP2 floor)",
     "dion": "dion-style (padded megabatches)",
@@ -633,7 +633,7 @@ DESIGNS = {
 
 
 def exchange_model() -> list[str]:
-    """Per preset and dp: today's default plan, the exchange plan, equal shards and the
+    """Per preset and dp: the default plan before the exchange, the exchange plan, equal shards and the
     dion-style form, priced under both bandwidth models."""
     doc = load("exchange-model.json")
     gib = 1024**3

@@ -4,7 +4,7 @@ which layout a step costs least on each fabric; write docs/results/exchange-mode
     python tools/measure_exchange_model.py [--json docs/results/exchange-model.json] [--gpu G]
 
 Designs, per preset and dp, ZeRO-1/2 with bf16 params and grads reduced in fp32 (`wholeshard
-plan`'s defaults): today's default plan (`plan_and_choice`, the automatic strategy); the
+plan`'s defaults): the default plan before the exchange strategy (`owners_era_default`); the
 exchange plan (`--strategy exchange`, its default bucket size); FSDP2-style equal shards
 (`capacity.equal_shards`, no Muon traffic: a floor); and the dion-style form (equal shards plus
 `equal_shards.megabatch_all_to_alls`, with the Newton-Schulz of a rank that gets one matrix of
@@ -49,7 +49,7 @@ from wholeshard.capacity.projection import (  # noqa: E402
     rank_ns_flops,
     step_comm_price,
 )
-from wholeshard.capacity.strategy_choice import COMPARED  # noqa: E402
+from wholeshard.capacity.strategy_choice import COMPARED, owners_era_default  # noqa: E402
 from wholeshard.planning.auto import search  # noqa: E402
 
 PRESET_NAMES = ("llama3-8b", "llama3-70b", "qwen3-30b-a3b", "moe-256x")
@@ -90,7 +90,7 @@ def unplanned(collectives: list[Collective], dp: int, ns: float | None) -> dict:
 
 def one(name: str, dp: int, flops: float) -> tuple[dict, list[dict]]:
     specs = PRESETS[name]()
-    plans = {"auto": plan_and_choice(specs, dp)[0]}
+    plans = {"auto": owners_era_default(specs, dp)}
     plans |= {s: plan_and_choice(specs, dp, strategy=s)[0] for s in COMPARED}
     costs = {s: plan_costs(p, specs, MODE) for s, p in plans.items()}
     ns = {s: max(rank_ns_flops(p)) / flops for s, p in plans.items()}

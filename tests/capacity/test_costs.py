@@ -333,14 +333,19 @@ SCALES = [
 def test_a_step_issues_two_collectives_per_bucket_at_any_scale(name: str, dp: int) -> None:
     """What `wholeshard plan --preset P --dp N` reports (one shard group, the defaults): at most
     one reduction and one gather per bucket (an owner bucket's reduces and broadcasts are one
-    coalesced group each, however many owners it has), plus the step check and the grad norm;
-    the bytes a rank sends within 5% of a ring reduce-scatter (fp32 grads) and all-gather (bf16
-    params) of the model's params."""
+    coalesced group each, however many owners it has), plus the step check and the grad norm,
+    and an exchange plan's two all-to-alls; the bytes a rank sends within 5% of a ring
+    reduce-scatter (fp32 grads) and all-gather (bf16 params) of the model's params, and the
+    exchange's about 1/dp more."""
     specs = preset(name)
     used = sum(s.numel for s in specs)
     plan = plan_for(specs, dp)
     costs = plan_costs(plan, specs, Mode(param_dtype="bfloat16"))
     buckets = sum(len(b.buckets) for b in plan.buffers)
-    assert len(costs.collectives) <= 2 * buckets + 2, (buckets, costs.counts())
+    a2a = costs.counts().get("all_to_all", 0)
+    assert a2a == (2 if plan.strategy == "exchange" else 0), costs.counts()
+    assert len(costs.collectives) <= 2 * buckets + 2 + a2a, (buckets, costs.counts())
     ring = (dp - 1) / dp * used * (4 + 2)
-    assert abs(costs.bytes_sent - ring) <= 0.05 * ring, costs.bytes_sent / ring
+    exchanged = costs.bytes_by_op().get("all_to_all", 0)  # about a rank's owned share, 1/dp
+    assert abs(costs.bytes_sent - exchanged - ring) <= 0.05 * ring, costs.bytes_sent / ring
+    assert exchanged <= (1 / dp + 0.01) * ring, exchanged / ring

@@ -29,7 +29,7 @@ from wholeshard.capacity.projection import (
     rank_ns_flops,
     step_comm_price,
 )
-from wholeshard.capacity.strategy_choice import figures
+from wholeshard.capacity.strategy_choice import figures, owners_era_default
 from wholeshard.engine.config import DataParallelConfig
 from wholeshard.planning import ParamSpec, plan_exactly
 from wholeshard.planning._exchange import segments
@@ -157,10 +157,11 @@ SCALES = [
 
 @functools.cache
 def _plans(name: str, dp: int):
-    """The specs, today's default plan (`wholeshard plan --preset P --dp N`), the exchange
-    plan (`... --strategy exchange`) and the owners plan (`... --strategy owners`)."""
+    """The specs, the default plan before the exchange (`owners_era_default`: what issue 45
+    measures against), the exchange plan (`wholeshard plan --preset P --dp N --strategy
+    exchange`, now also the default at these scales) and the owners plan."""
     specs = preset(name)
-    today, _ = plan_and_choice(specs, dp)
+    today = owners_era_default(specs, dp)
     exchanged, _ = plan_and_choice(specs, dp, strategy="exchange")
     if today.strategy != "owners":
         return specs, today, exchanged, plan_and_choice(specs, dp, strategy="owners")[0]

@@ -18,7 +18,7 @@ from wholeshard.capacity.choice import plan_and_choice
 from wholeshard.capacity.costs import Collective, Mode, plan_costs, ring_bytes
 from wholeshard.capacity.equal_shards import ROOT, equal_shard_collectives, padded_numel, unit_of
 from wholeshard.capacity.presets import preset
-from wholeshard.capacity.projection import collective_price, comm_price, project
+from wholeshard.capacity.projection import collective_price, comm_price, exchange_price, project
 from wholeshard.planning import ParamSpec
 
 FABRIC = FABRICS["nvlink4-ndr400"]
@@ -137,7 +137,9 @@ def test_the_projection_splits_communication_into_latency_and_bandwidth() -> Non
         plan, _ = plan_and_choice(specs, dp)
         costs = plan_costs(plan, specs, Mode(param_dtype="bfloat16"))
         p = project(costs, "nvlink4-ndr400", "h100")
-        prices = [collective_price(c, dp, plan.shard_group_size, FABRIC) for c in costs.collectives]
+        rest = [c for c in costs.collectives if c.op != "all_to_all"]  # each a2a: its busiest
+        prices = [collective_price(c, dp, plan.shard_group_size, FABRIC) for c in rest]
+        prices.append(exchange_price(plan, costs.mode, FABRIC))
         assert p.latency_s == pytest.approx(sum(q.latency_s for q in prices))
         assert p.bandwidth_s == pytest.approx(sum(q.bandwidth_s for q in prices))
         assert p.comm_s == p.latency_s + p.bandwidth_s

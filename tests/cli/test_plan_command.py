@@ -527,37 +527,36 @@ def test_auto_shard_groups_say_which_and_why(capsys: pytest.CaptureFixture[str])
     doc = json.loads(out)
     choice = doc["shard_group_choice"]
     assert code == 0 and doc["shard_group_size"] == choice["k"] == 128 and choice["meets_targets"]
-    assert choice["strategy"] == doc["strategy"] == "owners"
-    # k = 256 was passed over: equal shards by arithmetic, owner buckets by their imbalance.
+    assert choice["strategy"] == doc["strategy"] == "exchange"
+    # k = 256 was passed over: equal shards by arithmetic, the exchange by its imbalance.
     assert (
         "256: balanced: k x the widest" in choice["reason"]
-        and "owners: imbalance" in choice["reason"]
+        and "exchange: imbalance" in choice["reason"]
     )
     assert choice["largest_bucket"] <= choice["bucket_limit"]
     specs = preset("llama3-70b")
     want = plan_exactly(
         specs,
         256,
-        bucket_size=bucket_size_for(sum(s.numel for s in specs), 128, "owners"),
+        bucket_size=bucket_size_for(sum(s.numel for s in specs), 128, "exchange"),
         shard_group_size=128,
-        strategy="owners",
+        strategy="exchange",
     )
     got = doc["buffers"][0]["buckets"]
     assert [(b["start"], b["end"]) for b in got] == [
         (b.start, b.end) for b in want.buffers[0].buckets
     ]
-    assert {b["collectives"] for b in got} == {"reduce/broadcast"}
-    assert got[0]["owner_starts"] == [list(e) for e in want.buffers[0].buckets[0].owner_starts]
+    assert {b["collectives"] for b in got} == {"reduce_scatter/all_gather, exchanged"}
     code, out, _ = run(argv[:-1], capsys)
-    assert code == 0 and "\nplan               strategy owners: owner buckets" in out
-    assert "chosen automatically: k=128 of dp 256: strategy owners" in re.sub(r"\s+", " ", out)
-    assert "reduce/broadcast" in out
+    assert code == 0 and "\nplan               strategy exchange: one buffer" in out
+    assert "chosen automatically: k=128 of dp 256: strategy exchange" in re.sub(r"\s+", " ", out)
+    assert "reduce_scatter/all_gather, exchanged" in out
 
 
 def test_owner_buckets_replace_equal_shards_where_a_bucket_would_pass_the_bound(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The automatic strategy at k = dp: for llama3-8b equal shards at dp 8, owner buckets at
+    """The automatic strategy at k = dp: for llama3-8b equal shards at dp 8, the exchange at
     dp 64, where equal shards would make one bucket of most of the model."""
     code, out, _ = run(["--preset", "llama3-8b", "--dp", "8", "--shard-group-size", "8", "--json"],
                        capsys)  # fmt: skip
@@ -566,17 +565,18 @@ def test_owner_buckets_replace_equal_shards_where_a_bucket_would_pass_the_bound(
                          "--json"], capsys)  # fmt: skip
     large = json.loads(out)
     assert code == code2 == 0
-    assert small["strategy"] == "balanced" and large["strategy"] == "owners"
+    assert small["strategy"] == "balanced" and large["strategy"] == "exchange"
     choice = large["shard_group_choice"]
     assert "balanced: k x the widest matrix > the bucket limit" in choice["reason"]
-    # One cost model: the choice measures the imbalance the planner balanced. At k = 64 the owner
-    # buckets' is 1.109, just over the target (`--shard-group-size auto` picks k = 32).
+    # One cost model: the choice measures the imbalance the planner balanced. At k = 64 the
+    # exchange's is 1.109, just over the target (`--shard-group-size auto` picks k = 32).
     assert choice["ns_imbalance"] == large["ns_cost_imbalance"] > 1.10
-    assert not choice["meets_targets"] and "owners: imbalance 1.109" in choice["reason"]
+    assert not choice["meets_targets"] and "exchange: imbalance 1.109" in choice["reason"]
     assert large["padding_fraction"] == 0
-    muon = large["buffers"][0]["buckets"]
-    assert max(b["end"] - b["start"] for b in muon) < 2 * 218_112_000  # 2 layers
-    assert all(b["shard_numel"] == 0 and b["owner_starts"][0][1] == b["start"] for b in muon)
+    buckets = large["buffers"][0]["buckets"]  # a layer each, and the head's and embedding's own
+    layers = [b for b in buckets if b["end"] - b["start"] < 2 * 218_112_000]  # under 2 layers
+    assert len(layers) == len(buckets) - 2 == 32
+    assert all(64 * b["shard_numel"] == b["end"] - b["start"] for b in buckets)  # equal shards
 
 
 @pytest.mark.parametrize(

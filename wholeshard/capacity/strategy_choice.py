@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..planning.auto import search
+from ..planning.plan import Plan
 from ..planning.specs import ParamSpec
 from .alpha_beta import FABRICS, Fabric
 from .choice import plan_and_choice
@@ -128,3 +130,14 @@ def strategy_choice(
     rest = [s for s in COMPARED if s in found and s != plan.strategy]
     runner_up = min(rest, key=lambda s: found[s].step_s, default=None)
     return StrategyChoice(plan.strategy, runner_up, found, fabric, gpu, unplanned)
+
+
+def owners_era_default(specs: Sequence[ParamSpec], dp_size: int) -> Plan:
+    """The plan `auto` made at one shard group before the exchange strategy: balanced equal
+    shards where they meet the targets, else owner buckets, whichever overshoots less (balanced
+    on a tie). The baseline `docs/planning.md` compares the exchange with."""
+    balanced = search(specs, dp_size, dp_size, strategy="balanced").chosen
+    if balanced.ok:
+        return balanced.plan
+    owners = search(specs, dp_size, dp_size, strategy="owners").chosen
+    return owners.plan if owners.overshoot < balanced.overshoot else balanced.plan

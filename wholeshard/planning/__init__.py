@@ -40,7 +40,8 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   collectives it issues.
 - strategy: how the whole-tensor planner assigns params to shards: "size_match", "balanced"
   (equal shards), "owners" (owner buckets), "exchange" (`_exchange`), or "auto" (balanced
-  where it meets the plan targets, else owners).
+  where it meets the plan targets, else exchange from 64 ranks, owners below: [Note: automatic
+  strategy] in `auto`).
 """
 
 from ._exchange import Segment, pieces, placement_matrices, placement_pieces, segments

@@ -6,10 +6,12 @@ FSDP2 spends one reduce-scatter and one all-gather per transformer block. An exc
 does the same: every trainable param (matrices, stacks, element-wise params) is packed tightly
 in backprop order, each starting on an `align`-element boundary, and cut into buckets that close
 where the next param belongs to another layer (`specs.layer_of`; each run of params outside
-numbered modules counts as one) once they hold `bucket_size` elements, or around a tied param,
-which sits alone; each bucket is padded to a multiple of `k * align` and cut into k equal shards
-(`Bucket.exchanged`). A param never spans buckets; a matrix may span shards. Element-wise params
-are owned as in an "adamw" buffer: rank r steps what its shard holds. Each matrix of a Muon
+numbered modules counts as one) once they hold `bucket_size` elements, or around a param that
+sits alone: a tied one, or one outside the numbered modules that holds `bucket_size` elements
+at least (an embedding, a head: the element-wise planner keeps such a one alone too); each
+bucket is padded to a multiple of `k * align` and cut into k equal shards (`Bucket.exchanged`).
+A param never spans buckets; a matrix may span shards. Element-wise params are owned as in an
+"adamw" buffer: rank r steps what its shard holds. Each matrix of a Muon
 param (a 2-D param, or each matrix of a stack) is owned whole by the rank `_owners.deal` gives
 it over the whole buffer, costliest first to the rank with the least cost so far, which is the
 owners strategy's rule, so the busiest rank's matrix work is the same. After the
@@ -63,9 +65,13 @@ def plan_exchange(
         buckets.append(Bucket(len(buckets), start, end, (end - start) // k, exchanged=True))
         start = cursor = end
 
+    def alone(spec: ParamSpec) -> bool:  # tied, or a wide param outside the layers (a head)
+        wide = bucket_size is not None and spec.numel >= bucket_size
+        return spec.tied or (wide and layer_of(spec.name) is None)
+
     for i in range(n - 1, -1, -1):
         spec = specs[i]
-        if spec.tied and cursor > start:
+        if alone(spec) and cursor > start:
             close()
         mine = owners[i]
         owner = mine[0] if mine and len(spec.shape) == 2 else None
@@ -75,7 +81,7 @@ def plan_exchange(
         cursor = round_up(cursor + spec.numel, align)
         full = bucket_size is None or cursor - start >= bucket_size
         layer_ends = i == 0 or layer_of(specs[i - 1].name) != layer_of(spec.name)
-        if i == 0 or spec.tied or specs[i - 1].tied or (full and layer_ends):
+        if i == 0 or alone(spec) or alone(specs[i - 1]) or (full and layer_ends):
             close()
     return Buffer("exchange", k, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
 

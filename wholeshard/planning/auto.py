@@ -1,4 +1,4 @@
-"""Automatic choices, from shapes: the strategy (equal shards or owner buckets) and the
+"""Automatic choices, from shapes: the strategy (equal shards or the exchange) and the
 shard-group size k of a plan on dp ranks. `plan_for` (`wholeshard.planning.plan_for`, what
 `DataParallel` and the train job call) decides with `DataParallel`'s defaults; `decide` also
 returns the record (`Search`) from which `wholeshard.capacity.choice` builds the report.
@@ -6,13 +6,21 @@ returns the record (`Search`) from which `wholeshard.capacity.choice` builds the
 [Note: automatic strategy]
 `strategy="auto"` (the default) plans the balanced strategy's equal shards, which reduce-scatter
 and all-gather each bucket in one collective, and keeps them if they meet every target ([Note:
-plan targets] in `targets`); otherwise it plans owner buckets ([Note: owners strategy] in
-`_owners`), reduced to and broadcast from each owner, and keeps whichever overshoots less
-(balanced on a tie). A bucket of equal shards holds k times its widest matrix, so once that
-passes the bucket bound (two layers, for real models) owner buckets take over: at 8 ranks for
-llama3-70b, 16 for llama3-8b, 64 for moe-256x (docs/planning.md's table). They cost latency
-only (more collectives; the same bytes and memory) and bound the bucket, so the reduction
-starts sooner and the fully sharded peak shrinks; on small runs nothing changes.
+plan targets] in `targets`); otherwise it plans, from `EXCHANGE_FROM` ranks a shard group, the
+exchange strategy ([Note: exchange buffers] in `_exchange`: one buffer in per-layer equal
+shards, each matrix's reduced pieces sent to an owner dealt by cost and back), and below that
+owner buckets ([Note: owners strategy] in `_owners`), and keeps whichever overshoots less
+(balanced on a tie). A bucket of equal shards of whole matrices holds k times its widest
+matrix, so once that passes the bucket bound (two layers, for real models) the fallback takes
+over: from 8 ranks for llama3-70b, 16 for llama3-8b, 64 for moe-256x (docs/planning.md's
+table). Both balance the matrix work alike and bound the bucket; they differ in what the step
+pays beyond equal shards: owner buckets 4-6 collectives a layer (latency, growing with the
+ring: k - 1 hops each), the exchange FSDP2's two plus two all-to-alls a step that carry each
+rank's owned share, about 1/k of the matrices, at one NIC's bandwidth. Projected on every
+shipped fabric, owner buckets step faster up to 32 ranks and the exchange from 64 (llama3-8b,
+llama3-70b, qwen2.5-7b on `nvlink4-ndr400`: 3-24% either way), hence the threshold, a rank
+count because the planner knows shapes, not the fabric (`wholeshard plan --fabric` prints the
+three layouts' projected steps beside the choice).
 A candidate a cheap bound shows must miss (k x the widest matrix over the bucket limit, or the
 padding that forces) is passed over unplanned.
 
@@ -67,7 +75,20 @@ from .targets import (
     bucket_target,
 )
 
-__all__ = ["MAX_IMBALANCE", "Attempt", "Search", "decide", "ladder", "plan_for", "search"]
+EXCHANGE_FROM = 64
+"""The shard-group size from which `auto` falls back on the exchange, not owner buckets
+([Note: automatic strategy])."""
+
+__all__ = [
+    "EXCHANGE_FROM",
+    "MAX_IMBALANCE",
+    "Attempt",
+    "Search",
+    "decide",
+    "ladder",
+    "plan_for",
+    "search",
+]
 
 
 @dataclass(frozen=True)
@@ -128,10 +149,12 @@ def _candidates(
     target: int,
     force: bool,
 ) -> list[Attempt]:
-    """The attempts at k by `strategy` ("auto": balanced, then owners unless balanced meets
-    every target); `force`: plan at least one (the last) even where a bound calls it hopeless."""
+    """The attempts at k by `strategy` ("auto": balanced, then the exchange from
+    `EXCHANGE_FROM` ranks, owner buckets below, unless balanced meets every target); `force`:
+    plan at least one (the last) even where a bound calls it hopeless."""
     attempts: list[Attempt] = []
-    names = ("balanced", "owners") if strategy == "auto" else (strategy,)
+    fallback = "exchange" if k >= EXCHANGE_FROM else "owners"
+    names = ("balanced", fallback) if strategy == "auto" else (strategy,)
     for name in names:
         size = bucket_size_for(shapes.used, k, name) if bucket_size is None else bucket_size
         elementwise = shapes.elementwise(k, size)
