@@ -633,8 +633,8 @@ DESIGNS = {
 
 
 def exchange_model() -> list[str]:
-    """Per preset and dp: the default plan before the exchange, the exchange plan, equal shards and the
-    dion-style form, priced under both bandwidth models."""
+    """Per preset and dp: the default plan before the exchange, the exchange plan, equal
+    shards and the dion-style form, priced under both bandwidth models."""
     doc = load("exchange-model.json")
     gib = 1024**3
     body = []
