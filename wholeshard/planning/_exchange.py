@@ -12,7 +12,7 @@ at least (an embedding, a head: the element-wise planner keeps such a one alone 
 bucket is padded to a multiple of `k * align` and cut into k equal shards (`Bucket.exchanged`).
 A param never spans buckets; a matrix may span shards. Element-wise params are owned as in an
 "adamw" buffer: rank r steps what its shard holds. Each matrix of a Muon
-param (a 2-D param, or each matrix of a stack) is owned whole by the rank `_owners.deal` gives
+param (a 2-D param, or each matrix of a stack) is owned whole by the rank `buffer.deal` gives
 it over the whole buffer, costliest first to the rank with the least cost so far, which is the
 owners strategy's rule, so the busiest rank's matrix work is the same. After the
 reduce-scatter, the pieces of each matrix that other ranks' shards hold are sent to its owner
@@ -29,8 +29,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ._owners import deal
-from .buffer import Buffer
+from .buffer import Buffer, deal
 from .specs import (
     Bucket,
     MatrixCost,
@@ -44,18 +43,13 @@ from .specs import (
 
 
 def plan_exchange(
-    specs: Sequence[ParamSpec],
-    k: int,
-    bucket_size: int | None,
-    align: int,
-    matrix_cost: MatrixCost | None = None,
+    order: list[ParamSpec], k: int, limit: float, align: int, matrix_cost: MatrixCost | None
 ) -> Buffer:
-    """The "exchange" buffer of validated `specs` (registration order, every param) over `k`
-    ranks ([Note: exchange buffers]); not yet checked. `bucket_size` None: one bucket between
-    tied params."""
-    owners = _owners(specs, k, matrix_cost)
-    n = len(specs)
-    placements: list[Placement | None] = [None] * n
+    """The "exchange" buffer of validated specs in buffer `order` (backprop order, every param)
+    over `k` ranks, buckets closing at `limit` elements ([Note: exchange buffers]; `math.inf`:
+    one bucket between params that sit alone); not yet checked. `_owners.plan_owned` calls it."""
+    owners = _owners(order, k, matrix_cost)
+    placements: list[Placement] = []
     buckets: list[Bucket] = []
     start = cursor = 0  # of the open bucket; where the next param goes
 
@@ -66,43 +60,41 @@ def plan_exchange(
         start = cursor = end
 
     def alone(spec: ParamSpec) -> bool:  # tied, or a wide param outside the layers (a head)
-        wide = bucket_size is not None and spec.numel >= bucket_size
-        return spec.tied or (wide and layer_of(spec.name) is None)
+        return spec.tied or (spec.numel >= limit and layer_of(spec.name) is None)
 
-    for i in range(n - 1, -1, -1):
-        spec = specs[i]
+    for j, spec in enumerate(order):
         if alone(spec) and cursor > start:
             close()
-        mine = owners[i]
+        mine = owners[j]
         owner = mine[0] if mine and len(spec.shape) == 2 else None
-        placements[i] = Placement(
-            spec.name, tuple(spec.shape), len(buckets), cursor, cursor + spec.numel, owner, mine
+        end = cursor + spec.numel
+        placements.append(
+            Placement(spec.name, tuple(spec.shape), len(buckets), cursor, end, owner, mine)
         )
-        cursor = round_up(cursor + spec.numel, align)
-        full = bucket_size is None or cursor - start >= bucket_size
-        layer_ends = i == 0 or layer_of(specs[i - 1].name) != layer_of(spec.name)
-        if i == 0 or alone(spec) or alone(specs[i - 1]) or (full and layer_ends):
+        cursor = round_up(end, align)
+        after = order[j + 1] if j + 1 < len(order) else None
+        layer_ends = after is None or layer_of(after.name) != layer_of(spec.name)
+        if after is None or alone(spec) or alone(after) or (cursor - start >= limit and layer_ends):
             close()
-    return Buffer("exchange", k, align, tuple(buckets), tuple(placements))  # type: ignore[arg-type]
+    return Buffer("exchange", k, align, tuple(buckets), tuple(reversed(placements)))
 
 
 def _owners(
-    specs: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None
+    order: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None
 ) -> list[tuple[int, ...]]:
-    """Per spec, the owner of each of its matrices (none for an element-wise param; one for a
-    Muon param of fewer than two dims, whole, as a "matrix" buffer owns it), dealt in backprop
-    order, as the owners strategy deals."""
-    items: list[tuple[int, int, int]] = []  # (spec, cost, elements) of every matrix
-    for i in range(len(specs) - 1, -1, -1):
-        s = specs[i]
+    """Per spec of buffer `order`, the owner of each of its matrices (none for an element-wise
+    param; one for a Muon param of fewer than two dims, whole, as a "matrix" buffer owns it),
+    dealt in that order by the owners strategy's rule (`buffer.deal`)."""
+    items: list[tuple[int, int, int]] = []  # (position, cost, elements) of every matrix
+    for j, s in enumerate(order):
         if s.matrix:
             shape = tuple(s.shape[-2:])  # one matrix's (the whole param below two dims)
             count = matrix_count(s.shape) if len(s.shape) > 2 else 1
-            items += [(i, shape_cost(shape, matrix_cost), math.prod(shape))] * count
+            items += [(j, shape_cost(shape, matrix_cost), math.prod(shape))] * count
     dealt = deal([c for _, c, _ in items], [n for _, _, n in items], k)
-    owners: list[list[int]] = [[] for _ in specs]
-    for (i, _, _), rank in zip(items, dealt, strict=True):
-        owners[i].append(rank)
+    owners: list[list[int]] = [[] for _ in order]
+    for (j, _, _), rank in zip(items, dealt, strict=True):
+        owners[j].append(rank)
     return [tuple(o) for o in owners]
 
 

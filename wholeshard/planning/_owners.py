@@ -21,12 +21,12 @@ owners over the buffer, not from each bucket.
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import operator
 from collections.abc import Sequence
 
-from .buffer import Buffer
+from ._exchange import plan_exchange
+from .buffer import Buffer, deal
 from .specs import (
     Bucket,
     MatrixCost,
@@ -48,11 +48,12 @@ def plan_owned(
     align: int,
     matrix_cost: MatrixCost | None = None,
 ) -> Buffer:
-    """The `kind` buffer ("matrix" or "stacked") of validated `specs` (registration order) over
-    `k` ranks in owner buckets ([Note: owners strategy]); not yet checked."""
+    """The `kind` buffer of validated `specs` (registration order) over `k` ranks, its matrices
+    dealt to owners: "matrix" or "stacked" in owner buckets ([Note: owners strategy]), or
+    "exchange" ([Note: exchange buffers] in `_exchange`); not yet checked."""
     order = list(reversed(specs))  # backprop order = buffer order
     limit = math.inf if bucket_size is None else bucket_size
-    plan = _whole if kind == "matrix" else _stacked
+    plan = {"matrix": _whole, "stacked": _stacked, "exchange": plan_exchange}[kind]
     return plan(order, k, limit, align, matrix_cost)
 
 
@@ -93,20 +94,6 @@ def _whole(
 def _deal(order: Sequence[ParamSpec], k: int, matrix_cost: MatrixCost | None) -> list[int]:
     """Each param's owner: costliest first to the rank of least (cost, elements, rank)."""
     return deal([spec_cost(s, matrix_cost) for s in order], [s.numel for s in order], k)
-
-
-def deal(costs: Sequence[int], sizes: Sequence[int], k: int) -> list[int]:
-    """The owner of each item of `costs` and `sizes` (elements) over `k` ranks, the one owner
-    rule of the owners and exchange strategies: costliest first (ties: larger, then earlier), each
-    to the rank of least (cost, elements, rank) so far."""
-    ranked = sorted(range(len(costs)), key=lambda i: (-costs[i], -sizes[i], i))
-    loads = [(0, 0, r) for r in range(k)]
-    owners = [0] * len(costs)
-    for i in ranked:
-        cost, numel, rank = heapq.heappop(loads)
-        owners[i] = rank
-        heapq.heappush(loads, (cost + costs[i], numel + sizes[i], rank))
-    return owners
 
 
 def _stacked(

@@ -25,6 +25,7 @@ never overlap, and fill buckets in backprop order (reverse registration order). 
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -177,3 +178,17 @@ class Buffer:
         if self.kind not in KINDS:
             raise AssertionError(f"buffer kind {self.kind!r} must be one of {KINDS}")
         check_buffer(self, specs)
+
+
+def deal(costs: Sequence[int], sizes: Sequence[int], k: int) -> list[int]:
+    """The owner of each item of `costs` and `sizes` (elements) over `k` ranks, the one owner
+    rule of the owners and exchange strategies: costliest first (ties: larger, then earlier), each
+    to the rank of least (cost, elements, rank) so far."""
+    ranked = sorted(range(len(costs)), key=lambda i: (-costs[i], -sizes[i], i))
+    loads = [(0, 0, r) for r in range(k)]
+    owners = [0] * len(costs)
+    for i in ranked:
+        cost, numel, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (cost + costs[i], numel + sizes[i], rank))
+    return owners

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from ._elementwise import plan_elementwise
-from ._exchange import plan_exchange
 from ._owners import plan_owned
 from ._stacked import plan_stacked
 from ._unaligned import plan_unaligned
@@ -201,11 +200,9 @@ def plan_buffer(
     """The buffer of one kind (not "unaligned") of validated `specs` over `k` ranks, planned by
     `strategy` (not "auto"), not yet checked; `bucket_size` None: one bucket (the private
     planners' spelling of `ONE_BUCKET`)."""
-    if kind == "exchange":
-        return plan_exchange(specs, k, bucket_size, align, matrix_cost)
     if kind == "adamw":
         return plan_elementwise(specs, k, bucket_size, align)
-    if strategy == "owners":
+    if strategy == "owners" or kind == "exchange":
         return plan_owned(kind, specs, k, bucket_size, align, matrix_cost)
     if kind == "stacked":
         return plan_stacked(specs, k, bucket_size, align)
