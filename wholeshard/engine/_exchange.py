@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
@@ -122,28 +123,34 @@ class Exchange:
 
     def grads_to_owners(self, batch: Moves) -> collectives.AllToAll:
         """Dispatch the batch's reduced pieces to their owners (the batch's units reduced)."""
-        for p in batch.local:
-            p.unit.owned_views(p.start, p.end)[1].copy_(p.unit.held_views(p.start, p.end)[1])
-        return collectives.all_to_all(
-            [p.unit.held_views(p.start, p.end)[1] for p in batch.held],
-            [p.unit.owned_views(p.start, p.end)[1] for p in batch.owned],
-            batch.held_splits,
-            batch.owned_splits,
-            self.group,
-            like=batch.units[0].grad,
-        )
+        return self._move(batch, to_owners=True)
 
     def params_to_holders(self, batch: Moves) -> collectives.AllToAll:
         """Dispatch the owners' updated pieces of the batch back to the shards holding them."""
+        return self._move(batch, to_owners=False)
+
+    def _move(self, batch: Moves, to_owners: bool) -> collectives.AllToAll:
+        """Grads from the holders' shards to the owners' matrices (`to_owners`), or params back:
+        the pieces this rank both holds and owns by a copy, the rest by one all-to-all."""
+        i = 1 if to_owners else 0  # of the (param, grad) views
+
+        def held(p: _Piece) -> Tensor:
+            return p.unit.held_views(p.start, p.end)[i]
+
+        def owned(p: _Piece) -> Tensor:
+            return p.unit.owned_views(p.start, p.end)[i]
+
+        src, dst = (held, owned) if to_owners else (owned, held)
+        sent, got = (batch.held, batch.owned) if to_owners else (batch.owned, batch.held)
+        splits = (batch.held_splits, batch.owned_splits)
         for p in batch.local:
-            p.unit.held_views(p.start, p.end)[0].copy_(p.unit.owned_views(p.start, p.end)[0])
+            dst(p).copy_(src(p))
         return collectives.all_to_all(
-            [p.unit.owned_views(p.start, p.end)[0] for p in batch.owned],
-            [p.unit.held_views(p.start, p.end)[0] for p in batch.held],
-            batch.owned_splits,
-            batch.held_splits,
+            [src(p) for p in sent],
+            [dst(p) for p in got],
+            *(splits if to_owners else splits[::-1]),
             self.group,
-            like=batch.units[0].param,
+            like=(batch.units[0].grad if to_owners else batch.units[0].param),
         )
 
 
