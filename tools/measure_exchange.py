@@ -20,7 +20,6 @@ the gathered bucket against the owners' params.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import statistics
 import sys
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from result_file import write_results  # noqa: E402
+from result_file import write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.distributed import collectives  # noqa: E402
@@ -163,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['ranks']} ranks {r['mb']:3d} MB: owner groups {r['owner_group_ms']:.1f} ms, "
               f"reduce-scatter + exchange {r['exchange_ms']:.1f} ms", file=sys.stderr)  # fmt: skip
-    doc = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(nproc=args.ranks),
-        "repeats": args.repeats,
-        "rows": rows,
-    }
-    write_results(args.json, doc, "measure_exchange: written to")
+    write_measured(
+        args.json,
+        machine(nproc=args.ranks),
+        "measure_exchange: written to",
+        repeats=args.repeats,
+        rows=rows,
+    )
     return 0
 
 

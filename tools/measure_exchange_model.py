@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from result_file import write_results  # noqa: E402
+from result_file import write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.alpha_beta import FABRICS, Fabric  # noqa: E402
@@ -136,15 +135,15 @@ def main(argv: list[str] | None = None) -> int:
             choices += chosen
         print(f"measure_exchange_model: {name} in {time.perf_counter() - start:.1f} s",
               file=sys.stderr)  # fmt: skip
-    doc = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(nproc=1),
-        "fabric": FABRIC,
-        "gpu": args.gpu,
-        "rows": rows,
-        "choices": choices,
-    }
-    write_results(args.json, doc, f"measure_exchange_model: {len(rows)} rows written to")
+    write_measured(
+        args.json,
+        machine(nproc=1),
+        f"measure_exchange_model: {len(rows)} rows written to",
+        fabric=FABRIC,
+        gpu=args.gpu,
+        rows=rows,
+        choices=choices,
+    )
     return 0
 
 

@@ -16,7 +16,6 @@ tools/make_docs.py` renders the table of docs/planning.md from the file.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from result_file import write_results  # noqa: E402
+from result_file import write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.alpha_beta import FABRICS  # noqa: E402
@@ -74,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         rows += [row(preset, specs, dp, args.fabric, args.gpu) for dp in DPS]
         print(f"measure_latency: {preset} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    doc = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(nproc=1),
-        "fabric": args.fabric,
-        "gpu": args.gpu,
-        "rows": rows,
-    }
-    write_results(args.json, doc, f"measure_latency: {len(rows)} rows written to")
+    write_measured(
+        args.json,
+        machine(nproc=1),
+        f"measure_latency: {len(rows)} rows written to",
+        fabric=args.fabric,
+        gpu=args.gpu,
+        rows=rows,
+    )
     return 0
 
 

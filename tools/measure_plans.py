@@ -16,7 +16,6 @@ take over a second). Plan times depend on the machine and its load; the rest is 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from result_file import write_results  # noqa: E402
+from result_file import write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.presets import PRESETS  # noqa: E402
@@ -86,15 +85,15 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(measure(preset, specs, dp, k, strategy, rule))
         print(f"measure_plans: {preset} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     info["load_average_end"] = os.getloadavg()[0]
-    doc = {
-        "date": datetime.date.today().isoformat(),
-        "machine": info,
-        "presets": args.presets,
-        "dps": list(DPS),
-        "megatron_bucket_size": MEGATRON_BUCKET,
-        "rows": rows,
-    }
-    write_results(args.json, doc, f"measure_plans: {len(rows)} plans written to")
+    write_measured(
+        args.json,
+        info,
+        f"measure_plans: {len(rows)} plans written to",
+        presets=args.presets,
+        dps=list(DPS),
+        megatron_bucket_size=MEGATRON_BUCKET,
+        rows=rows,
+    )
     return 0
 
 

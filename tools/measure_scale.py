@@ -17,7 +17,6 @@ docs/planning.md's table from the file.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from result_file import write_results  # noqa: E402
+from result_file import write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.choice import plan_and_choice  # noqa: E402
@@ -82,12 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             for groups in (None, "auto"):
                 rows.append(row(name, specs, dp, groups))
         print(f"measure_scale: {name} done", file=sys.stderr)
-    doc = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(nproc=1),
-        "rows": rows,
-    }
-    write_results(args.json, doc, f"measure_scale: {len(rows)} plans written to")
+    write_measured(
+        args.json,
+        machine(nproc=1),
+        f"measure_scale: {len(rows)} plans written to",
+        rows=rows,
+    )
     return 0
 
 

@@ -1,7 +1,8 @@
-"""How the measuring tools write their results: `write_results`."""
+"""How the measuring tools write their results: `write_measured`, `write_results`."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -18,3 +19,10 @@ def write_results(path: str | Path, doc: Any, said: str | None = None) -> Path:
     if said is not None:
         print(f"{said} {path}", file=sys.stderr)
     return path
+
+
+def write_measured(path: str | Path, machine: Any, said: str, **fields: Any) -> Path:
+    """`write_results` of a measurement: today's date, the `machine` it was measured on, then
+    `fields`, in that order."""
+    doc = {"date": datetime.date.today().isoformat(), "machine": machine, **fields}
+    return write_results(path, doc, said)
