@@ -270,15 +270,6 @@ def test_reshard_2_ranks_to_n(saved_at_2: dict, nproc: int, ddp_kw: dict) -> Non
     _assert_loads_and_continues(saved_at_2, nproc, ddp_kw)
 
 
-@pytest.mark.parametrize(
-    "nproc,ddp_kw", [(3, {}), (2, FULLY_SHARDED)], ids=["3-zero", "2-fully-sharded"]
-)
-def test_fully_sharded_checkpoint_loads_in_any_mode(
-    saved_fully_sharded_at_2: dict, nproc: int, ddp_kw: dict
-) -> None:
-    _assert_loads_and_continues(saved_fully_sharded_at_2, nproc, ddp_kw)
-
-
 @pytest.fixture(scope="module")
 def saved_exchange_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Fully sharded on the exchange strategy: the owners' matrices are saved from their owned
@@ -288,12 +279,20 @@ def saved_exchange_at_2(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize(
-    "nproc,ddp_kw", [(1, {}), (3, {}), (4, {"shard_group_size": 2})], ids=["1", "3", "4-hybrid"]
+    "saved,nproc,ddp_kw",
+    [
+        ("saved_fully_sharded_at_2", 3, {}),
+        ("saved_fully_sharded_at_2", 2, FULLY_SHARDED),
+        ("saved_exchange_at_2", 1, {}),
+        ("saved_exchange_at_2", 3, {}),
+        ("saved_exchange_at_2", 4, {"shard_group_size": 2}),
+    ],
+    ids=["fully-sharded-3", "fully-sharded-2", "exchange-1", "exchange-3", "exchange-4-hybrid"],
 )
-def test_an_exchange_checkpoint_loads_at_any_world_size(
-    saved_exchange_at_2: dict, nproc: int, ddp_kw: dict
+def test_a_fully_sharded_or_exchange_checkpoint_loads_in_any_mode_and_world_size(
+    request: pytest.FixtureRequest, saved: str, nproc: int, ddp_kw: dict
 ) -> None:
-    _assert_loads_and_continues(saved_exchange_at_2, nproc, ddp_kw)
+    _assert_loads_and_continues(request.getfixturevalue(saved), nproc, ddp_kw)
 
 
 @pytest.fixture(scope="module")
