@@ -20,7 +20,6 @@ the gathered bucket against the owners' params.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -33,75 +32,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from result_file import write_measured  # noqa: E402
 
+from wholeshard.bench.exchange_bucket import SHAPES, exchange_bucket_row, layer  # noqa: E402
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.distributed import collectives  # noqa: E402
 from wholeshard.distributed.launch import launch  # noqa: E402
-from wholeshard.planning import ONE_BUCKET, ParamSpec, plan_exactly  # noqa: E402
-from wholeshard.planning._exchange import matrix_ranges, segments  # noqa: E402
-
-SHAPES = ((3, 1), (2, 1), (1, 1), (1, 2))
-"""The four matrices' shapes in units of d (rows, cols): 7 d^2 elements, owners of differing
-cost."""
-
-
-def layer(mb: int) -> list[ParamSpec]:
-    """One layer of about `mb` MB of fp32: the four matrices of `SHAPES` and a norm."""
-    d = max(8, round(math.sqrt(mb * 2**20 / 4 / 7) / 8) * 8)
-    specs = [ParamSpec("layers.0.norm.weight", (d,), matrix=False)]
-    specs += [ParamSpec(f"layers.0.w{i}", (r * d, c * d), matrix=True)
-              for i, (r, c) in enumerate(SHAPES)]  # fmt: skip
-    return specs
-
-
-def _exchange(grad: torch.Tensor, plan, timings: list[float]) -> dict[int, torch.Tensor]:
-    """Reduce-scatter, exchange to the owners, exchange back, all-gather; the owners' whole
-    matrices (summed grads) by start; appends the phases' seconds to `timings`."""
-    k, me = dist.get_world_size(), dist.get_rank()
-    (buffer,) = plan.buffers
-    (bucket,) = buffer.buckets
-    segs = segments(buffer)
-    lo, hi = bucket.shard(me)
-    shard = grad[lo:hi]
-    sends = [[s for s in segs if s.holder == me and s.owner == r] for r in range(k)]
-    recvs = [[s for s in segs if s.owner == me and s.holder == r] for r in range(k)]
-    t0 = time.perf_counter()
-    collectives.wait(collectives.reduce_scatter_sum(shard, grad, None))
-    t1 = time.perf_counter()
-    out = grad.new_empty(sum(s.numel for r in recvs for s in r))
-    send = torch.cat([grad[s.start : s.end] for r in sends for s in r] or [grad[:0]])
-    dist.all_to_all_single(out, send, [sum(s.numel for s in r) for r in recvs],
-                           [sum(s.numel for s in r) for r in sends])  # fmt: skip
-    mine = {}
-    for _, m_lo, m_hi, owner in matrix_ranges(buffer):
-        if owner == me:  # the owner's whole matrix: its own shard's part, then the pieces
-            whole = grad.new_zeros(m_hi - m_lo)
-            a, b = max(m_lo, lo), min(m_hi, hi)
-            if a < b:
-                whole[a - m_lo : b - m_lo] = grad[a:b]
-            mine[m_lo] = whole
-
-    def piece(s):  # the part of its owner's whole matrix that segment s is
-        m_lo = max(start for start in mine if start <= s.start)
-        return mine[m_lo][s.start - m_lo : s.end - m_lo]
-
-    at = 0
-    for s in (s for r in recvs for s in r):
-        piece(s).copy_(out[at : at + s.numel])
-        at += s.numel
-    t2 = time.perf_counter()
-    back = torch.cat([piece(s) for r in recvs for s in r] or [grad[:0]])
-    landed = grad.new_empty(send.numel())
-    dist.all_to_all_single(landed, back, [sum(s.numel for s in r) for r in sends],
-                           [sum(s.numel for s in r) for r in recvs])  # fmt: skip
-    at = 0
-    for s in (s for r in sends for s in r):
-        grad[s.start : s.end] = landed[at : at + s.numel]
-        at += s.numel
-    t3 = time.perf_counter()
-    collectives.wait(collectives.all_gather(grad, shard.clone(), None))
-    t4 = time.perf_counter()
-    timings += [(t1 - t0) + (t4 - t3), (t2 - t1) + (t3 - t2)]
-    return mine
+from wholeshard.planning import ONE_BUCKET, plan_exactly  # noqa: E402
 
 
 def _owner_groups(grad: torch.Tensor, plan) -> dict[int, torch.Tensor]:
@@ -119,34 +54,28 @@ def _worker(mbs: list[int], repeats: int) -> list[dict]:
     k, me = dist.get_world_size(), dist.get_rank()
     rows = []
     for mb in mbs:
-        specs = layer(mb)
-        exchanged = plan_exactly(specs, k, bucket_size=ONE_BUCKET, strategy="exchange")
-        owners = plan_exactly(specs, k, bucket_size=ONE_BUCKET, strategy="owners")
-        times: dict[str, list[float]] = {"exchange": [], "owners": [], "rs": [], "a2a": []}
+        owners = plan_exactly(layer(mb), k, bucket_size=ONE_BUCKET, strategy="owners")
+        seconds = []
         for i in range(repeats + 1):  # the first is a warm-up
-            for name, plan in (("exchange", exchanged), ("owners", owners)):
-                grad = torch.full((plan.buffers[0].numel,), float(me + 1))  # the Muon bucket
-                dist.barrier()
-                phases: list[float] = []
-                t0 = time.perf_counter()
-                if name == "exchange":
-                    mine = _exchange(grad, plan, phases)
-                else:
-                    mine = _owner_groups(grad, plan)
-                seconds = time.perf_counter() - t0
-                total = k * (k + 1) / 2
-                assert all(torch.equal(m, torch.full_like(m, total)) for m in mine.values())
-                assert torch.equal(grad, torch.full_like(grad, total)), name
-                if i:
-                    times[name].append(seconds)
-                    if phases:
-                        times["rs"].append(phases[0])
-                        times["a2a"].append(phases[1])
-        ms = {n: 1e3 * statistics.median(t) for n, t in times.items()}
+            grad = torch.full((owners.buffers[0].numel,), float(me + 1))  # the Muon bucket
+            dist.barrier()
+            t0 = time.perf_counter()
+            mine = _owner_groups(grad, owners)
+            if i:
+                seconds.append(time.perf_counter() - t0)
+            total = k * (k + 1) / 2
+            assert all(torch.equal(m, torch.full_like(m, total)) for m in mine.values())
+            assert torch.equal(grad, torch.full_like(grad, total))
+        ex = exchange_bucket_row(mb, repeats=repeats)
+        assert ex["exact"], ex
+        rs, a2a = (
+            ex["reduce_scatter_s"] + ex["all_gather_s"],
+            ex["to_owners_s"] + ex["from_owners_s"],
+        )
         rows.append({
-            "ranks": k, "mb": mb, "matrices": len(SHAPES), "numel": exchanged.numel,
-            "owner_group_ms": ms["owners"], "exchange_ms": ms["exchange"],
-            "reduce_scatter_ms": ms["rs"], "all_to_all_ms": ms["a2a"],
+            "ranks": k, "mb": mb, "matrices": len(SHAPES), "numel": ex["numel"],
+            "owner_group_ms": 1e3 * statistics.median(seconds), "exchange_ms": 1e3 * (rs + a2a),
+            "reduce_scatter_ms": 1e3 * rs, "all_to_all_ms": 1e3 * a2a,
         })  # fmt: skip
     return rows
 

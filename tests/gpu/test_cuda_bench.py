@@ -18,6 +18,7 @@ import pytest
 import torch
 from support import run_cuda
 
+from wholeshard.bench.exchange_bucket import exchange_bucket_row
 from wholeshard.bench.flops import bf16_peak_tflops
 from wholeshard.bench.owner_bucket import largest_numel, owner_bucket_row
 
@@ -117,3 +118,22 @@ def test_one_owner_bucket_at_the_largest_size_the_gpu_holds() -> None:
         rows.append(out[0])
     (REPO / "runs").mkdir(exist_ok=True)
     (REPO / "runs" / "gpu_owner_bucket.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def test_one_exchange_bucket_against_the_reduce_scatter_on_cuda() -> None:
+    """One exchange bucket ([Note: exchange buffers]) on CUDA tensors: its reduce-scatter, the
+    all-to-all of the reduced pieces to their owners, the all-to-all back and the all-gather,
+    at world size 1 on NCCL (nothing to move) and at 2 ranks (NCCL where each has a GPU, else
+    both on one over gloo). The values are exact; the rows (times never asserted) go to
+    runs/gpu_exchange_bucket.json: the grads' direction (reduce-scatter + exchange) over the
+    reduce-scatter alone (`reduce_scatter_tensor`) at each size."""
+    rows = []
+    two = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    for nproc, backend in ((1, "nccl"), (2, two)):
+        for mb in (16, 256):
+            out = run_cuda(exchange_bucket_row, nproc, mb, "cuda", backend=backend)
+            assert all(r["exact"] and r["backend"] == backend for r in out), out
+            assert (out[0]["moved"] > 0) == (nproc > 1), out[0]
+            rows.append(out[0])
+    (REPO / "runs").mkdir(exist_ok=True)
+    (REPO / "runs" / "gpu_exchange_bucket.json").write_text(json.dumps(rows, indent=1) + "\n")
