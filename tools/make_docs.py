@@ -42,6 +42,7 @@ REQUIRED = {
     "exchange-model": "docs/planning.md",
     "exchange-choices": "docs/planning.md",
     "exchange-gloo": "docs/planning.md",
+    "exchange-gpu": "docs/planning.md",
     "compat": "docs/compat.md",
 }
 """Blocks that must exist (on that page): `--check` fails when a marker goes missing."""
@@ -98,6 +99,8 @@ def default_text(field: dataclasses.Field) -> str:
 def measured(when: str, machine: dict, how: str, source: str, extra: str = "") -> str:
     """The header line of a results block: date, machine, software, command, source file."""
     where = f"{machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)"
+    if machine.get("gpu"):
+        where = f"one {machine['gpu']}"
     software = f"torch {machine.get('torch', '?')}"
     if machine.get("python"):
         software += f", Python {machine['python']}"
@@ -695,6 +698,25 @@ def exchange_gloo() -> list[str]:
     return [header, "", *table(head, "rrrrrrrr", body)]
 
 
+def exchange_gpu() -> list[str]:
+    """One exchange bucket on CUDA tensors (the GPU tier's row): its reduce-scatter, the
+    all-to-alls and the all-gather, and the grads' direction over the reduce-scatter alone."""
+    doc = load("exchange-gpu.json")
+    phases = ("reduce_scatter_s", "to_owners_s", "from_owners_s", "all_gather_s")
+    body = [
+        [r["ranks"], r["backend"], r["mb"], f"{r['moved'] / r['numel']:.2f}",
+         *(f"{1e3 * r[p]:.3f}" for p in phases), f"{r['exchange_over_reduce_scatter']:.2f}"]
+        for r in doc["rows"]
+    ]  # fmt: skip
+    head = ["ranks", "backend", "MB", "moved / bucket", "reduce-scatter ms", "to owners ms",
+            "back ms", "all-gather ms", "(reduce-scatter + to owners) / reduce-scatter"]  # fmt: skip  # noqa: E501
+    extra = f"median of {doc['repeats']}"
+    header = measured(
+        doc["date"], doc["machine"], doc["command"], "docs/results/exchange-gpu.json", extra
+    )
+    return [header, "", *table(head, "rlrrrrrrr", body)]
+
+
 # -- results: resident memory -----------------------------------------------------------------
 
 
@@ -774,6 +796,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "exchange-model": exchange_model,
     "exchange-choices": exchange_choices,
     "exchange-gloo": exchange_gloo,
+    "exchange-gpu": exchange_gpu,
     "rss": rss,
     "compat": compat,
 }

@@ -5,7 +5,9 @@ the all-to-all back and the all-gather, in the process group of the caller.
 
 The bucket is one layer the planning core plans with `strategy="exchange"`: four matrices of
 differing shapes (owners of differing cost) and a norm, about `mb` MB of fp32. Pieces are packed
-per peer in buffer order, as the engine's `Exchange` packs them. `exchange_bucket_row` runs on
+per peer in buffer order, as the engine's `Exchange` packs them; the owners' matrices are whole
+copies, as fully sharded keeps them (their own shard's part copied in; ZeRO-1/2 reads the bucket in
+place). `exchange_bucket_row` runs on
 every rank (`launch` it; on CUDA each rank on its current device) and returns this rank's row:
 the seconds of each phase (median of `repeats` after one warm-up; CUDA events on a GPU) and
 whether the owners' whole matrices and the gathered bucket are exact (integers summed in any
