@@ -189,6 +189,11 @@ MODES = {
         None,
         True,
     ),
+    "two-level-exchange-fully-sharded": (
+        dict(strategy="exchange", node_size=2, **FULLY_SHARDED, **OVERLAP),
+        None,
+        False,
+    ),
     "exchange-fp8-gather": (
         dict(strategy="exchange", fp8_param_gather=True, mp_policy=mp(torch.bfloat16), **OVERLAP),
         "tensorwise",
@@ -205,7 +210,7 @@ CORE = ("pipelined-fully-sharded", "shard-groups")  # the fast tier (`pytest -m 
 )
 def test_every_rank_issues_the_same_collectives_in_the_same_order(mode: str) -> None:
     ddp_kw, recipe, unchecked = MODES[mode]
-    world = 4 if "shard_group_size" in ddp_kw else 2
+    world = 4 if "shard_group_size" in ddp_kw or "node_size" in ddp_kw else 2
     seqs = run_detail(_steps, world, ddp_kw, recipe, unchecked)
     assert len(seqs[0]) > 20  # construction, 4 steps and evaluations all issue collectives
     if "exchange" in mode:  # not vacuous

@@ -248,6 +248,12 @@ MODES = {  # name: (ranks, bucket size, DataParallel options)
     ),
     "exchange-hybrid": (4, FINE, dict(strategy="exchange", shard_group_size=2, **SYNC)),
     "exchange-fully-sharded": (3, BUCKET, dict(FULLY, strategy="exchange", **OVERLAP)),
+    "two-level-exchange-4": (4, BUCKET, dict(strategy="exchange", node_size=2, **OVERLAP)),
+    "two-level-hybrid-fully-sharded-8": (
+        8,
+        FINE,
+        dict(FULLY, strategy="exchange", node_size=2, shard_group_size=4, **SYNC),
+    ),
     "exchange-hybrid-fully-sharded-bf16": (
         4,
         FINE,
@@ -285,8 +291,9 @@ def test_the_plan_tells_memory_collectives_and_bytes_of_a_real_run(name: str) ->
     strategy = results[0]["plan"].strategy  # the automatic strategy's choice, or the one named
     assert strategy == ddp_kw.get("strategy", strategy)
     plan = plan_exactly(
-        specs, world, bucket_size=bucket_size, shard_group_size=k, strategy=strategy
-    )
+        specs, world, bucket_size=bucket_size, shard_group_size=k, strategy=strategy,
+        node_size=ddp_kw.get("node_size"),
+    )  # fmt: skip
     assert plan == results[0]["plan"]  # what DataParallel planned, from the specs alone
     if strategy == "owners":  # not vacuous: some rank owns nothing in some bucket
         assert any(b.shard_len(r) == 0 for buf in plan.buffers for b in buf.buckets
@@ -341,10 +348,11 @@ def _check_units(plan, specs, mode: Mode, out: dict) -> None:
     key = lambda c: (c.op, c.ranks, c.numel, c.dtype)  # noqa: E731
     for u in storage_units(plan, specs):
         want = unit_reduce(u.buckets, k, plan.dp_size // k, r, mode.grad_reduce_dtype,
-                           mode.param_sync)  # fmt: skip
+                           mode.param_sync, plan.node_size)  # fmt: skip
         assert out["per_unit"][u.index, "reduce"] == list(map(key, want)), (r, u.index)
         gathers = out["per_unit"].get((u.index, "gather"), [])
-        want = list(map(key, unit_gather(u.buckets, k, mode.param_dtype, mode.param_sync)))
+        gather = unit_gather(u.buckets, k, mode.param_dtype, mode.param_sync, plan.node_size)
+        want = list(map(key, gather))
         if k == 1:
             assert not any(gathers), (r, u.index, gathers)
         else:

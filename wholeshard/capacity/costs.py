@@ -235,12 +235,13 @@ def step_collectives(
         return []
     units = _units(plan, specs)
     grad, param, sync = mode.grad_reduce_dtype, mode.param_dtype, mode.param_sync
-    out = [c for u in units for c in unit_reduce(u.buckets, k, dp // k, rank, grad, sync)]
+    node = plan.node_size
+    out = [c for u in units for c in unit_reduce(u.buckets, k, dp // k, rank, grad, sync, node)]
     out += [slot[rank] for slot in exchange_slots(plan, mode)]
     if k > 1:  # fully sharded, a unit not kept from forward to backward is gathered twice
         kept = _lifetimes.kept_units(units) if fully_sharded(plan, mode) else range(len(units))
         for u in units:
-            out += unit_gather(u.buckets, k, param, sync) * (1 if u.index in kept else 2)
+            out += unit_gather(u.buckets, k, param, sync, node) * (1 if u.index in kept else 2)
     if fully_sharded(plan, mode) and mode.overlap_grad_reduce:
         out.append(Collective("all_reduce", dp, len(units), "int32", "modules run", "dp"))
     out.append(Collective("all_reduce", dp, 4 + len(specs), "float64", "step check", "dp"))

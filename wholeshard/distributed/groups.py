@@ -17,6 +17,7 @@ waits for ranks outside it.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -51,6 +52,35 @@ def make_groups(
     replica = _split(group, world, [world[r::k] for r in range(k)], timeout)
     gather = _split(group, world, blocks, timeout) if separate_gather else shard
     return shard, replica, gather
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """This rank's groups of a shard group in two levels ([Note: two-level groups] in
+    `planning.plan`): `node`, the `node_size` ranks of its node in the shard group; `cross`, the
+    ranks at its local index on every node of the shard group; `local`, its rank in `node`."""
+
+    node: ProcessGroup
+    cross: ProcessGroup
+    node_size: int
+    local: int
+
+
+def make_levels(
+    group: ProcessGroup | None, dp_size: int, k: int, node_size: int, timeout: timedelta | None
+) -> TwoLevel:
+    """This rank's two-level groups of its shard group (k consecutive ranks of `group`) in
+    nodes of `node_size` consecutive ranks, `node_size` dividing k. Every rank of `group` calls
+    this, in the same order ([Note: making groups])."""
+    timeout = timeout or group_timeout(group)
+    world = [dist.get_global_rank(group or dist.group.WORLD, r) for r in range(dp_size)]
+    nodes = [world[i : i + node_size] for i in range(0, dp_size, node_size)]
+    blocks = [world[g : g + k] for g in range(0, dp_size, k)]
+    cross = [block[local::node_size] for block in blocks for local in range(node_size)]
+    node_group = _split(group, world, nodes, timeout)
+    cross_group = _split(group, world, cross, timeout)
+    me = world.index(dist.get_rank())
+    return TwoLevel(node_group, cross_group, node_size, me % node_size)
 
 
 def _split(

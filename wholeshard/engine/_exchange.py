@@ -54,8 +54,9 @@ class Moves:
 
 
 class Exchange:
-    """The exchanges of one sharded group's exchange buffer, for shard-group rank `rank` of
-    `size` on `group`: `units` are the buffer's storage units (one per bucket, buffer order);
+    """The exchanges of one sharded group's exchange buffer, for shard index `rank` of `size` on
+    `group` (peers by `group_rank` of their shard index): `units` are the buffer's storage
+    units (one per bucket, buffer order);
     `every`: buckets per batch (None: one batch per step)."""
 
     def __init__(
@@ -66,6 +67,7 @@ class Exchange:
         size: int,
         group: ProcessGroup | None,
         every: int | None,
+        group_rank: Callable[[int], int] = int,
     ) -> None:
         self.group = group
         self._landing: list[collectives.AllToAll] = []  # dispatched to the owners, in order
@@ -82,6 +84,7 @@ class Exchange:
                 units.__getitem__,
                 rank,
                 size,
+                group_rank,
             )
             for batch in exchange_batches(len(buffer.buckets), every)
         ]
@@ -160,21 +163,24 @@ def moves(
     unit_of: Callable[[int], StorageUnit],
     rank: int,
     size: int,
+    group_rank: Callable[[int], int] = int,
 ) -> Moves:
-    """What shard-group rank `rank` of `size` moves of `segs` (pieces of the matrices of
-    `units`; `unit_of(bucket)` holds each), in the order every rank packs and unpacks them."""
+    """What shard index `rank` of `size` moves of `segs` (pieces of the matrices of `units`;
+    `unit_of(bucket)` holds each), in the order every rank packs and unpacks them: by peer, the
+    shard group's rank (`group_rank` of a shard index: [Note: two-level groups] in
+    `planning.plan`), then by start."""
     held = [
-        _Piece(s.owner, unit_of(s.bucket), s.start, s.end)
+        _Piece(group_rank(s.owner), unit_of(s.bucket), s.start, s.end)
         for s in segs
         if s.holder == rank != s.owner
     ]
     owned = [
-        _Piece(s.holder, unit_of(s.bucket), s.start, s.end)
+        _Piece(group_rank(s.holder), unit_of(s.bucket), s.start, s.end)
         for s in segs
         if s.owner == rank != s.holder
     ]
     local = [
-        _Piece(rank, unit_of(s.bucket), s.start, s.end)
+        _Piece(group_rank(rank), unit_of(s.bucket), s.start, s.end)
         for s in segs
         if s.holder == rank == s.owner and unit_of(s.bucket).owned_copies is not None
     ]

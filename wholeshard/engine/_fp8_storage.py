@@ -38,7 +38,7 @@ from ..fp8.linear import Fp8Linear, Fp8Weight, quantize_weight
 from ..planning import Bucket, Placement, placement_pieces
 from ._exchange import moves
 from ._storage import StorageUnit, UnitState, _alloc, _allocated, _free
-from ._sync import InFlight
+from ._sync import InFlight, all_gather_shards
 
 
 class Fp8Storage(StorageUnit):
@@ -71,7 +71,9 @@ class Fp8Storage(StorageUnit):
                 pieces = [s for _, p in self.params for s in placement_pieces(p, at[p.bucket])]
                 pieces.sort(key=lambda s: s.start)
                 rank, size = self.groups.rank, self.groups.size
-                self._moves = moves((self,), pieces, lambda _: self, rank, size)
+                self._moves = moves(
+                    (self,), pieces, lambda _: self, rank, size, self.groups.group_rank
+                )
 
     def _quantizes(self, b: Bucket, rank: int) -> list[int]:
         """Indices of the params of bucket `b` that `rank` quantizes, in buffer order."""
@@ -159,7 +161,7 @@ class Fp8Storage(StorageUnit):
         return InFlight(handles)
 
     def _gather_bytes(self) -> InFlight:
-        group, rank = self.groups.gather_group, self.groups.rank
+        group, rank = self.groups.gather_on, self.groups.rank
         mine = [self._scales[i].view(self.groups.size, -1)[rank] for i in range(len(self.buckets))]
         for i, scales in enumerate(mine):
             for j, n in enumerate(self._quantized_by[i][rank]):
@@ -174,7 +176,7 @@ class Fp8Storage(StorageUnit):
         handles = []
         for i, b in enumerate(self.buckets):
             handles += self._share(self._bytes, b, self._shard_range(self._bytes, b, rank))
-            handles.append(collectives.all_gather(self._scales[i], mine[i], group))
+            handles += all_gather_shards(self._scales[i], mine[i], group)
         return InFlight(handles)
 
     def _bytes_to_holders(self) -> None:

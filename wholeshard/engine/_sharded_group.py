@@ -27,30 +27,34 @@ from torch.utils.hooks import RemovableHandle
 
 from ..distributed import collectives
 from ..distributed.dtensor import local
-from ..distributed.groups import make_groups, resolve_group
+from ..distributed.groups import TwoLevel, make_groups, make_levels, resolve_group
 from ..planning import ParamSpec, Plan
 from ..planning.auto import plan_for
 from ..planning.routing import Route
 from ..planning.specs import MatrixCost
 from ..planning.units import storage_units
 from . import _hooks as hooks
+from ._comm_groups import CommGroups
 from ._exchange import Exchange
 from ._fp8_storage import fp8_storage_factory
 from ._meta import fill_owned
 from ._owned import OwnedRange, owned_ranges
 from ._schedule import Scheduler
-from ._storage import CommGroups, StorageUnit
+from ._storage import StorageUnit
 from ._unaligned_storage import UnalignedStorage
 from .config import DataParallelConfig, Variant
 
 
 class CommGroupsMade(NamedTuple):
-    """What `make_groups` made for `key` (shard group size, a separate gather group)."""
+    """What `make_groups` (and `make_levels`) made for `key` (shard group size, a separate
+    gather group, ranks per node of two-level groups)."""
 
-    key: tuple[int, bool]
+    key: tuple[int, bool, int]
     shard_group: ProcessGroup | None
     replica_group: ProcessGroup | None
     gather_group: ProcessGroup | None
+    levels: TwoLevel | None = None
+    gather_levels: TwoLevel | None = None
 
 
 class ShardedGroup:
@@ -109,7 +113,13 @@ class ShardedGroup:
             shard_group_size=cfg.shard_group_size,
             scheme=variant.scheme,
             matrix_cost=matrix_cost,
+            node_size=cfg.node_size,
         )
+        if self.plan.node_size > 1 and variant.param_sync != "allgather":
+            raise ValueError(
+                f"node_size={cfg.node_size}: two-level groups all-gather params; "
+                f"param_sync={variant.param_sync!r} broadcasts them: leave one of them unset"
+            )
         self.shard_group_size = self.plan.shard_group_size
         self.shard_rank = self.plan.shard_rank(self.rank)
         self._fill = cfg.param_init and fill_owned(self.plan, self.shard_rank, cfg.param_init)
@@ -119,11 +129,11 @@ class ShardedGroup:
         separate = variant.separate_all_gather_group
         if separate is None:
             separate = cfg.reshard_after_forward or cfg.pipelined_step
-        key = (self.shard_group_size, separate and gathers)
+        key = (self.shard_group_size, separate and gathers, self.plan.node_size)
         if previous is None or previous.key != key:
-            previous = CommGroupsMade(key, *make_groups(self.process_group, self.dp_size, *key))
+            previous = self._make_groups(key)
         self.made = previous
-        _, self.shard_group, self.replica_group, self.gather_group = previous
+        _, self.shard_group, self.replica_group, self.gather_group, *levels = previous
         groups = CommGroups(
             self.shard_group,
             self.shard_rank,
@@ -132,6 +142,7 @@ class ShardedGroup:
             self.replica_group,
             variant.param_sync,
             divide_by,
+            *levels,
         )
         fp8 = fp8_storage_factory(module) if self.fp8_param_gather else StorageUnit
         storages = build_storage(
@@ -159,6 +170,7 @@ class ShardedGroup:
                 self.shard_group_size,
                 self.shard_group,
                 variant.exchange_every,
+                groups.group_rank,
             )
         self.scheduler = Scheduler(
             storages,
@@ -183,6 +195,19 @@ class ShardedGroup:
             # The owners' values (the first FP8 weights; the holders' pieces of owned matrices).
             self.scheduler.params_updated()
             self.scheduler.finish_param_sync()
+
+    def _make_groups(self, key: tuple[int, bool, int]) -> CommGroupsMade:
+        """The comm groups for `key` ([Note: making groups] in `distributed.groups`): with
+        two-level groups, also the node and cross groups (a second pair for the gathers when
+        they have a group of their own)."""
+        k, separate, node_size = key
+        made = make_groups(self.process_group, self.dp_size, k, separate)
+        if node_size == 1:
+            return CommGroupsMade(key, *made)
+        levels = make_levels(self.process_group, self.dp_size, k, node_size, None)
+        if separate:
+            gather = make_levels(self.process_group, self.dp_size, k, node_size, None)
+        return CommGroupsMade(key, *made, levels, gather if separate else levels)
 
     def _fill_initial(self, storage: StorageUnit) -> None:
         """Give a new storage unit its group's first rank's values (or, from `param_init`, its

@@ -32,17 +32,17 @@ Transitions: FRESH -> STALE (`mark_stale`, after an update); STALE or RELEASED -
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import Work
 
 from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
 from ..planning.sync import ParamSync, sync_scheme
+from ._comm_groups import CommGroups
 from ._owned_copies import OwnedCopies
 from ._sync import InFlight, half_of
 
@@ -54,21 +54,6 @@ class UnitState(enum.Enum):
     STALE = enum.auto()
     GATHERING = enum.auto()
     RELEASED = enum.auto()
-
-
-@dataclass(frozen=True)
-class CommGroups:
-    """Who a storage unit syncs with: `size` ranks of `group` (the shard group), this one being
-    `rank`; gradients are then summed across `replica_group` (shard groups) and divided by
-    `divide_by`, params synced on `gather_group` by `param_sync`."""
-
-    group: ProcessGroup | None
-    rank: int
-    size: int
-    gather_group: ProcessGroup | None
-    replica_group: ProcessGroup | None = None
-    param_sync: ParamSync = "allgather"
-    divide_by: int = 0  # 0: the ranks the gradients are summed over (experts': dp x ep)
 
 
 class StorageUnit:
@@ -312,7 +297,7 @@ class StorageUnit:
     def _reduce(self) -> InFlight:
         """Reduce every bucket by its sync scheme (`planning.sync.unit_reduce` describes it),
         then sum across replicas; the average divides once, at the end ([Note: averaging])."""
-        group, replicas = self.groups.group, self.groups.replica_group
+        group, replicas = self.groups.reduce_on, self.groups.replica_group
         mine = [self._own_shard(self.grad, self.grad_shard, i) for i in range(len(self.buckets))]
         n = 1 if replicas is None else dist.get_world_size(replicas)
         total = self.groups.divide_by or self.groups.size * n
@@ -372,7 +357,7 @@ class StorageUnit:
         scheme with `sync` (`planning.sync.sync_scheme`): `mine` (this rank's shard, which may
         alias its range of `full`) and the others' land in `full`."""
         half = half_of(sync_scheme(b, sync))
-        group, rank = self.groups.gather_group, self.groups.rank
+        group, rank = self.groups.gather_on, self.groups.rank
         return half.gather(self._bucket_range(full, b), mine, b, group, rank)
 
     def drop_temporaries(self) -> None:

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup, Work
 
 from ..distributed import collectives
+from ..distributed.groups import TwoLevel
 from ..planning import Bucket
 from ..planning.sync import EQUAL_SHARDS, EXCHANGE, OWNERS, SHARD_BROADCASTS, SyncScheme
 
@@ -39,12 +40,12 @@ class InFlight:
                     collectives.wait(h)
 
 
-Group = ProcessGroup | None
+Group = ProcessGroup | TwoLevel | None
 Reduce = Callable[[Tensor, Tensor, Bucket, Group, int], Any]
 """(full, out, bucket, shard group, divide_by) -> one handle: the sums of this rank's shard
 land in `out`, divided by `divide_by` ([Note: averaging] in `distributed.collectives`)."""
 Gather = Callable[[Tensor, Tensor, Bucket, Group, int], list[Any]]
-"""(full, mine, bucket, gather group, rank) -> handles: every rank's shard lands in `full`."""
+"""(full, mine, bucket, gather group, shard index) -> handles: every shard lands in `full`."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,31 @@ def _place_mine(full: Tensor, mine: Tensor, b: Bucket, rank: int) -> None:
 
 
 def _reduce_scatter(full: Tensor, out: Tensor, b: Bucket, group: Group, divide_by: int) -> Any:
-    return collectives.reduce_scatter_sum(out, full, group, divide_by)
+    return reduce_scatter_shards(out, full, group, divide_by)
+
+
+def reduce_scatter_shards(out: Tensor, full: Tensor, group: Group, divide_by: int = 1) -> Any:
+    """Sum `full` over the shard group; this rank's shard (by shard index) lands in `out` (a
+    view of its range of `full`, or a separate tensor), divided by `divide_by`. In two levels
+    ([Note: two-level groups] in `planning.plan`): within the node into this rank's chunk of
+    `full`, then across nodes from that chunk; the second starts once the first has landed (on
+    CUDA a stream's wait, not the host's)."""
+    if not isinstance(group, TwoLevel):
+        return collectives.reduce_scatter_sum(out, full, group, divide_by)
+    chunk = full.chunk(group.node_size)[group.local]
+    collectives.wait(collectives.reduce_scatter_sum(chunk, full, group.node))
+    return collectives.reduce_scatter_sum(out, chunk, group.cross, divide_by)
+
+
+def all_gather_shards(full: Tensor, mine: Tensor, group: Group) -> list[Any]:
+    """Every rank's shard into `full`, in shard-index order (`mine`: this rank's, which may
+    alias its range of `full`). In two levels, across nodes into this rank's chunk of `full`,
+    then within the node."""
+    if not isinstance(group, TwoLevel):
+        return [collectives.all_gather(full, mine, group)]
+    chunk = full.chunk(group.node_size)[group.local]
+    collectives.wait(collectives.all_gather(chunk, mine, group.cross))
+    return [collectives.all_gather(full, chunk, group.node)]
 
 
 def _reduce_to_owners(full: Tensor, out: Tensor, b: Bucket, group: Group, divide_by: int) -> Any:
@@ -77,7 +102,7 @@ def _reduce_to_owners(full: Tensor, out: Tensor, b: Bucket, group: Group, divide
 
 
 def _all_gather(full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int) -> list[Any]:
-    return [collectives.all_gather(full, mine, group)]
+    return all_gather_shards(full, mine, group)
 
 
 def _broadcast_from_owners(

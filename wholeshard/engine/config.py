@@ -72,6 +72,14 @@ class DataParallelConfig:
     padding under 1% and the Newton-Schulz cost within 1.10 of the mean
     (`wholeshard.planning.auto`; `wholeshard plan --shard-group-size auto` shows why). A
     mesh's hybrid dims ("dp_replicate" x "dp_shard") or "ep" dim, when given, say k instead."""
+    node_size: int | None = None
+    """The data-parallel ranks of a node (consecutive in the data-parallel group, as torchrun
+    numbers them: its --nproc-per-node), for two-level groups where a shard group spans several
+    nodes: each bucket reduce-scatters within the node, then across nodes (1/node_size of it
+    per rank crosses the network, and a ring is a node or a node count long, not k), and
+    gathers the other way. None: one level, the default. Needs equal-shard buckets (strategy
+    "exchange" or "balanced"; "auto" then never picks owner buckets); `wholeshard plan
+    --node-size` prices both forms on a fabric."""
     matrix_params: MatrixParams | None = None
     """`matrix_params(name, param) -> bool` replaces the default routing rule's decision of which
     params the matrix rule steps (the rest: AdamW) (`wholeshard.planning.routing`)."""
@@ -119,6 +127,12 @@ class DataParallelConfig:
         ):
             raise ConfigError(
                 "bucket_size", f"bucket_size must be None or an int >= 1, got {self.bucket_size!r}"
+            )
+        if self.node_size is not None and not (is_int(self.node_size) and self.node_size >= 1):
+            raise ConfigError(
+                "node_size",
+                f"node_size must be None (one level) or an int >= 1 (the data-parallel ranks of "
+                f"a node, torchrun's --nproc-per-node), got {self.node_size!r}",
             )
         k = self.shard_group_size
         if k is not None and k != "auto" and not (is_int(k) and k >= 1):

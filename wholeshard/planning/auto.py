@@ -6,7 +6,8 @@ returns the record (`Search`) from which `wholeshard.capacity.choice` builds the
 [Note: automatic strategy]
 `strategy="auto"` (the default) plans the balanced strategy's equal shards, which reduce-scatter
 and all-gather each bucket in one collective, and keeps them if they meet every target ([Note:
-plan targets] in `targets`); otherwise it plans, from `EXCHANGE_FROM` ranks a shard group, the
+plan targets] in `targets`); otherwise it plans, from `EXCHANGE_FROM` ranks a shard group (or
+with two-level groups, [Note: two-level groups] in `plan`), the
 exchange strategy ([Note: exchange buffers] in `_exchange`: one buffer in per-layer equal
 shards, each matrix's reduced pieces sent to an owner dealt by cost and back), and below that
 owner buckets ([Note: owners strategy] in `_owners`), and keeps whichever overshoots less
@@ -59,6 +60,7 @@ from .plan import (
     Strategy,
     _group_size,
     plan_exactly,
+    two_level,
     validate_specs,
 )
 from .specs import MatrixCost, ParamSpec, is_int
@@ -148,12 +150,14 @@ def _candidates(
     strategy: str,
     target: int,
     force: bool,
+    levels: bool = False,
 ) -> list[Attempt]:
     """The attempts at k by `strategy` ("auto": balanced, then the exchange from
-    `EXCHANGE_FROM` ranks, owner buckets below, unless balanced meets every target); `force`:
-    plan at least one (the last) even where a bound calls it hopeless."""
+    `EXCHANGE_FROM` ranks or with two `levels`, owner buckets otherwise, unless balanced meets
+    every target); `force`: plan at least one (the last) even where a bound calls it
+    hopeless."""
     attempts: list[Attempt] = []
-    fallback = "exchange" if k >= EXCHANGE_FROM else "owners"
+    fallback = "exchange" if k >= EXCHANGE_FROM or levels else "owners"
     names = ("balanced", fallback) if strategy == "auto" else (strategy,)
     for name in names:
         size = bucket_size_for(shapes.used, k, name) if bucket_size is None else bucket_size
@@ -181,11 +185,13 @@ def search(
     align: int = 64,
     bucket_limit: int | None = None,
     matrix_cost: MatrixCost | None = None,
+    node_size: int | None = None,
 ) -> Search:
     """The automatic choice for `specs` (registration order) on `dp_size` ranks at shard-group
     size `k`, or over the ladder (k None), by [Note: automatic shard groups]. `bucket_size`
     None: `targets.bucket_size_for` each candidate; `bucket_limit` None: `bucket_target(specs)`;
-    `matrix_cost` given: it, not `ns_cost`, is balanced and measured. Raises ValueError, as
+    `matrix_cost` given: it, not `ns_cost`, is balanced and measured; `node_size`: two-level
+    groups where k exceeds it, so never owner buckets there. Raises ValueError, as
     `plan_exactly` does, on bad input."""
     specs = tuple(specs)
     _group_size(dp_size, k, bucket_size, align, strategy, "whole")
@@ -197,7 +203,10 @@ def search(
     attempts: list[Attempt] = []
     for candidate in ladder(dp_size) if k is None else [k]:
         force = candidate == 1 or k is not None
-        found = _candidates(shapes, dp_size, candidate, bucket_size, strategy, target, force)
+        levels = node_size is not None and candidate > node_size
+        found = _candidates(
+            shapes, dp_size, candidate, bucket_size, strategy, target, force, levels
+        )
         attempts += found
         if found[-1].figures is not None and found[-1].figures.ok:
             break
@@ -216,6 +225,7 @@ class PlanSettings(TypedDict, total=False):
     shard_group_size: int | str | None
     scheme: Scheme
     matrix_cost: MatrixCost | None
+    node_size: int | None
 
 
 def decide(
@@ -227,6 +237,7 @@ def decide(
     shard_group_size: int | str | None = None,
     scheme: Scheme = "whole",
     matrix_cost: MatrixCost | None = None,
+    node_size: int | None = None,
 ) -> tuple[Plan, Search | None]:
     """The plan `DataParallel` makes for these settings, with the search behind it when the
     strategy or `shard_group_size` is "auto". `bucket_size` None: `targets.bucket_size_for` the
@@ -243,13 +254,14 @@ def decide(
     common: dict[str, Any] = dict(strategy=strategy, matrix_cost=matrix_cost)
     if auto_k or strategy == "auto":
         k = None if auto_k else (dp_size if shard_group_size is None else shard_group_size)
-        found = search(specs, dp_size, k, bucket_size=bucket_size, **common)  # type: ignore[arg-type]
-        return found.plan, found
+        found = search(specs, dp_size, k, bucket_size=bucket_size, node_size=node_size, **common)  # type: ignore[arg-type]
+        return two_level(found.plan, node_size), found
     if bucket_size is None:
         k = shard_group_size if is_int(shard_group_size) and shard_group_size > 0 else dp_size
         bucket_size = bucket_size_for(sum(s.numel for s in specs), k, strategy)  # type: ignore[arg-type]
     sizes: dict[str, Any] = dict(bucket_size=bucket_size, shard_group_size=shard_group_size)
-    return plan_exactly(specs, dp_size, scheme=scheme, **sizes, **common), None
+    plan = plan_exactly(specs, dp_size, scheme=scheme, node_size=node_size, **sizes, **common)
+    return plan, None
 
 
 def plan_for(specs: Sequence[ParamSpec], dp_size: int, **settings: Unpack[PlanSettings]) -> Plan:

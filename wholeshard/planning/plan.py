@@ -12,11 +12,26 @@ strategy "exchange", every param in one "exchange" buffer (`_exchange`); with
 With `shard_group_size=k` (k divides dp) the dp ranks form dp/k shard groups of k consecutive
 ranks (global rank g*k + r is rank r of group g). Every group uses the same plan: owners and
 shards are numbered 0..k-1 within the group, gradients are reduce-scattered within a group and
-all-reduced across groups. `Plan.shard_rank(rank)` maps a global rank to its rank in the group.
+all-reduced across groups. `Plan.shard_rank(rank)` maps a global rank to its shard index in the
+group: its rank in the group, unless the group has two levels.
+
+[Note: two-level groups]
+With `node_size=n` (the ranks of a node: consecutive global ranks, as torchrun numbers them)
+and a shard group of k = m x n ranks spanning m nodes, each equal-shard bucket (schemes
+"equal_shards" and "exchange") reduces in two stages: a reduce-scatter of the whole bucket
+within the node (n ranks, fast links), after which local rank l holds the node's sums of chunk l
+of n, then a reduce-scatter of that chunk across the m nodes (the m ranks of local rank l, one
+per node, each through its own NIC), after which the rank on node j holds sub-chunk j of chunk
+l: shard l*m + j, its shard index (`Plan.shard_rank`; `Plan.group_rank` inverts it). Gathers
+run the other way: across nodes, then within. Only 1/n of the bucket crosses a node boundary per
+rank, and each stage's ring is a node or a node count long: the latency of k - 1 hops becomes
+(n - 1) + (m - 1). Everything else (owners, exchange peers, checkpoints) follows the shard
+index, so a two-level plan is the one-level plan with its shards dealt to other ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +68,7 @@ class Plan:
     bucket_size: int | float
     buffers: tuple[Buffer, ...]
     matrix_cost: MatrixCost | None = field(default=None, compare=False, repr=False)
+    node_size: int = 1  # ranks per node of a two-level group ([Note: two-level groups]); 1: one
 
     @property
     def numel(self) -> int:
@@ -80,17 +96,36 @@ class Plan:
         return cost_imbalance(self.rank_costs())
 
     def shard_rank(self, rank: int) -> int:
-        """The rank within its shard group of global rank `rank` (see [Note: shard groups])."""
+        """The shard index of global rank `rank` within its shard group ([Note: shard groups]):
+        its rank in the group, or with two levels local * nodes + node ([Note: two-level
+        groups])."""
         if not 0 <= rank < self.dp_size:
             raise ValueError(f"rank {rank} is not in 0..{self.dp_size - 1}")
-        return rank % self.shard_group_size
+        return shard_index(rank % self.shard_group_size, self.shard_group_size, self.node_size)
+
+    def group_rank(self, shard: int) -> int:
+        """The rank within its shard group that holds shard index `shard` (`shard_rank`'s
+        inverse within a group)."""
+        return shard_holder(shard, self.shard_group_size, self.node_size)
+
+    def two_level_ready(self) -> bool:
+        """Whether every bucket is reduce-scattered and all-gathered ([Note: two-level
+        groups]): no owner buckets, no ping-pong buffer."""
+        return all(
+            b.kind != "unaligned" and bk.sync in ("equal_shards", "exchange")
+            for b in self.buffers
+            for bk in b.buckets
+        )
 
     def check(self, specs: Sequence[ParamSpec] | None = None) -> None:
         """Raise AssertionError if any buffer breaks an invariant; with `specs` (registration
         order) also check every spec sits once in the buffer of its kind, in order."""
-        k = self.shard_group_size
+        k, n = self.shard_group_size, self.node_size
         if not (self.dp_size >= 1 and k >= 1 and self.dp_size % k == 0):
             raise AssertionError(f"shard_group_size {k} must divide dp_size {self.dp_size}")
+        if n != 1 and not (1 < n < k and k % n == 0 and self.two_level_ready()):
+            raise AssertionError(f"node_size {n}: two levels need 1 < n < k = {k}, n | k, "
+                                 "and equal-shard buckets")  # fmt: skip
         kinds = [b.kind for b in self.buffers]
         if kinds != [kind for kind in KINDS if kind in kinds]:
             raise AssertionError(f"buffers {kinds}: at most one per kind, in the order {KINDS}")
@@ -116,6 +151,19 @@ class Plan:
         placed = sum(len(b.placements) for b in self.buffers)
         if specs is not None and placed != len(specs):
             raise AssertionError(f"{len(specs)} specs but {placed} placements")
+
+
+def shard_index(group_rank: int, k: int, node_size: int) -> int:
+    """The shard index of rank `group_rank` of a shard group of `k` in nodes of `node_size`
+    ([Note: two-level groups]): local rank x nodes + node."""
+    return (group_rank % node_size) * (k // node_size) + group_rank // node_size
+
+
+def shard_holder(shard: int, k: int, node_size: int) -> int:
+    """The rank of a shard group of `k` in nodes of `node_size` that holds shard index `shard`
+    (`shard_index`'s inverse)."""
+    nodes = k // node_size
+    return (shard % nodes) * node_size + shard // nodes
 
 
 DEFAULT_BUCKETS = 8
@@ -151,14 +199,16 @@ def plan_exactly(
     shard_group_size: int | None = None,
     scheme: Scheme = "whole",
     matrix_cost: MatrixCost | None = None,
+    node_size: int | None = None,
 ) -> Plan:
     """Plan the buffers for `params` (registration order) on `dp_size` ranks in shard groups of
     `k = shard_group_size or dp_size` with exactly these settings: nothing is chosen here
     (`auto.plan_for` chooses, as `DataParallel` does, and resolves strategy "auto"). "balanced"
     and "owners" balance `matrix_cost` (None: Newton-Schulz cost). `bucket_size`: an int, or
     `ONE_BUCKET`. `scheme="ping_pong"` plans the legacy baseline instead (`align` 1, size
-    matching, no shard groups). Raises ValueError, saying how to fix it, on bad input; the
-    result passes `Plan.check(params)`."""
+    matching, no shard groups). `node_size`: the ranks of a node, for two-level groups where a
+    shard group spans several nodes ([Note: two-level groups]; None: one level). Raises
+    ValueError, saying how to fix it, on bad input; the result passes `Plan.check(params)`."""
     specs = tuple(params)
     validate_specs(specs)
     if bucket_size != ONE_BUCKET and not (is_int(bucket_size) and bucket_size > 0):
@@ -184,8 +234,38 @@ def plan_exactly(
             if kind in by_kind
         )
         plan = Plan(dp_size, k, strategy, align, bucket_size, buffers, matrix_cost)
+    plan = two_level(plan, node_size)
     plan.check(specs)
     return plan
+
+
+def two_level(plan: Plan, node_size: int | None) -> Plan:
+    """`plan` with its shard groups in two levels of `node_size` ranks a node where they span
+    several nodes ([Note: two-level groups]), else one level; ValueError, saying how to fix it,
+    where they cannot be."""
+    if node_size is None:
+        return dataclasses.replace(plan, node_size=1)
+    if not is_int(node_size) or node_size < 1:
+        raise ValueError(
+            f"node_size must be None or an int >= 1 (the ranks of a node, torchrun's "
+            f"--nproc-per-node), got {node_size!r}"
+        )
+    k = plan.shard_group_size
+    if k <= node_size:  # each shard group within a node (or straddling two): one level
+        return dataclasses.replace(plan, node_size=1)
+    if k % node_size:
+        raise ValueError(
+            f"node_size={node_size} does not divide the shard group size {k}: a two-level group "
+            f"is whole nodes; pass the ranks of a node that divide it, or a shard_group_size "
+            f"that is a multiple of {node_size}"
+        )
+    if not plan.two_level_ready():
+        raise ValueError(
+            f"node_size={node_size}: two-level groups reduce-scatter equal-shard buckets, and "
+            f"strategy {plan.strategy!r} reduces buckets to their owners; pass strategy="
+            f"'exchange' (or 'balanced'), or leave node_size unset"
+        )
+    return dataclasses.replace(plan, node_size=node_size)
 
 
 def plan_buffer(

@@ -22,6 +22,10 @@ engine executes it (`engine._sync` holds each scheme's executable half, by name)
   (`DataParallel(..., _variant=Variant(param_sync="broadcast"))`): one reduce-scatter, then one
   broadcast per shard (`sync_scheme` picks it; owner buckets broadcast anyway).
 
+With two-level groups ([Note: two-level groups] in `plan`), each reduce-scatter of a bucket over
+the shard group is two, within the node ("node": n ranks, the whole bucket) then across nodes
+("cross": k / n ranks, 1/n of it), and each all-gather the same two the other way (`two_level`).
+
 A storage unit reduces its buckets in buffer order, each by its scheme, and with replicas (dp /
 k shard groups) then all-reduces each non-empty reduced shard of its rank across them, in the
 same order, once every bucket's first stage has landed (`unit_reduce`); it gathers its buckets
@@ -79,7 +83,9 @@ class Collective:
     together; what this rank sends in an all-to-all); `what` it is for; `group`: "shard" (k
     consecutive ranks), "replica" (dp / k ranks, k apart) or "dp" (every rank). An all-to-all
     also says what this rank `received` (elements) and from or to how many `peers` it moves
-    anything (zero-size pairs are not sent)."""
+    anything (zero-size pairs are not sent). With two-level groups, "node" (the n ranks of a
+    node) and "cross" (k / n ranks, one a node) stand for "shard" in its reduce-scatters and
+    all-gathers."""
 
     op: str
     ranks: int
@@ -173,6 +179,22 @@ def sync_scheme(bucket: Bucket, param_sync: ParamSync = "allgather") -> SyncSche
     return SYNC_SCHEMES[bucket.sync]
 
 
+def two_level(collectives: Sequence[Collective], node: int) -> list[Collective]:
+    """`collectives` with each reduce-scatter and all-gather over the shard group in two stages
+    for nodes of `node` ranks ([Note: sync schemes]; `node` 1: unchanged)."""
+    if node == 1:
+        return list(collectives)
+    out = []
+    for c in collectives:
+        if c.group != "shard" or c.op not in ("reduce_scatter", "all_gather"):
+            out.append(c)
+            continue
+        within = Collective(c.op, node, c.numel, c.dtype, c.what, "node")
+        across = Collective(c.op, c.ranks // node, c.numel // node, c.dtype, c.what, "cross")
+        out += [within, across] if c.op == "reduce_scatter" else [across, within]
+    return out
+
+
 def unit_reduce(
     buckets: Sequence[Bucket],
     k: int,
@@ -180,11 +202,14 @@ def unit_reduce(
     rank: int,
     dtype: str,
     param_sync: ParamSync = "allgather",
+    node: int = 1,
 ) -> list[Collective]:
-    """The collectives reducing one storage unit's `buckets` on shard-group rank `rank`, in
-    order: each bucket's scheme's, then with `replicas` > 1 an all-reduce of each of the rank's
-    non-empty shards across the replica group ([Note: sync schemes])."""
+    """The collectives reducing one storage unit's `buckets` on shard index `rank`, in order:
+    each bucket's scheme's (in two levels for nodes of `node` ranks), then with `replicas` > 1
+    an all-reduce of each of the rank's non-empty shards across the replica group ([Note: sync
+    schemes])."""
     out = [c for b in buckets for c in sync_scheme(b, param_sync).reduce(b, k, dtype)]
+    out = two_level(out, node)
     if replicas > 1:
         out += [Collective("all_reduce", replicas, n, dtype, "grads", "replica")
                 for b in buckets if (n := b.shard_len(rank))]  # fmt: skip
@@ -192,10 +217,16 @@ def unit_reduce(
 
 
 def unit_gather(
-    buckets: Sequence[Bucket], k: int, dtype: str, param_sync: ParamSync = "allgather"
+    buckets: Sequence[Bucket],
+    k: int,
+    dtype: str,
+    param_sync: ParamSync = "allgather",
+    node: int = 1,
 ) -> list[Collective]:
-    """The collectives gathering one storage unit's `buckets` (k > 1), in order."""
-    return [c for b in buckets for c in sync_scheme(b, param_sync).gather(b, k, dtype)]
+    """The collectives gathering one storage unit's `buckets` (k > 1), in order (in two levels
+    for nodes of `node` ranks)."""
+    gathers = [c for b in buckets for c in sync_scheme(b, param_sync).gather(b, k, dtype)]
+    return two_level(gathers, node)
 
 
 def exchange_batches(buckets: int, every: int | None) -> list[range]:
