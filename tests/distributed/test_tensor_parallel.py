@@ -177,6 +177,16 @@ def test_hybrid_dp_x_tp_on_8_ranks() -> None:
             assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
 
 
+def test_two_level_groups_of_the_data_parallel_dim_on_8_ranks() -> None:
+    """dp 4 in two levels of 2 ([Note: two-level groups]) x tp 2: the data-parallel group is a
+    strict subgroup, whose node and cross groups its ranks make alone."""
+    ref = reference()
+    kw = dict(MORE["exchange"], node_size=2)
+    for out in run(tensor_parallel, 8, 4, "duplicated", kw):
+        for name, want in ref.items():
+            assert torch.allclose(out[name], want, atol=TOL[torch.float32]["atol"], rtol=0), name
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_clipping_counts_each_slice_once(mode: str) -> None:
     """The global norm sums the slices of sharded params over tp and counts replicated ones
