@@ -213,3 +213,17 @@ def test_the_package_namespace_holds_its_public_names_only() -> None:
     modules = ["checkpoint", "distributed", "fp8", "integrations", "optim", "planning"]
     assert names == sorted([*wholeshard.__all__, *modules, "__version__"])
     assert [k for n, k in zip(names, kinds, strict=True) if n in modules] == ["module"] * 6
+
+
+def test_the_gpu_check_runs_every_file_of_the_gpu_tier() -> None:
+    """tools/gpu_check.sh names the GPU tier's files (shortest first, to fit a lent machine's
+    time): every test file marked `cuda` must be among them."""
+    tests = ROOT.parent / "tests"
+    marked = {
+        str(p.relative_to(ROOT.parent))
+        for p in tests.rglob("test_*.py")
+        if "pytest.mark.cuda" in p.read_text() and p.name != "test_house.py"
+    }
+    script = (ROOT.parent / "tools" / "gpu_check.sh").read_text()
+    assert "tests/gpu/test_cuda.py" in marked
+    assert {m for m in marked if m not in script} == set()
