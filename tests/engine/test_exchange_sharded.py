@@ -1,7 +1,7 @@
 """Fully sharded mode on the exchange strategy ([Note: owned copies] in
 `engine._owned_copies`): each rank keeps its equal shards and whole copies of the matrices it
-owns. The same arithmetic as ZeRO-1/2 on the exchange plan, so the two are compared bitwise;
-both against the one-process reference."""
+owns, their grads only through the step. The same arithmetic as ZeRO-1/2 on the exchange plan,
+so the two are compared bitwise; both against the one-process reference."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from support import (
     OVERLAP,
     assert_bitwise_equal,
     assert_matches,
+    local_loss,
     reference_run,
     run,
     wholeshard_run,
+    wrapped,
 )
 from test_stacks import make_moe
 
@@ -40,6 +42,8 @@ def _both(ddp_kw: dict, **kw) -> dict:
         "memory": ddp.memory(),
         "shards": sum(u.param_shard.numel() for u in units),
         "copies": sum(u.owned_copies.param.numel() for u in units),
+        "grad_copies": sum(u.owned_copies.grad.numel() for u in units),
+        "grad_storage": sum(u.owned_copies.grad.untyped_storage().nbytes() for u in units),
         "owned": sum(hi - lo for _, lo, hi, o in matrix_ranges(buffer) if o == rank),
         "moved": len(segments(buffer)),
         "local": sum(s.holder == s.owner for s in pieces(buffer)),
@@ -55,11 +59,12 @@ def _assert_fs_equals_zero(nproc: int, ddp_kw: dict, **kw) -> None:
         assert_bitwise_equal(out["fs"], out["zero"])
         assert out["fs"]["evals"] == out["zero"]["evals"], "no-grad forwards between steps"
         assert_matches(out["fs"], ref, torch.float32)
-        # memory(): this rank's shards plus its owned copies, params and grads.
-        assert out["copies"] == out["owned"]
-        held = out["shards"] + out["copies"]
-        assert out["memory"]["params"] == held * out["elem"][0]
-        assert out["memory"]["grads"] == held * out["elem"][1]
+        # memory(): this rank's shards plus its owned copies' params; the owned grad copies
+        # (as large as the param copies) hold no storage between steps.
+        assert out["copies"] == out["grad_copies"] == out["owned"] > 0
+        assert out["memory"]["params"] == (out["shards"] + out["copies"]) * out["elem"][0]
+        assert out["memory"]["grads"] == out["shards"] * out["elem"][1]
+        assert out["grad_storage"] == 0
 
 
 @pytest.mark.parametrize(
@@ -78,3 +83,28 @@ def test_shard_groups_pipelined_and_batched_exchanges() -> None:
 
 def test_expert_stacks() -> None:
     _assert_fs_equals_zero(3, dict(bucket_size=1500, **OVERLAP), make=make_moe)
+
+
+def _read_after_step(ddp_kw: dict) -> list[str]:
+    """Step, then read the owned grads again before `zero_grad()`: each raises; after
+    `zero_grad()` and a backward the next step runs."""
+    ddp, opt = wrapped(**dict(EXCHANGE, **FS, **ddp_kw))
+    errors = []
+    local_loss(ddp, 0).backward()
+    opt.step()
+    for again in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(RuntimeError, match="already used by optimizer.step") as e:
+            again()
+        errors.append(str(e.value))
+    opt.zero_grad()
+    local_loss(ddp, 1).backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    return errors
+
+
+@pytest.mark.parametrize("ddp_kw", [{}, dict(pipelined_step=True, exchange_every=1)])
+def test_a_step_frees_the_owned_grads_so_reading_them_again_raises(ddp_kw: dict) -> None:
+    errors = run(_read_after_step, 2, ddp_kw)
+    assert [len(e) for e in errors] == [2, 2]  # raised on every rank, twice

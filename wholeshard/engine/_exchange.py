@@ -11,7 +11,9 @@ in the same order, so no sizes travel. Zero-size peers are left out of the split
 (nothing moves), and a batch in which no rank moves anything still issues its all-to-all on every
 rank, so every rank issues the same collectives. Fully sharded, an owner's matrices live in
 copies apart from its shards ([Note: owned copies] in `_owned_copies`): the pieces its own shard
-holds are copied there beside the all-to-all each way (`Moves.local`).
+holds are copied there beside the all-to-all each way (`Moves.local`); the grad copies get their
+storage as the grads come in (`StorageUnit.owned_views`) and lose it as the params go back, so a
+step that already sent them back cannot read them again before `zero_grad()` (`check_grads`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class Exchange:
         self.group = group
         self._landing: list[collectives.AllToAll] = []  # dispatched to the owners, in order
         self._landed = 0  # of those, waited for
+        # The step sent every batch's params back, freeing the owned grad copies (fully
+        # sharded) that this window's exchange filled.
+        self.grads_freed = False
         if [u.buckets for u in units] != [(b,) for b in buffer.buckets]:
             raise AssertionError("an exchange buffer's units are its buckets, in buffer order")
         by_bucket: dict[int, list[Segment]] = {}
@@ -116,6 +121,17 @@ class Exchange:
         grads about to be zeroed), then forget them."""
         _wait(self._landing[self._landed :], "the exchange of reduced gradients")
         self._landing, self._landed = [], 0
+        self.grads_freed = False
+
+    def check_grads(self) -> None:
+        """Raise (on every rank alike) if the owned grads were freed by this window's step."""
+        if self.grads_freed:
+            raise RuntimeError(
+                "the gradients were already used by optimizer.step(), which, fully sharded on "
+                "the exchange strategy, frees each owner's whole-matrix copies of them: call "
+                "optimizer.zero_grad() and run a backward before the next step() or "
+                "clip_grad_norm_()"
+            )
 
     def params(self, batch: int | None = None) -> None:
         """Send the owners' updated pieces of batch `batch` (None: every batch) back to their
@@ -123,6 +139,8 @@ class Exchange:
         todo = self.batches if batch is None else [self.batches[batch]]
         landing = [self.params_to_holders(b) for b in todo]
         _wait(landing, "the exchange of updated params to their holders")
+        copies = self.batches[-1].units[-1].owned_copies is not None
+        self.grads_freed = copies and bool(self._landing) and todo[-1] is self.batches[-1]
 
     def grads_to_owners(self, batch: Moves) -> collectives.AllToAll:
         """Dispatch the batch's reduced pieces to their owners (the batch's units reduced)."""
@@ -135,26 +153,31 @@ class Exchange:
     def _move(self, batch: Moves, to_owners: bool) -> collectives.AllToAll:
         """Grads from the holders' shards to the owners' matrices (`to_owners`), or params back:
         the pieces this rank both holds and owns by a copy, the rest by one all-to-all."""
-        i = 1 if to_owners else 0  # of the (param, grad) views
 
         def held(p: _Piece) -> Tensor:
-            return p.unit.held_views(p.start, p.end)[i]
+            return p.unit.held_views(p.start, p.end)[1 if to_owners else 0]
 
         def owned(p: _Piece) -> Tensor:
-            return p.unit.owned_views(p.start, p.end)[i]
+            if to_owners:
+                return p.unit.owned_views(p.start, p.end)[1]
+            return p.unit.owned_param(p.start, p.end)
 
         src, dst = (held, owned) if to_owners else (owned, held)
         sent, got = (batch.held, batch.owned) if to_owners else (batch.owned, batch.held)
         splits = (batch.held_splits, batch.owned_splits)
         for p in batch.local:
             dst(p).copy_(src(p))
-        return collectives.all_to_all(
+        moving = collectives.all_to_all(
             [src(p) for p in sent],
             [dst(p) for p in got],
             *(splits if to_owners else splits[::-1]),
             self.group,
             like=(batch.units[0].grad if to_owners else batch.units[0].param),
         )
+        if not to_owners:  # the update has read the batch's owned grads
+            for unit in batch.units:
+                unit.free_owned_grads()
+        return moving
 
 
 def moves(

@@ -166,7 +166,7 @@ class Fp8Storage(StorageUnit):
         for i, scales in enumerate(mine):
             for j, n in enumerate(self._quantized_by[i][rank]):
                 p = self.params[n][1]
-                q = quantize_weight(self.owned_views(p.start, p.end)[0].view(p.shape), "tensorwise")
+                q = quantize_weight(self.owned_param(p.start, p.end).view(p.shape), "tensorwise")
                 self._param_range(self._bytes, p).copy_(
                     q.rowwise.data.view(torch.uint8).reshape(-1)
                 )

@@ -11,9 +11,14 @@ the reduction (the pieces this rank's shard holds by a local copy, the rest by t
 writing every element, so `grad` is never zeroed; after the update it writes `param` back into
 the holders' shards the same two ways, and the units then gather as fully sharded units do. The
 copies take their first values from the full param when the unit keeps its shards (`take`).
-So a rank holds between steps its shards plus its owned matrices, params and grads; the peak
-adds one unit's full tensors. (An FP8 unit is always fully sharded, so it keeps them in every
-mode: [Note: FP8 units] in `_fp8_storage`.)
+`param` lives between steps. `grad` has storage only from the exchange to the owners until the
+params go back to the holders (or the window is zeroed): the holders' grad shards keep the
+reduced gradients until then, so a verb that reads the owned grads again after a step (a second
+`step()` or `clip_grad_norm_` before `zero_grad()`) exchanges them again
+(`StorageUnit.owned_grads_alive`). So a rank holds between steps its shards plus its owned
+matrices' params; the peak adds one unit's full tensors, or, at the exchange, the owned grads.
+(An FP8 unit is always fully sharded, so it keeps them in every mode: [Note: FP8 units] in
+`_fp8_storage`.)
 """
 
 from __future__ import annotations
@@ -44,14 +49,27 @@ class OwnedCopies:
         for lo, hi in self.ranges:
             self._at.append(self._at[-1] + hi - lo)
         self.param = param_like.new_empty(self._at[-1])
-        self.grad = grad_like.new_zeros(self._at[-1])  # written whole by each grad exchange
+        # Written whole by each grad exchange; its storage comes and goes (`StorageUnit`).
+        self.grad = grad_like.new_empty(self._at[-1])
 
-    def views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(param, grad) views of buffer elements `[lo, hi)` if they lie in one owned matrix."""
+    def _at_range(self, lo: int, hi: int) -> int | None:
+        """Where buffer elements `[lo, hi)` start in the copies, if they lie in one owned matrix."""
         i = bisect.bisect_right(self._starts, lo) - 1
         if i < 0 or hi > self.ranges[i][1]:
             return None
-        at = self._at[i] + lo - self.ranges[i][0]
+        return self._at[i] + lo - self.ranges[i][0]
+
+    def param_view(self, lo: int, hi: int) -> torch.Tensor | None:
+        """The param view of buffer elements `[lo, hi)` if they lie in one owned matrix."""
+        at = self._at_range(lo, hi)
+        return None if at is None else self.param[at : at + hi - lo]
+
+    def views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(param, grad) views of buffer elements `[lo, hi)` if they lie in one owned matrix
+        (`grad` must have its storage: a view of freed storage cannot be made)."""
+        at = self._at_range(lo, hi)
+        if at is None:
+            return None
         return self.param[at : at + hi - lo], self.grad[at : at + hi - lo]
 
     def take(self, full: torch.Tensor, start: int) -> None:
@@ -60,6 +78,6 @@ class OwnedCopies:
         for (lo, hi), at in zip(self.ranges, self._at, strict=False):
             self.param[at : at + hi - lo].copy_(full[lo - start : hi - start])
 
-    def nbytes(self) -> tuple[int, int]:
-        """(param, grad) bytes of the copies."""
-        return self.param.nbytes, self.grad.nbytes
+    def nbytes(self) -> int:
+        """Bytes of the param copy (what persists between steps)."""
+        return self.param.nbytes

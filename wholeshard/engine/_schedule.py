@@ -172,6 +172,8 @@ class Scheduler:
 
     def start_grad_sync(self) -> None:
         """Dispatch the reduction of every unit not yet dispatched, in unit order."""
+        if self.exchange is not None:
+            self.exchange.check_grads()
         if self.reduces:
             while self._next_reduce < len(self.units):
                 self._start_reduce()
@@ -186,6 +188,8 @@ class Scheduler:
     def finish_grad_sync(self) -> None:
         """Wait until every owned grad shard holds its average; params that got no gradient
         count as zero (readiness is decided here)."""
+        if self.exchange is not None:
+            self.exchange.check_grads()
         if self.grads_reduced:
             return
         self.start_grad_sync()

@@ -16,7 +16,8 @@ exists only from `start_gather` to `release_params` (params) and from the first 
 end of the reduction (grads). The `nn.Parameter` objects never change: released, each param's
 `.data` (a DTensor's local tensor) is empty, and the full storage is freed with `resize_(0)`
 and regrown in place, so the views autograd saved in forward see the values in backward. An
-exchange unit also keeps whole copies of the matrices this rank owns ([Note: owned copies]).
+exchange unit also keeps whole copies of the matrices this rank owns, their grads only through
+the step ([Note: owned copies]).
 
 [Note: unit states]
 What the params of a storage unit hold, as a `UnitState`:
@@ -74,6 +75,7 @@ class StorageUnit:
     param_shard: torch.Tensor | None  # 1D, this rank's shards of every bucket; resharding only
     grad_shard: torch.Tensor | None  # 1D, likewise
     owned_copies: OwnedCopies | None  # an exchange unit's owned matrices; resharding only
+    # ([Note: owned copies]: their grads have storage from the exchange until the step ends)
     state: UnitState
     received: list[bool]  # per param: a gradient was added into `grad` this window (any backward)
     final: list[bool]  # per param: its gradient is final (received in a synchronising backward)
@@ -122,6 +124,7 @@ class StorageUnit:
         if reshard and kind == "exchange":
             placements = (p for _, p in self.params)
             self.owned_copies = OwnedCopies(placements, groups.rank, self.param, self.grad)
+            self.free_owned_grads()
         self._halves = [half_of(sync_scheme(b, groups.param_sync)) for b in self.buckets]
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self.open_window()
@@ -153,14 +156,30 @@ class StorageUnit:
         """Flat (param, grad) views of buffer elements `[lo, hi)` that this rank owns: in its
         shard of one bucket (`held_views`), or, in an exchange unit, of a matrix it owns
         wherever it lies: in the full tensors, or fully sharded in its owned copies ([Note:
-        owned copies] in `_owned_copies`). Storage that persists between steps."""
+        owned copies] in `_owned_copies`), whose grads get their storage back here if the step
+        freed it (a view needs it; `free_owned_grads` frees it again)."""
         if self.owned_copies is not None:
+            if not _allocated(self.owned_copies.grad):
+                _alloc(self.owned_copies.grad)
             views = self.owned_copies.views(lo, hi)
             if views is not None:
                 return views
         elif self.kind == "exchange":
             return self._elements(self.param, lo, hi), self._elements(self.grad, lo, hi)
         return self.held_views(lo, hi)
+
+    def owned_param(self, lo: int, hi: int) -> torch.Tensor:
+        """The param view of `owned_views`, giving no grad copy storage."""
+        if self.owned_copies is not None:
+            view = self.owned_copies.param_view(lo, hi)
+            if view is not None:
+                return view
+        return self.owned_views(lo, hi)[0]
+
+    def free_owned_grads(self) -> None:
+        """Free the owned grad copies' storage: the step has read them ([Note: owned copies])."""
+        if self.owned_copies is not None:
+            _free(self.owned_copies.grad)
 
     def held_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat (param, grad) views of buffer elements `[lo, hi)`, which lie in this rank's shard
@@ -175,11 +194,11 @@ class StorageUnit:
 
     def persistent_bytes(self) -> tuple[int, int]:
         """(param, grad) bytes this unit holds between steps: fully sharded, its shards and
-        its owned copies."""
+        the param copies of its owned matrices."""
         if self.param_shard is None or self.grad_shard is None:
             return self.param.nbytes, self.grad.nbytes
-        param, grad = self.owned_copies.nbytes() if self.owned_copies else (0, 0)
-        return self.param_shard.nbytes + param, self.grad_shard.nbytes + grad
+        param = self.owned_copies.nbytes() if self.owned_copies else 0
+        return self.param_shard.nbytes + param, self.grad_shard.nbytes
 
     def full_bytes(self) -> int:
         """Bytes of the full param and grad tensors when materialised."""
@@ -284,10 +303,11 @@ class StorageUnit:
 
     def zero_grads(self) -> None:
         """Zero every gradient: the shards, and the full grads unless resharding frees them
-        (owned copies are overwritten whole by every exchange)."""
+        (owned grad copies are freed: every exchange overwrites them whole)."""
         if self.reducing is not None:
             raise AssertionError("never zero gradients under an in-flight reduction")
         self.open_window()
+        self.free_owned_grads()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
             _free(self.grad)
