@@ -4,6 +4,8 @@
 filtering them all; a dp-1024 plan of moe-256x has about 100K segments, so the costs and the
 projection (which prices every rank's) group them by batch and by the ranks each touches once,
 cached per buffer, and hand `exchange` only the segments that touch the rank: the same records.
+Fully sharded, each batch's exchange to the owners also gives their whole grad copies storage
+until the step ends ([Note: owned copies] in the engine's `_owned_copies`): `owned_by_batch`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
-from ..planning import Segment, segments
+from ..planning import Segment, placement_matrices, segments
 from ..planning.buffer import Buffer
 from ..planning.plan import Plan
 from ..planning.sync import Collective, exchange, exchange_batches
@@ -69,3 +71,16 @@ def exchange_slots(plan: Plan, mode: Mode) -> tuple[tuple[Collective, ...], ...]
         if buffer.kind == "exchange"
         for slot in _slots(buffer, every, grad, param)
     )
+
+
+@functools.lru_cache(maxsize=8)
+def owned_by_batch(buffer: Buffer, every: int | None) -> tuple[tuple[int, ...], ...]:
+    """Per shard-group rank, the elements of the matrices it owns in each batch of `buffer`'s
+    buckets (`exchange_batches`): what its owned grad copies take as the batch is exchanged."""
+    batches = exchange_batches(len(buffer.buckets), every)
+    batch_of = {b: i for i, run in enumerate(batches) for b in run}
+    out = [[0] * len(batches) for _ in range(buffer.shard_group_size)]
+    for p in buffer.placements:
+        for lo, hi, owner in placement_matrices(p):
+            out[owner][batch_of[p.bucket]] += hi - lo
+    return tuple(map(tuple, out))

@@ -16,10 +16,16 @@ head) is not in the plan at all.
 On that model `peak_bytes` replays the engine's scheduler (`wholeshard/engine/_schedule.py`:
 [Note: fully sharded lifetimes], the dispatch queue of [Note: collective order], one reduction
 in flight) over the units' full param and grad buffers, counting bytes after each allocation.
+On an exchange plan it also replays the exchanges to the owners (a batch leaves before the
+reduction after its last unit starts, or at the step), each giving the batch's owned grad
+copies storage until the step ends ([Note: owned copies] in the engine's `_owned_copies`);
+those differ from rank to rank, so the replay keeps the most full bytes alive while each number
+of batches is exchanged, and a rank's peak adds its copies of those batches.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Sequence
 
@@ -60,8 +66,10 @@ class _Replay:
     """The engine's fully sharded scheduler over units, tracking allocations only."""
 
     def __init__(self, units: Sequence[Unit], specs: Sequence[ParamSpec], param_bytes: int,
-                 grad_bytes: int, overlap_grad: bool, overlap_param: bool) -> None:  # fmt: skip
+                 grad_bytes: int, overlap_grad: bool, overlap_param: bool,
+                 batches: Sequence[Sequence[int]]) -> None:  # fmt: skip
         n = len(units)
+        self.batches = batches  # the exchange batches' units, in order (none: no exchange)
         self.full = [(u.numel * param_bytes, u.numel * grad_bytes) for u in units]
         self.unit_of = {name: u.index for u in units for name in u.names}
         self.size = [len(u.names) for u in units]
@@ -89,13 +97,18 @@ class _Replay:
         self.gathering = 0
         self.next_reduce = 0
         self.in_backward = False
-        self.alive = self.peak = 0
+        self.alive = 0
+        self.exchanged = 0  # batches whose owned grad copies have storage
+        self.peaks = [0] * (len(batches) + 1)  # most full bytes alive, by `exchanged`
 
     def _alloc(self, i: int, grad: bool) -> None:
         """Materialise unit i's full params (or grads) and count the bytes now alive."""
         (self.grad_alive if grad else self.param_alive)[i] = True
         self.alive += self.full[i][grad]
-        self.peak = max(self.peak, self.alive)
+        self._count()
+
+    def _count(self) -> None:
+        self.peaks[self.exchanged] = max(self.peaks[self.exchanged], self.alive)
 
     def _free(self, i: int, grad: bool) -> None:
         alive = self.grad_alive if grad else self.param_alive
@@ -205,16 +218,40 @@ class _Replay:
         if self.overlap_grad:
             self.start_reduces()
 
-    def start_reduces(self) -> None:
-        """Reduce, in order, each unit from the next on whose grads are all final."""
-        while (n := self.next_reduce) < len(self.full) and self.n_final[n] == self.size[n]:
-            if n >= 1 and self.reducing[n - 1]:  # one reduction in flight (REDUCES_IN_FLIGHT)
-                self.reducing[n - 1] = False
-                self._free(n - 1, grad=True)
+    def start_reduces(self, every: bool = False) -> None:
+        """Reduce, in order, each unit from the next on whose grads are all final (`every`:
+        all of them, as the step does)."""
+        while (n := self.next_reduce) < len(self.full) and (
+            every or self.n_final[n] == self.size[n]
+        ):
+            if n >= 1:
+                self.finish_reduce(n - 1)  # one reduction in flight (REDUCES_IN_FLIGHT)
+                self.exchange_through(n - 1)
             if not self.grad_alive[n]:
                 self._alloc(n, grad=True)
             self.reducing[n] = True
             self.next_reduce += 1
+
+    def finish_reduce(self, i: int) -> None:
+        if self.reducing[i]:
+            self.reducing[i] = False
+            self._free(i, grad=True)
+
+    def exchange_through(self, last: int) -> None:
+        """Exchange each batch not yet exchanged whose units are all among 0..`last`, once its
+        units' reductions finished."""
+        while self.exchanged < len(self.batches) and self.batches[self.exchanged][-1] <= last:
+            for i in self.batches[self.exchanged]:
+                self.finish_reduce(i)
+            self.exchanged += 1
+            self._count()
+
+    def step(self) -> None:
+        """The step's reductions and exchanges (`Scheduler.finish_grad_sync`)."""
+        self.start_reduces(every=True)
+        self.exchange_through(len(self.full) - 1)
+        for i in range(len(self.full)):
+            self.finish_reduce(i)
 
     def backward_done(self) -> None:
         self.in_backward = False
@@ -232,13 +269,16 @@ def peak_bytes(
     grad_bytes: int,
     overlap_grad_reduce: bool,
     overlap_param_gather: bool,
-) -> int:
-    """The most bytes of full units (params and grads, `param_bytes` and `grad_bytes` per
-    element) alive at once through one fully sharded training step, on [Note: the module
-    model], with `costs.Mode`'s two overlap options. The step's reductions after backward only
-    free."""
+    batches: Sequence[Sequence[int]] = (),
+    copies: Sequence[Sequence[int]] = ((),),
+) -> tuple[int, ...]:
+    """Per rank, the most bytes of full units (params and grads, `param_bytes` and `grad_bytes`
+    per element) and owned grad copies alive at once through one fully sharded training step,
+    on [Note: the module model], with `costs.Mode`'s two overlap options. `batches`: the units
+    of each exchange batch, in order; `copies[r][j]`: rank r's owned grad copy bytes of batch j
+    (one rank and no exchange by default)."""
     replay = _Replay(units, specs, param_bytes, grad_bytes, overlap_grad_reduce,
-                     overlap_param_gather)  # fmt: skip
+                     overlap_param_gather, batches)  # fmt: skip
     events = _events(specs)
     replay.root_pre_forward()
     for kind, module in events:
@@ -254,4 +294,9 @@ def peak_bytes(
             for name in reversed(replay.params_of[module]):
                 replay.receive_grad(name)
     replay.backward_done()
-    return replay.peak
+    replay.step()
+    out = []
+    for mine in copies:
+        held = itertools.accumulate(mine, initial=0)
+        out.append(max(full + n for full, n in zip(replay.peaks, held, strict=True)))
+    return tuple(out)

@@ -7,10 +7,10 @@ The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and iss
 
 - `params`, `grads` (what `DataParallel.memory()` calls them): every storage unit's full
   buffers (ZeRO-1/2), or only rank r's shard of each bucket when fully sharded, and then, of an
-  exchange buffer, also a whole copy of every matrix r owns (the optimizer's whole-matrix views,
-  kept between steps); in the param and grad-reduce dtypes. Fully sharded means
-  `reshard_after_forward` with more than one rank per shard group (the engine ignores it
-  otherwise).
+  exchange buffer, also a whole copy of the params of every matrix r owns (the optimizer's
+  whole-matrix views, kept between steps; the grads' copy lives only through the step, in the
+  peak); in the param and grad-reduce dtypes. Fully sharded means `reshard_after_forward` with
+  more than one rank per shard group (the engine ignores it otherwise).
 - `masters`: an fp32 copy of every element r owns when the param dtype is not float32, else of
   the owned Muon weights stored transposed (`Mode.transposed`); `master_grads` (not in
   `memory()`): an fp32 grad for each such master, and for every owned piece when the
@@ -64,6 +64,7 @@ from ..planning.sync import (
     PARAM_SYNCS,
     ParamSync,
     dtype_name,
+    exchange_batches,
     unit_gather,
     unit_reduce,
 )
@@ -72,7 +73,7 @@ from ..planning.sync import Collective as Collective
 from ..planning.sync import ring_bytes as ring_bytes
 from ..planning.units import Unit, storage_units
 from . import _lifetimes
-from ._exchange import exchange_slots
+from ._exchange import exchange_slots, owned_by_batch
 
 
 @dataclass(frozen=True)
@@ -186,10 +187,9 @@ def fully_sharded(plan: Plan, mode: Mode) -> bool:
     return mode.reshard_after_forward and plan.dp_size > 1 and plan.shard_group_size > 1
 
 
-def _kept(plan: Plan, mode: Mode, mine: Sequence[Owned]) -> list[int]:
+def _kept(plan: Plan, mode: Mode) -> list[int]:
     """Per shard-group rank, the buffer elements it keeps between steps: all of them, or when
-    fully sharded its shards and a whole copy of each exchanged matrix it owns (`mine`), in one
-    pass over the buckets (an owner bucket lists its owners)."""
+    fully sharded its shards, in one pass over the buckets (an owner bucket lists its owners)."""
     k = plan.shard_group_size
     if not fully_sharded(plan, mode):
         return [plan.numel] * k
@@ -201,19 +201,20 @@ def _kept(plan: Plan, mode: Mode, mine: Sequence[Owned]) -> list[int]:
                 continue
             for r, lo, hi in b.shards():
                 kept[r] += hi - lo
-    return [n + equal + o.exchanged for n, o in zip(kept, mine, strict=True)]
+    return [n + equal for n in kept]
 
 
-def _persistent(mode: Mode, mine: Owned, kept: int) -> dict[str, int]:
-    """Bytes a rank owning `mine` and keeping `kept` buffer elements holds between steps, by
-    kind, and their `total` ([Note: plan costs])."""
+def _persistent(mode: Mode, mine: Owned, kept: int, copies: bool) -> dict[str, int]:
+    """Bytes a rank owning `mine` and keeping `kept` buffer elements (and, with `copies`, the
+    params of its exchanged matrices) holds between steps, by kind, and their `total` ([Note:
+    plan costs])."""
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
     elements = mine.matrix + mine.adamw
     masters = elements if mode.param_dtype != "float32" else mine.transposed
     master_grads = elements if mode.grad_reduce_dtype != "float32" else mine.transposed
     master_grads *= not mode.offload_state  # made for a unit's update, then freed
     out = {
-        "params": kept * pb,
+        "params": (kept + mine.exchanged * copies) * pb,
         "grads": kept * gb,
         "masters": 4 * masters,
         "optimizer_state": 4 * mine.matrix + 8 * mine.adamw + 4 * mine.adamw_pieces,
@@ -256,7 +257,9 @@ class Costs:
     rank r holds between steps, by kind (`params`, `grads`, `masters` and `optimizer_state` are
     what `DataParallel.memory()` reports after a step), and their `total`; `transient_unit`: the
     largest unit's full params and grads (`memory()`'s `transient_unit`), `peak_transient`: the
-    most bytes of full units alive at once in a step (0 unless fully sharded); `collectives`:
+    most bytes of full units (and, of an exchange plan, owned grad copies) alive at once in a
+    step on the rank that holds the most (0 unless fully sharded), `rank_peaks` each shard-group
+    rank's; `collectives`:
     one step's, of `worst_rank` (`step_collectives` of another rank differs only in the owner
     buckets' all-reduces across replicas and in the exchange's all-to-alls, which the projection
     prices at their busiest rank: `exchange_slots`); `host[r]`: of rank r's persistent bytes,
@@ -269,6 +272,7 @@ class Costs:
     peak_transient: int
     collectives: tuple[Collective, ...]
     host: tuple[int, ...] = ()
+    rank_peaks: tuple[int, ...] = ()
 
     def device_bytes(self, rank: int) -> int:
         """Shard-group rank `rank`'s persistent bytes on the device."""
@@ -306,19 +310,19 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     mode = mode or Mode()
     units = _units(plan, specs)
     mine = owned(plan, mode.transposed)
-    kept = _kept(plan, mode, mine)
-    per_rank = tuple(_persistent(mode, o, kept[r]) for r, o in enumerate(mine))
+    kept, copies = _kept(plan, mode), fully_sharded(plan, mode)
+    per_rank = tuple(_persistent(mode, o, kept[r], copies) for r, o in enumerate(mine))
     host = tuple(
         p["masters"] + p["optimizer_state"] - 4 * o.adamw_pieces if mode.offload_state else 0
         for p, o in zip(per_rank, mine, strict=True)
     )
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
-    transient = peak = 0
+    transient, peaks = 0, (0,) * plan.shard_group_size
     if fully_sharded(plan, mode):
         transient = max(u.numel for u in units) * (pb + gb)
-        peak = _peak(units, specs, mode)
+        peaks = _peaks(plan, units, specs, mode)
     collectives = tuple(step_collectives(plan, specs, mode, _worst(per_rank)))
-    return Costs(plan, mode, per_rank, transient, peak, collectives, host)
+    return Costs(plan, mode, per_rank, transient, max(peaks), collectives, host, peaks)
 
 
 def sharded_peak(plan: Plan, specs: Sequence[ParamSpec], mode: Mode) -> int:
@@ -326,13 +330,26 @@ def sharded_peak(plan: Plan, specs: Sequence[ParamSpec], mode: Mode) -> int:
     overlap), without the rest of the costs; 0 where nothing reshards (dp or k of 1)."""
     if not fully_sharded(plan, replace(mode, reshard_after_forward=True)):
         return 0
-    return _peak(_units(plan, specs), specs, mode)
+    return max(_peaks(plan, _units(plan, specs), specs, mode))
 
 
-def _peak(units: Sequence[Unit], specs: Sequence[ParamSpec], mode: Mode) -> int:
+def _peaks(
+    plan: Plan, units: Sequence[Unit], specs: Sequence[ParamSpec], mode: Mode
+) -> tuple[int, ...]:
+    """Each shard-group rank's peak, fully sharded (`_lifetimes.peak_bytes`)."""
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
     overlap = (mode.overlap_grad_reduce, mode.overlap_param_gather)
-    return _lifetimes.peak_bytes(units, specs, pb, gb, *overlap)
+    exchanged = [b for b in plan.buffers if b.kind == "exchange"]
+    if not exchanged:  # the same on every rank
+        return _lifetimes.peak_bytes(units, specs, pb, gb, *overlap) * plan.shard_group_size
+    (buffer,) = exchanged  # its buckets are units, in reduce order ([Note: exchange buffers])
+    unit_of = {(u.kind, u.buckets[0].start): u.index for u in units}
+    batches = [
+        [unit_of["exchange", buffer.buckets[b].start] for b in run]
+        for run in exchange_batches(len(buffer.buckets), mode.exchange_every)
+    ]
+    copies = [[n * gb for n in mine] for mine in owned_by_batch(buffer, mode.exchange_every)]
+    return _lifetimes.peak_bytes(units, specs, pb, gb, *overlap, batches, copies)
 
 
 def _worst(persistent: Sequence[dict[str, int]]) -> int:
