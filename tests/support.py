@@ -172,10 +172,13 @@ def reference_run(
     state: dict[str, dict[str, torch.Tensor]] | None = None,
     device: str = "cpu",
     loss_of: Callable[[nn.Module, int], torch.Tensor] | None = None,
+    world: int | None = None,
 ) -> dict[str, Any]:
     """Train on the full batch in one process with torch's own optimizers, each Muon matrix
     (every matrix of a stack, a transposed weight as (out, in)) a param of its own.
-    `loss_of(model, step)` is a step's loss instead of `lm_loss` on its full batch.
+    `loss_of(model, step)` is a step's loss instead of `lm_loss` on its full batch; `world`:
+    on the sequences `world` ranks train on, each an equal slice of every batch (at 8 ranks,
+    8 of the 12).
     `make()` builds the model instead of `make_model(**model_kw)`; `probe(model)` runs on the
     trained model and its result is returned as "probe" (e.g. generated tokens). `start` is the
     first step's batch; `state` (by param name: full fp32 "value" and optimizer state, as in
@@ -205,8 +208,12 @@ def reference_run(
             for i, m in enumerate(masters[r.name]):
                 opts[0 if r.matrix else 1].state[m] = {k: v[i] for k, v in saved.items()}
     losses, norms = [], []
+    used = GLOBAL_BATCH if world is None else GLOBAL_BATCH // world * world
     for step in range(start, start + steps):
-        loss = lm_loss(model, *batch(step)) if loss_of is None else loss_of(model, step)
+        if loss_of is None:
+            loss = lm_loss(model, *(t[:used] for t in batch(step)))
+        else:
+            loss = loss_of(model, step)
         loss.backward()
         for r in routes:  # a param without a gradient is not stepped (its masters' grads None)
             g = r.param.grad

@@ -18,10 +18,8 @@ import torch.distributed as dist
 from moe_support import MoELM, StackedExperts, global_names
 from support import (
     ADAMW_KW,
-    GLOBAL_BATCH,
     MUON_KW,
     TOL,
-    batch,
     data_parallel,
     full_params,
     lm_loss,
@@ -157,11 +155,7 @@ def test_dp_x_ep_steps_like_one_process(layout: str, mode: str, dims: dict) -> N
 def test_two_level_groups_of_dp_4_x_ep_2() -> None:
     """The exchange in two levels of 2 ([Note: two-level groups]) at dp 4 x ep 2: the dense
     params' and the experts' groups each reduce within a node, then across nodes."""
-    used = GLOBAL_BATCH // 8 * 8  # each of the 8 ranks trains on one sequence
-    done = reference_run(
-        STEPS, make=lambda: MoELM("stacked"), clip=CLIP,
-        loss_of=lambda m, s: lm_loss(m, *(t[:used] for t in batch(s))),
-    )  # fmt: skip
+    done = reference_run(STEPS, make=lambda: MoELM("stacked"), clip=CLIP, world=8)
     ref = done["params"]
     kw = dict(MODES["exchange"], node_size=2)
     for out in run(expert_parallel, 8, "stacked", kw, mesh_dims={"dp": 4, "ep": 2}):
