@@ -12,11 +12,11 @@ writing every element, so `grad` is never zeroed; after the update it writes `pa
 the holders' shards the same two ways, and the units then gather as fully sharded units do. The
 copies take their first values from the full param when the unit keeps its shards (`take`).
 `param` lives between steps. `grad` has storage only from the exchange to the owners until the
-params go back to the holders (or the window is zeroed): the holders' grad shards keep the
-reduced gradients until then, so a verb that reads the owned grads again after a step (a second
-`step()` or `clip_grad_norm_` before `zero_grad()`) exchanges them again
-(`StorageUnit.owned_grads_alive`). So a rank holds between steps its shards plus its owned
-matrices' params; the peak adds one unit's full tensors, or, at the exchange, the owned grads.
+params go back to the holders (or the window is zeroed). A step may have clipped the owned
+copies, so a verb that reads the owned grads again after a step (a second `step()` or
+`clip_grad_norm_` before `zero_grad()`) raises, on every rank, naming `zero_grad()`
+(`Exchange.check_grads`). So a rank holds between steps its shards plus its owned matrices'
+params; the peak adds one unit's full tensors, or, at the exchange, the owned grads.
 (An FP8 unit is always fully sharded, so it keeps them in every mode: [Note: FP8 units] in
 `_fp8_storage`.)
 """
