@@ -4,7 +4,9 @@ one-level price stays as it was. Pure and fast."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ from wholeshard.planning import plan_for
 from wholeshard.planning.plan import two_level
 from wholeshard.planning.sync import two_level as two_stages
 
+REPO = Path(__file__).resolve().parents[2]
 FABRIC = FABRICS["nvlink4-ndr400"]
 ONE_NIC = replace(FABRIC, nics=1)
 NVLINK, NVLINK_HOP, NIC, NET_HOP = 450e9, 3.4e-6, 50e9, 9.6e-6
@@ -142,3 +145,26 @@ def test_bandwidth_of_two_levels_on_eight_nics_and_on_one(llama_1024: dict) -> N
     # Each rank sends what the flat ring sends: 7/8 S within the node + 127/128 x S/8 across
     # nodes = 1023/1024 S; only where the bytes go differs.
     assert one.bytes_sent == two.bytes_sent
+
+
+def test_the_documented_two_level_table_is_what_the_code_prices() -> None:
+    """docs/results/two-level.json (rendered into docs/planning.md) for llama3-8b: rerun
+    `python tools/measure_two_level.py` when the costs or their prices change."""
+    doc = json.loads((REPO / "docs" / "results" / "two-level.json").read_text())
+    assert {(r["preset"], r["dp"]) for r in doc["rows"]} == {
+        (p, dp) for p in ("llama3-8b", "llama3-70b", "qwen3-30b-a3b", "moe-256x")
+        for dp in (64, 256, 1024)
+    }  # fmt: skip
+    specs, mode = preset("llama3-8b"), Mode(param_dtype="bfloat16")
+    for r in (r for r in doc["rows"] if r["preset"] == "llama3-8b"):
+        for node, shown in r["levels"].items():
+            plan = plan_for(specs, r["dp"], node_size=None if node == "1" else int(node))
+            costs = plan_costs(plan, specs, mode)
+            assert (shown["node_size"], shown["strategy"]) == (plan.node_size, plan.strategy)
+            assert shown["node_size"] == int(node)
+            assert shown["collectives"] == len(costs.collectives)
+            assert shown["latency_s"] == step_comm_price(costs, FABRIC).latency_s
+            assert shown["bandwidth_s"] == {
+                "N": step_comm_price(costs, FABRIC).bandwidth_s,
+                "P": step_comm_price(costs, ONE_NIC).bandwidth_s,
+            }
