@@ -118,7 +118,7 @@ class GroupStructure:
             "figures": {
                 s: {str(n): f.as_dict() for n, f in by_size.items()}
                 for s, by_size in self.figures.items()
-            },  # fmt: skip
+            },
             "not_two_level": self.not_two_level,
         }
 
@@ -130,8 +130,8 @@ class GroupStructure:
         option = self.option
         text += " (as planned)" if option is None else f", projected faster: pass {option}"
         if self.runner_up is not None:
-            ahead = structure_words(self.runner_up)
-            text += f"; runner-up {ahead} {describe_figures(mine[self.runner_up])}"
+            second = structure_words(self.runner_up)
+            text += f"; runner-up {second} {describe_figures(mine[self.runner_up])}"
         why_not = self.not_two_level.get(self.strategy)
         text += "" if why_not is None else f"; no two levels: {why_not}"
         for name, by_size in self.figures.items():
