@@ -84,6 +84,11 @@ def test_one_level_projected_faster_says_to_leave_node_size_unset(
     assert shape["option"] == "leave node_size unset (no --node-size)"
     mine = shape["figures"][shape["strategy"]]
     assert mine["1"]["step_s"] < mine["8"]["step_s"]
+    _, out, _ = run(argv, capsys)
+    line = flat(out, "group structure", "shard groups")
+    assert line.startswith("one level ") and "), projected faster: leave node_size unset (no " in (
+        line
+    )
 
 
 def test_where_two_levels_do_not_apply_the_structure_says_why(

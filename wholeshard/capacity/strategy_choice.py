@@ -128,7 +128,10 @@ class GroupStructure:
         mine = self.figures[self.strategy]
         text = f"{structure_words(self.chosen)} {describe_figures(mine[self.chosen])}"
         option = self.option
-        text += " (as planned)" if option is None else f", projected faster: pass {option}"
+        if option is None:
+            text += " (as planned)"
+        else:
+            text += f", projected faster: {'pass ' if self.chosen > 1 else ''}{option}"
         if self.runner_up is not None:
             second = structure_words(self.runner_up)
             text += f"; runner-up {second} {describe_figures(mine[self.runner_up])}"
