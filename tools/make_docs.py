@@ -43,6 +43,7 @@ REQUIRED = {
     "exchange-choices": "docs/planning.md",
     "exchange-gloo": "docs/planning.md",
     "exchange-gpu": "docs/planning.md",
+    "two-level": "docs/planning.md",
     "compat": "docs/compat.md",
 }
 """Blocks that must exist (on that page): `--check` fails when a marker goes missing."""
@@ -698,6 +699,36 @@ def exchange_gloo() -> list[str]:
     return [header, "", *table(head, "rrrrrrrr", body)]
 
 
+def two_level() -> list[str]:
+    """Per preset and dp: the default plan in one level and in two levels of a node, priced
+    under both bandwidth models; the faster structure by step under each."""
+    doc = load("two-level.json")
+    body = []
+    for r in doc["rows"]:
+        steps = {}
+        for node, d in r["levels"].items():
+            ns, bw = d["newton_schulz_s"], d["bandwidth_s"]
+            steps[node] = [d["latency_s"] + bw[m] + ns for m in ("N", "P")]
+        for node, d in r["levels"].items():
+            bw = d["bandwidth_s"]
+            faster = ["yes" if steps[node][i] == min(s[i] for s in steps.values()) else ""
+                      for i in (0, 1)]  # fmt: skip
+            words = "one level" if node == "1" else f"two levels of {node}"
+            body.append([
+                r["preset"], r["dp"], f"{words} ({d['strategy']})", f"{d['collectives']:,}",
+                f"{d['latency_s']:.3f}", f"{bw['N']:.3f}", f"{bw['P']:.3f}",
+                f"{d['newton_schulz_s']:.4f}", f"{steps[node][0]:.3f}", f"{steps[node][1]:.3f}",
+                *faster,
+            ])  # fmt: skip
+    head = ["preset", "dp", "groups", "collectives", "latency s", "bandwidth s (N)",
+            "bandwidth s (P)", "Newton-Schulz s", "step s (N)", "step s (P)", "faster (N)",
+            "faster (P)"]  # fmt: skip
+    how = "python tools/measure_two_level.py"
+    extra = f"priced on `{doc['fabric']}` with `{doc['gpu']}`"
+    header = measured(doc["date"], doc["machine"], how, "docs/results/two-level.json", extra)
+    return [header, "", *table(head, "lrlrrrrrrrll", body)]
+
+
 def exchange_gpu() -> list[str]:
     """One exchange bucket on CUDA tensors (the GPU tier's row): its reduce-scatter, the
     all-to-alls and the all-gather, and the grads' direction over the reduce-scatter alone."""
@@ -797,6 +828,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "exchange-choices": exchange_choices,
     "exchange-gloo": exchange_gloo,
     "exchange-gpu": exchange_gpu,
+    "two-level": two_level,
     "rss": rss,
     "compat": compat,
 }

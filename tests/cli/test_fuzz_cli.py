@@ -175,6 +175,7 @@ LAYOUT = {
     "--dp": Flag(int, 1, high=plan_tool.MAX_DP, good="4"),
     "--bucket-size": Flag(int, 1, good="1000"),
     "--shard-group-size": Flag(int, 1, good="2"),
+    "--node-size": Flag(int, 1, good="2"),
 }
 BENCH = {
     "--nproc": Flag(int, 1, high=MAX_NPROC, good="2"),

@@ -64,6 +64,7 @@ def test_json_has_every_field_with_its_type(
         "dp",
         "strategy",
         "shard_group_size",
+        "node_size",
         "bucket_size",
         "padding_fraction",
         "ns_cost_imbalance",
@@ -78,7 +79,16 @@ def test_json_has_every_field_with_its_type(
     }
     assert (doc["dp"], doc["shard_group_size"], doc["strategy"]) == (4, 2, "balanced")
     choice = doc["strategy_choice"]
-    assert set(choice) == {"chosen", "runner_up", "fabric", "gpu", "figures", "unplanned"}
+    assert set(choice) == {
+        "chosen",
+        "runner_up",
+        "fabric",
+        "gpu",
+        "figures",
+        "unplanned",
+        "group_structure",
+    }
+    assert doc["node_size"] == 1
     assert (choice["chosen"], choice["fabric"], choice["gpu"]) == (
         "balanced",
         "nvlink4-ndr400",
@@ -253,12 +263,12 @@ def test_offload_state_splits_memory_between_device_and_host(
 
 def test_the_table_leads_with_what_a_user_decides_on(capsys: pytest.CaptureFixture[str]) -> None:
     """The model and its ranks, then the mode, memory per rank, step time (here: how to project
-    it) and traffic; the plan's detail (strategy and why, the other strategies' steps, buckets,
-    padding, Newton-Schulz) and the bucket tables after them."""
+    it) and traffic; the plan's detail (strategy and why, the other strategies' steps, the group
+    structure, buckets, padding, Newton-Schulz) and the bucket tables after them."""
     code, out, _ = run(["--preset", "llama3-8b", "--dp", "8"], capsys)
     assert code == 0
     labels = [line.split("  ")[0] for line in out.splitlines() if line[:1] not in ("", " ")]
-    assert labels[:12] == [
+    assert labels[:13] == [
         "llama3-8b: 8.03B params (291 tensors) on 8 ranks, one shard group",
         "mode",
         "memory per rank",
@@ -266,13 +276,14 @@ def test_the_table_leads_with_what_a_user_decides_on(capsys: pytest.CaptureFixtu
         "traffic per step",
         "plan",
         "strategies",
+        "group structure",
         "shard groups",
         "buckets",
         "padding",
         "Newton-Schulz",
         "planned in",
     ]
-    assert labels[12].startswith("buffer 0 (matrix, whole tensors)")
+    assert labels[13].startswith("buffer 0 (matrix, whole tensors)")
     assert "not projected: name the network with --fabric (nvlink3-hdr200," in lead(out)
     specs = preset("llama3-8b")
     costs = plan_costs(plan_for(specs, 8), specs, Mode(param_dtype="bfloat16"))

@@ -81,10 +81,13 @@ def test_invalid_flag_values_exit_2_naming_the_flag(capsys, argv, flag) -> None:
         (["--nproc", "8", "--tp", "2", "--shard-group-size", "8"], "--shard-group-size", "2, 4]"),
         (["--nproc", "3", "--tp", "2"], "--tp", "a multiple of 2"),
         (["--nproc", "4", "--tp", "2", "--batch-size", "5"], "--batch-size", "a multiple of 2"),
+        (["--nproc", "4", "--node-size", "3"], "--node-size", "a divisor of 4"),
+        (["--nproc", "8", "--shard-group-size", "4", "--node-size", "3"], "--node-size", "of 4"),
     ],
 )
 def test_values_the_world_decides_exit_2_before_any_worker(capsys, argv, flag, fix) -> None:
-    """tp divides the world; the shard group size and the batch split over its dp ranks."""
+    """tp divides the world; the shard group size and the batch split over its dp ranks; the
+    node size divides a shard group larger than a node."""
     line = _error(capsys, argv).strip().splitlines()[-1]
     assert line.startswith(f"wholeshard train: error: argument {flag}: ") and fix in line
 
@@ -188,3 +191,10 @@ def test_every_config_field_is_a_documented_flag() -> None:
         output=OutputConfig(progress=False),
     )
     assert _config("--no-tie", "--reshard-after-forward").model.tie is False
+    assert _config("--node-size", "2").parallel == DataParallelConfig(node_size=2)
+
+
+def test_node_size_passes_the_worlds_checks_where_it_fits() -> None:
+    """Two levels of 2 in a shard group of 4; a group inside one node keeps one level."""
+    assert _config("--node-size", "2").data_parallel_size(4) == 4
+    assert _config("--node-size", "8").data_parallel_size(4) == 4

@@ -48,9 +48,17 @@ cost the inter-node alpha, the others the intra-node one, as NCCL's tuning model
   quotes 46-48 GB/s per NDR NIC in practice. A group with one rank per node (a replica group
   whose ranks sit a node or more apart) has one GPU, so one NIC, per node: each GPU on its own
   rail, 50 GB/s. A fabric of `nics=1` prices every group that spans nodes at one NIC's beta.
+- groups that run at once and share a node's NICs (`Span.sharing`): a two-level shard group's
+  "cross" stage ([Note: two-level groups] in `planning.plan`) is k / n ranks n apart, one per
+  node, and on each node n of them run at once, one per local rank: their n rings leave the
+  node through its NICs together, so each gets min(nics, n) / n of them (min(nics, per_node x
+  sharing) / sharing in general): on nvlink4-ndr400 (8 NICs, n = 8) one NIC's 50 GB/s each,
+  on a one-NIC fabric 1/8 of it, 6.25 GB/s. The replica groups' prices do not yet count that
+  sharing (dp / k of them run at once too): each is priced as if it ran alone.
 Left out: NCCL's per-launch base latency (a few microseconds), its protocols (LL, LL128 and
 Simple trade latency for bandwidth per message size), its per-channel caps on trees and LL128,
-NVLink SHARP and in-network reductions, congestion, and more than one level of nodes.
+NVLink SHARP and in-network reductions, congestion, and more than one level of nodes (racks,
+spine switches).
 """
 
 from __future__ import annotations
@@ -90,10 +98,11 @@ class Fabric:
 
     def beta(self, span: Span) -> float:
         """Bytes/s one rank of `span` sends: the intra-node link in one node, else the node's
-        ring bandwidth (min(nics, per_node) NICs, at most `ring_cap` and the intra-node link)."""
+        ring bandwidth (min(nics, per_node x sharing) / sharing NICs, at most `ring_cap` and
+        the intra-node link)."""
         if span.nodes == 1:
             return self.intra.bandwidth
-        nics = min(self.nics, span.per_node)
+        nics = min(self.nics, span.per_node * span.sharing) / span.sharing
         return min(nics * self.inter.bandwidth, self.ring_cap, self.intra.bandwidth)
 
 
@@ -127,17 +136,20 @@ takes 0.47, 1.0 and 2.7 us a hop, so the latency term is an upper bound for thos
 
 @dataclass(frozen=True)
 class Span:
-    """Where a group's ranks sit: `ranks` in all, `per_node` of them on each of `nodes`."""
+    """Where a group's ranks sit: `ranks` in all, `per_node` of them on each of `nodes`, and
+    `sharing` groups of this shape on each node at once, sharing its NICs (1: alone)."""
 
     ranks: int
     per_node: int
     nodes: int
+    sharing: int = 1
 
     @staticmethod
-    def of(ranks: int, stride: int, gpus_per_node: int) -> Span:
-        """A group of `ranks` ranks `stride` apart (1: consecutive), nodes of `gpus_per_node`."""
+    def of(ranks: int, stride: int, gpus_per_node: int, sharing: int = 1) -> Span:
+        """A group of `ranks` ranks `stride` apart (1: consecutive), nodes of `gpus_per_node`,
+        `sharing` such groups on a node at once."""
         per_node = max(1, min(ranks, gpus_per_node // stride))
-        return Span(ranks, per_node, math.ceil(ranks / per_node))
+        return Span(ranks, per_node, math.ceil(ranks / per_node), sharing)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,13 @@ Three terms, each at data-sheet peaks, added up as if nothing overlapped:
   intra-node link; one that spans nodes at the node's ring bandwidth, every NIC its ranks on a
   node reach (rail-optimised, one NIC per GPU): a flat group of whole nodes all of them, a
   replica group with one rank per node one NIC. Replica groups and the step check span nodes as
-  soon as dp exceeds a node. An exchange buffer's all-to-alls differ from rank to rank, and each
-  ends when its last rank's messages do, so each is priced at its busiest rank: the most
-  seconds (latency plus bandwidth) of any rank's record of it (`exchange_slots` in `costs`),
-  not at `Costs.collectives`' rank (the one holding the most bytes).
+  soon as dp exceeds a node. With two-level groups (`Plan.node_size` n), a "node" stage is n
+  consecutive ranks and a "cross" stage k / n ranks n apart, n of them on each node at once
+  sharing its NICs (`Span.sharing`). An exchange buffer's all-to-alls differ from rank to
+  rank, and each ends when its last rank's messages do, so each is priced at its busiest
+  rank: the most seconds (latency plus bandwidth) of any rank's record of it
+  (`exchange_slots` in `costs`), not at `Costs.collectives`' rank (the one holding the most
+  bytes).
 - `newton_schulz_s`: the busiest rank's Newton-Schulz products (`ns_flops`: 5 iterations of
   `4 m^2 n + 2 m^3` flops per owned (m, n) matrix, m <= n) at the GPU's dense bf16 peak.
 - `elementwise_s`: the rest of the optimizer step is memory-bound: every byte of this rank's
@@ -71,12 +74,15 @@ def rank_ns_flops(plan: Plan) -> list[int]:
     return replace(plan, matrix_cost=lambda m, n: ns_flops((m, n))).rank_costs()
 
 
-def collective_price(c: Collective, dp: int, k: int, fabric: Fabric) -> Price:
+def collective_price(c: Collective, dp: int, k: int, fabric: Fabric, node: int = 1) -> Price:
     """`c` priced on `fabric` ([Note: alpha-beta prices]) where its group sits among `dp`
-    ranks in shard groups of `k`: a shard group is k consecutive ranks, a replica group
-    dp / k ranks k apart, "dp" every rank."""
-    stride = k if c.group == "replica" else 1
-    span = Span.of(c.ranks, stride, fabric.gpus_per_node)
+    ranks in shard groups of `k` (in two levels of `node` ranks a node; 1: one level): a shard
+    group is k consecutive ranks, a replica group dp / k ranks k apart, "dp" every rank, a
+    "node" stage `node` consecutive ranks, a "cross" stage k / node ranks `node` apart, as many
+    on each node at once as its ranks fall into."""
+    stride = {"replica": k, "cross": node}.get(c.group, 1)
+    sharing = min(node, fabric.gpus_per_node) if c.group == "cross" else 1
+    span = Span.of(c.ranks, stride, fabric.gpus_per_node, sharing)
     payload = c.numel * ELEMENT_BYTES[c.dtype]
     if c.op == "all_to_all":
         received = c.received * ELEMENT_BYTES[c.dtype]
@@ -84,9 +90,12 @@ def collective_price(c: Collective, dp: int, k: int, fabric: Fabric) -> Price:
     return price(c.op, span, c.bytes_sent, payload, fabric)
 
 
-def comm_price(collectives: Sequence[Collective], dp: int, k: int, fabric: Fabric) -> Price:
-    """The latency and bandwidth terms of `collectives`, added up (nothing overlapped)."""
-    prices = [collective_price(c, dp, k, fabric) for c in collectives]
+def comm_price(
+    collectives: Sequence[Collective], dp: int, k: int, fabric: Fabric, node: int = 1
+) -> Price:
+    """The latency and bandwidth terms of `collectives` (`collective_price`), added up
+    (nothing overlapped)."""
+    prices = [collective_price(c, dp, k, fabric, node) for c in collectives]
     return Price(sum(p.latency_s for p in prices), sum(p.bandwidth_s for p in prices))
 
 
@@ -106,14 +115,15 @@ def step_comm_price(costs: Costs, fabric: Fabric) -> Price:
     its collectives, the all-to-alls at their busiest rank."""
     plan = costs.plan
     rest = [c for c in costs.collectives if c.op != "all_to_all"]
-    comm = comm_price(rest, plan.dp_size, plan.shard_group_size, fabric)
+    comm = comm_price(rest, plan.dp_size, plan.shard_group_size, fabric, plan.node_size)
     a2a = exchange_price(plan, costs.mode, fabric)
     return Price(comm.latency_s + a2a.latency_s, comm.bandwidth_s + a2a.bandwidth_s)
 
 
 def collective_seconds(c: Collective, plan: Plan, fabric: Fabric) -> float:
     """`c`'s seconds on `fabric` among `plan`'s ranks (`collective_price`)."""
-    return collective_price(c, plan.dp_size, plan.shard_group_size, fabric).seconds
+    dp, k, node = plan.dp_size, plan.shard_group_size, plan.node_size
+    return collective_price(c, dp, k, fabric, node).seconds
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ users train: bf16 params, grads reduced in fp32): persistent bytes by kind, the 
 transient full buckets, one step's collectives and bytes sent; with `--fabric`, a projection of
 the step's communication and optimizer time (`capacity.projection`) and, where its latency term
 is a large share, a `--bucket-size` that shrinks it (`capacity.bucket_hint`); the chosen
-strategy's step beside the runner-up among balanced, owners and exchange
+strategy's step beside the runner-up among balanced, owners and exchange, and the group
+structure (one level, or two of the fabric's GPUs per node: `--node-size`) projected faster
 (`capacity.strategy_choice`, on `--fabric` or nvlink4-ndr400); then the plan itself
 (`plan_text`, or `--json`). Exit codes: 0 planned, 2 bad input (argparse errors, an unreadable
 or malformed shapes file or model, a model no torch process could hold, a model no plan can
@@ -105,6 +106,7 @@ def plan_json(
         "dp": plan.dp_size,
         "strategy": plan.strategy,
         "shard_group_size": plan.shard_group_size,
+        "node_size": plan.node_size,
         "bucket_size": plan.bucket_size,
         "padding_fraction": plan.padding_fraction,
         "ns_cost_imbalance": plan.ns_cost_imbalance,
@@ -175,6 +177,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shard params within groups of K ranks, replicated across the dp/K groups; "
         "K divides N (default N, as DataParallel's); 'auto': the largest K whose plan bounds "
         "buckets, padding and Newton-Schulz imbalance (says why)",
+    )
+    parser.add_argument(
+        "--node-size",
+        type=positive_int(),
+        metavar="N",
+        help="two-level groups: the ranks of a node (torchrun's --nproc-per-node); each bucket "
+        "reduce-scatters within the node, then across nodes, where a shard group spans several "
+        "(DataParallelConfig.node_size; default: one level)",
     )
     parser.add_argument(
         "--reshard-after-forward",
@@ -291,6 +301,7 @@ def main(args: argparse.Namespace) -> int:
             bucket_size=args.bucket_size,
             strategy=args.strategy,
             shard_group_size=args.shard_group_size,
+            node_size=args.node_size,
         )
         seconds = time.perf_counter() - start
         mode = Mode(
@@ -303,10 +314,13 @@ def main(args: argparse.Namespace) -> int:
         costs = plan_costs(plan, specs, mode)
         projected = hint = None
         fabric = args.fabric or CHOICE_FABRIC
-        strategies = strategy_choice(costs, specs, fabric, args.gpu, args.bucket_size)
+        strategies = strategy_choice(
+            costs, specs, fabric, args.gpu, args.bucket_size, args.node_size
+        )
         if args.fabric is not None:
             projected = project(costs, args.fabric, args.gpu)
-            settings = {"strategy": args.strategy, "shard_group_size": args.shard_group_size}
+            settings = {"strategy": args.strategy, "shard_group_size": args.shard_group_size,
+                        "node_size": args.node_size}  # fmt: skip
             hint = bucket_size_hint(costs, projected, specs, **settings)
     except ValueError as e:  # ShapesError, ModelError, or inputs no plan can serve
         print(f"wholeshard plan: error: {e}", file=sys.stderr)

@@ -176,7 +176,17 @@ def detail(
         f"{plan.bucket_size:,}: {closes}"
     )
     groups = f"dp {plan.dp_size} = {plan.dp_size // k} shard group(s) of {k} ranks"
-    compared = [] if strategies is None else [line("strategies", strategies.describe())]
+    if plan.node_size > 1:
+        groups += (
+            f"; two levels: nodes of {plan.node_size} (each bucket reduce-scattered within the "
+            f"node, then across its {k // plan.node_size} nodes; gathered the other way)"
+        )
+    compared = []
+    if strategies is not None:
+        compared = [
+            line("strategies", strategies.describe()),
+            line("group structure", strategies.structure.describe()),
+        ]
     return "\n".join([
         line("plan", strategy),
         *compared,

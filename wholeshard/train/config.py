@@ -175,8 +175,8 @@ class TrainConfig:
         """The data-parallel ranks of a world of `world` ranks (world = dp x tp); ConfigError,
         naming the field, where the job does not fit that world: `tp` must divide it, and
         `parallel.shard_group_size` and `data.batch_size` must split over its dp ranks
-        (`batch_split`). The
-        command line checks this before any worker starts, every rank again at its start."""
+        (`batch_split`), and `parallel.node_size` must divide a shard group that spans nodes.
+        The command line checks this before any worker starts, every rank again at its start."""
         if world % self.tp:
             raise ConfigError(
                 "tp",
@@ -194,6 +194,14 @@ class TrainConfig:
                 "parallel.shard_group_size",
                 f"shard_group_size={k} does not divide the {ranks}: params are sharded within "
                 f"groups of that many ranks; choose one of {divisors}, or leave it unset",
+            )
+        n, k = self.parallel.node_size, dp if k is None else k
+        if n is not None and k != "auto" and k > n and k % n:
+            raise ConfigError(
+                "parallel.node_size",
+                f"node_size={n} does not divide the shard group of {k} of the {ranks}: a "
+                f"two-level group is whole nodes; pass the data-parallel ranks of a node (a "
+                f"divisor of {k}), or leave it unset",
             )
         self.batch_split(dp)
         return dp
