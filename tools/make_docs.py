@@ -663,8 +663,9 @@ def exchange_model() -> list[str]:
 
 
 def exchange_choices() -> list[str]:
-    """Where the fastest of balanced, owners and exchange is not what the rule "balanced where
-    it meets the targets, else exchange" picks, on every fabric."""
+    """Where the fastest of balanced, owners and exchange is not what `auto` picks at k = dp
+    (from 64 ranks the exchange, balanced only where the exchange misses a target and it
+    overshoots less), on every fabric."""
     doc = load("exchange-model.json")
     rows = [c for c in doc["choices"] if c["rule"] != c["winner"]]
     body = [

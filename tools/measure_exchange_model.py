@@ -103,6 +103,7 @@ def one(name: str, dp: int, flops: float) -> tuple[dict, list[dict]]:
     }
     row = {"preset": name, "dp": dp, "auto_strategy": plans["auto"].strategy, "designs": designs}
     balanced_ok = search(specs, dp, dp, strategy="balanced").chosen.ok
+    rule = plan_and_choice(specs, dp)[0].strategy  # what `auto` plans now
     choices = []
     for fabric in sorted(FABRICS):
         steps = {}
@@ -114,7 +115,7 @@ def one(name: str, dp: int, flops: float) -> tuple[dict, list[dict]]:
             "dp": dp,
             "fabric": fabric,
             "balanced_meets_targets": balanced_ok,
-            "rule": "balanced" if balanced_ok else "exchange",
+            "rule": rule,
             "winner": min(steps, key=steps.__getitem__),
             "step_s": steps,
         })  # fmt: skip

@@ -158,11 +158,12 @@ SCALES = [
 @functools.cache
 def _plans(name: str, dp: int):
     """The specs, the default plan before the exchange (`owners_era_default`: what issue 45
-    measures against), the exchange plan (`wholeshard plan --preset P --dp N --strategy
-    exchange`, now also the default at these scales) and the owners plan."""
+    measures against), the default plan (`wholeshard plan --preset P --dp N`: the exchange at
+    these scales) and the owners plan."""
     specs = preset(name)
     today = owners_era_default(specs, dp)
-    exchanged, _ = plan_and_choice(specs, dp, strategy="exchange")
+    exchanged, _ = plan_and_choice(specs, dp)
+    assert exchanged == plan_and_choice(specs, dp, strategy="exchange")[0]
     if today.strategy != "owners":
         return specs, today, exchanged, plan_and_choice(specs, dp, strategy="owners")[0]
     return specs, today, exchanged, today

@@ -221,8 +221,9 @@ class Variant:
     `owners` (owner buckets of any size: each shard reduced to its owner and broadcast back),
     `size_match` (equal shards in rows of same-size matrices, Megatron's rule), `exchange` (one
     buffer in per-layer equal shards; each matrix's reduced pieces sent to its owner by an
-    all-to-all and back), or `auto`: balanced where it meets the plan targets (bucket bound, 1%
-    padding, 1.10 imbalance), else exchange from 64 ranks a shard group, owners below."""
+    all-to-all and back), or `auto`: from 64 ranks a shard group (or with `node_size`) the
+    exchange; below, balanced where it meets the plan targets (bucket bound, 1% padding, 1.10
+    imbalance), else owners."""
     exchange_every: int | None = None
     """With the exchange strategy: exchange gradients to their owners, and params back, after
     every this many buckets in reduce order; None: once per step (the same bits either way)."""

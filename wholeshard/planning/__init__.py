@@ -39,9 +39,9 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   "exchange", or the legacy "shard_broadcasts"; one description each in `sync`, of the
   collectives it issues.
 - strategy: how the whole-tensor planner assigns params to shards: "size_match", "balanced"
-  (equal shards), "owners" (owner buckets), "exchange" (`_exchange`), or "auto" (balanced
-  where it meets the plan targets, else exchange from 64 ranks, owners below: [Note: automatic
-  strategy] in `auto`).
+  (equal shards), "owners" (owner buckets), "exchange" (`_exchange`), or "auto" (from 64
+  ranks the exchange; below, balanced where it meets the plan targets, else owners: [Note:
+  automatic strategy] in `auto`).
 """
 
 from ._exchange import Segment, pieces, placement_matrices, placement_pieces, segments

@@ -4,24 +4,28 @@ shard-group size k of a plan on dp ranks. `plan_for` (`wholeshard.planning.plan_
 returns the record (`Search`) from which `wholeshard.capacity.choice` builds the report.
 
 [Note: automatic strategy]
-`strategy="auto"` (the default) plans the balanced strategy's equal shards, which reduce-scatter
-and all-gather each bucket in one collective, and keeps them if they meet every target ([Note:
-plan targets] in `targets`); otherwise it plans, from `EXCHANGE_FROM` ranks a shard group (or
-with two-level groups, [Note: two-level groups] in `plan`), the
-exchange strategy ([Note: exchange buffers] in `_exchange`: one buffer in per-layer equal
-shards, each matrix's reduced pieces sent to an owner dealt by cost and back), and below that
-owner buckets ([Note: owners strategy] in `_owners`), and keeps whichever overshoots less
+`strategy="auto"` (the default), below `EXCHANGE_FROM` ranks a shard group, plans the balanced
+strategy's equal shards, which reduce-scatter and all-gather each bucket in one collective, and
+keeps them if they meet every target ([Note: plan targets] in `targets`); otherwise it plans
+owner buckets ([Note: owners strategy] in `_owners`) and keeps whichever overshoots less
 (balanced on a tie). A bucket of equal shards of whole matrices holds k times its widest
-matrix, so once that passes the bucket bound (two layers, for real models) the fallback takes
-over: from 8 ranks for llama3-70b, 16 for llama3-8b, 64 for moe-256x (docs/planning.md's
-table). Both balance the matrix work alike and bound the bucket; they differ in what the step
-pays beyond equal shards: owner buckets 4-6 collectives a layer (latency, growing with the
-ring: k - 1 hops each), the exchange FSDP2's two plus two all-to-alls a step that carry each
-rank's owned share, about 1/k of the matrices, at one NIC's bandwidth. Projected on every
-shipped fabric, owner buckets step faster up to 32 ranks and the exchange from 64 (llama3-8b,
-llama3-70b, qwen2.5-7b on `nvlink4-ndr400`: 3-24% either way), hence the threshold, a rank
-count because the planner knows shapes, not the fabric (`wholeshard plan --fabric` prints the
-three layouts' projected steps beside the choice).
+matrix, so once that passes the bucket bound (two layers, for real models) owner buckets take
+over: from 8 ranks for llama3-70b, 16 for llama3-8b (docs/planning.md's table). From
+`EXCHANGE_FROM` ranks (or with two-level groups, [Note: two-level groups] in `plan`) it plans
+the exchange strategy first ([Note: exchange buffers] in `_exchange`: one buffer in per-layer
+equal shards, each matrix's reduced pieces sent to an owner dealt by cost and back), and
+balanced only where the exchange misses a target (the exchange on a tie). The three balance the
+matrix work alike and bound the bucket; they differ in what the step pays beyond FSDP2's equal
+shards: owner buckets 4-6 collectives a layer (latency, growing with the ring: k - 1 hops
+each); balanced one a buffer kind a bucket (matrices, expert stacks and AdamW params apart: for
+qwen3-30b-a3b at dp 64, 394 collectives and a 115 GiB fully sharded peak where the exchange
+issues 104 and FSDP2 99); the exchange FSDP2's two a layer plus two all-to-alls a step that
+carry each rank's owned share, about 1/k of the matrices, at one NIC's bandwidth. Projected on
+every shipped fabric, owner buckets step faster up to 32 ranks and the exchange from 64
+(llama3-8b, llama3-70b, qwen2.5-7b on `nvlink4-ndr400`: 3-24% either way; qwen3-30b-a3b at dp
+64, 0.586 s against balanced's 0.608), hence the threshold, a rank count because the planner
+knows shapes, not the fabric (`wholeshard plan --fabric` prints the three layouts' projected
+steps beside the choice).
 A candidate a cheap bound shows must miss (k x the widest matrix over the bucket limit, or the
 padding that forces) is passed over unplanned.
 
@@ -152,20 +156,25 @@ def _candidates(
     force: bool,
     levels: bool = False,
 ) -> list[Attempt]:
-    """The attempts at k by `strategy` ("auto": balanced, then the exchange from
-    `EXCHANGE_FROM` ranks or with two `levels`, owner buckets otherwise, unless balanced meets
-    every target); `force`: plan at least one (the last) even where a bound calls it
-    hopeless."""
+    """The attempts at k by `strategy` ("auto": from `EXCHANGE_FROM` ranks or with two
+    `levels` the exchange, then balanced unless it meets every target; below, balanced, then
+    owner buckets unless it does); `force`: plan at least one (the exchange, else the last)
+    even where a bound calls it hopeless."""
     attempts: list[Attempt] = []
-    fallback = "exchange" if k >= EXCHANGE_FROM or levels else "owners"
-    names = ("balanced", fallback) if strategy == "auto" else (strategy,)
+    if strategy != "auto":
+        names: tuple[str, ...] = (strategy,)
+    elif k >= EXCHANGE_FROM or levels:
+        names = ("exchange", "balanced")
+    else:
+        names = ("balanced", "owners")
+    forced = "exchange" if "exchange" in names else names[-1]  # planned past a hopeless bound
     for name in names:
         size = bucket_size_for(shapes.used, k, name) if bucket_size is None else bucket_size
         elementwise = shapes.elementwise(k, size)
         limit = bucket_limit_at(target, elementwise)
         why = shapes.hopeless(k, limit, equal_shards=name in ("balanced", "size_match"))
         planned_none = not any(a.figures for a in attempts)
-        if why is not None and not (force and planned_none and name == names[-1]):
+        if why is not None and not (force and planned_none and name == forced):
             attempts.append(Attempt(k, name, None, why))
             continue
         plan = shapes.plan(dp, k, size, name, elementwise)
