@@ -23,13 +23,12 @@ import argparse
 import dataclasses
 import math
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from result_file import write_measured  # noqa: E402
+from result_file import per_preset, write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.alpha_beta import FABRICS, Fabric  # noqa: E402
@@ -127,15 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "exchange-model.json"))
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     args = parser.parse_args(argv)
-    rows, choices = [], []
-    for name in PRESET_NAMES:
-        start = time.perf_counter()
-        for dp in DPS:
-            row, chosen = one(name, dp, GPUS[args.gpu][0])
-            rows.append(row)
-            choices += chosen
-        print(f"measure_exchange_model: {name} in {time.perf_counter() - start:.1f} s",
-              file=sys.stderr)  # fmt: skip
+    flops = GPUS[args.gpu][0]
+    pairs = per_preset(
+        "measure_exchange_model", PRESET_NAMES, lambda name: [one(name, dp, flops) for dp in DPS]
+    )
+    rows = [row for row, _ in pairs]
+    choices = [c for _, chosen in pairs for c in chosen]
     write_measured(
         args.json,
         machine(nproc=1),

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from result_file import write_measured  # noqa: E402
+from result_file import per_preset, write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.choice import plan_and_choice  # noqa: E402
@@ -74,13 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "scale.json"))
     args = parser.parse_args(argv)
-    rows = []
-    for name in NAMES:
+
+    def rows_of(name: str) -> list[dict]:
         specs = PRESETS[name]()
-        for dp in DPS:
-            for groups in (None, "auto"):
-                rows.append(row(name, specs, dp, groups))
-        print(f"measure_scale: {name} done", file=sys.stderr)
+        return [row(name, specs, dp, groups) for dp in DPS for groups in (None, "auto")]
+
+    rows = per_preset("measure_scale", NAMES, rows_of)
     write_measured(
         args.json,
         machine(nproc=1),

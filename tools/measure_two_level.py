@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from measure_exchange_model import DPS, FABRIC, MODE, PRESET_NAMES, models  # noqa: E402
-from result_file import write_measured  # noqa: E402
+from result_file import per_preset, write_measured  # noqa: E402
 
 from wholeshard.bench.report import machine  # noqa: E402
 from wholeshard.capacity.alpha_beta import FABRICS  # noqa: E402
@@ -65,11 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "two-level.json"))
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     args = parser.parse_args(argv)
-    rows = []
-    for name in PRESET_NAMES:
-        start = time.perf_counter()
-        rows += [one(name, dp, GPUS[args.gpu][0]) for dp in DPS]
-        print(f"measure_two_level: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    flops = GPUS[args.gpu][0]
+    rows = per_preset(
+        "measure_two_level", PRESET_NAMES, lambda name: [one(name, dp, flops) for dp in DPS]
+    )
     write_measured(
         args.json,
         machine(nproc=1),
