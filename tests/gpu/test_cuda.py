@@ -92,6 +92,19 @@ def test_exchange_strategy_on_cuda_matches_the_reference(ddp_kw: dict) -> None:
         assert_matches(out, ref)
 
 
+def test_two_level_groups_on_cuda_match_the_reference() -> None:
+    """Two-level groups of CUDA tensors ([Note: two-level groups]): 4 ranks in nodes of 2,
+    fully sharded and overlapped, each bucket's second stage ordered after its first by a
+    stream's wait; NCCL where each rank has a GPU, else gloo with the ranks sharing one."""
+    backend = "nccl" if torch.cuda.device_count() >= 4 else "gloo"
+    kw = dict(bucket_size=3000, strategy="exchange", node_size=2, reshard_after_forward=True)
+    outs = run_cuda(_run, 4, 3, backend=backend, ddp_kw=dict(kw, **OVERLAP))
+    cuda_deterministic()
+    ref = reference_run(3, device="cuda")
+    for out in outs:
+        assert_matches(out, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_overlap_and_fully_sharded_are_bitwise_sync_on_cuda(dtype: torch.dtype) -> None:
     kw = dict(param_dtype=dtype, evaluate=True)
