@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 test: venv
 	$(BIN)/ruff check wholeshard tests examples tools
 	$(BIN)/ruff format --check wholeshard tests examples tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 test-core: venv
 	$(BIN)/python -m pytest -q -m core --durations=10

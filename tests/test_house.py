@@ -161,15 +161,17 @@ def test_top_level_holds_the_concepts_only() -> None:
     assert entries == {"__init__.py", "__main__.py", "py.typed", *LAYERS}, entries
 
 
-def _imported_by(code: str) -> set[str]:
+def _imported_by(*steps: str) -> list[set[str]]:
+    """The modules loaded after each of `steps`, run in turn in one fresh interpreter."""
+    show = "import sys; print(' '.join(sorted(sys.modules)))"
     out = subprocess.run(
-        [sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sorted(sys.modules)))"],
+        [sys.executable, "-c", "\n".join(f"{step}\n{show}" for step in steps)],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    return set(out.stdout.split())
+    return [set(line.split()) for line in out.stdout.splitlines()]
 
 
 @pytest.mark.parametrize(
@@ -186,14 +188,18 @@ def _imported_by(code: str) -> set[str]:
 def test_what_needs_no_torch_imports_none(code: str) -> None:
     """`wholeshard --help`, every subcommand's `--help`, `wholeshard plan` and the train job's
     config answer without importing torch (seconds of start-up)."""
-    assert "torch" not in _imported_by(code)
+    [loaded] = _imported_by(code)
+    assert "torch" not in loaded
 
 
 def test_training_imports_dcp_only_to_save_or_load() -> None:
     """torch.distributed.checkpoint costs ~0.65 s to import: only checkpoints pay it."""
-    loaded = _imported_by("import wholeshard.train.trainer, wholeshard.cli.train")
-    assert "torch" in loaded and "torch.distributed.checkpoint" not in loaded
-    assert "torch.distributed.checkpoint" in _imported_by("from wholeshard import save_checkpoint")
+    trained, saved = _imported_by(
+        "import wholeshard.train.trainer, wholeshard.cli.train",
+        "from wholeshard import save_checkpoint",
+    )
+    assert "torch" in trained and "torch.distributed.checkpoint" not in trained
+    assert "torch.distributed.checkpoint" in saved
 
 
 def test_the_package_namespace_holds_its_public_names_only() -> None:

@@ -52,13 +52,14 @@ def _assert_fs_equals_zero(nproc: int, ddp_kw: dict, dtype: torch.dtype, **kw) -
         assert_matches(out["fs"], ref, dtype)
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # fp32 at 2 ranks, bf16 at 3 (the other pairs: `make soak`)
     ("nproc", "dtype", "overlap"),
     grid(
         {2: 2, 3: 3},
         DTYPES,
         {"sync": False, "overlap": True},
         core=("2-fp32-sync", "2-fp32-overlap"),
+        slow=("2-bf16-sync", "2-bf16-overlap", "3-fp32-sync", "3-fp32-overlap"),
     ),
 )
 def test_fully_sharded_is_bitwise_equal_to_zero(nproc: int, dtype, overlap: bool) -> None:

@@ -65,10 +65,10 @@ def _train(meta: bool, ddp_kw: dict) -> dict:
     if meta:
         ddp = data_parallel(_model(meta=True, fp8=fp8), param_init=init, **ddp_kw)
     else:
-        model = _model(meta=False, fp8=fp8)
+        model, want = _model(meta=False, fp8=fp8), expected()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.copy_(expected()[name])
+                p.copy_(want[name])
         ddp = data_parallel(model, **ddp_kw)
     module = ddp.module
     with ddp.full_params():
@@ -92,14 +92,29 @@ MODES = MAIN_MODES | {
 }
 
 
+def _every_mode() -> dict[tuple[str, bool], dict]:
+    """One launch: every mode trained from the meta device (True) and the ordinary way."""
+    return {
+        (mode, meta): _train(meta, dict(bucket_size=3000, **MODES[mode]))
+        for mode in MODES
+        for meta in (True, False)
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(request: pytest.FixtureRequest) -> list[dict]:
+    """Each rank's `_every_mode()` at `request.param` ranks."""
+    return run(_every_mode, request.param)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 3])
-def test_meta_construction_matches_one_process_and_trains_alike(nproc: int, mode: str) -> None:
+@pytest.mark.parametrize("trained", [pytest.param(2, marks=pytest.mark.slow), 3], indirect=True)
+def test_meta_construction_matches_one_process_and_trains_alike(
+    trained: list[dict], mode: str
+) -> None:
     want = expected()
-    ddp_kw = dict(bucket_size=3000, **MODES[mode])
-    from_meta = run(_train, nproc, True, ddp_kw)
-    ordinary = run(_train, nproc, False, ddp_kw)
-    for a, b in zip(from_meta, ordinary, strict=True):
+    for out in trained:
+        a, b = out[mode, True], out[mode, False]
         assert a["tied"] and not a["on_meta"], a["on_meta"]
         assert a["built"].keys() == want.keys()
         for name, value in want.items():

@@ -176,6 +176,7 @@ def test_losing_a_node_mid_save_finishes_at_world_size_1(
     assert summary["world_size"] == 1 and summary["batch_size"] == 4
 
 
+@pytest.mark.slow  # the shrink above covers torchrun's restart; the one below, growing to 2 ranks
 def test_a_joining_node_grows_the_job_to_world_size_2(
     text_file: Path, tmp_path: Path, reference: dict[int, dict]
 ) -> None:
@@ -206,7 +207,6 @@ def test_a_joining_node_grows_the_job_to_world_size_2(
     assert json.loads((out / outputs.SUMMARY).read_text())["world_size"] == 2
 
 
-@pytest.mark.slow  # test_a_joining_node_grows_the_job_to_world_size_2 covers it under torchrun
 def test_resuming_at_another_world_size_records_it(
     text_file: Path, tmp_path: Path, reference_run: Path, reference: dict[int, dict]
 ) -> None:

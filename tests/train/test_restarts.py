@@ -190,7 +190,9 @@ SMALL += PINNED_NEWTON_SCHULZ
 SMALL += ["--eval-batches", "1"]
 
 
-@pytest.mark.slow  # torchrun's restarts stay in the default suite (test_train_e2e.py)
+# Slow: in the default suite, test_newton_schulz.py's loaded run has --max-restarts restart a
+# killed worker, and test_elastic.py's lost node resumes from the latest checkpoint.
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_from_the_latest_checkpoint(
     tmp_path: Path, text_file: Path
 ) -> None:

@@ -130,7 +130,7 @@ def test_two_local_ranks_adamw(text_file: Path, tmp_path: Path) -> None:
     _check_run(tmp_path, _summary(proc), "adamw")
 
 
-@pytest.mark.slow  # torchrun itself stays in the default suite (max restarts, below)
+@pytest.mark.slow  # torchrun stays in the default suite: test_elastic, test_train_interrupt
 def test_torchrun_gives_the_same_losses(
     text_file: Path, tmp_path: Path, muon_run: tuple[Path, dict]
 ) -> None:
@@ -143,6 +143,9 @@ def test_torchrun_gives_the_same_losses(
     assert losses == [(r.get("loss"), r.get("val_loss")) for r in _records(muon_run[0])]
 
 
+# Slow: test_elastic's lost node covers torchrun's restart with `--resume auto`, and
+# test_train_resume's crash then resume that the resumed run is bitwise the uninterrupted one.
+@pytest.mark.slow
 def test_torchrun_max_restarts_with_resume_auto_continues_the_run(
     text_file: Path, tmp_path: Path, muon_run: tuple[Path, dict]
 ) -> None:

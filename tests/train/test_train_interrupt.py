@@ -134,6 +134,11 @@ def test_the_first_ctrl_c_finishes_the_save_in_flight(job: Job) -> None:
     assert latest == f"step-{HELD_STEP}" and names == ["latest", "step-2", f"step-{HELD_STEP}"]
 
 
+# Under torchrun, slow: the first Ctrl-C's test covers how torchrun passes it to the workers,
+# and this one's local case how a second one abandons the save.
+@pytest.mark.parametrize(
+    "job", ["local", pytest.param("torchrun", marks=pytest.mark.slow)], indirect=True
+)
 def test_a_second_ctrl_c_abandons_it(job: Job) -> None:
     job.ctrl_c()
     job.until(job.says(FINISHING), "stopped to finish the save")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from train_faults import Fault, metrics, micro_argv, train_job
 
 from wholeshard.checkpoint import load_consolidated
+from wholeshard.train import outputs
 
 SOAK = pytest.mark.slow  # `make soak`: the suite stays under 12 minutes on 2 cores
 
@@ -17,6 +19,10 @@ SOAK = pytest.mark.slow  # `make soak`: the suite stays under 12 minutes on 2 co
 def train(text_file: Path, out: Path, *extra: str, fault: Fault | None = None) -> dict:
     argv = micro_argv(text_file, out, 6, 3, "--no-progress", "--param-dtype", "float32", *extra)
     return train_job(argv, out, fault)
+
+
+def summary_of(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,7 @@ def test_crash_then_resume_latest_continues_the_same_run(
         text_file, tmp_path / "run", "--overlap", "--checkpoint-every", "3", "--resume", "latest"
     )
     assert resumed["code"] == 0
-    want_summary = json.loads((straight / "summary.json").read_text())
+    want_summary = summary_of(straight)
     assert resumed["summary"]["final_loss"] == want_summary["final_loss"]
     assert resumed["summary"]["final_val_loss"] == want_summary["final_val_loss"]
     got, want = metrics(tmp_path / "run"), metrics(straight)
@@ -84,16 +90,12 @@ def _files(ckpt: Path) -> dict:
 
 
 def test_resume_refuses_to_overwrite_later_checkpoints(
-    text_file: Path, tmp_path: Path, capsys
+    text_file: Path, tmp_path: Path, straight: Path, capsys
 ) -> None:
-    assert train(text_file, tmp_path / "run", "--checkpoint-every", "3")["code"] == 0
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)  # its checkpoints of steps 3 and 6
     with pytest.raises(SystemExit) as e:
-        train(
-            text_file,
-            tmp_path / "run",
-            "--resume",
-            str(tmp_path / "run" / "checkpoints" / "step-3"),
-        )
+        train(text_file, run, "--overlap", "--resume", str(run / "checkpoints" / "step-3"))
     assert e.value.code == 2
     assert "holds step-6, after step 3 that this run resumes from" in capsys.readouterr().err
 
@@ -110,6 +112,8 @@ def test_trace_shows_the_sync_phases(text_file: Path, tmp_path: Path) -> None:
     # The tiny GPT, not micro: with micro's short steps a rank that does not trace segfaulted
     # in 2 of 19 runs (torch 2.13 CPU, gloo, torch.profiler on rank 0); not seen with tiny.
     argv = ["--model", "tiny", "--overlap", "--trace", str(trace)]
+    argv += ["--steps", str(1 + outputs.TRACE_STEPS)]  # the warm-up step, then the traced ones
+    argv += ["--newton-schulz", "batched_fp32"]  # (bf16 products crawl on CPUs without bf16 units)
     assert train(text_file, tmp_path / "run", *argv)["code"] == 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     for phase in (
@@ -131,9 +135,13 @@ def test_trace_shows_the_sync_phases(text_file: Path, tmp_path: Path) -> None:
     ids=["sync", "overlap"],
 )
 def test_fully_sharded_train_is_bitwise_like_zero(
-    text_file: Path, tmp_path: Path, mode: list[str]
+    text_file: Path, tmp_path: Path, straight: Path, mode: list[str]
 ) -> None:
-    zero = train(text_file, tmp_path / "zero", *[m for m in mode if m == "--overlap"])["summary"]
+    """Overlapped, ZeRO is `straight` (its checkpoints change no bit)."""
+    if "--overlap" in mode:
+        zero = summary_of(straight)
+    else:
+        zero = train(text_file, tmp_path / "zero")["summary"]
     fs = train(text_file, tmp_path / "fs", *mode)
     assert fs["code"] == 0
     for key in ("final_loss", "final_val_loss", "params"):
@@ -156,9 +164,11 @@ def test_fully_sharded_flags_are_checked(
 
 
 @pytest.mark.parametrize("recipe", [pytest.param("mxfp8", marks=SOAK), "tensorwise"])
-def test_fp8_compute_trains_close_to_bf16(text_file: Path, tmp_path: Path, recipe: str) -> None:
-    base = train(text_file, tmp_path / "base")["summary"]
-    run = train(text_file, tmp_path / "fp8", "--fp8", recipe)
+def test_fp8_compute_trains_close_to_bf16(
+    text_file: Path, tmp_path: Path, straight: Path, recipe: str
+) -> None:
+    base = summary_of(straight)
+    run = train(text_file, tmp_path / "fp8", "--overlap", "--fp8", recipe)
     assert run["code"] == 0
     assert run["summary"]["final_loss"] != base["final_loss"], "the forward used FP8 weights"
     assert run["summary"]["final_loss"] == pytest.approx(base["final_loss"], rel=0.05)
