@@ -78,7 +78,8 @@ class DataParallelConfig:
     nodes: each bucket reduce-scatters within the node, then across nodes (1/node_size of it
     per rank crosses the network, and a ring is a node or a node count long, not k), and
     gathers the other way. None: one level, the default. Needs equal-shard buckets (strategy
-    "exchange" or "balanced"; "auto" then never picks owner buckets); `wholeshard plan
+    "exchange" or "balanced"; "auto" then never picks owner buckets). Any size dividing the
+    shard group trains the same model; the machines' own makes it fast. `wholeshard plan
     --node-size` prices both forms on a fabric."""
     matrix_params: MatrixParams | None = None
     """`matrix_params(name, param) -> bool` replaces the default routing rule's decision of which
