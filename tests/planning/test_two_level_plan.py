@@ -80,3 +80,12 @@ def test_each_reduce_scatter_and_all_gather_runs_in_two_stages() -> None:
     replica = Collective("all_reduce", 2, 10, "float32", "grads", "replica")
     assert two_stages([a2a, replica], 2) == [a2a, replica]  # only the shard group's stages
     assert two_stages(one, 1) == one
+
+
+def test_automatic_shard_groups_keep_whole_nodes() -> None:
+    """llama3-70b at dp 192: `shard_group_size="auto"` picks k = 96, which nodes of 64 cannot
+    make whole; with `node_size=64` the ladder passes over it to 64 (one node: one level)."""
+    specs = preset("llama3-70b")
+    assert plan_for(specs, 192, shard_group_size="auto").shard_group_size == 96
+    plan = plan_for(specs, 192, shard_group_size="auto", node_size=64)
+    assert (plan.shard_group_size, plan.node_size) == (64, 1)

@@ -200,7 +200,8 @@ def search(
     size `k`, or over the ladder (k None), by [Note: automatic shard groups]. `bucket_size`
     None: `targets.bucket_size_for` each candidate; `bucket_limit` None: `bucket_target(specs)`;
     `matrix_cost` given: it, not `ns_cost`, is balanced and measured; `node_size`: two-level
-    groups where k exceeds it, so never owner buckets there. Raises ValueError, as
+    groups where k exceeds it (the ladder keeps the k it divides), so never owner buckets
+    there. Raises ValueError, as
     `plan_exactly` does, on bad input."""
     specs = tuple(specs)
     _group_size(dp_size, k, bucket_size, align, strategy, "whole")
@@ -210,7 +211,10 @@ def search(
     shapes = Shapes(specs, align, matrix_cost)
     target = bucket_target(specs) if bucket_limit is None else bucket_limit
     attempts: list[Attempt] = []
-    for candidate in ladder(dp_size) if k is None else [k]:
+    candidates = ladder(dp_size) if k is None else [k]
+    if k is None and node_size is not None:  # whole nodes, or within one
+        candidates = [c for c in candidates if c <= node_size or c % node_size == 0]
+    for candidate in candidates:
         force = candidate == 1 or k is not None
         levels = node_size is not None and candidate > node_size
         found = _candidates(
