@@ -58,6 +58,7 @@ def assert_replans_to(hint: BucketSizeHint, specs: Sequence[ParamSpec], dp: int)
     return again
 
 
+@pytest.mark.slow  # 10 s of planning; the hint's rule is tested on the smaller presets above
 def test_moe_256x_at_dp_1024_is_told_a_size_that_brings_latency_under_a_tenth(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -260,7 +260,15 @@ def test_non_numbers_are_rejected(base_argv, command: str, flag: str, value: str
     assert_rejected(run(argv_with(base_argv, command, flag, value)), flag)
 
 
-@pytest.mark.parametrize(("command", "flag"), ALL_FLAGS)
+# plan --dp's random values plan up to MAX_DP ranks (14 s): slow; its bounds and worst cases
+# stay fast (test_out_of_range_values_are_rejected, test_nastiest_values_name_the_flag)
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        pytest.param(c, f, marks=pytest.mark.slow) if (c, f) == ("plan", "--dp") else (c, f)
+        for c, f in ALL_FLAGS
+    ],
+)
 @FUZZ
 @given(value=st.one_of(st.integers().map(str), st.floats().map(repr), _text(12)))
 @example(value="9" * 400)  # an int no float holds

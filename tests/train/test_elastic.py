@@ -207,6 +207,7 @@ def test_a_joining_node_grows_the_job_to_world_size_2(
     assert json.loads((out / outputs.SUMMARY).read_text())["world_size"] == 2
 
 
+@pytest.mark.slow  # resharding at load: tests/checkpoint; --resume auto at a new size: the shrink
 def test_resuming_at_another_world_size_records_it(
     text_file: Path, tmp_path: Path, reference_run: Path, reference: dict[int, dict]
 ) -> None:
