@@ -69,7 +69,7 @@ class Exchange:
         size: int,
         group: ProcessGroup | None,
         every: int | None,
-        group_rank: Callable[[int], int] = int,
+        group_rank: Callable[[int], int],
     ) -> None:
         self.group = group
         self._landing: list[collectives.AllToAll] = []  # dispatched to the owners, in order
@@ -186,7 +186,7 @@ def moves(
     unit_of: Callable[[int], StorageUnit],
     rank: int,
     size: int,
-    group_rank: Callable[[int], int] = int,
+    group_rank: Callable[[int], int],
 ) -> Moves:
     """What shard index `rank` of `size` moves of `segs` (pieces of the matrices of `units`;
     `unit_of(bucket)` holds each), in the order every rank packs and unpacks them: by peer, the
