@@ -134,6 +134,7 @@ def test_ctrl_c_while_workers_import_stops_them_after_the_first_step(
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow  # the same import window under a Ctrl-C stays fast (the test above)
 def test_a_worker_importing_leaves_sigint_to_the_command(tmp_path: Path, text_file: Path) -> None:
     """A SIGINT that reaches a spawned worker while it imports (before it ignores SIGINT) does
     not end it in a traceback: whether workers stop is the command's decision. (With a Ctrl-C,
