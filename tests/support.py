@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import wholeshard
+import wholeshard.bench.baselines  # noqa: F401  (registers the legacy baselines' layouts)
 from wholeshard.distributed.launch import launch
 from wholeshard.engine.config import Variant
 from wholeshard.planning import Buffer, ParamSpec, validate_specs
@@ -244,7 +245,9 @@ VARIANT_FIELDS = frozenset(f.name for f in dataclasses.fields(Variant))
 
 def data_parallel(module: nn.Module, **kw: Any) -> wholeshard.DataParallel:
     """`wholeshard.DataParallel(module, **kw)`, where `kw` may also name `Variant` fields (the
-    baselines kept for comparison: scheme, param_sync, strategy, separate_all_gather_group)."""
+    alternatives kept for comparison: layout, strategy, exchange_every,
+    separate_all_gather_group; the legacy baselines are layouts of `wholeshard.bench.baselines`:
+    "ping_pong", "ping_pong_broadcasts", "shard_broadcasts")."""
     variant = {k: kw.pop(k) for k in [k for k in kw if k in VARIANT_FIELDS]}
     return wholeshard.DataParallel(module, _variant=Variant(**variant), **kw)
 
@@ -628,7 +631,7 @@ def whole_buffer(
     """The whole-tensor planner by `strategy` (the machinery `plan_exactly` runs on 2-D Muon
     specs) on every spec, as one checked "matrix" buffer."""
     specs = tuple(specs)
-    _group_size(dp, None, bucket_size, align, strategy, "whole")
+    _group_size(dp, None, bucket_size, align, strategy)
     validate_specs(specs)
     buffer = plan_buffer("matrix", specs, dp, bucket_size, align, strategy)
     buffer.check(specs)

@@ -24,12 +24,13 @@ SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has someth
 MODES = {
     "whole": {},
     "whole-overlap": OVERLAP,
-    "whole-broadcast": dict(param_sync="broadcast"),
-    "ping_pong": dict(scheme="ping_pong"),
-    "ping_pong-overlap": dict(scheme="ping_pong", **OVERLAP),
-    "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast"),
-    "ping_pong-broadcast-overlap": dict(scheme="ping_pong", param_sync="broadcast", **OVERLAP),
+    "whole-broadcast": dict(layout="shard_broadcasts"),
+    "ping_pong": dict(layout="ping_pong"),
+    "ping_pong-overlap": dict(layout="ping_pong", **OVERLAP),
+    "ping_pong-broadcast": dict(layout="ping_pong_broadcasts"),
+    "ping_pong-broadcast-overlap": dict(layout="ping_pong_broadcasts", **OVERLAP),
 }
+LAYOUTS = {"whole": None, "ping_pong": "ping_pong"}  # the design's plan, and the legacy one
 
 
 def _run(nproc: int, mode: dict, steps: int = 3, **kw) -> list[dict]:
@@ -37,21 +38,25 @@ def _run(nproc: int, mode: dict, steps: int = 3, **kw) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("scheme", "dtype"),
-    grid({s: s for s in ("whole", "ping_pong")}, DTYPES, core="whole-fp32"),
+    ("layout", "dtype"),
+    grid(LAYOUTS, DTYPES, core="whole-fp32"),
 )
-def test_overlap_is_bitwise_equal_to_sync(scheme: str, dtype: torch.dtype) -> None:
-    sync = _run(3, dict(scheme=scheme), param_dtype=dtype, evaluate=True)
-    overlap = _run(3, dict(scheme=scheme, **OVERLAP), param_dtype=dtype, evaluate=True)
+def test_overlap_is_bitwise_equal_to_sync(layout: str | None, dtype: torch.dtype) -> None:
+    sync = _run(3, dict(layout=layout), param_dtype=dtype, evaluate=True)
+    overlap = _run(3, dict(layout=layout, **OVERLAP), param_dtype=dtype, evaluate=True)
     for a, b in zip(sync, overlap, strict=True):
         assert_bitwise_equal(a, b)
         assert a["evals"] == b["evals"], "evaluation between steps sees the updated params"
 
 
-@pytest.mark.parametrize("scheme", ["whole", "ping_pong"])
-def test_broadcast_is_bitwise_equal_to_allgather(scheme: str) -> None:
-    gather = _run(3, dict(scheme=scheme, param_sync="allgather"))
-    bcast = _run(3, dict(scheme=scheme, param_sync="broadcast"))
+@pytest.mark.parametrize(
+    ("gathers", "broadcasts"),
+    [(None, "shard_broadcasts"), ("ping_pong", "ping_pong_broadcasts")],
+    ids=["whole", "ping_pong"],
+)
+def test_broadcast_is_bitwise_equal_to_allgather(gathers: str | None, broadcasts: str) -> None:
+    gather = _run(3, dict(layout=gathers))
+    bcast = _run(3, dict(layout=broadcasts))
     for a, b in zip(gather, bcast, strict=True):
         assert_bitwise_equal(a, b)
 
@@ -129,21 +134,21 @@ def _in_flight_protocol(mode: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("scheme", ["whole", "ping_pong"])
-def test_second_step_with_gather_in_flight(scheme: str) -> None:
-    sync = run(_in_flight_protocol, 2, dict(scheme=scheme))
-    overlap = run(_in_flight_protocol, 2, dict(scheme=scheme, **OVERLAP))
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_second_step_with_gather_in_flight(layout: str | None) -> None:
+    sync = run(_in_flight_protocol, 2, dict(layout=layout))
+    overlap = run(_in_flight_protocol, 2, dict(layout=layout, **OVERLAP))
     for a, b in zip(sync, overlap, strict=True):
         assert a["eval"] == b["eval"]
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
 def test_bad_mode_names() -> None:
-    with pytest.raises(ValueError, match="scheme must be"):
-        wrapped(scheme="zigzag")
-    ddp, _ = wrapped(scheme="ping_pong")
+    with pytest.raises(ValueError, match="layout 'zigzag' is not registered .*ping_pong"):
+        wrapped(layout="zigzag")
+    ddp, _ = wrapped(layout="ping_pong")
     assert ddp.plan.buffers[0].kind == "unaligned"
     with pytest.raises(TypeError, match="unexpected keyword argument"):
-        wrapped(layout="ping_pong")  # no such option
-    with pytest.raises(ValueError, match="param_sync must be"):
-        wrapped(param_sync="scatter")
+        wrapped(scheme="ping_pong")  # no such option
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        wrapped(param_sync="broadcast")

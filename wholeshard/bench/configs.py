@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config import DataParallelConfig, Variant
+from .baselines import PING_PONG
 
 MUON_KW: dict[str, Any] = dict(lr=0.02, momentum=0.95, weight_decay=0.0)
 ADAMW_KW: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
@@ -214,7 +215,7 @@ CONFIGS: dict[str, BenchConfig] = {
         wholeshard(
             "ws_ping_pong",
             "wholeshard, the ping-pong baseline",
-            scheme="ping_pong",
+            layout=PING_PONG.name,
             overlap_grad_reduce=False,
         ),
         wholeshard(

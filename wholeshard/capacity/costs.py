@@ -27,8 +27,8 @@ Per step (steady state: one forward, backward, `clip_grad_norm_` and `step()`, d
 storage unit the collectives its buckets' sync schemes describe ([Note: sync schemes] in
 `planning.sync`, which the engine executes): its reduction (grad dtype: a reduce-scatter per
 bucket, an owner bucket's `reduce_coalesced`, and with replicas an all-reduce of the rank's
-shards across them) and, when k > 1, its gather (param dtype: an all-gather per bucket, k
-broadcasts with `param_sync="broadcast"`, an owner bucket's `broadcast_coalesced`), twice when
+shards across them) and, when k > 1, its gather (param dtype: an all-gather per bucket, an
+owner bucket's `broadcast_coalesced`, or what a layout's scheme describes), twice when
 fully sharded (forward and backward) except for the units kept gathered from forward to
 backward: the first in reduce order and those holding params of the root module (names without a
 dot); of an exchange buffer, per batch of its buckets (`sync.exchange_batches` of
@@ -42,9 +42,10 @@ norm over the shard group when clipping and k > 1. `ring_bytes` charges each wha
 bandwidth-optimal ring sends per rank (the table of `wholeshard.bench.traffic`; here over the
 op's own group), and an all-to-all what the rank sends.
 
-Not modelled: frozen params and module buffers (not in a plan), FP8 param gather, the ping-pong
-scheme, activation checkpointing (re-gathers in backward), evaluation forwards, the gloo or
-NCCL library's own scratch, and the runtime's (activations, workspace).
+Not modelled: frozen params and module buffers (not in a plan), FP8 param gather, a layout's
+own buffer kind ([Note: layouts] in `planning.layouts`; its sync schemes are), activation
+checkpointing (re-gathers in backward), evaluation forwards, the gloo or NCCL library's own
+scratch, and the runtime's (activations, workspace).
 `tests/engine/test_plan_agrees.py` checks the figures against `memory()`, the optimizer's
 master grads, a recorded collective log and the measured peak of real runs at 2-4 ranks.
 """
@@ -57,12 +58,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.config import DataParallelConfig, Variant
+from ..planning.buffer import KINDS
 from ..planning.plan import Plan
 from ..planning.specs import ParamSpec, is_int, matrices
 from ..planning.sync import (
     ELEMENT_BYTES,
-    PARAM_SYNCS,
-    ParamSync,
     dtype_name,
     exchange_batches,
     unit_gather,
@@ -92,7 +92,6 @@ class Mode:
     grad_reduce_dtype: str = "float32"
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
-    param_sync: ParamSync = "allgather"
     clip_grad_norm: bool = True
     transposed: frozenset[str] = field(default_factory=frozenset)
     offload_state: bool = False
@@ -101,8 +100,6 @@ class Mode:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "grad_reduce_dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name)))
-        if self.param_sync not in PARAM_SYNCS:
-            raise ValueError(f"param_sync must be one of {PARAM_SYNCS}: {self.param_sync!r}")
         every = self.exchange_every
         if every is not None and (not is_int(every) or every < 1):
             raise ValueError(f"exchange_every must be None or an int >= 1, got {every!r}")
@@ -127,7 +124,6 @@ class Mode:
             grad_reduce_dtype=getattr(policy, "reduce_dtype", None) or param,
             overlap_grad_reduce=config.overlap_grad_reduce,
             overlap_param_gather=config.overlap_param_gather,
-            param_sync=(variant or Variant()).param_sync,
             exchange_every=getattr(variant, "exchange_every", None),
             **rest,
         )
@@ -170,15 +166,23 @@ def owned(plan: Plan, transposed: frozenset[str] = frozenset()) -> list[Owned]:
                     out[r].adamw += min(hi, p.end) - max(lo, p.start)
                     out[r].adamw_pieces += 1
             else:
-                raise ValueError("the ping-pong scheme's costs are not modelled")
+                raise ValueError(_unmodelled(buffer.kind))
     return out
 
 
+def _unmodelled(kind: str) -> str:
+    return (
+        f"the costs of a {kind!r} buffer (a layout's own kind, [Note: layouts] in "
+        f"wholeshard.planning.layouts) are not modelled: costs model the kinds {KINDS}"
+    )
+
+
 def _units(plan: Plan, specs: Sequence[ParamSpec]) -> list[Unit]:
-    """The plan's storage units, as the engine builds them; the ping-pong baseline's are not
+    """The plan's storage units, as the engine builds them; a layout's own kind is not
     modelled."""
-    if any(b.kind == "unaligned" for b in plan.buffers):
-        raise ValueError("the ping-pong scheme's costs are not modelled")
+    for b in plan.buffers:
+        if b.kind not in KINDS:
+            raise ValueError(_unmodelled(b.kind))
     return storage_units(plan, specs)
 
 
@@ -235,14 +239,13 @@ def step_collectives(
     if dp == 1:
         return []
     units = _units(plan, specs)
-    grad, param, sync = mode.grad_reduce_dtype, mode.param_dtype, mode.param_sync
-    node = plan.node_size
-    out = [c for u in units for c in unit_reduce(u.buckets, k, dp // k, rank, grad, sync, node)]
+    grad, param, node = mode.grad_reduce_dtype, mode.param_dtype, plan.node_size
+    out = [c for u in units for c in unit_reduce(u.buckets, k, dp // k, rank, grad, node)]
     out += [slot[rank] for slot in exchange_slots(plan, mode)]
     if k > 1:  # fully sharded, a unit not kept from forward to backward is gathered twice
         kept = _lifetimes.kept_units(units) if fully_sharded(plan, mode) else range(len(units))
         for u in units:
-            out += unit_gather(u.buckets, k, param, sync, node) * (1 if u.index in kept else 2)
+            out += unit_gather(u.buckets, k, param, node) * (1 if u.index in kept else 2)
     if fully_sharded(plan, mode) and mode.overlap_grad_reduce:
         out.append(Collective("all_reduce", dp, len(units), "int32", "modules run", "dp"))
     out.append(Collective("all_reduce", dp, 4 + len(specs), "float64", "step check", "dp"))

@@ -45,7 +45,7 @@ DEFAULT_DTYPES = {"param_dtype": "bfloat16", "grad_reduce_dtype": "float32"}
 """The dtypes assumed where the flags name none: as users train (the train job's bf16 params,
 grads reduced in fp32); `--json`'s `assumed_dtypes` lists those it assumed."""
 MODE_FIELDS = ("reshard_after_forward", "param_dtype", "grad_reduce_dtype", "overlap_grad_reduce",
-               "overlap_param_gather", "param_sync", "clip_grad_norm", "offload_state")  # fmt: skip
+               "overlap_param_gather", "clip_grad_norm", "offload_state")  # fmt: skip
 """The `Mode` fields the JSON's `mode` echoes (with the plan's `shard_group_size`)."""
 CHOICE_FABRIC = "nvlink4-ndr400"
 """The fabric the strategy comparison is projected on when `--fabric` names none."""

@@ -16,7 +16,7 @@ from ..capacity.costs import Costs, fully_sharded
 from ..capacity.projection import FABRICS, GPUS, Projection
 from ..capacity.strategy_choice import StrategyChoice
 from ..planning import Bucket, Plan
-from ..planning.sync import sync_scheme
+from ..planning.sync import scheme_of
 
 WIDTH = 100
 """Lines are wrapped to this many characters."""
@@ -64,7 +64,7 @@ def line(label: str, text: str) -> str:
 def collectives_of(bucket: Bucket) -> str:
     """The collectives that sync `bucket`, in the words of its sync scheme ([Note: sync
     schemes] in `planning.sync`)."""
-    return sync_scheme(bucket).words
+    return scheme_of(bucket).words
 
 
 def headline(plan: Plan, source: str) -> str:

@@ -9,14 +9,13 @@ from torch.distributed import ProcessGroup
 
 from ..distributed.groups import TwoLevel
 from ..planning.plan import shard_holder
-from ..planning.sync import ParamSync
 
 
 @dataclass(frozen=True)
 class CommGroups:
     """Who a storage unit syncs with: `size` ranks of `group` (the shard group), this one
     holding shard index `rank`; gradients are then summed across `replica_group` (shard groups)
-    and divided by `divide_by`, params synced on `gather_group` by `param_sync`. With two-level
+    and divided by `divide_by`, params synced on `gather_group`. With two-level
     groups ([Note: two-level groups] in `planning.plan`), buckets reduce on `levels` and gather
     on `gather_levels` (the all-to-alls stay on the flat groups, peers by `group_rank`)."""
 
@@ -25,7 +24,6 @@ class CommGroups:
     size: int
     gather_group: ProcessGroup | None
     replica_group: ProcessGroup | None = None
-    param_sync: ParamSync = "allgather"
     divide_by: int = 0  # 0: the ranks the gradients are summed over (experts': dp x ep)
     levels: TwoLevel | None = None
     gather_levels: TwoLevel | None = None

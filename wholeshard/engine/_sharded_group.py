@@ -30,6 +30,7 @@ from ..distributed.dtensor import local
 from ..distributed.groups import TwoLevel, make_groups, make_levels, resolve_group
 from ..planning import ParamSpec, Plan
 from ..planning.auto import plan_for
+from ..planning.layouts import layout_named
 from ..planning.routing import Route
 from ..planning.specs import MatrixCost
 from ..planning.units import storage_units
@@ -41,8 +42,8 @@ from ._meta import fill_owned
 from ._owned import OwnedRange, owned_ranges
 from ._schedule import Scheduler
 from ._storage import StorageUnit
-from ._unaligned_storage import UnalignedStorage
 from .config import DataParallelConfig, Variant
+from .layouts import load
 
 
 class CommGroupsMade(NamedTuple):
@@ -111,15 +112,10 @@ class ShardedGroup:
             bucket_size=cfg.bucket_size,
             strategy=variant.strategy,
             shard_group_size=cfg.shard_group_size,
-            scheme=variant.scheme,
+            layout=variant.layout,
             matrix_cost=matrix_cost,
             node_size=cfg.node_size,
         )
-        if self.plan.node_size > 1 and variant.param_sync != "allgather":
-            raise ValueError(
-                f"node_size={cfg.node_size}: two-level groups all-gather params; "
-                f"param_sync={variant.param_sync!r} broadcasts them: leave one of them unset"
-            )
         self.shard_group_size = self.plan.shard_group_size
         self.shard_rank = self.plan.shard_rank(self.rank)
         self._fill = cfg.param_init and fill_owned(self.plan, self.shard_rank, cfg.param_init)
@@ -140,16 +136,19 @@ class ShardedGroup:
             self.shard_group_size,
             self.gather_group,
             self.replica_group,
-            variant.param_sync,
             divide_by,
             *levels,
         )
         fp8 = fp8_storage_factory(module) if self.fp8_param_gather else StorageUnit
+        storage_of: dict[str | None, Any] = {}  # a layout's kind: its storage class
+        if variant.layout is not None:  # its schemes' halves loaded ([Note: layouts])
+            layout = layout_named(variant.layout)
+            storage_of[layout.kind] = load(layout).storage
         storages = build_storage(
             self.plan,
             routes,
             specs,
-            lambda kind: UnalignedStorage if kind == "unaligned" else fp8,
+            lambda kind: storage_of.get(kind) or fp8,
             self._fill_initial,
             groups=groups,
             reshard=reshard,

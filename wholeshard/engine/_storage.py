@@ -42,7 +42,7 @@ from torch.distributed import Work
 from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
-from ..planning.sync import ParamSync, sync_scheme
+from ..planning.sync import scheme_of
 from ._comm_groups import CommGroups
 from ._owned_copies import OwnedCopies
 from ._sync import InFlight, half_of
@@ -63,7 +63,7 @@ class StorageUnit:
     gathered) and its gradient is added into the same range of `grad`."""
 
     index: int  # position in reduce (backprop) order among the model's storage units
-    kind: str  # the buffer kind ("matrix", "stacked", "adamw", "unaligned")
+    kind: str  # the buffer kind ("matrix", "stacked", "exchange", "adamw", or a layout's)
     buckets: tuple[Bucket, ...]  # the planned buckets the unit spans, in buffer order
     start: int  # first buffer element of the unit
     end: int  # one past its last
@@ -125,7 +125,7 @@ class StorageUnit:
             placements = (p for _, p in self.params)
             self.owned_copies = OwnedCopies(placements, groups.rank, self.param, self.grad)
             self.free_owned_grads()
-        self._halves = [half_of(sync_scheme(b, groups.param_sync)) for b in self.buckets]
+        self._halves = [half_of(scheme_of(b)) for b in self.buckets]
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self.open_window()
         self.reducing = self.gathering = None
@@ -344,7 +344,7 @@ class StorageUnit:
         self._dispatched(self._gather())
 
     def _dispatched(self, gathering: InFlight) -> None:
-        gathering.what = f"param sync ({self.groups.param_sync}) of unit {self.index}"
+        gathering.what = f"param sync of unit {self.index}"
         self.gathering, self.state = gathering, UnitState.GATHERING
 
     def finish_gather(self) -> None:
@@ -367,16 +367,14 @@ class StorageUnit:
         handles = []
         for i, b in enumerate(self.buckets):
             mine = self._own_shard(self.param, self.param_shard, i)
-            handles += self._share(self.param, b, mine, self.groups.param_sync)
+            handles += self._share(self.param, b, mine)
         return InFlight(handles)
 
-    def _share(
-        self, full: torch.Tensor, b: Bucket, mine: torch.Tensor, sync: ParamSync = "allgather"
-    ) -> list[Work | None]:
+    def _share(self, full: torch.Tensor, b: Bucket, mine: torch.Tensor) -> list[Work | None]:
         """Dispatch the sync of bucket `b` of `full` (a full tensor of this unit) by its sync
-        scheme with `sync` (`planning.sync.sync_scheme`): `mine` (this rank's shard, which may
-        alias its range of `full`) and the others' land in `full`."""
-        half = half_of(sync_scheme(b, sync))
+        scheme: `mine` (this rank's shard, which may alias its range of `full`) and the others'
+        land in `full`."""
+        half = half_of(scheme_of(b))
         group, rank = self.groups.gather_on, self.groups.rank
         return half.gather(self._bucket_range(full, b), mine, b, group, rank)
 

@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup, Work
 from ..distributed import collectives
 from ..distributed.groups import TwoLevel
 from ..planning import Bucket
-from ..planning.sync import EQUAL_SHARDS, EXCHANGE, OWNERS, SHARD_BROADCASTS, SyncScheme
+from ..planning.sync import EQUAL_SHARDS, EXCHANGE, OWNERS, SyncScheme
 
 
 @dataclass
@@ -56,12 +56,12 @@ class SyncHalf:
     gather: Gather
 
 
-def _shards(full: Tensor, b: Bucket) -> list[tuple[int, Tensor]]:
+def shard_views(full: Tensor, b: Bucket) -> list[tuple[int, Tensor]]:
     """(rank, view of `full`) of every non-empty shard of `b`."""
     return [(r, full[lo - b.start : hi - b.start]) for r, lo, hi in b.shards()]
 
 
-def _place_mine(full: Tensor, mine: Tensor, b: Bucket, rank: int) -> None:
+def place_mine(full: Tensor, mine: Tensor, b: Bucket, rank: int) -> None:
     """Copy this rank's shard into its range of `full`, unless it is that range already."""
     lo, hi = b.shard(rank)
     own = full[lo - b.start : hi - b.start]
@@ -69,7 +69,7 @@ def _place_mine(full: Tensor, mine: Tensor, b: Bucket, rank: int) -> None:
         own.copy_(mine)
 
 
-def _reduce_scatter(full: Tensor, out: Tensor, b: Bucket, group: Group, divide_by: int) -> Any:
+def reduce_scatter_half(full: Tensor, out: Tensor, b: Bucket, group: Group, divide_by: int) -> Any:
     return reduce_scatter_shards(out, full, group, divide_by)
 
 
@@ -98,7 +98,7 @@ def all_gather_shards(full: Tensor, mine: Tensor, group: Group) -> list[Any]:
 
 
 def _reduce_to_owners(full: Tensor, out: Tensor, b: Bucket, group: Group, divide_by: int) -> Any:
-    return collectives.reduce_to_owners(_shards(full, b), group, divide_by, out)
+    return collectives.reduce_to_owners(shard_views(full, b), group, divide_by, out)
 
 
 def _all_gather(full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int) -> list[Any]:
@@ -108,31 +108,25 @@ def _all_gather(full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int) 
 def _broadcast_from_owners(
     full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int
 ) -> list[Any]:
-    _place_mine(full, mine, b, rank)
-    return [collectives.broadcast_from_owners(_shards(full, b), group)]
-
-
-def _broadcast_each_shard(
-    full: Tensor, mine: Tensor, b: Bucket, group: Group, rank: int
-) -> list[Any]:
-    _place_mine(full, mine, b, rank)
-    return [collectives.broadcast(t, r, group) for r, t in _shards(full, b)]
+    place_mine(full, mine, b, rank)
+    return [collectives.broadcast_from_owners(shard_views(full, b), group)]
 
 
 HALVES = {
-    EQUAL_SHARDS.name: SyncHalf(_reduce_scatter, _all_gather),
+    EQUAL_SHARDS.name: SyncHalf(reduce_scatter_half, _all_gather),
     OWNERS.name: SyncHalf(_reduce_to_owners, _broadcast_from_owners),
-    SHARD_BROADCASTS.name: SyncHalf(_reduce_scatter, _broadcast_each_shard),
     # The exchange to and from the owners is the step's, per batch of buckets (`_exchange`).
-    EXCHANGE.name: SyncHalf(_reduce_scatter, _all_gather),
+    EXCHANGE.name: SyncHalf(reduce_scatter_half, _all_gather),
 }
-"""Each sync scheme's executable half, by the scheme's name."""
+"""Each sync scheme's executable half, by the scheme's name: the core's, and those of the
+layouts an engine has loaded (`layouts.load`)."""
 
 
 def half_of(scheme: SyncScheme) -> SyncHalf:
     """The executable half of `scheme`."""
     if scheme.name not in HALVES:
         raise ValueError(
-            f"sync scheme {scheme.name!r} has no executable half; one of {list(HALVES)}"
+            f"sync scheme {scheme.name!r} has no executable half (loaded: {sorted(HALVES)}); "
+            f"build with the layout that names it (Variant(layout=...)), which loads it"
         )
     return HALVES[scheme.name]

@@ -15,11 +15,11 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..planning import SCHEMES, STRATEGIES
-from ..planning.plan import Scheme, Strategy
+from ..planning import STRATEGIES
+from ..planning.layouts import layout_named
+from ..planning.plan import Strategy
 from ..planning.routing import MatrixParams
 from ..planning.specs import is_int
-from ..planning.sync import PARAM_SYNCS, ParamSync
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -208,15 +208,14 @@ def _check_policy(policy: Any) -> None:
 class Variant:
     """The engine's other ways of doing what `DataParallelConfig`'s defaults do, kept for
     comparison (`wholeshard bench`, the tests), not for training: `DataParallel(...,
-    _variant=Variant(...))`. Each default is the design's; the others are the seeds' baselines
-    and the planner's alternatives, which a user has no reason to pick."""
+    _variant=Variant(...))`. Each default is the design's; the others are the planner's
+    alternatives and registered layouts (the bench's baselines), which a user has no reason to
+    pick."""
 
-    scheme: Scheme = "whole"
-    """`whole`: every matrix whole inside one rank's shard (the design). `ping_pong`: the
-    legacy baseline (one unaligned buffer, all-reduced gradients, owners dealt by size)."""
-    param_sync: ParamSync = "allgather"
-    """How updated params reach every rank: one `allgather` per bucket, or one `broadcast` per
-    owner (the legacy baseline's)."""
+    layout: str | None = None
+    """A registered layout's name: a rewrite of the plan with its own sync schemes ([Note:
+    layouts] in `wholeshard.planning.layouts`; the legacy baselines are the bench's: import
+    `wholeshard.bench.baselines`). None: the design's plan."""
     strategy: Strategy = "auto"
     """How matrices are dealt to ranks: `balanced` (equal shards, the matrix rule's cost even),
     `owners` (owner buckets of any size: each shard reduced to its owner and broadcast back),
@@ -233,15 +232,15 @@ class Variant:
     None: on when fully sharded or pipelined (where gathers run beside reductions)."""
 
     def __post_init__(self) -> None:
-        for name, choices in (
-            ("strategy", STRATEGIES),
-            ("scheme", SCHEMES),
-            ("param_sync", PARAM_SYNCS),
-        ):
-            if getattr(self, name) not in choices:
-                raise ConfigError(
-                    name, f"{name} must be one of {choices}, got {getattr(self, name)!r}"
-                )
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                "strategy", f"strategy must be one of {STRATEGIES}, got {self.strategy!r}"
+            )
+        if self.layout is not None:
+            try:
+                layout_named(self.layout)
+            except ValueError as e:
+                raise ConfigError("layout", str(e)) from None
         if self.exchange_every is not None and not (
             is_int(self.exchange_every) and self.exchange_every >= 1
         ):
@@ -258,15 +257,13 @@ class Variant:
             )
 
     def check(self, config: DataParallelConfig) -> None:
-        """Raise `ConfigError` if `config` cannot run under this variant."""
-        if self.scheme == "whole":
+        """Raise `ConfigError` if `config` cannot run under this variant: an option its layout
+        refuses."""
+        if self.layout is None:
             return
-        for name, why in (
-            ("reshard_after_forward", "its owners' params are not in equal shards"),
-            ("fp8_param_gather", "it has no shards"),
-        ):
+        for name, why in layout_named(self.layout).refuses:
             value = getattr(config, name)
             if value:
                 raise ConfigError(
-                    name, f"scheme={self.scheme!r} cannot take {name}={value!r}: {why}"
+                    name, f"layout={self.layout!r} cannot take {name}={value!r}: {why}"
                 )

@@ -4,9 +4,10 @@ does) and where it lives, and so which rank owns it (`plan_for` -> `Plan`, from 
 routes, a shapes file or a preset: the plan `DataParallel` makes with the same settings).
 `plan_exactly` plans exactly the strategy, bucket size and shard-group size it is told. What a
 plan costs is `wholeshard.capacity`'s, above the engine: nothing here imports it. The planners
-are private (`_whole`, `_rows`, `_balanced`, `_packing`, `_owners`, `_stacked`, `_elementwise`,
-`_unaligned`); `_invariants` checks them. `sync` describes the collectives each bucket's sync
-scheme issues (what the engine executes and `capacity` prices).
+are private (`_whole`, `_rows`, `_balanced`, `_packing`, `_owners`, `_stacked`,
+`_elementwise`); `_invariants` checks them. `sync` describes the collectives each bucket's sync
+scheme issues (what the engine executes and `capacity` prices). `layouts` is the one extension
+point: a registered rewrite of the plan with its own sync schemes ([Note: layouts]).
 
 [Note: wholeshard vocabulary]
 One word, one meaning, everywhere in wholeshard (code, errors, docs):
@@ -15,8 +16,7 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
 - plan: every buffer of a model for `dp` ranks in shard groups of `k` (`planning.Plan`).
 - buffer: one flat tensor holding params of one kind (`planning.Buffer`): "matrix" (whole
   tensors), "stacked" (whole matrices of expert stacks), "exchange" (every param, matrices
-  owned apart from the shards that hold them), "adamw" (element-wise), or "unaligned" (the
-  ping-pong baseline's).
+  owned apart from the shards that hold them), "adamw" (element-wise), or a layout's own.
 - bucket: a contiguous range of a buffer, cut into `k` shards (`planning.Bucket`): equal ones,
   reduce-scattered and all-gathered, or an owner bucket's, of any length, reduced to and
   broadcast from each owner; each bucket is reduced and gathered as one unit of collectives.
@@ -33,11 +33,11 @@ One word, one meaning, everywhere in wholeshard (code, errors, docs):
   or a flat slice.
 - piece: what the optimizer steps, one owned range or one matrix of it, with its fp32 master
   (`optim.OwnedPiece`).
-- scheme: how params are owned: "whole" (whole tensors in aligned shards: the design) or
-  "ping_pong" (the legacy baseline).
+- layout: a registered rewrite of the plan, with its own sync schemes and perhaps its own
+  buffer kind (`layouts.Layout`; the bench's legacy baselines are layouts).
 - sync scheme: how a bucket synchronizes (`Bucket.sync`): "equal_shards", "owners",
-  "exchange", or the legacy "shard_broadcasts"; one description each in `sync`, of the
-  collectives it issues.
+  "exchange", or one a layout registered; one description each in `sync`, of the collectives
+  it issues.
 - strategy: how the whole-tensor planner assigns params to shards: "size_match", "balanced"
   (equal shards), "owners" (owner buckets), "exchange" (`_exchange`), or "auto" (from 64
   ranks the exchange; below, balanced where it meets the plan targets, else owners: [Note:
@@ -50,7 +50,6 @@ from .buffer import KINDS, Buffer
 from .plan import (
     DEFAULT_STRATEGY,
     ONE_BUCKET,
-    SCHEMES,
     STRATEGIES,
     Plan,
     default_bucket_size,
@@ -68,7 +67,6 @@ __all__ = [
     "DEFAULT_STRATEGY",
     "KINDS",
     "ONE_BUCKET",
-    "SCHEMES",
     "STRATEGIES",
     "Bucket",
     "Buffer",

@@ -29,17 +29,22 @@ class Buffer(Protocol):
     def numel(self) -> int: ...
 
 
-def check_buffer(buffer: Buffer, specs: Sequence[ParamSpec] | None = None) -> None:
-    """`Buffer.check`: the invariants of its kind; with `specs`, also their names, shapes and
-    order, and tied params alone in their buckets."""
-    _check_buckets(buffer)
-    {
-        "matrix": _check_whole,
-        "stacked": _check_stacked,
-        "exchange": _check_exchange,
-        "adamw": _check_elementwise,
-        "unaligned": _check_whole,
-    }[buffer.kind](buffer)
+def check_buffer(
+    buffer: Buffer, specs: Sequence[ParamSpec] | None = None, whole_buckets: bool = False
+) -> None:
+    """`Buffer.check`: the invariants of its kind (`whole_buckets`: a layout's kind, whose
+    buckets have no shards and whose params are whole); with `specs`, also their names,
+    shapes and order, and tied params alone in their buckets."""
+    _check_buckets(buffer, whole_buckets)
+    if whole_buckets:
+        _check_whole(buffer, whole_buckets)
+    else:
+        {
+            "matrix": _check_whole,
+            "stacked": _check_stacked,
+            "exchange": _check_exchange,
+            "adamw": _check_elementwise,
+        }[buffer.kind](buffer)
     if specs is None:
         return
     if len(specs) != len(buffer.placements):
@@ -63,13 +68,13 @@ def _expect(condition: bool, message: str) -> None:
         raise AssertionError(message)
 
 
-def _check_buckets(buffer: Buffer) -> None:
-    """Buckets contiguous from 0; sharded kinds: `k` equal shards of a positive multiple of
-    `align`."""
+def _check_buckets(buffer: Buffer, whole_buckets: bool = False) -> None:
+    """Buckets contiguous from 0, each `k` equal shards (`whole_buckets`: one) of a positive
+    multiple of `align`."""
     k, align = buffer.shard_group_size, buffer.align
     _expect(k >= 1, f"shard_group_size is {k}; it must be >= 1")
     _expect(align >= 1, f"align is {align}; it must be >= 1")
-    shards = 1 if buffer.kind == "unaligned" else k
+    shards = 1 if whole_buckets else k
     expected_start = 0
     for i, b in enumerate(buffer.buckets):
         where = f"{buffer.kind} bucket {i} [{b.start}, {b.end})"
@@ -87,7 +92,7 @@ def _check_buckets(buffer: Buffer) -> None:
         if b.shard_numel % align:
             raise AssertionError(
                 f"{where} has shard_numel {b.shard_numel}, not a multiple of align={align}, "
-                "so shards after the first would start unaligned"
+                "so shards after the first would start off the alignment"
             )
         if b.numel != shards * b.shard_numel:
             raise AssertionError(
@@ -169,9 +174,10 @@ def _check_backprop_order(buffer: Buffer, last_registered: list[int]) -> None:
             )
 
 
-def _check_whole(buffer: Buffer) -> None:
-    """Every param whole: inside the shard of its owner, the owner by `Bucket.owner` (unaligned:
-    inside its bucket, owned by a rank of the group); buckets in backprop order."""
+def _check_whole(buffer: Buffer, whole_buckets: bool = False) -> None:
+    """Every param whole: inside the shard of its owner, the owner by `Bucket.owner`
+    (`whole_buckets`: inside its bucket, owned by a rank of the group); buckets in backprop
+    order."""
     last_registered = [-1] * len(buffer.buckets)
     names: set[str] = set()
     for i, p in enumerate(buffer.placements):
@@ -179,7 +185,7 @@ def _check_whole(buffer: Buffer) -> None:
             raise AssertionError(f"param {p.name!r}: name placed twice; names must be unique")
         names.add(p.name)
         b = _check_placement(buffer, p)
-        if buffer.kind == "unaligned":
+        if whole_buckets:
             if p.end > b.end:
                 raise AssertionError(f"param {p.name!r} runs past the end of bucket {b.index}")
             if p.owner is None or not 0 <= p.owner < buffer.shard_group_size:

@@ -57,10 +57,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from .layouts import laid_out, layout_named
 from .plan import (
     DEFAULT_STRATEGY,
     Plan,
-    Scheme,
     Strategy,
     _group_size,
     plan_exactly,
@@ -204,7 +204,7 @@ def search(
     there. Raises ValueError, as
     `plan_exactly` does, on bad input."""
     specs = tuple(specs)
-    _group_size(dp_size, k, bucket_size, align, strategy, "whole")
+    _group_size(dp_size, k, bucket_size, align, strategy)
     if bucket_limit is not None and (not is_int(bucket_limit) or bucket_limit < 1):
         raise ValueError(f"bucket_limit must be None or an int >= 1, got {bucket_limit!r}")
     validate_specs(specs)
@@ -236,7 +236,7 @@ class PlanSettings(TypedDict, total=False):
     bucket_size: int | None
     strategy: Strategy
     shard_group_size: int | str | None
-    scheme: Scheme
+    layout: str | None
     matrix_cost: MatrixCost | None
     node_size: int | None
 
@@ -248,17 +248,28 @@ def decide(
     bucket_size: int | None = None,
     strategy: Strategy = DEFAULT_STRATEGY,
     shard_group_size: int | str | None = None,
-    scheme: Scheme = "whole",
+    layout: str | None = None,
     matrix_cost: MatrixCost | None = None,
     node_size: int | None = None,
 ) -> tuple[Plan, Search | None]:
     """The plan `DataParallel` makes for these settings, with the search behind it when the
     strategy or `shard_group_size` is "auto". `bucket_size` None: `targets.bucket_size_for` the
     shard group size (dp when None) and strategy; `matrix_cost`: the cost balanced (None:
-    `ns_cost`)."""
-    if scheme != "whole":  # the ping-pong baseline: no shard groups, its own strategy
-        shard_group_size = None if shard_group_size == "auto" else shard_group_size
-        strategy = "size_match" if strategy == "auto" else strategy
+    `ns_cost`); `layout`: a registered layout's name, which rewrites the plan ([Note: layouts]
+    in `layouts`)."""
+    if layout is not None:
+        rule = layout_named(layout)
+        if strategy == "auto" and rule.strategy is not None:
+            strategy = rule.strategy
+        plan, found = decide(
+            specs,
+            dp_size,
+            bucket_size=bucket_size,
+            strategy=strategy,
+            shard_group_size=shard_group_size,
+            matrix_cost=matrix_cost,
+        )
+        return laid_out(rule, plan, specs, node_size), found
     auto_k = shard_group_size == "auto"
     if isinstance(shard_group_size, str) and not auto_k:
         raise ValueError(
@@ -273,7 +284,7 @@ def decide(
         k = shard_group_size if is_int(shard_group_size) and shard_group_size > 0 else dp_size
         bucket_size = bucket_size_for(sum(s.numel for s in specs), k, strategy)  # type: ignore[arg-type]
     sizes: dict[str, Any] = dict(bucket_size=bucket_size, shard_group_size=shard_group_size)
-    plan = plan_exactly(specs, dp_size, scheme=scheme, node_size=node_size, **sizes, **common)
+    plan = plan_exactly(specs, dp_size, node_size=node_size, **sizes, **common)
     return plan, None
 
 

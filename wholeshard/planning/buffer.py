@@ -13,9 +13,9 @@ A buffer is one flat tensor of one kind, cut into buckets; what a rank owns depe
 - `"exchange"`: every param of the exchange strategy ([Note: exchange buffers] in `_exchange`):
   per-layer buckets of equal shards; element-wise params owned by their shards' holders, each
   matrix of a Muon param by the rank in `Placement.owners`, wherever its elements lie.
-- `"unaligned"`: the legacy ping-pong baseline ([Note: unaligned buffers] in `_unaligned`):
-  every param whole, no shards (a bucket is one shard of its own size, held by every rank),
-  owners dealt by size over the `shard_group_size` ranks, no alignment.
+- a layout's kind (`register_kind`, [Note: layouts] in `layouts`): every param whole, owned by
+  its `Placement.owner`, in buckets without shards (a bucket is one shard of its own size, held
+  by every rank).
 
 Every kind: buckets are contiguous from element 0, params start on `align`-element boundaries,
 never overlap, and fill buckets in backprop order (reverse registration order). `Buffer.check`
@@ -42,8 +42,24 @@ from .specs import (
     shape_cost,
 )
 
-BufferKind = Literal["matrix", "stacked", "exchange", "adamw", "unaligned"]
-KINDS: tuple[BufferKind, ...] = ("matrix", "stacked", "exchange", "adamw", "unaligned")
+BufferKind = Literal["matrix", "stacked", "exchange", "adamw"]
+KINDS: tuple[BufferKind, ...] = ("matrix", "stacked", "exchange", "adamw")
+"""The planners' kinds, in plan order."""
+LAYOUT_KINDS: dict[str, str] = {}
+"""The kinds layouts registered (`register_kind`), with what a rank owns of one, for reports."""
+SHARDING = {
+    "matrix": "whole tensors",
+    "stacked": "whole matrices",
+    "exchange": "whole matrices exchanged to owners, the rest element-wise",
+    "adamw": "element-wise",
+}
+
+
+def register_kind(kind: str, sharding: str) -> None:
+    """Add a layout's buffer kind ([Note: layouts] in `layouts`; the module docstring says what
+    its buffers keep), `sharding` saying what a rank owns of it; a planner's kind is refused."""
+    if kind in KINDS or LAYOUT_KINDS.setdefault(kind, sharding) != sharding:
+        raise ValueError(f"buffer kind {kind!r} is taken")
 
 
 @dataclass(frozen=True)
@@ -51,7 +67,7 @@ class Buffer:
     """One planned buffer of one kind (`KINDS`) over a shard group of `shard_group_size` ranks.
     `placements` are the buffer's params in registration order."""
 
-    kind: BufferKind
+    kind: str  # a `BufferKind`, or a layout's (`LAYOUT_KINDS`)
     shard_group_size: int
     align: int
     buckets: tuple[Bucket, ...]
@@ -73,18 +89,12 @@ class Buffer:
     @property
     def whole(self) -> bool:
         """Whether every param is owned whole by one rank (`owner` set on every placement)."""
-        return self.kind in ("matrix", "unaligned")
+        return self.kind == "matrix" or self.kind in LAYOUT_KINDS
 
     @property
     def sharding(self) -> str:
         """What a rank owns, for reports."""
-        return {
-            "matrix": "whole tensors",
-            "stacked": "whole matrices",
-            "exchange": "whole matrices exchanged to owners, the rest element-wise",
-            "adamw": "element-wise",
-            "unaligned": "whole tensors, unaligned",
-        }[self.kind]
+        return SHARDING.get(self.kind) or LAYOUT_KINDS[self.kind]
 
     def buckets_of(self, placement: Placement) -> range:
         """Indices of the buckets `placement` overlaps (one, except for a spread stack)."""
@@ -120,7 +130,7 @@ class Buffer:
             if len(placement.owners) == 1:
                 return (0, placement.numel) if placement.owners[0] == rank else (0, 0)
             raise ValueError("a stacked param may have several owned ranges: use owned()")
-        if self.kind == "unaligned":
+        if self.kind in LAYOUT_KINDS:
             return (0, placement.numel) if placement.owner == rank else (0, 0)
         lo, hi = self.buckets[placement.bucket].shard(rank)
         start, end = max(placement.start, lo), min(placement.end, hi)
@@ -175,9 +185,12 @@ class Buffer:
         """Raise AssertionError naming the bucket or param if an invariant is broken. With
         `specs` (this buffer's specs, registration order) also check names, shapes and order,
         and that every tied param of a whole-tensor buffer sits alone in its bucket."""
-        if self.kind not in KINDS:
-            raise AssertionError(f"buffer kind {self.kind!r} must be one of {KINDS}")
-        check_buffer(self, specs)
+        if self.kind not in KINDS and self.kind not in LAYOUT_KINDS:
+            raise AssertionError(
+                f"buffer kind {self.kind!r} must be one of {KINDS} or a layout's "
+                f"({sorted(LAYOUT_KINDS)})"
+            )
+        check_buffer(self, specs, whole_buckets=self.kind in LAYOUT_KINDS)
 
 
 def deal(costs: Sequence[int], sizes: Sequence[int], k: int) -> list[int]:

@@ -5,8 +5,8 @@ planning call, decides those settings (what `DataParallel` makes) and plans thro
 Pure planning: param specs in, plain data out. `specs_by_kind` puts every param in exactly one
 buffer of one kind (`buffer`): 2-D matrix-routed params in "matrix" (`_whole`), those with more
 dims (fused MoE experts) in "stacked" (`_stacked`), the others in "adamw" (`_elementwise`); with
-strategy "exchange", every param in one "exchange" buffer (`_exchange`); with
-`scheme="ping_pong"`, every param in the legacy baseline's "unaligned" buffer (`_unaligned`).
+strategy "exchange", every param in one "exchange" buffer (`_exchange`). A layout ([Note:
+layouts] in `layouts`) may rewrite the plan, in buffers of its own kind.
 
 [Note: shard groups]
 With `shard_group_size=k` (k divides dp) the dp ranks form dp/k shard groups of k consecutive
@@ -40,9 +40,8 @@ from typing import Final, Literal
 from ._elementwise import plan_elementwise
 from ._owners import plan_owned
 from ._stacked import plan_stacked
-from ._unaligned import plan_unaligned
 from ._whole import plan_whole
-from .buffer import KINDS, Buffer, BufferKind
+from .buffer import KINDS, LAYOUT_KINDS, Buffer, BufferKind
 from .specs import MatrixCost, ParamSpec, cost_imbalance, is_int
 
 Strategy = Literal["auto", "balanced", "owners", "size_match", "exchange"]
@@ -50,8 +49,8 @@ STRATEGIES: tuple[Strategy, ...] = ("auto", "balanced", "owners", "size_match", 
 DEFAULT_STRATEGY: Strategy = "auto"
 """What `DataParallel`, `wholeshard plan`, the train job and `auto.plan_for` use (`plan_for`
 resolves it); `plan_exactly` plans one named strategy and defaults to "balanced"."""
-Scheme = Literal["whole", "ping_pong"]
-SCHEMES: tuple[Scheme, ...] = ("whole", "ping_pong")
+TWO_LEVEL_SCHEMES = ("equal_shards", "exchange")
+"""The sync schemes two-level groups run: reduce-scatters and all-gathers of equal shards."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +107,14 @@ class Plan:
         inverse within a group)."""
         return shard_holder(shard, self.shard_group_size, self.node_size)
 
+    def sync_schemes(self) -> set[str]:
+        """The names of the sync schemes its buckets name ([Note: sync schemes] in `sync`)."""
+        return {bk.sync for b in self.buffers for bk in b.buckets}
+
     def two_level_ready(self) -> bool:
         """Whether every bucket is reduce-scattered and all-gathered ([Note: two-level
-        groups]): no owner buckets, no ping-pong buffer."""
-        return all(
-            b.kind != "unaligned" and bk.sync in ("equal_shards", "exchange")
-            for b in self.buffers
-            for bk in b.buckets
-        )
+        groups]): its buckets' schemes are `TWO_LEVEL_SCHEMES`."""
+        return self.sync_schemes() <= set(TWO_LEVEL_SCHEMES)
 
     def check(self, specs: Sequence[ParamSpec] | None = None) -> None:
         """Raise AssertionError if any buffer breaks an invariant; with `specs` (registration
@@ -127,10 +126,12 @@ class Plan:
             raise AssertionError(f"node_size {n}: two levels need 1 < n < k = {k}, n | k, "
                                  "and equal-shard buckets")  # fmt: skip
         kinds = [b.kind for b in self.buffers]
-        if kinds != [kind for kind in KINDS if kind in kinds]:
-            raise AssertionError(f"buffers {kinds}: at most one per kind, in the order {KINDS}")
-        if "unaligned" in kinds and len(kinds) > 1:
-            raise AssertionError("an unaligned (ping-pong) buffer holds every param alone")
+        own = [kind for kind in kinds if kind in LAYOUT_KINDS]  # a layout's: every param
+        if kinds != ([kind for kind in KINDS if kind in kinds] if not own else own[:1]):
+            raise AssertionError(
+                f"buffers {kinds}: at most one per kind, in the order {KINDS}, or one of a "
+                f"layout's kind alone"
+            )
         for b in self.buffers:
             if b.shard_group_size != k or b.align != self.align:
                 raise AssertionError(
@@ -141,11 +142,7 @@ class Plan:
                 raise AssertionError(f"{b.kind} buffer holds no params; leave it out")
         by_kind: dict[BufferKind, list[ParamSpec]] | None = None
         if specs is not None:
-            by_kind = (
-                {"unaligned": list(specs)}
-                if kinds == ["unaligned"]
-                else specs_by_kind(specs, self.strategy)
-            )
+            by_kind = {own[0]: list(specs)} if own else specs_by_kind(specs, self.strategy)
         for b in self.buffers:
             b.check(None if by_kind is None else by_kind.get(b.kind, []))
         placed = sum(len(b.placements) for b in self.buffers)
@@ -197,7 +194,6 @@ def plan_exactly(
     align: int = 64,
     strategy: Strategy = "balanced",
     shard_group_size: int | None = None,
-    scheme: Scheme = "whole",
     matrix_cost: MatrixCost | None = None,
     node_size: int | None = None,
 ) -> Plan:
@@ -205,8 +201,7 @@ def plan_exactly(
     `k = shard_group_size or dp_size` with exactly these settings: nothing is chosen here
     (`auto.plan_for` chooses, as `DataParallel` does, and resolves strategy "auto"). "balanced"
     and "owners" balance `matrix_cost` (None: Newton-Schulz cost). `bucket_size`: an int, or
-    `ONE_BUCKET`. `scheme="ping_pong"` plans the legacy baseline instead (`align` 1, size
-    matching, no shard groups). `node_size`: the ranks of a node, for two-level groups where a
+    `ONE_BUCKET`. `node_size`: the ranks of a node, for two-level groups where a
     shard group spans several nodes ([Note: two-level groups]; None: one level). Raises
     ValueError, saying how to fix it, on bad input; the result passes `Plan.check(params)`."""
     specs = tuple(params)
@@ -218,22 +213,19 @@ def plan_exactly(
             "default size use wholeshard.planning.plan_for"
         )
     size = None if bucket_size == ONE_BUCKET else int(bucket_size)
-    k = _group_size(dp_size, shard_group_size, size, align, strategy, scheme)
+    k = _group_size(dp_size, shard_group_size, size, align, strategy)
     if strategy == "auto":
         raise ValueError(
             "strategy='auto' chooses between plans: use wholeshard.planning.plan_for (what "
             "DataParallel uses), or name one of 'balanced', 'owners', 'size_match', 'exchange'"
         )
-    if scheme == "ping_pong":
-        plan = Plan(dp_size, k, "size_match", 1, bucket_size, (plan_unaligned(specs, k, size),))
-    else:
-        by_kind = specs_by_kind(specs, strategy)
-        buffers = tuple(
-            plan_buffer(kind, tuple(by_kind[kind]), k, size, align, strategy, matrix_cost)
-            for kind in KINDS
-            if kind in by_kind
-        )
-        plan = Plan(dp_size, k, strategy, align, bucket_size, buffers, matrix_cost)
+    by_kind = specs_by_kind(specs, strategy)
+    buffers = tuple(
+        plan_buffer(kind, tuple(by_kind[kind]), k, size, align, strategy, matrix_cost)
+        for kind in KINDS
+        if kind in by_kind
+    )
+    plan = Plan(dp_size, k, strategy, align, bucket_size, buffers, matrix_cost)
     plan = two_level(plan, node_size)
     plan.check(specs)
     return plan
@@ -260,10 +252,12 @@ def two_level(plan: Plan, node_size: int | None) -> Plan:
             f"that is a multiple of {node_size}"
         )
     if not plan.two_level_ready():
+        others = sorted(plan.sync_schemes() - set(TWO_LEVEL_SCHEMES))
+        fix = "pass strategy='exchange' (or 'balanced'), or " if "owners" in others else ""
         raise ValueError(
-            f"node_size={node_size}: two-level groups reduce-scatter equal-shard buckets, and "
-            f"strategy {plan.strategy!r} reduces buckets to their owners; pass strategy="
-            f"'exchange' (or 'balanced'), or leave node_size unset"
+            f"node_size={node_size}: two-level groups reduce-scatter and all-gather equal-shard "
+            f"buckets (sync schemes {TWO_LEVEL_SCHEMES}), and this plan syncs buckets by "
+            f"{', '.join(map(repr, others))}; {fix}leave node_size unset"
         )
     return dataclasses.replace(plan, node_size=node_size)
 
@@ -277,7 +271,7 @@ def plan_buffer(
     strategy: Strategy,
     matrix_cost: MatrixCost | None = None,
 ) -> Buffer:
-    """The buffer of one kind (not "unaligned") of validated `specs` over `k` ranks, planned by
+    """The buffer of one of `KINDS` of validated `specs` over `k` ranks, planned by
     `strategy` (not "auto"), not yet checked; `bucket_size` None: one bucket (the private
     planners' spelling of `ONE_BUCKET`)."""
     if kind == "adamw":
@@ -304,15 +298,13 @@ def specs_by_kind(
 
 
 def _group_size(
-    dp_size: int, k: int | None, bucket_size: int | None, align: int, strategy: str, scheme: str
+    dp_size: int, k: int | None, bucket_size: int | None, align: int, strategy: str
 ) -> int:
     """The shard group size the options ask for (`k`, None: `dp_size`), once they are valid
     (`bucket_size` None: chosen by the caller, or one bucket); ValueError, saying how to fix
     it, otherwise."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     if not is_int(dp_size) or dp_size < 1:
         raise ValueError(
             f"dp_size must be an int >= 1 (the data-parallel world size), got {dp_size!r}"
@@ -333,8 +325,6 @@ def _group_size(
             f"within groups of that many ranks and replicated across groups), got {k!r}; "
             f"choose one of {divisors}"
         )
-    if scheme == "ping_pong" and k != dp_size:
-        raise ValueError("scheme='ping_pong' has no shard groups: leave shard_group_size unset")
     return k
 
 

@@ -75,6 +75,7 @@ class Bucket:
     shard_numel: int
     owner_starts: tuple[tuple[int, int], ...] = ()
     exchanged: bool = False
+    scheme: str = ""  # a registered sync scheme that syncs it instead ([Note: layouts])
 
     @property
     def numel(self) -> int:
@@ -87,8 +88,11 @@ class Bucket:
 
     @property
     def sync(self) -> str:
-        """The name of the scheme that syncs this bucket ([Note: sync schemes] in `sync`):
-        "owners" for an owner bucket, "exchange" for an exchange bucket, else "equal_shards"."""
+        """The name of the scheme that syncs this bucket ([Note: sync schemes] in `sync`): the
+        one it names (`scheme`, registered by a layout), else "owners" for an owner bucket,
+        "exchange" for an exchange bucket, and "equal_shards"."""
+        if self.scheme:
+            return self.scheme
         if self.exchanged:
             return "exchange"
         return "owners" if self.owner_starts else "equal_shards"

@@ -18,9 +18,9 @@ engine executes it (`engine._sync` holds each scheme's executable half, by name)
   order (`exchange_batches`), one all-to-all of the reduced matrix pieces to their owners after
   the batch's reductions, in the grad dtype, and one back, in the param dtype, before its
   gathers (`exchange`: each rank's sizes and peers).
-- "shard_broadcasts": the legacy baseline of equal shards with `param_sync="broadcast"`
-  (`DataParallel(..., _variant=Variant(param_sync="broadcast"))`): one reduce-scatter, then one
-  broadcast per shard (`sync_scheme` picks it; owner buckets broadcast anyway).
+
+Those are the core's (`SYNC_SCHEMES`); a layout registers more ([Note: layouts] in `layouts`),
+each with its executable half, and names them in its buckets (`Bucket.scheme`).
 
 With two-level groups ([Note: two-level groups] in `plan`), each reduce-scatter of a bucket over
 the shard group is two, within the node ("node": n ranks, the whole bucket) then across nodes
@@ -29,15 +29,14 @@ the shard group is two, within the node ("node": n ranks, the whole bucket) then
 A storage unit reduces its buckets in buffer order, each by its scheme, and with replicas (dp /
 k shard groups) then all-reduces each non-empty reduced shard of its rank across them, in the
 same order, once every bucket's first stage has landed (`unit_reduce`); it gathers its buckets
-in buffer order (`unit_gather`). The legacy ping-pong scheme's unaligned buffer is synced whole
-(`engine._unaligned_storage`), not by buckets, and is not described here.
+in buffer order (`unit_gather`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from ._exchange import Segment
 from .specs import Bucket
@@ -59,10 +58,6 @@ OPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce", "red
 """The collective kinds: torch's, an owner bucket's coalesced groups of reduces and of
 broadcasts (one per owner's shard, [Note: owner collectives] in `distributed.collectives`), and
 the exchange's all-to-all with split sizes (`all_to_all_single`)."""
-ParamSync = Literal["allgather", "broadcast"]
-PARAM_SYNCS: tuple[ParamSync, ...] = ("allgather", "broadcast")
-"""How updated params reach every rank: by each bucket's own scheme (`allgather`), or, for equal
-shards, by one broadcast per shard (`broadcast`, the legacy baseline: "shard_broadcasts")."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -137,12 +132,6 @@ def _one(op: str, what: str) -> Describe:
     return lambda b, k, dtype: [Collective(op, k, b.numel, dtype, what, "shard")]
 
 
-def _broadcast_each_shard(b: Bucket, k: int, dtype: str) -> list[Collective]:
-    return [
-        Collective("broadcast", k, hi - lo, dtype, "params", "shard") for _, lo, hi in b.shards()
-    ]
-
-
 EQUAL_SHARDS = SyncScheme(
     "equal_shards",
     _one("reduce_scatter", "grads"),
@@ -155,28 +144,36 @@ OWNERS = SyncScheme(
     _one("broadcast_coalesced", "params"),
     "reduce/broadcast",
 )
-SHARD_BROADCASTS = SyncScheme(
-    "shard_broadcasts",
-    _one("reduce_scatter", "grads"),
-    _broadcast_each_shard,
-    "reduce_scatter/broadcast",
-)
 EXCHANGE = SyncScheme(
     "exchange",
     _one("reduce_scatter", "grads"),
     _one("all_gather", "params"),
     "reduce_scatter/all_gather, exchanged",
 )
-SYNC_SCHEMES = {s.name: s for s in (EQUAL_SHARDS, OWNERS, SHARD_BROADCASTS, EXCHANGE)}
-"""Every sync scheme by name."""
+CORE_SCHEMES = (EQUAL_SHARDS, OWNERS, EXCHANGE)
+"""The core's sync schemes, which the planners' buckets name."""
+SYNC_SCHEMES = {s.name: s for s in CORE_SCHEMES}
+"""Every sync scheme by name: the core's and those layouts registered (`register_scheme`)."""
 
 
-def sync_scheme(bucket: Bucket, param_sync: ParamSync = "allgather") -> SyncScheme:
-    """The scheme that syncs `bucket`: its own (`Bucket.sync`), or with the legacy
-    `param_sync="broadcast"`, equal shards gathered by broadcasts ([Note: sync schemes])."""
-    if param_sync == "broadcast" and bucket.sync == EQUAL_SHARDS.name:
-        return SHARD_BROADCASTS
-    return SYNC_SCHEMES[bucket.sync]
+def register_scheme(scheme: SyncScheme) -> None:
+    """Add `scheme` to `SYNC_SCHEMES` (a layout's, [Note: layouts] in `layouts`); registering
+    the same one again is a no-op, another under a taken name a ValueError."""
+    if SYNC_SCHEMES.setdefault(scheme.name, scheme) != scheme:
+        raise ValueError(f"a different sync scheme is registered as {scheme.name!r}")
+
+
+def scheme_of(bucket: Bucket) -> SyncScheme:
+    """The scheme that syncs `bucket` (`Bucket.sync`); ValueError, saying how to fix it, when
+    no scheme of that name is registered."""
+    scheme = SYNC_SCHEMES.get(bucket.sync)
+    if scheme is None:
+        raise ValueError(
+            f"bucket {bucket.index} names sync scheme {bucket.sync!r}, which is not registered "
+            f"(registered: {sorted(SYNC_SCHEMES)}); import the module of the layout that "
+            f"planned it (the bench's baselines: import wholeshard.bench.baselines)"
+        )
+    return scheme
 
 
 def two_level(collectives: Sequence[Collective], node: int) -> list[Collective]:
@@ -201,14 +198,13 @@ def unit_reduce(
     replicas: int,
     rank: int,
     dtype: str,
-    param_sync: ParamSync = "allgather",
     node: int = 1,
 ) -> list[Collective]:
     """The collectives reducing one storage unit's `buckets` on shard index `rank`, in order:
     each bucket's scheme's (in two levels for nodes of `node` ranks), then with `replicas` > 1
     an all-reduce of each of the rank's non-empty shards across the replica group ([Note: sync
     schemes])."""
-    out = [c for b in buckets for c in sync_scheme(b, param_sync).reduce(b, k, dtype)]
+    out = [c for b in buckets for c in scheme_of(b).reduce(b, k, dtype)]
     out = two_level(out, node)
     if replicas > 1:
         out += [Collective("all_reduce", replicas, n, dtype, "grads", "replica")
@@ -220,12 +216,11 @@ def unit_gather(
     buckets: Sequence[Bucket],
     k: int,
     dtype: str,
-    param_sync: ParamSync = "allgather",
     node: int = 1,
 ) -> list[Collective]:
     """The collectives gathering one storage unit's `buckets` (k > 1), in order (in two levels
     for nodes of `node` ranks)."""
-    gathers = [c for b in buckets for c in sync_scheme(b, param_sync).gather(b, k, dtype)]
+    gathers = [c for b in buckets for c in scheme_of(b).gather(b, k, dtype)]
     return two_level(gathers, node)
 
 

@@ -1,28 +1,58 @@
-"""Storage of the legacy ping-pong baseline's unaligned buffer.
+"""The engine half of the bench's baselines (`baselines`): the executable halves of their sync
+schemes and the storage of the ping-pong baseline's unaligned buffer ([Note: unaligned buffers]
+in `baselines`).
 
-Every rank holds every unit whole: gradients are all-reduced; each rank's owned params are
-flattened into a staging buffer and synced by one all-gather padded to the largest rank or by
+Every rank holds every unaligned unit whole: gradients are all-reduced; each rank's owned params
+are flattened into a staging buffer and synced by one all-gather padded to the largest rank or by
 one broadcast per rank, then copied out. Every rank issues the same collectives in the same
 order, whatever it owns.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import Tensor
 
 from ..distributed import collectives
-from ..planning import Placement
-from ._storage import StorageUnit
-from ._sync import InFlight
+from ..engine.layouts import (
+    Executable,
+    InFlight,
+    StorageUnit,
+    SyncHalf,
+    place_mine,
+    reduce_scatter_half,
+    shard_views,
+)
+from ..planning import Bucket, Placement
+from .baselines import PING_PONG, PING_PONG_BROADCASTS, SHARD_BROADCASTS
+
+
+def _broadcast_each_shard(full: Tensor, mine: Tensor, b: Bucket, group: Any, rank: int) -> list:
+    place_mine(full, mine, b, rank)
+    return [collectives.broadcast(t, r, group) for r, t in shard_views(full, b)]
+
+
+def _all_reduce(full: Tensor, out: Tensor, b: Bucket, group: Any, divide_by: int) -> Any:
+    return collectives.all_reduce_sum(full, group, divide_by)
+
+
+def _by_the_unit(full: Tensor, mine: Tensor, b: Bucket, group: Any, rank: int) -> list:
+    raise AssertionError(
+        f"an unaligned bucket is gathered by its storage unit ({UnalignedStorage.__name__}), "
+        "every owner's params at once, never bucket by bucket"
+    )
 
 
 class UnalignedStorage(StorageUnit):
     """A storage unit of the unaligned buffer: all-reduce for grads, a staging buffer for params
-    ([Note: unaligned buffers] in `wholeshard.planning._unaligned`)."""
+    ([Note: unaligned buffers] in `baselines`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._staging: torch.Tensor | None = None
+        self._broadcast = self.buckets[0].sync == PING_PONG_BROADCASTS.name
         # _owned_in[rank]: the params rank owns in this unit, in buffer order.
         self._owned_in: list[list[Placement]] = [[] for _ in range(self.groups.size)]
         for _, p in sorted(self.params, key=lambda item: item[1].start):
@@ -31,19 +61,10 @@ class UnalignedStorage(StorageUnit):
     def owned_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._elements(self.param, lo, hi), self._elements(self.grad, lo, hi)
 
-    def _reduce(self) -> InFlight:
-        return InFlight(
-            [
-                collectives.all_reduce_sum(
-                    self.grad, self.groups.group, self.groups.divide_by or self.groups.size
-                )
-            ]
-        )
-
     def _gather(self) -> InFlight:
         group, rank, size = self.groups.gather_group, self.groups.rank, self.groups.size
         sizes = [sum(p.numel for p in ps) for ps in self._owned_in]
-        if self.groups.param_sync == "allgather":  # equal sizes: pad every rank to the largest
+        if not self._broadcast:  # equal sizes: pad every rank to the largest
             width = max(sizes)
             offsets = [r * width for r in range(size)]
             staging = self._staging_for(width * size)
@@ -87,3 +108,15 @@ class UnalignedStorage(StorageUnit):
 
     def drop_temporaries(self) -> None:
         self._staging = None
+
+
+_UNALIGNED = SyncHalf(_all_reduce, _by_the_unit)
+EXECUTABLE = Executable(
+    {
+        SHARD_BROADCASTS.name: SyncHalf(reduce_scatter_half, _broadcast_each_shard),
+        PING_PONG.name: _UNALIGNED,
+        PING_PONG_BROADCASTS.name: _UNALIGNED,
+    },
+    UnalignedStorage,
+)
+"""The engine half of every baseline in `baselines.LAYOUTS`."""
