@@ -9,6 +9,7 @@ planning (routing and plans, pure) -> distributed, fp8, models -> engine -> opti
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,24 @@ def test_every_module_reads_in_a_sitting() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+BASELINE_NAMES = re.compile(r"ping.pong|unaligned|shard_broadcasts|param_sync\s*[=:]", re.I)
+"""The legacy baselines' names: the bench's layouts (`wholeshard.bench.baselines`), never the
+core's ([Note: layouts] in `wholeshard.planning.layouts`)."""
+
+
+def test_the_core_names_no_legacy_baseline() -> None:
+    """Every package but the bench holds the design and one extension point (layouts), no
+    baseline's branch or name: the baselines are layouts the bench registers."""
+    found = [
+        f"{name}:{n}: {line.strip()}"
+        for name, path in modules().items()
+        if package_of(name) != "bench"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if BASELINE_NAMES.search(line)
+    ]
+    assert not found, "\n".join(found)
 
 
 def test_top_level_holds_the_concepts_only() -> None:

@@ -277,7 +277,7 @@ def test_pipelined_fully_sharded_and_fp8_rows_sit_between_overlap_and_ping_pong(
     one_group = CONFIGS["ws_fully_sharded_one_group"]
     assert one_group.parallel == CONFIGS["ws_fully_sharded"].parallel
     assert one_group.variant == Variant(separate_all_gather_group=False)
-    assert CONFIGS["ws_ping_pong"].variant == Variant(scheme="ping_pong")
+    assert CONFIGS["ws_ping_pong"].variant == Variant(layout="ping_pong")
     assert CONFIGS["ddp_torch_muon"].parallel is None
     assert CONFIGS["ws_sync"].parallel.bucket_size is None  # the library's default
 

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+import wholeshard.bench.baselines  # noqa: F401  (registers the legacy baselines' layouts)
 from wholeshard.bench import traffic
 from wholeshard.capacity._lifetimes import _events, kept_units
 from wholeshard.capacity.costs import (
@@ -31,7 +32,8 @@ from wholeshard.capacity.projection import (
     project,
     rank_ns_flops,
 )
-from wholeshard.planning import ONE_BUCKET, ParamSpec, default_bucket_size, plan_exactly, plan_for
+from wholeshard.planning import ParamSpec, default_bucket_size, plan_exactly, plan_for
+from wholeshard.planning.layouts import laid_out, layout_named
 
 CASES = [  # (preset, dp, shard group size)
     ("gpt2-small", 1, None),
@@ -47,8 +49,11 @@ MODES = [
     Mode(param_dtype="bfloat16", grad_reduce_dtype="bfloat16", overlap_grad_reduce=True),
     Mode(reshard_after_forward=True, param_dtype="bfloat16"),
     Mode(reshard_after_forward=True, overlap_grad_reduce=True, overlap_param_gather=True),
-    Mode(param_sync="broadcast", clip_grad_norm=False),
+    Mode(clip_grad_norm=False),
 ]
+LAID_OUT = [None] * (len(MODES) - 1) + ["shard_broadcasts"]
+"""The layout each mode's plan takes in `test_collectives_per_step`: the last, the bench's
+broadcast baseline (`wholeshard.bench.baselines`), whose registered description costs price."""
 
 
 def _plan(name: str, dp: int, k: int | None):
@@ -96,8 +101,6 @@ def test_dtypes_are_read_from_names_or_torch_dtypes() -> None:
     assert dtype_name(torch.float32) == "float32" and ELEMENT_BYTES[dtype_name("half")] == 2
     with pytest.raises(ValueError, match="unknown dtype"):
         Mode(param_dtype="int8")
-    with pytest.raises(ValueError, match="param_sync"):
-        Mode(param_sync="scatter")  # type: ignore[arg-type]
 
 
 def test_owned_matches_the_plans_own_ownership(planned) -> None:
@@ -170,9 +173,13 @@ def test_transposed_weights_keep_fp32_masters() -> None:
     assert sum(p["master_grads"] for p in costs.persistent) == expected
 
 
-@pytest.mark.parametrize("mode", MODES, ids=range(len(MODES)))
-def test_collectives_per_step(planned, mode: Mode) -> None:
+@pytest.mark.parametrize(
+    ("mode", "layout"), zip(MODES, LAID_OUT, strict=True), ids=range(len(MODES))
+)
+def test_collectives_per_step(planned, mode: Mode, layout: str | None) -> None:
     plan, specs = planned
+    if layout is not None:
+        plan = laid_out(layout_named(layout), plan, specs, None)
     costs = plan_costs(plan, specs, mode)
     dp, k = plan.dp_size, plan.shard_group_size
     counts = costs.counts()
@@ -197,7 +204,7 @@ def test_collectives_per_step(planned, mode: Mode) -> None:
         t * sum(b.owners for b in u.buckets) for t, u in zip(times, units, strict=True)
     )
     assert counts.get("broadcast_coalesced", 0) == owner_gathers
-    op = "all_gather" if mode.param_sync == "allgather" else "broadcast"
+    op = "all_gather" if layout is None else "broadcast"
     assert counts.get(op, 0) == (gathers - owner_gathers) * (1 if op == "all_gather" else k)
     # bytes, independently: each bucket's reduce-scatter and each sync move (k-1)/k of it
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
@@ -276,10 +283,10 @@ def test_storage_units_cover_every_bucket_in_reduce_order(planned) -> None:
     assert sorted(n for u in units for n in u.names) == sorted(s.name for s in specs)
 
 
-def test_ping_pong_is_refused() -> None:
+def test_a_layouts_own_buffer_kind_is_refused() -> None:
     specs = preset("gpt2-small")
-    plan = plan_exactly(specs, 4, scheme="ping_pong", bucket_size=ONE_BUCKET)
-    with pytest.raises(ValueError, match="ping-pong"):
+    plan = plan_for(specs, 4, layout="ping_pong", bucket_size=1 << 20)
+    with pytest.raises(ValueError, match="costs of a 'unaligned' buffer .* are not modelled"):
         plan_costs(plan, specs)
 
 

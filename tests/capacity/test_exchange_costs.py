@@ -104,7 +104,7 @@ def test_every_ranks_all_to_alls_are_the_exchanges_of_its_batches(every: int | N
 
 def test_mode_reads_the_variants_exchange_every() -> None:
     class Variant:
-        param_sync, exchange_every = "allgather", 3
+        exchange_every = 3
 
     assert Mode.of(DataParallelConfig(), Variant()).exchange_every == 3  # type: ignore[arg-type]
     assert Mode.of(DataParallelConfig()).exchange_every is None

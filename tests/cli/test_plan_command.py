@@ -135,7 +135,6 @@ def test_json_has_every_field_with_its_type(
         "shard_group_size": 2,
         "overlap_grad_reduce": True,
         "overlap_param_gather": False,
-        "param_sync": "allgather",
         "clip_grad_norm": True,
         "offload_state": False,
     }

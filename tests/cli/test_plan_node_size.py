@@ -103,7 +103,7 @@ def test_where_two_levels_do_not_apply_the_structure_says_why(
     owners = plan_doc(["--preset", "llama3-8b", "--dp", "64", "--strategy", "owners"], capsys)
     shape = owners["strategy_choice"]["group_structure"]
     assert shape["strategy"] == "owners" and set(shape["figures"]["owners"]) == {"1"}
-    assert "reduces buckets to their owners" in shape["not_two_level"]["owners"]
+    assert "syncs buckets by 'owners'" in shape["not_two_level"]["owners"]
     assert set(shape["figures"]["exchange"]) == {"1", "8"}
 
 

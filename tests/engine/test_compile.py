@@ -42,10 +42,10 @@ STEPS = 3
 MODES = {
     "sync": SYNC,
     "overlap": OVERLAP,
-    "broadcast-overlap": dict(param_sync="broadcast", **OVERLAP),
-    "ping_pong": dict(scheme="ping_pong"),
-    "ping_pong-overlap": dict(scheme="ping_pong", **OVERLAP),
-    "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast"),
+    "broadcast-overlap": dict(layout="shard_broadcasts", **OVERLAP),
+    "ping_pong": dict(layout="ping_pong"),
+    "ping_pong-overlap": dict(layout="ping_pong", **OVERLAP),
+    "ping_pong-broadcast": dict(layout="ping_pong_broadcasts"),
     "shard_group_size=1-overlap": dict(shard_group_size=1, **OVERLAP),
     "fully_sharded-overlap": dict(reshard_after_forward=True, **OVERLAP),
 }

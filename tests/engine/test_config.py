@@ -76,16 +76,21 @@ def test_bad_values_name_their_field(options: dict, field: str, message: str) ->
     "variant, options, field, message",
     [
         (dict(strategy="zigzag"), {}, "strategy", "strategy must be one of"),
-        (dict(scheme="aligned"), {}, "scheme", "scheme must be one of"),
-        (dict(param_sync="scatter"), {}, "param_sync", "param_sync must be one of"),
+        (
+            dict(layout="aligned"),
+            {},
+            "layout",
+            r"layout 'aligned' is not registered \(registered: .*'ping_pong'.*register_layout.*"
+            r"import wholeshard.bench.baselines",
+        ),
         (dict(separate_all_gather_group="yes"), {}, "separate_all_gather_group", "None, True"),
         (
-            dict(scheme="ping_pong"),
+            dict(layout="ping_pong"),
             dict(reshard_after_forward=True),
             "reshard_after_forward",
-            "equal",
+            "layout='ping_pong' cannot take reshard_after_forward=True: .* equal",
         ),
-        (dict(scheme="ping_pong"), dict(fp8_param_gather=True), "fp8_param_gather", "no shards"),
+        (dict(layout="ping_pong"), dict(fp8_param_gather=True), "fp8_param_gather", "no shards"),
     ],
 )
 def test_bad_variants_name_their_field(variant: dict, options: dict, field: str, message: str):

@@ -102,7 +102,7 @@ def test_models_with_shared_unused_or_frozen_params(kw: dict) -> None:
 
 def test_clipping_and_broadcast_param_sync() -> None:
     ref = reference_run(STEPS, clip=0.5)
-    outs = run(_both, 2, dict(param_sync="broadcast", **OVERLAP), clip=0.5)
+    outs = run(_both, 2, dict(layout="shard_broadcasts", **OVERLAP), clip=0.5)
     for out in outs:
         assert_bitwise_equal(out["fs"], out["zero"])
         assert out["fs"]["norms"] == out["zero"]["norms"]
@@ -204,7 +204,7 @@ def test_zero_mode_memory_is_the_full_buffers() -> None:
 
 def test_ping_pong_cannot_be_fully_sharded() -> None:
     with pytest.raises(ValueError, match="ping_pong.*cannot take reshard_after_forward"):
-        data_parallel(make_model(), scheme="ping_pong", **FS)
+        data_parallel(make_model(), layout="ping_pong", **FS)
 
 
 # -- the separate all-gather group -------------------------------------------------------------

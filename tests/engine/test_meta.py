@@ -83,7 +83,7 @@ def _train(meta: bool, ddp_kw: dict) -> dict:
 
 
 MODES = MAIN_MODES | {
-    "ping-pong": dict(scheme="ping_pong", param_sync="broadcast"),
+    "ping-pong": dict(layout="ping_pong_broadcasts"),
     "fp8-gather": dict(fp8_param_gather=True, **OVERLAP),
     "owners-fully-sharded": dict(strategy="owners", reshard_after_forward=True, **OVERLAP),
     "exchange": dict(strategy="exchange", **OVERLAP),

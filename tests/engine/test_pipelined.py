@@ -84,7 +84,7 @@ def test_accumulation_schedules_one_group_and_ping_pong() -> None:
     ping-pong baseline with broadcasts."""
     modes = {
         "one-group": dict(separate_all_gather_group=False, **OVERLAP),
-        "ping_pong-broadcast": dict(scheme="ping_pong", param_sync="broadcast", **OVERLAP),
+        "ping_pong-broadcast": dict(layout="ping_pong_broadcasts", **OVERLAP),
     }
     outs = run(_pairs, 2, modes, clips=(0.5,), micro_batches=3, lr_lambda=lambda s: 0.7**s)
     _assert_pairs_equal(outs)

@@ -122,7 +122,10 @@ def _refused(ddp_kw: dict) -> str:
     [
         (dict(TWO, node_size=3), "does not divide the shard group size 4"),
         (dict(TWO, strategy="owners"), "pass strategy='exchange'"),
-        (dict(TWO, param_sync="broadcast"), "broadcasts them"),
+        (
+            dict(TWO, strategy="balanced", layout="shard_broadcasts"),
+            "syncs buckets by 'shard_broadcasts'; leave node_size unset",
+        ),
     ],
     ids=["node-size", "owners", "broadcast"],
 )

@@ -302,8 +302,8 @@ def test_staging_at_the_step_would_ship_zeros_and_staging_at_dispatch_does_not()
 def test_fp8_param_gather_needs_fp8_layers_and_the_whole_scheme() -> None:
     with pytest.raises(ValueError, match="convert it first"):
         wholeshard.DataParallel(make_model(), fp8_param_gather=True)
-    with pytest.raises(ValueError, match="scheme='ping_pong' cannot take fp8_param_gather"):
-        data_parallel(fp8_model("mxfp8")(), scheme="ping_pong", fp8_param_gather=True)
+    with pytest.raises(ValueError, match="layout='ping_pong' cannot take fp8_param_gather"):
+        data_parallel(fp8_model("mxfp8")(), layout="ping_pong", fp8_param_gather=True)
 
 
 def _across_a_checkpoint(root: str, save_on: bool) -> tuple[list[float], list[float]]:

@@ -170,7 +170,7 @@ MODES = {
     "pipelined": dict(pipelined_step=True, overlap_grad_reduce=True),
     "owners": dict(strategy="owners", bucket_size=1),
     "shard_groups": dict(shard_group_size=2),
-    "legacy": dict(scheme="ping_pong"),
+    "legacy": dict(layout="ping_pong"),
 }
 
 

@@ -1,6 +1,6 @@
-"""The engine half of the bench's baselines (`baselines`): the executable halves of their sync
-schemes and the storage of the ping-pong baseline's unaligned buffer ([Note: unaligned buffers]
-in `baselines`).
+"""The engine half of the bench's baselines (`baselines`, which names them): the executable
+halves of their sync schemes and the storage of the ping-pong baseline's unaligned buffer
+([Note: unaligned buffers] in `baselines`).
 
 Every rank holds every unaligned unit whole: gradients are all-reduced; each rank's owned params
 are flattened into a staging buffer and synced by one all-gather padded to the largest rank or by
@@ -17,7 +17,6 @@ from torch import Tensor
 
 from ..distributed import collectives
 from ..engine.layouts import (
-    Executable,
     InFlight,
     StorageUnit,
     SyncHalf,
@@ -26,7 +25,6 @@ from ..engine.layouts import (
     shard_views,
 )
 from ..planning import Bucket, Placement
-from .baselines import PING_PONG, PING_PONG_BROADCASTS, SHARD_BROADCASTS
 
 
 def _broadcast_each_shard(full: Tensor, mine: Tensor, b: Bucket, group: Any, rank: int) -> list:
@@ -47,12 +45,13 @@ def _by_the_unit(full: Tensor, mine: Tensor, b: Bucket, group: Any, rank: int) -
 
 class UnalignedStorage(StorageUnit):
     """A storage unit of the unaligned buffer: all-reduce for grads, a staging buffer for params
-    ([Note: unaligned buffers] in `baselines`)."""
+    gathered by one padded all-gather ([Note: unaligned buffers] in `baselines`)."""
+
+    broadcast = False  # gather by one broadcast per owning rank instead
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._staging: torch.Tensor | None = None
-        self._broadcast = self.buckets[0].sync == PING_PONG_BROADCASTS.name
         # _owned_in[rank]: the params rank owns in this unit, in buffer order.
         self._owned_in: list[list[Placement]] = [[] for _ in range(self.groups.size)]
         for _, p in sorted(self.params, key=lambda item: item[1].start):
@@ -64,7 +63,7 @@ class UnalignedStorage(StorageUnit):
     def _gather(self) -> InFlight:
         group, rank, size = self.groups.gather_group, self.groups.rank, self.groups.size
         sizes = [sum(p.numel for p in ps) for ps in self._owned_in]
-        if not self._broadcast:  # equal sizes: pad every rank to the largest
+        if not self.broadcast:  # equal sizes: pad every rank to the largest
             width = max(sizes)
             offsets = [r * width for r in range(size)]
             staging = self._staging_for(width * size)
@@ -110,13 +109,13 @@ class UnalignedStorage(StorageUnit):
         self._staging = None
 
 
-_UNALIGNED = SyncHalf(_all_reduce, _by_the_unit)
-EXECUTABLE = Executable(
-    {
-        SHARD_BROADCASTS.name: SyncHalf(reduce_scatter_half, _broadcast_each_shard),
-        PING_PONG.name: _UNALIGNED,
-        PING_PONG_BROADCASTS.name: _UNALIGNED,
-    },
-    UnalignedStorage,
-)
-"""The engine half of every baseline in `baselines.LAYOUTS`."""
+class UnalignedBroadcastStorage(UnalignedStorage):
+    """`UnalignedStorage` gathering by one broadcast per owning rank."""
+
+    broadcast = True
+
+
+SHARD_BROADCASTS = SyncHalf(reduce_scatter_half, _broadcast_each_shard)
+"""The executable half of `baselines.SHARD_BROADCASTS`."""
+UNALIGNED = SyncHalf(_all_reduce, _by_the_unit)
+"""The executable half of both ping-pong schemes (their gather is the storage unit's)."""

@@ -128,30 +128,42 @@ def _ping_pong(scheme: SyncScheme) -> Any:
     return relayout
 
 
-def _engine() -> Any:
-    from .baseline_storage import EXECUTABLE  # torch: only where an engine builds a baseline
+# Each layout's engine half: torch, imported only where an engine builds the baseline.
+def _shard_broadcasts_engine() -> Any:
+    from ..engine.layouts import Executable
+    from . import baseline_storage as run
 
-    return EXECUTABLE
+    return Executable({SHARD_BROADCASTS.name: run.SHARD_BROADCASTS})
+
+
+def _ping_pong_engine() -> Any:
+    from ..engine.layouts import Executable
+    from . import baseline_storage as run
+
+    return Executable({PING_PONG.name: run.UNALIGNED}, run.UnalignedStorage)
+
+
+def _ping_pong_broadcasts_engine() -> Any:
+    from ..engine.layouts import Executable
+    from . import baseline_storage as run
+
+    return Executable({PING_PONG_BROADCASTS.name: run.UNALIGNED}, run.UnalignedBroadcastStorage)
 
 
 _REFUSES = (
     ("reshard_after_forward", "its owners' params are not in equal shards"),
     ("fp8_param_gather", "it has no shards"),
 )
+_UNALIGNED = (KIND, "whole tensors, unaligned", "size_match", _REFUSES)
 LAYOUTS = (
-    Layout("shard_broadcasts", _broadcast_shards, (SHARD_BROADCASTS,), _engine),
-    *(
-        Layout(
-            s.name,
-            _ping_pong(s),
-            (s,),
-            _engine,
-            KIND,
-            "whole tensors, unaligned",
-            "size_match",
-            _REFUSES,
-        )  # fmt: skip
-        for s in (PING_PONG, PING_PONG_BROADCASTS)
+    Layout(SHARD_BROADCASTS.name, _broadcast_shards, (SHARD_BROADCASTS,), _shard_broadcasts_engine),
+    Layout(PING_PONG.name, _ping_pong(PING_PONG), (PING_PONG,), _ping_pong_engine, *_UNALIGNED),
+    Layout(
+        PING_PONG_BROADCASTS.name,
+        _ping_pong(PING_PONG_BROADCASTS),
+        (PING_PONG_BROADCASTS,),
+        _ping_pong_broadcasts_engine,
+        *_UNALIGNED,
     ),
 )
 """The baselines, each a layout named as its sync scheme."""

@@ -44,12 +44,12 @@ def load(layout: Layout) -> Executable:
     """`layout`'s engine half, its schemes' halves made executable (`_sync.HALVES`); ValueError
     where one of its schemes has none, or its kind no storage class."""
     executable = layout.executable()
-    missing = [s.name for s in layout.schemes if s.name not in executable.halves]
-    if missing or (layout.kind is not None and executable.storage is None):
-        raise ValueError(
-            f"layout {layout.name!r}: its engine half lacks the executable half of sync "
-            f"schemes {missing} or the storage class of its kind {layout.kind!r}"
-        )
+    lacks = [f"the executable half of sync scheme {s.name!r}" for s in layout.schemes
+             if s.name not in executable.halves]  # fmt: skip
+    if layout.kind is not None and executable.storage is None:
+        lacks.append(f"the storage class of buffer kind {layout.kind!r}")
+    if lacks:
+        raise ValueError(f"layout {layout.name!r}: its engine half lacks {', '.join(lacks)}")
     for name, half in executable.halves.items():
         if HALVES.setdefault(name, half) != half:
             raise ValueError(f"a different executable half is loaded for sync scheme {name!r}")
