@@ -1,5 +1,6 @@
 """`wholeshard bench`'s machinery: wholeshard against the distributed Muon setups users would
 pick instead. Modules: `configs` (the registry of configurations and workloads, no torch),
+`baselines` (the legacy baselines, registered as layouts; `baseline_storage`: their engine half),
 `builders` (how each is built), `rule_optimizers` (what steps the matrices under each matrix
 rule), `workloads` (the work), `worker` (one rank's run), `timing` (CPU clock or CUDA events),
 `traffic` (bytes sent), `wait_clock` (blocked time), `owner_bucket` (one owner bucket's

@@ -21,9 +21,9 @@ Besides the total, the counter keeps `gather_bytes`: the part sent by all-gather
 above, c10d and functional) and broadcasts, classified by collective type alone
 (`is_param_gather`); reduce-scatters and all-reduces (gradients) never count. The figure reads
 as param-sync traffic only under an invariant: every all-gather and broadcast a configuration
-issues in the counted step syncs params. It holds for the wholeshard rows (all-gather or
-`param_sync="broadcast"`, ping-pong included) and for `ddp_kj_muon`'s all-gather of updated
-params, but not everywhere (measured with torch 2.13, 2 ranks, `--quick`):
+issues in the counted step syncs params. It holds for the wholeshard rows (all-gathers, or the
+broadcasts of the baselines' layouts in `baselines`, ping-pong included) and for `ddp_kj_muon`'s
+all-gather of updated params, but not everywhere (measured with torch 2.13, 2 ranks, `--quick`):
 
 - FSDP2 + `torch.optim.Muon`: besides FSDP2's unshard all-gathers (forward and backward), the
   Newton-Schulz matmuls on sharded DTensors all-gather inside the optimizer step: two thirds
