@@ -111,7 +111,10 @@ def test_where_two_levels_do_not_apply_the_structure_says_why(
     ("argv", "says"),
     [
         (["--node-size", "6"], "node_size=6 does not divide the shard group size 64"),
-        (["--node-size", "8", "--strategy", "owners"], "strategy 'owners' reduces buckets"),
+        (
+            ["--node-size", "8", "--strategy", "owners"],
+            "syncs buckets by 'owners'; pass strategy='exchange'",
+        ),
         (["--node-size", "8", "--shard-group-size", "12"], "shard_group_size must be an int"),
     ],
 )
