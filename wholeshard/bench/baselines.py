@@ -32,7 +32,7 @@ from ..planning import ONE_BUCKET, Buffer, Plan
 from ..planning.layouts import Layout, register_layout
 from ..planning.plan import plan_buffer
 from ..planning.specs import Bucket, ParamSpec
-from ..planning.sync import Collective, SyncScheme
+from ..planning.sync import EQUAL_SHARDS, Collective, SyncScheme
 
 KIND = "unaligned"
 """The ping-pong baseline's buffer kind ([Note: unaligned buffers])."""
@@ -44,10 +44,6 @@ class WholeBucket(Bucket):
     elements of its params that rank r owns."""
 
     owned: tuple[int, ...] = ()
-
-
-def _reduce_scatter(b: Bucket, k: int, dtype: str) -> list[Collective]:
-    return [Collective("reduce_scatter", k, b.numel, dtype, "grads", "shard")]
 
 
 def _broadcast_each_shard(b: Bucket, k: int, dtype: str) -> list[Collective]:
@@ -68,19 +64,20 @@ def _broadcast_each_owner(b: WholeBucket, k: int, dtype: str) -> list[Collective
 
 
 SHARD_BROADCASTS = SyncScheme(
-    "shard_broadcasts", _reduce_scatter, _broadcast_each_shard, "reduce_scatter/broadcast"
+    "shard_broadcasts", EQUAL_SHARDS.reduce, _broadcast_each_shard, "reduce_scatter/broadcast"
 )
+# The ping-pong schemes describe `WholeBucket`s only (their `owned` sizes).
 PING_PONG = SyncScheme(
     "ping_pong",
     _all_reduce,
     _padded_all_gather,
-    "all_reduce/padded all_gather",  # type: ignore[arg-type]
+    "all_reduce/padded all_gather",
 )
 PING_PONG_BROADCASTS = SyncScheme(
     "ping_pong_broadcasts",
     _all_reduce,
     _broadcast_each_owner,
-    "all_reduce/broadcast",  # type: ignore[arg-type]
+    "all_reduce/broadcast",
 )
 
 
@@ -88,9 +85,8 @@ def _broadcast_shards(plan: Plan, specs: tuple[ParamSpec, ...]) -> Plan:
     """`plan` with its equal-shard buckets synced by `SHARD_BROADCASTS`."""
 
     def rename(b: Bucket) -> Bucket:
-        return (
-            dataclasses.replace(b, scheme=SHARD_BROADCASTS.name) if b.sync == "equal_shards" else b
-        )
+        equal = b.sync == EQUAL_SHARDS.name
+        return dataclasses.replace(b, scheme=SHARD_BROADCASTS.name) if equal else b
 
     buffers = tuple(
         dataclasses.replace(f, buckets=tuple(map(rename, f.buckets))) for f in plan.buffers

@@ -75,7 +75,7 @@ class Bucket:
     shard_numel: int
     owner_starts: tuple[tuple[int, int], ...] = ()
     exchanged: bool = False
-    scheme: str = ""  # a registered sync scheme that syncs it instead ([Note: layouts])
+    scheme: str = ""  # a registered sync scheme syncing it instead ([Note: layouts] in `layouts`)
 
     @property
     def numel(self) -> int:
