@@ -1,7 +1,8 @@
 """Fully sharded mode on the exchange strategy ([Note: owned copies] in
 `engine._owned_copies`): each rank keeps its equal shards and whole copies of the matrices it
-owns, their grads only through the step. The same arithmetic as ZeRO-1/2 on the exchange plan,
-so the two are compared bitwise; both against the one-process reference."""
+owns, their grads only through the step, and their params too where the optimizer keeps
+separate masters (bf16). The same arithmetic as ZeRO-1/2 on the exchange plan, so the two are
+compared bitwise; both against the one-process reference."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from support import (
 )
 from test_stacks import make_moe
 
+from wholeshard.optim._offload import StateOffload
 from wholeshard.planning._exchange import matrix_ranges, pieces, segments
 
 STEPS = 3
@@ -26,10 +28,14 @@ EXCHANGE = dict(strategy="exchange", bucket_size=3000)
 FS = dict(reshard_after_forward=True)
 
 
-def _both(ddp_kw: dict, **kw) -> dict:
+def _both(ddp_kw: dict, offload: bool = False, **kw) -> dict:
     """The same training on the exchange plan in ZeRO-1/2 mode and fully sharded, in one
-    launch, with no-grad forwards after every step; and what the fully sharded rank keeps."""
+    launch, with no-grad forwards after every step; and what the fully sharded rank keeps.
+    `offload`: masters and state in host memory, copied as on a GPU."""
     ddp_kw = dict(EXCHANGE, **ddp_kw)
+    if offload:
+        StateOffload.force_copies = True  # this worker's
+        kw["opt_kw"] = dict(offload_state=True)
     zero = wholeshard_run(STEPS, ddp_kw=ddp_kw, evaluate=True, **kw)
     fs = wholeshard_run(STEPS, ddp_kw=dict(ddp_kw, **FS), evaluate=True, keep_ddp=True, **kw)
     ddp = fs.pop("ddp")
@@ -44,6 +50,7 @@ def _both(ddp_kw: dict, **kw) -> dict:
         "copies": sum(u.owned_copies.param.numel() for u in units),
         "grad_copies": sum(u.owned_copies.grad.numel() for u in units),
         "grad_storage": sum(u.owned_copies.grad.untyped_storage().nbytes() for u in units),
+        "param_storage": sum(u.owned_copies.param.untyped_storage().nbytes() for u in units),
         "owned": sum(hi - lo for _, lo, hi, o in matrix_ranges(buffer) if o == rank),
         "moved": len(segments(buffer)),
         "local": sum(s.holder == s.owner for s in pieces(buffer)),
@@ -51,34 +58,52 @@ def _both(ddp_kw: dict, **kw) -> dict:
     }
 
 
-def _assert_fs_equals_zero(nproc: int, ddp_kw: dict, **kw) -> None:
+def _assert_fs_equals_zero(nproc: int, ddp_kw: dict, offload: bool = False, **kw) -> None:
     ref = reference_run(STEPS, **kw)
-    outs = run(_both, nproc, ddp_kw, **kw)
+    outs = run(_both, nproc, ddp_kw, offload, **kw)
     assert outs[0]["moved"] > 0 and outs[0]["local"] > 0  # both ways of reaching an owner
+    dtype = kw.get("param_dtype", torch.float32)
+    masters = dtype != torch.float32  # separate from the params: the param copies go too
     for out in outs:
         assert_bitwise_equal(out["fs"], out["zero"])
         assert out["fs"]["evals"] == out["zero"]["evals"], "no-grad forwards between steps"
-        assert_matches(out["fs"], ref, torch.float32)
-        # memory(): this rank's shards plus its owned copies' params; the owned grad copies
-        # (as large as the param copies) hold no storage between steps.
+        assert_matches(out["fs"], ref, dtype)
+        # memory(): this rank's shards plus, in fp32, its owned copies' params; the owned grad
+        # copies (as large as the param copies), and with separate masters the param copies,
+        # hold no storage between steps.
         assert out["copies"] == out["grad_copies"] == out["owned"] > 0
-        assert out["memory"]["params"] == (out["shards"] + out["copies"]) * out["elem"][0]
+        kept = out["shards"] + out["copies"] * (not masters)
+        assert out["memory"]["params"] == kept * out["elem"][0]
         assert out["memory"]["grads"] == out["shards"] * out["elem"][1]
         assert out["grad_storage"] == 0
+        assert out["param_storage"] == out["copies"] * out["elem"][0] * (not masters)
 
 
 @pytest.mark.parametrize(
-    ("nproc", "overlap"),
-    [pytest.param(2, False, marks=pytest.mark.core), (2, True), (3, True), (4, False)],
-    ids=["2-sync", "2-overlap", "3-overlap", "4-sync"],
+    ("nproc", "overlap", "dtype"),
+    [
+        pytest.param(2, False, torch.float32, marks=pytest.mark.core),
+        (2, True, torch.float32),
+        (3, True, torch.bfloat16),
+        (4, False, torch.float32),
+    ],
+    ids=["2-sync", "2-overlap", "3-overlap-bf16", "4-sync"],
 )
-def test_fully_sharded_is_bitwise_equal_to_zero(nproc: int, overlap: bool) -> None:
-    _assert_fs_equals_zero(nproc, OVERLAP if overlap else {})
+def test_fully_sharded_is_bitwise_equal_to_zero(nproc: int, overlap: bool, dtype) -> None:
+    """In bf16 with a layer that never gets a gradient: its owner writes its param from the
+    master anyway, since the param copy holds nothing between steps."""
+    bf16 = dict(param_dtype=dtype, unused_param=True) if dtype == torch.bfloat16 else {}
+    _assert_fs_equals_zero(nproc, OVERLAP if overlap else {}, **bf16)
 
 
 def test_shard_groups_pipelined_and_batched_exchanges() -> None:
+    """The second in bf16 with offloaded masters and an unused layer, alone in the first unit
+    (1500-element buckets): the offloaded walk writes the params of pieces that did not step
+    from their host masters."""
     _assert_fs_equals_zero(4, dict(shard_group_size=2, pipelined_step=True, **OVERLAP))
-    _assert_fs_equals_zero(3, dict(exchange_every=1, **OVERLAP))
+    bf16 = dict(param_dtype=torch.bfloat16, unused_param=True)
+    batched = dict(exchange_every=1, bucket_size=1500, **OVERLAP)
+    _assert_fs_equals_zero(3, batched, offload=True, **bf16)
 
 
 def test_expert_stacks() -> None:

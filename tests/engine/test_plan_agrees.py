@@ -41,7 +41,8 @@ import wholeshard
 from wholeshard import DataParallelConfig
 from wholeshard.capacity.costs import Mode, dtype_name, plan_costs, ring_bytes, step_collectives
 from wholeshard.distributed import collectives
-from wholeshard.engine import _storage
+from wholeshard.engine import _resize, _storage
+from wholeshard.engine._owned_copies import OwnedCopies
 from wholeshard.engine.config import Variant
 from wholeshard.optim._offload import StateOffload
 from wholeshard.planning import ParamSpec, plan_exactly
@@ -158,27 +159,33 @@ def _per_unit(log: list[tuple]) -> Iterator[dict[tuple[int, str], list]]:
 
 @contextlib.contextmanager
 def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
-    """The most bytes of full (gathered) bucket storage and owned grad copies alive at once
-    inside, sampled after every allocation of one (`_storage._alloc`: fully sharded gathers,
-    first gradients and exchanges to the owners)."""
+    """The most bytes of full (gathered) bucket storage and step-only owned copies alive at
+    once inside, sampled after every allocation of one (`_resize.alloc`, `_storage`'s and the
+    owned copies': fully sharded gathers, first gradients and exchanges to the owners)."""
     peak = [0]
-    original = _storage._alloc
+    original = _resize.alloc
+
+    def step_only(copies: OwnedCopies | None) -> int:
+        if copies is None:
+            return 0
+        param = copies.param.untyped_storage().nbytes() if copies.transient else 0
+        return copies.grad.untyped_storage().nbytes() + param
 
     def alloc(t: torch.Tensor) -> None:
         original(t)
         alive = sum(
             b.param.untyped_storage().nbytes()
             + b.grad.untyped_storage().nbytes()
-            + (b.owned_copies.grad.untyped_storage().nbytes() if b.owned_copies else 0)
+            + step_only(b.owned_copies)
             for b in ddp.units
         )
         peak[0] = max(peak[0], alive)
 
-    _storage._alloc = alloc
+    _storage._alloc = _resize.alloc = alloc
     try:
         yield peak
     finally:
-        _storage._alloc = original
+        _storage._alloc = _resize.alloc = original
 
 
 def _step(ddp: wholeshard.DataParallel, opt: wholeshard.LayerwiseOptimizer, step: int) -> None:

@@ -4,8 +4,9 @@
 filtering them all; a dp-1024 plan of moe-256x has about 100K segments, so the costs and the
 projection (which prices every rank's) group them by batch and by the ranks each touches once,
 cached per buffer, and hand `exchange` only the segments that touch the rank: the same records.
-Fully sharded, each batch's exchange to the owners also gives their whole grad copies storage
-until the step ends ([Note: owned copies] in the engine's `_owned_copies`): `owned_by_batch`.
+Fully sharded, each batch's exchange to the owners also gives their whole grad copies (and
+param copies, where the masters are separate) storage until the step ends ([Note: owned
+copies] in the engine's `_owned_copies`): `owned_by_batch`.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def exchange_slots(plan: Plan, mode: Mode) -> tuple[tuple[Collective, ...], ...]
 @functools.lru_cache(maxsize=8)
 def owned_by_batch(buffer: Buffer, every: int | None) -> tuple[tuple[int, ...], ...]:
     """Per shard-group rank, the elements of the matrices it owns in each batch of `buffer`'s
-    buckets (`exchange_batches`): what its owned grad copies take as the batch is exchanged."""
+    buckets (`exchange_batches`): what its owned copies take as the batch is exchanged."""
     batches = exchange_batches(len(buffer.buckets), every)
     batch_of = {b: i for i, run in enumerate(batches) for b in run}
     out = [[0] * len(batches) for _ in range(buffer.shard_group_size)]

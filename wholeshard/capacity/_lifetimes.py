@@ -17,8 +17,9 @@ On that model `peak_bytes` replays the engine's scheduler (`wholeshard/engine/_s
 [Note: fully sharded lifetimes], the dispatch queue of [Note: collective order], one reduction
 in flight) over the units' full param and grad buffers, counting bytes after each allocation.
 On an exchange plan it also replays the exchanges to the owners (a batch leaves before the
-reduction after its last unit starts, or at the step), each giving the batch's owned grad
-copies storage until the step ends ([Note: owned copies] in the engine's `_owned_copies`);
+reduction after its last unit starts, or at the step), each giving the batch's owned copies
+that live only through the step (the grads', and the params' where the masters are separate)
+storage until the step ends ([Note: owned copies] in the engine's `_owned_copies`);
 those differ from rank to rank, so the replay keeps the most full bytes alive while each number
 of batches is exchanged, and a rank's peak adds its copies of those batches.
 """
@@ -98,7 +99,7 @@ class _Replay:
         self.next_reduce = 0
         self.in_backward = False
         self.alive = 0
-        self.exchanged = 0  # batches whose owned grad copies have storage
+        self.exchanged = 0  # batches whose owned copies have storage
         self.peaks = [0] * (len(batches) + 1)  # most full bytes alive, by `exchanged`
 
     def _alloc(self, i: int, grad: bool) -> None:
@@ -273,10 +274,10 @@ def peak_bytes(
     copies: Sequence[Sequence[int]] = ((),),
 ) -> tuple[int, ...]:
     """Per rank, the most bytes of full units (params and grads, `param_bytes` and `grad_bytes`
-    per element) and owned grad copies alive at once through one fully sharded training step,
-    on [Note: the module model], with `costs.Mode`'s two overlap options. `batches`: the units
-    of each exchange batch, in order; `copies[r][j]`: rank r's owned grad copy bytes of batch j
-    (one rank and no exchange by default)."""
+    per element) and step-only owned copies alive at once through one fully sharded training
+    step, on [Note: the module model], with `costs.Mode`'s two overlap options. `batches`: the
+    units of each exchange batch, in order; `copies[r][j]`: rank r's bytes of the owned copies
+    of batch j that live only through the step (one rank and no exchange by default)."""
     replay = _Replay(units, specs, param_bytes, grad_bytes, overlap_grad_reduce,
                      overlap_param_gather, batches)  # fmt: skip
     events = _events(specs)

@@ -7,10 +7,13 @@ The figures follow what `DataParallel` and `LayerwiseOptimizer` allocate and iss
 
 - `params`, `grads` (what `DataParallel.memory()` calls them): every storage unit's full
   buffers (ZeRO-1/2), or only rank r's shard of each bucket when fully sharded, and then, of an
-  exchange buffer, also a whole copy of the params of every matrix r owns (the optimizer's
-  whole-matrix views, kept between steps; the grads' copy lives only through the step, in the
-  peak); in the param and grad-reduce dtypes. Fully sharded means `reshard_after_forward` with
-  more than one rank per shard group (the engine ignores it otherwise).
+  exchange buffer, in float32 also a whole copy of the params of every matrix r owns (the
+  optimizer's whole-matrix views and masters); in the param and grad-reduce dtypes. The grads'
+  copy, and the params' where the masters are separate (`Mode.separate_masters`), live only
+  through the step, in the peak ([Note: owned copies] in the engine's `_owned_copies`; a
+  float32 unit whose owned pieces all have separate masters, all stored transposed, drops its
+  copy too: not modelled). Fully sharded means `reshard_after_forward` with more than one rank
+  per shard group (the engine ignores it otherwise).
 - `masters`: an fp32 copy of every element r owns when the param dtype is not float32, else of
   the owned Muon weights stored transposed (`Mode.transposed`); `master_grads` (not in
   `memory()`): an fp32 grad for each such master, and for every owned piece when the
@@ -96,6 +99,11 @@ class Mode:
     transposed: frozenset[str] = field(default_factory=frozenset)
     offload_state: bool = False
     exchange_every: int | None = None
+
+    @property
+    def separate_masters(self) -> bool:
+        """Every owned element has an fp32 master apart from its param (`OwnedPiece.master`)."""
+        return self.param_dtype != "float32"
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "grad_reduce_dtype"):
@@ -214,7 +222,7 @@ def _persistent(mode: Mode, mine: Owned, kept: int, copies: bool) -> dict[str, i
     plan costs])."""
     pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
     elements = mine.matrix + mine.adamw
-    masters = elements if mode.param_dtype != "float32" else mine.transposed
+    masters = elements if mode.separate_masters else mine.transposed
     master_grads = elements if mode.grad_reduce_dtype != "float32" else mine.transposed
     master_grads *= not mode.offload_state  # made for a unit's update, then freed
     out = {
@@ -260,12 +268,12 @@ class Costs:
     rank r holds between steps, by kind (`params`, `grads`, `masters` and `optimizer_state` are
     what `DataParallel.memory()` reports after a step), and their `total`; `transient_unit`: the
     largest unit's full params and grads (`memory()`'s `transient_unit`), `peak_transient`: the
-    most bytes of full units (and, of an exchange plan, owned grad copies) alive at once in a
-    step on the rank that holds the most (0 unless fully sharded), `rank_peaks` each shard-group
-    rank's; `collectives`:
-    one step's, of `worst_rank` (`step_collectives` of another rank differs only in the owner
-    buckets' all-reduces across replicas and in the exchange's all-to-alls, which the projection
-    prices at their busiest rank: `exchange_slots`); `host[r]`: of rank r's persistent bytes,
+    most bytes of full units (and, of an exchange plan, the owned copies that live only through
+    the step) alive at once in a step on the rank that holds the most (0 unless fully sharded),
+    `rank_peaks` each shard-group rank's; `collectives`: one step's, of `worst_rank`
+    (`step_collectives` of another rank differs only in the owner buckets' all-reduces across
+    replicas and in the exchange's all-to-alls, which the projection prices at their busiest
+    rank: `exchange_slots`); `host[r]`: of rank r's persistent bytes,
     those in host memory (`Mode.offload_state`; else 0), the rest on the device (`device_bytes`)."""
 
     plan: Plan
@@ -313,7 +321,7 @@ def plan_costs(plan: Plan, specs: Sequence[ParamSpec], mode: Mode | None = None)
     mode = mode or Mode()
     units = _units(plan, specs)
     mine = owned(plan, mode.transposed)
-    kept, copies = _kept(plan, mode), fully_sharded(plan, mode)
+    kept, copies = _kept(plan, mode), fully_sharded(plan, mode) and not mode.separate_masters
     per_rank = tuple(_persistent(mode, o, kept[r], copies) for r, o in enumerate(mine))
     host = tuple(
         p["masters"] + p["optimizer_state"] - 4 * o.adamw_pieces if mode.offload_state else 0
@@ -351,7 +359,8 @@ def _peaks(
         [unit_of["exchange", buffer.buckets[b].start] for b in run]
         for run in exchange_batches(len(buffer.buckets), mode.exchange_every)
     ]
-    copies = [[n * gb for n in mine] for mine in owned_by_batch(buffer, mode.exchange_every)]
+    copy = gb + pb * mode.separate_masters  # bytes per owned element alive from its exchange
+    copies = [[n * copy for n in mine] for mine in owned_by_batch(buffer, mode.exchange_every)]
     return _lifetimes.peak_bytes(units, specs, pb, gb, *overlap, batches, copies)
 
 

@@ -132,7 +132,7 @@ def _save_entries(ddp: DataParallel, optimizer: Checkpointable, rank: int) -> di
         name, shape, place = places[piece.name]
         if (tp_peer and piece.name not in sliced) or copies[piece.name]:
             continue  # another rank holds the same elements and writes them
-        add(entries, f"model/{name}", shape, piece_parts(piece, piece.param.detach(), place))
+        add(entries, f"model/{name}", shape, piece_parts(piece, piece.value().detach(), place))
         if piece.separate_master:
             master = piece.oriented(piece.master.detach())
             add(entries, f"optim/{name}/master", shape, piece_parts(piece, master, place))

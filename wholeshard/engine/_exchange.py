@@ -11,9 +11,10 @@ in the same order, so no sizes travel. Zero-size peers are left out of the split
 (nothing moves), and a batch in which no rank moves anything still issues its all-to-all on every
 rank, so every rank issues the same collectives. Fully sharded, an owner's matrices live in
 copies apart from its shards ([Note: owned copies] in `_owned_copies`): the pieces its own shard
-holds are copied there beside the all-to-all each way (`Moves.local`); the grad copies get their
-storage as the grads come in (`StorageUnit.owned_views`) and lose it as the params go back, so a
-step that already sent them back cannot read them again before `zero_grad()` (`check_grads`).
+holds are copied there beside the all-to-all each way (`Moves.local`); the grad copies (and,
+where the optimizer keeps masters, the param copies) get their storage as the grads come in
+(`StorageUnit.owned_views`) and lose it as the params go back, so a step that already sent them
+back cannot read them again before `zero_grad()` (`check_grads`).
 """
 
 from __future__ import annotations
@@ -174,9 +175,9 @@ class Exchange:
             self.group,
             like=(batch.units[0].grad if to_owners else batch.units[0].param),
         )
-        if not to_owners:  # the update has read the batch's owned grads
+        if not to_owners:  # the update has read the batch's owned grads (and sent the params)
             for unit in batch.units:
-                unit.free_owned_grads()
+                unit.free_owned()
         return moving
 
 

@@ -50,6 +50,8 @@ class Fp8Storage(StorageUnit):
     def __init__(self, *args, modules: Sequence[Fp8Linear], recipe: str, **kwargs) -> None:
         kwargs["reshard"] = True  # the full bf16 unit is never kept: shards only
         super().__init__(*args, **kwargs)
+        if self.owned_copies is not None:  # each gather quantizes from them
+            self.owned_copies.keep_params = True
         self.modules = list(modules)
         self.recipe = recipe
         self._placeholders = [self._empty.new_zeros(1).expand(p.shape) for _, p in self.params]

@@ -3,7 +3,7 @@
 [Note: owned copies]
 An exchange buffer's matrix may span shards, and its owner steps it whole ([Note: exchange
 buffers] in `planning._exchange`). Without resharding the owner finds it whole in its full
-tensors; fully sharded, those are freed between steps, so a unit keeps, beside this rank's
+tensors; fully sharded, those are freed between steps, so a unit has, beside this rank's
 shards, one copy of every matrix this rank owns: `param` (the param dtype) and `grad` (the grad
 dtype), each the owned matrices end to end in buffer order. `StorageUnit.owned_views` returns
 views of them, so the optimizer reads and writes only these. The exchange fills `grad` after
@@ -11,14 +11,24 @@ the reduction (the pieces this rank's shard holds by a local copy, the rest by t
 writing every element, so `grad` is never zeroed; after the update it writes `param` back into
 the holders' shards the same two ways, and the units then gather as fully sharded units do. The
 copies take their first values from the full param when the unit keeps its shards (`take`).
-`param` lives between steps. `grad` has storage only from the exchange to the owners until the
-params go back to the holders (or the window is zeroed). A step may have clipped the owned
-copies, so a verb that reads the owned grads again after a step (a second `step()` or
-`clip_grad_norm_` before `zero_grad()`) raises, on every rank, naming `zero_grad()`
-(`Exchange.check_grads`). So a rank holds between steps its shards plus its owned matrices'
-params; the peak adds one unit's full tensors, or, at the exchange, the owned grads.
-(An FP8 unit is always fully sharded, so it keeps them in every mode: [Note: FP8 units] in
-`_fp8_storage`.)
+
+`grad` has storage only from the exchange to the owners until the params go back to the
+holders, or the window is zeroed (`free`); a view of it gives it storage back (`hold`). A step
+may have clipped the owned copies, so a verb that reads the owned grads again after a step (a
+second `step()` or `clip_grad_norm_` before `zero_grad()`) raises, on every rank, naming
+`zero_grad()` (`Exchange.check_grads`). `param` lives the same way once the optimizer keeps a
+master of its own for every piece of the unit (`drop_params`, from
+`StepProtocol.masters_kept`: bf16 params with fp32 masters), under the invariant that makes its
+values needless between steps: every owned param equals its master (cast to the param dtype),
+and whatever gives `param` storage writes every element from the masters before the params go
+back: each update writes every owned piece's param from its master, stepped or not
+(`LayerwiseOptimizer`), and a load writes them all (`install_state`, after
+`StepProtocol.hold_owned_params`). A checkpoint saves those params from the masters
+(`OwnedPiece.value`). Otherwise (fp32 params, whose copy is the master itself) `param` lives
+between steps. So a rank holds between steps its shards (plus, without separate masters, its
+owned matrices' params); the peak adds one unit's full tensors, or, at the exchange, the owned
+copies. (An FP8 unit quantizes from `param` at its gather and keeps it (`keep_params`); it is
+always fully sharded, so it keeps it in every mode: [Note: FP8 units] in `_fp8_storage`.)
 """
 
 from __future__ import annotations
@@ -29,11 +39,15 @@ from collections.abc import Iterable
 import torch
 
 from ..planning import Placement, placement_matrices
+from . import _resize
 
 
 class OwnedCopies:
     """The copies of the matrices among `placements` that shard-group rank `rank` owns, like
     `param` and `grad` (dtype, device) ([Note: owned copies])."""
+
+    transient: bool  # `param`, too, has storage only through a step (`drop_params`)
+    keep_params: bool  # `param` lives between steps whatever the optimizer keeps (FP8 units)
 
     def __init__(
         self,
@@ -49,8 +63,29 @@ class OwnedCopies:
         for lo, hi in self.ranges:
             self._at.append(self._at[-1] + hi - lo)
         self.param = param_like.new_empty(self._at[-1])
-        # Written whole by each grad exchange; its storage comes and goes (`StorageUnit`).
-        self.grad = grad_like.new_empty(self._at[-1])
+        self.grad = grad_like.new_empty(self._at[-1])  # written whole by each grad exchange
+        self.transient = self.keep_params = False
+        self.free()
+
+    def drop_params(self) -> None:
+        """From now on `param` has storage only through a step, like `grad`: the optimizer
+        writes every owned param from a master of its own ([Note: owned copies])."""
+        if not self.keep_params:
+            self.transient = True
+            _resize.free(self.param)
+
+    def hold(self, grad: bool = True) -> None:
+        """Give the copies that live only through a step their storage back (`grad`; `param`
+        once transient): a view needs it. Their values are whatever is written next."""
+        for t in (self.grad,) * grad + (self.param,) * self.transient:
+            if not _resize.allocated(t):
+                _resize.alloc(t)
+
+    def free(self) -> None:
+        """Free the storage of the copies that live only through a step."""
+        _resize.free(self.grad)
+        if self.transient:
+            _resize.free(self.param)
 
     def _at_range(self, lo: int, hi: int) -> int | None:
         """Where buffer elements `[lo, hi)` start in the copies, if they lie in one owned matrix."""
@@ -62,22 +97,26 @@ class OwnedCopies:
     def param_view(self, lo: int, hi: int) -> torch.Tensor | None:
         """The param view of buffer elements `[lo, hi)` if they lie in one owned matrix."""
         at = self._at_range(lo, hi)
-        return None if at is None else self.param[at : at + hi - lo]
+        if at is None:
+            return None
+        self.hold(grad=False)
+        return self.param[at : at + hi - lo]
 
     def views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(param, grad) views of buffer elements `[lo, hi)` if they lie in one owned matrix
-        (`grad` must have its storage: a view of freed storage cannot be made)."""
+        """(param, grad) views of buffer elements `[lo, hi)` if they lie in one owned matrix."""
         at = self._at_range(lo, hi)
         if at is None:
             return None
+        self.hold()
         return self.param[at : at + hi - lo], self.grad[at : at + hi - lo]
 
     def take(self, full: torch.Tensor, start: int) -> None:
         """Copy the owned matrices' values out of `full`, a unit's full param tensor whose
         first element is buffer element `start`."""
+        self.hold(grad=False)
         for (lo, hi), at in zip(self.ranges, self._at, strict=False):
             self.param[at : at + hi - lo].copy_(full[lo - start : hi - start])
 
     def nbytes(self) -> int:
-        """Bytes of the param copy (what persists between steps)."""
-        return self.param.nbytes
+        """Bytes of the param copy kept between steps (0 once transient)."""
+        return 0 if self.transient else self.param.nbytes

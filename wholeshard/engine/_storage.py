@@ -16,8 +16,8 @@ exists only from `start_gather` to `release_params` (params) and from the first 
 end of the reduction (grads). The `nn.Parameter` objects never change: released, each param's
 `.data` (a DTensor's local tensor) is empty, and the full storage is freed with `resize_(0)`
 and regrown in place, so the views autograd saved in forward see the values in backward. An
-exchange unit also keeps whole copies of the matrices this rank owns, their grads only through
-the step ([Note: owned copies]).
+exchange unit also keeps whole copies of the matrices this rank owns, their grads (and their
+params where the optimizer keeps masters) only through the step ([Note: owned copies]).
 
 [Note: unit states]
 What the params of a storage unit hold, as a `UnitState`:
@@ -45,6 +45,9 @@ from ..planning import Bucket, Placement
 from ..planning.sync import scheme_of
 from ._comm_groups import CommGroups
 from ._owned_copies import OwnedCopies
+from ._resize import alloc as _alloc
+from ._resize import allocated as _allocated
+from ._resize import free as _free
 from ._sync import InFlight, half_of
 
 
@@ -75,7 +78,7 @@ class StorageUnit:
     param_shard: torch.Tensor | None  # 1D, this rank's shards of every bucket; resharding only
     grad_shard: torch.Tensor | None  # 1D, likewise
     owned_copies: OwnedCopies | None  # an exchange unit's owned matrices; resharding only
-    # ([Note: owned copies]: their grads have storage from the exchange until the step ends)
+    # ([Note: owned copies]: grads, and params with masters, have storage only in a step)
     state: UnitState
     received: list[bool]  # per param: a gradient was added into `grad` this window (any backward)
     final: list[bool]  # per param: its gradient is final (received in a synchronising backward)
@@ -124,7 +127,6 @@ class StorageUnit:
         if reshard and kind == "exchange":
             placements = (p for _, p in self.params)
             self.owned_copies = OwnedCopies(placements, groups.rank, self.param, self.grad)
-            self.free_owned_grads()
         self._halves = [half_of(scheme_of(b)) for b in self.buckets]
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self.open_window()
@@ -156,11 +158,9 @@ class StorageUnit:
         """Flat (param, grad) views of buffer elements `[lo, hi)` that this rank owns: in its
         shard of one bucket (`held_views`), or, in an exchange unit, of a matrix it owns
         wherever it lies: in the full tensors, or fully sharded in its owned copies ([Note:
-        owned copies] in `_owned_copies`), whose grads get their storage back here if the step
-        freed it (a view needs it; `free_owned_grads` frees it again)."""
+        owned copies] in `_owned_copies`), which get their storage back here if the step freed
+        it (a view needs it; `free_owned` frees it again)."""
         if self.owned_copies is not None:
-            if not _allocated(self.owned_copies.grad):
-                _alloc(self.owned_copies.grad)
             views = self.owned_copies.views(lo, hi)
             if views is not None:
                 return views
@@ -176,10 +176,11 @@ class StorageUnit:
                 return view
         return self.owned_views(lo, hi)[0]
 
-    def free_owned_grads(self) -> None:
-        """Free the owned grad copies' storage: the step has read them ([Note: owned copies])."""
+    def free_owned(self) -> None:
+        """Free the owned copies' storage that lives only through a step: the params went back
+        to their holders, or the window was zeroed ([Note: owned copies])."""
         if self.owned_copies is not None:
-            _free(self.owned_copies.grad)
+            self.owned_copies.free()
 
     def held_views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat (param, grad) views of buffer elements `[lo, hi)`, which lie in this rank's shard
@@ -307,7 +308,7 @@ class StorageUnit:
         if self.reducing is not None:
             raise AssertionError("never zero gradients under an in-flight reduction")
         self.open_window()
-        self.free_owned_grads()
+        self.free_owned()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
             _free(self.grad)
@@ -380,15 +381,3 @@ class StorageUnit:
 
     def drop_temporaries(self) -> None:
         """Free temporary buffers a storage kind keeps between steps (none here)."""
-
-
-def _allocated(t: torch.Tensor) -> bool:
-    return t.untyped_storage().size() > 0
-
-
-def _alloc(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)

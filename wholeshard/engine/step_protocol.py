@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from torch import nn
 
@@ -34,6 +34,7 @@ from ._memory import StateHolder
 from ._owned import OwnedRange
 from ._schedule import Scheduler
 from ._sharded_group import ShardedGroup
+from ._storage import StorageUnit
 
 __all__ = ["OwnedRange", "StepProtocol"]
 
@@ -130,7 +131,30 @@ class StepProtocol:
         for s in self.schedulers:
             s.finish_param_sync()
 
+    def hold_owned_params(self) -> None:
+        """Give the owned param copies that live only through a step their storage (fully
+        sharded on the exchange, after `masters_kept`): a load writes every owned param, then
+        `start_param_sync` sends them to their holders and frees them ([Note: owned copies] in
+        `_owned_copies`)."""
+        for unit in self._units():
+            if unit.owned_copies is not None:
+                unit.owned_copies.hold(grad=False)
+
     # -- the model and the optimizer ------------------------------------------------------
+
+    def masters_kept(self, units: Iterable[int]) -> None:
+        """The attached optimizer keeps a master of its own (not the param view) of every piece
+        it owns of `units` (indices in `DataParallel.units`) and writes each of those params from
+        its master in every update, stepped or not, and on loading (`hold_owned_params`):
+        fully sharded on the exchange, their owned param copies then have storage only through
+        a step ([Note: owned copies] in `_owned_copies`)."""
+        every = self._units()
+        for i in units:
+            if every[i].owned_copies is not None:
+                every[i].owned_copies.drop_params()
+
+    def _units(self) -> list[StorageUnit]:
+        return [u for s in self.schedulers for u in s.units]
 
     def model_changes(self) -> str | None:
         """What changed in the wrapped module's params since wrapping (a param frozen,

@@ -98,8 +98,9 @@ class StateOffload:
 
     def walk(self, units: Iterable[int], stepped: frozenset[str], update: Update) -> None:
         """`update(pieces, stepped)` for the owned pieces of each unit `units` yields, in that
-        order; offloaded, each with its masters and state on the device, the next unit in unit
-        order prefetched."""
+        order; offloaded, the masters and state of those in `stepped` on the device, the next
+        unit in unit order prefetched (the others' masters stay on the host: `update` writes
+        their params from there)."""
         if not self.copies:
             for unit in units:
                 update(self._by_unit.get(unit, []), stepped)
@@ -110,7 +111,8 @@ class StateOffload:
         landed: dict[int, _Landing] = {}
         for unit in units:
             pieces = todo.get(unit)
-            if not pieces:
+            if not pieces:  # nothing steps: the params are written from the host masters
+                update(self._by_unit.get(unit, []), stepped)
                 continue
             here = landed.pop(unit, None) or self._fetch(pieces)
             after = following.get(unit)
@@ -118,7 +120,7 @@ class StateOffload:
                 landed[after] = self._fetch(todo[after])  # overlaps this unit's update
             self._swap_in(here)
             try:
-                update(pieces, stepped)
+                update(self._by_unit[unit], stepped)
             finally:
                 self._swap_out(here)
 

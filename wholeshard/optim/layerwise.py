@@ -37,7 +37,16 @@ from ._step_check import (
 )
 from .matrix_rule import closure_loss
 from .ns_split import NsSplit, row_blocks
-from .pieces import ADAMW, MATRIX, LoadedPiece, OwnedPiece, install_state, pieces_of, restored
+from .pieces import (
+    ADAMW,
+    MATRIX,
+    LoadedPiece,
+    OwnedPiece,
+    install_state,
+    params_from_masters,
+    pieces_of,
+    restored,
+)
 from .rules import tensor_parallel_rule
 from .tensor_parallel import TpMode, combined_norms, replicas_stepped, replicate, tp_slices
 
@@ -114,8 +123,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.ddp = ddp
         self._protocol = ddp.step_protocol  # the step's verbs (`engine.step_protocol`)
         self.nonfinite = nonfinite
-        self.steps = 0  # step() calls taken (skipped ones included)
-        self.skipped_steps = 0
+        self.steps = self.skipped_steps = 0  # step() calls taken (skipped ones included), skipped
         self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
         self._clipping = ClippingRecord()  # [Note: clipping the framework asked for]
         self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
@@ -130,6 +138,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 replicate(pieces)
             self._owned += pieces
             self._by_unit.setdefault(owned.unit, []).extend(pieces)
+        separate = (u for u, ps in self._by_unit.items() if all(o.separate_master for o in ps))
+        self._protocol.masters_kept(separate)  # `_update` writes all their params
         index = {r.name: i for i, r in enumerate(ddp.routes)}
         indices = [index[o.name] for o in self._owned]  # each piece's param, for the step check
         self._indices = torch.tensor(indices, dtype=torch.float64, device=ddp.device)
@@ -141,10 +151,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         }
         super().__init__([{"params": self._masters(MATRIX)}, {"params": self._masters(ADAMW)}], {})
         # Share the inner optimizers' group dicts so schedulers and users edit the real thing.
-        self.param_groups = [
-            self._inner[MATRIX].param_groups[0],
-            self._inner[ADAMW].param_groups[0],
-        ]
+        self.param_groups = [self._inner[kind].param_groups[0] for kind in (MATRIX, ADAMW)]
         self.state = States(self._inner[MATRIX].state, self._inner[ADAMW].state)  # type: ignore[assignment]
         offload = (self._inner, self._by_unit, ddp.device, offload_state, ddp.tensor_parallel)
         self._offload = StateOffload(*offload)
@@ -183,31 +190,24 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return loss
 
     def _update(self, pieces: list[OwnedPiece], stepped: frozenset[str]) -> None:
-        """Step those of `pieces` whose param is in `stepped` with the torch optimizers. Their
-        updates are per param, so which pieces step together does not change a bit of the
-        result."""
-        pieces = [o for o in pieces if o.name in stepped]
-        if not pieces:
-            return
+        """Step those of `pieces` whose param is in `stepped` (per param: which step together
+        changes no bit), then write all their params from their masters (`params_from_masters`)."""
+        todo = [o for o in pieces if o.name in stepped]
         with record_function("wholeshard.optimizer_step"):
-            cast = [o for o in pieces if o.master.grad is not o.grad]
+            cast = [o for o in todo if o.master.grad is not o.grad]
             if cast:
                 torch._foreach_copy_(
                     [o.master.grad for o in cast], [o.oriented(o.grad) for o in cast]
                 )
-            with replicas_stepped(pieces):
+            with replicas_stepped(todo):
                 for kind, opt in self._inner.items():
-                    masters = [o.stepped for o in pieces if o.kind == kind]
+                    masters = [o.stepped for o in todo if o.kind == kind]
                     if masters:
                         with holding(opt.param_groups[0], masters):
                             opt.step()
-            for hook in self._update_hooks.values():
-                hook(pieces)
-            separate = [o for o in pieces if o.separate_master]
-            if separate:
-                torch._foreach_copy_(
-                    [o.param for o in separate], [o.oriented(o.master) for o in separate]
-                )
+            for hook in self._update_hooks.values() if todo else ():
+                hook(todo)
+            params_from_masters(pieces)
 
     def register_update_hook(self, hook: Callable[[list[OwnedPiece]], None]) -> RemovableHandle:
         """Call `hook(pieces)` after each update of owned `pieces` (all of a step's; pipelined or

@@ -90,6 +90,14 @@ class OwnedPiece:
     def separate_master(self) -> bool:
         return self.master is not self.param
 
+    def value(self) -> torch.Tensor:
+        """The param's value (storage orientation, param dtype): where the piece has a master of
+        its own, its cast, which the param always equals (`params_from_masters`) but may lack
+        storage for between steps ([Note: owned copies] in `engine._owned_copies`)."""
+        if not self.separate_master:
+            return self.param
+        return self.oriented(self.master).to(self.param.dtype)
+
     def oriented(self, t: torch.Tensor) -> torch.Tensor:
         """`t` moved between the storage and the optimizer's orientation (its own inverse)."""
         return t.T if self.transposed else t
@@ -158,14 +166,14 @@ def install_state(
     for piece, master, state in pieces:
         if master is not None:
             piece.master.copy_(master)
-            if piece.separate_master:
-                piece.param.copy_(piece.oriented(piece.master))
         live = optimizer.piece_state(piece)
         live.clear()
         group = group_of.get(id(piece.stepped), {})
         live.update(
             {k: piece.as_stepped(_placed(k, v, piece.master, group)) for k, v in state.items()}
         )
+    ddp.step_protocol.hold_owned_params()  # their copies may have no storage between steps
+    params_from_masters(optimizer.owned_pieces())
     installed = getattr(optimizer, "state_installed", None)
     if callable(installed):
         installed()
@@ -173,6 +181,16 @@ def install_state(
         optimizer.steps = steps  # type: ignore[attr-defined]  # the optional attribute
     ddp.step_protocol.start_param_sync()
     ddp.step_protocol.finish_param_sync()
+
+
+def params_from_masters(pieces: Iterable[OwnedPiece]) -> None:
+    """Write the param of each of `pieces` that has a master of its own from it (cast to the
+    param dtype, in the storage orientation): at every update, stepped or not, and every load,
+    so a param is always its master's bits, and fully sharded on the exchange an owned param
+    copy needs no storage between steps ([Note: owned copies] in `engine._owned_copies`)."""
+    separate = [o for o in pieces if o.separate_master]
+    if separate:
+        torch._foreach_copy_([o.param for o in separate], [o.oriented(o.master) for o in separate])
 
 
 def _placed(key: str, value: Any, master: torch.Tensor, group: dict[str, Any]) -> Any:
