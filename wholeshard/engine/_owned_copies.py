@@ -16,19 +16,20 @@ copies take their first values from the full param when the unit keeps its shard
 holders, or the window is zeroed (`free`); a view of it gives it storage back (`hold`). A step
 may have clipped the owned copies, so a verb that reads the owned grads again after a step (a
 second `step()` or `clip_grad_norm_` before `zero_grad()`) raises, on every rank, naming
-`zero_grad()` (`Exchange.check_grads`). `param` lives the same way once the optimizer keeps a
-master of its own for every piece of the unit (`drop_params`, from
-`StepProtocol.masters_kept`: bf16 params with fp32 masters), under the invariant that makes its
-values needless between steps: every owned param equals its master (cast to the param dtype),
-and whatever gives `param` storage writes every element from the masters before the params go
-back: each update writes every owned piece's param from its master, stepped or not
-(`LayerwiseOptimizer`), and a load writes them all (`install_state`, after
-`StepProtocol.hold_owned_params`). A checkpoint saves those params from the masters
-(`OwnedPiece.value`). Otherwise (fp32 params, whose copy is the master itself) `param` lives
-between steps. So a rank holds between steps its shards (plus, without separate masters, its
-owned matrices' params); the peak adds one unit's full tensors, or, at the exchange, the owned
-copies. (An FP8 unit quantizes from `param` at its gather and keeps it (`keep_params`); it is
-always fully sharded, so it keeps it in every mode: [Note: FP8 units] in `_fp8_storage`.)
+`zero_grad()` (`Exchange.check_grads`). `param` lives the same way (`transient`) once the
+optimizer says it keeps a master of its own for every piece it owns of the unit
+(`StepProtocol.masters_kept`, `drop_params`: bf16 params with fp32 masters). The invariant that
+makes its values needless between steps: every owned param equals its master cast to the param
+dtype, and whatever gives `param` storage writes all of it from the masters before anything
+reads it: each update writes the param of every owned piece, stepped or not
+(`optim.pieces.params_from_masters`), before the params go back; a load writes them all after
+`StepProtocol.hold_owned_params` (`install_state`); a reader between steps takes the master's
+cast (`OwnedPiece.value`: checkpoints). With fp32 params the copy is the master itself and
+`param` lives between steps. So a rank holds between steps its shards (plus, without separate
+masters, its owned matrices' params); the peak adds one unit's full tensors, or, at the
+exchange, the owned copies. (An FP8 unit quantizes from `param` at its gather, so it keeps it
+(`keep_params`); it is always fully sharded, so it keeps it in every mode: [Note: FP8 units] in
+`_fp8_storage`.)
 """
 
 from __future__ import annotations
