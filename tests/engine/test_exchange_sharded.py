@@ -97,12 +97,12 @@ def test_fully_sharded_is_bitwise_equal_to_zero(nproc: int, overlap: bool, dtype
 
 
 def test_shard_groups_pipelined_and_batched_exchanges() -> None:
-    """The second in bf16 with offloaded masters and an unused layer, alone in the first unit
-    (1500-element buckets): the offloaded walk writes the params of pieces that did not step
-    from their host masters."""
+    """The second pipelined too, in bf16 with offloaded masters and an unused layer alone in
+    the first unit (1500-element buckets): the offloaded walk writes the params of pieces that
+    did not step from their host masters."""
     _assert_fs_equals_zero(4, dict(shard_group_size=2, pipelined_step=True, **OVERLAP))
     bf16 = dict(param_dtype=torch.bfloat16, unused_param=True)
-    batched = dict(exchange_every=1, bucket_size=1500, **OVERLAP)
+    batched = dict(exchange_every=1, bucket_size=1500, pipelined_step=True, **OVERLAP)
     _assert_fs_equals_zero(3, batched, offload=True, **bf16)
 
 

@@ -17,8 +17,8 @@ it over the whole buffer, costliest first to the rank with the least cost so far
 owners strategy's rule, so the busiest rank's matrix work is the same. After the
 reduce-scatter, the pieces of each matrix that other ranks' shards hold are sent to its owner
 (`segments`, an all-to-all in the engine), and after the update the owner sends them back
-before the all-gather: each reduced element crosses once each way. Fully sharded, the owner keeps
-a copy of each matrix it owns beside its shards ([Note: owned copies] in
+before the all-gather: each reduced element crosses once each way. Fully sharded, the owner has
+a copy of each matrix it owns beside its shards, through the step ([Note: owned copies] in
 `engine._owned_copies`), and the pieces its own shard holds (`pieces` with holder == owner) are
 copied between the two on the owner alone; the gathers then run from the shards as usual.
 """
