@@ -35,6 +35,7 @@ import torch.distributed as dist
 from . import stop
 
 _POLL_S = 0.05
+_JOINED, _ALL_JOINED = "wholeshard/joined", "wholeshard/all_joined"  # store keys
 _GRACE_S = 3.0
 _RETURNED, _RAISED, _STOPPED = "returned", "raised", "stopped"  # how a worker's function ended
 
@@ -117,6 +118,7 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
             device_id=bound,
         )
+        _all_joined(store, nproc)
         # Plain pickle: the queue's own pickler would share tensors by file descriptor, which
         # dies with this process.
         results.put((rank, _RETURNED, pickle.dumps(fn(*args))))
@@ -125,6 +127,16 @@ def _worker(
     except BaseException:
         results.put((rank, _RAISED, traceback.format_exc()))
     _end(results, forked)
+
+
+def _all_joined(store: dist.Store, nproc: int) -> None:
+    """Return once all `nproc` workers have their process group. A worker whose function
+    returns at once (a rank outside every group it uses) would otherwise exit, closing its
+    sockets under a peer still connecting to it: gloo's "connectFullMesh failed ... Connection
+    closed by peer" on that peer."""
+    if store.add(_JOINED, 1) == nproc:
+        store.set(_ALL_JOINED, "1")
+    store.wait([_ALL_JOINED])
 
 
 def _end(results: Any, forked: bool) -> None:
