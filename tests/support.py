@@ -268,6 +268,7 @@ def wholeshard_run(
     make: Callable[[], nn.Module] | None = None,
     probe: Callable[[nn.Module], Any] | None = None,
     keep_ddp: bool = False,
+    keep_opt: bool = False,
     lr_lambda: Callable[[int], float] | None = None,
     device: str = "cpu",
     matrix_optimizer: type[torch.optim.Optimizer] = torch.optim.Muon,
@@ -279,10 +280,10 @@ def wholeshard_run(
     forward on a fixed batch after every step; `make()` builds the model as in `reference_run`;
     `probe(model)` runs on the wrapped module right after the last step (overlapped gathers
     still in flight) and its result is returned as "probe"; `keep_ddp` adds the wrapper as
-    "ddp" (for inspection inside the worker: it does not pickle); `lr_lambda` drives a
-    `LambdaLR` scheduler stepped after every optimizer step; `device`: where the model runs
-    (outputs come back on the CPU); `matrix_optimizer` steps the matrix-routed matrices with
-    `muon_kw`; `opt_kw`: more `LayerwiseOptimizer` arguments.
+    "ddp" and `keep_opt` its optimizer as "opt" (for inspection inside the worker: they do not
+    pickle); `lr_lambda` drives a `LambdaLR` scheduler stepped after every optimizer step;
+    `device`: where the model runs (outputs come back on the CPU); `matrix_optimizer` steps the
+    matrix-routed matrices with `muon_kw`; `opt_kw`: more `LayerwiseOptimizer` arguments.
     """
     rank, world = rank_world()
     model = make() if make is not None else make_model(**(model_kw or {}))
@@ -338,7 +339,7 @@ def wholeshard_run(
         "comm_wait_s": ddp.comm_wait_s,
         "probe": probed,
     }
-    return out | {"ddp": ddp} if keep_ddp else out
+    return out | ({"ddp": ddp} if keep_ddp else {}) | ({"opt": opt} if keep_opt else {})
 
 
 def train_part(

@@ -6,20 +6,27 @@ compared bitwise; both against the one-process reference."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from support import (
+    ADAMW_KW,
+    MUON_KW,
     OVERLAP,
     assert_bitwise_equal,
     assert_matches,
     local_loss,
+    mp,
     reference_run,
     run,
+    train_steps,
     wholeshard_run,
     wrapped,
 )
 from test_stacks import make_moe
 
+import wholeshard
 from wholeshard.optim._offload import StateOffload
 from wholeshard.planning._exchange import matrix_ranges, pieces, segments
 
@@ -37,8 +44,9 @@ def _both(ddp_kw: dict, offload: bool = False, **kw) -> dict:
         StateOffload.force_copies = True  # this worker's
         kw["opt_kw"] = dict(offload_state=True)
     zero = wholeshard_run(STEPS, ddp_kw=ddp_kw, evaluate=True, **kw)
-    fs = wholeshard_run(STEPS, ddp_kw=dict(ddp_kw, **FS), evaluate=True, keep_ddp=True, **kw)
-    ddp = fs.pop("ddp")
+    kept = dict(keep_ddp=True, keep_opt=True)
+    fs = wholeshard_run(STEPS, ddp_kw=dict(ddp_kw, **FS), evaluate=True, **kept, **kw)
+    ddp, _opt = fs.pop("ddp"), fs.pop("opt")  # the optimizer alive: its masters hold values
     units = ddp.units
     (buffer,) = ddp.plan.buffers
     rank = ddp.plan.shard_rank(torch.distributed.get_rank())
@@ -133,3 +141,28 @@ def _read_after_step(ddp_kw: dict) -> list[str]:
 def test_a_step_frees_the_owned_grads_so_reading_them_again_raises(ddp_kw: dict) -> None:
     errors = run(_read_after_step, 2, ddp_kw)
     assert [len(e) for e in errors] == [2, 2]  # raised on every rank, twice
+
+
+def _optimizer_after_optimizer() -> list[bool]:
+    """bf16, the owned param copies held by the optimizer's masters between steps: an
+    optimizer built beside the one that stepped, and one built after that one is gone, each
+    start from the params the last one stepped, and step on."""
+    ddp, first = wrapped(mp_policy=mp(torch.bfloat16), **EXCHANGE, **FS)
+    same = []
+    for step, drop_first in enumerate((False, True)):
+        train_steps(ddp, first, [step])
+        values = {o.key: o.value().clone() for o in first.owned_pieces()}
+        if drop_first:
+            del first
+            gc.collect()
+        first = wholeshard.LayerwiseOptimizer(ddp, matrix=MUON_KW, adamw=ADAMW_KW)
+        now = {o.key: o.value() for o in first.owned_pieces()}
+        same.append(
+            now.keys() == values.keys() and all(map(torch.equal, now.values(), values.values()))
+        )
+    train_steps(ddp, first, [2])
+    return same
+
+
+def test_an_optimizer_built_after_another_starts_from_its_params() -> None:
+    assert run(_optimizer_after_optimizer, 2) == [[True, True]] * 2

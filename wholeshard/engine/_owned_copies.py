@@ -24,7 +24,9 @@ dtype, and whatever gives `param` storage writes all of it from the masters befo
 reads it: each update writes the param of every owned piece, stepped or not
 (`optim.pieces.params_from_masters`), before the params go back; a load writes them all after
 `StepProtocol.hold_owned_params` (`install_state`); a reader between steps takes the master's
-cast (`OwnedPiece.value`: checkpoints). With fp32 params the copy is the master itself and
+cast (`OwnedPiece.value`: checkpoints). Those masters die with their optimizer, so before the
+next optimizer reads the params (`StepProtocol.owned`), or once this one is gone, the copies
+live between steps again, written from its masters (`keep_params_again`). With fp32 params the copy is the master itself and
 `param` lives between steps. So a rank holds between steps its shards (plus, without separate
 masters, its owned matrices' params); the peak adds one unit's full tensors, or, at the
 exchange, the owned copies. (An FP8 unit quantizes from `param` at its gather, so it keeps it
@@ -74,6 +76,12 @@ class OwnedCopies:
         if not self.keep_params:
             self.transient = True
             _resize.free(self.param)
+
+    def keep_params_again(self) -> None:
+        """`param` lives between steps again (the optimizer that dropped it is going); its
+        values are whatever is written next."""
+        self.hold(grad=False)
+        self.transient = False
 
     def hold(self, grad: bool = True) -> None:
         """Give the copies that live only through a step their storage back (`grad`; `param`

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from torch import nn
 
@@ -32,6 +32,7 @@ from ..planning.routing import Route
 from ._guard import ParamSignature
 from ._memory import StateHolder
 from ._owned import OwnedRange
+from ._owned_copies import OwnedCopies
 from ._schedule import Scheduler
 from ._sharded_group import ShardedGroup
 from ._storage import StorageUnit
@@ -63,13 +64,20 @@ class StepProtocol:
         self._signature = ParamSignature(module)
         self.schedulers = [g.scheduler for g in self._groups]
         self._optimizer: weakref.ref[StateHolder] | None = None
+        # The owned param copies' values back from the masters that hold them (`masters_kept`).
+        self._params_back: Callable[[], object] = lambda: None
 
     # -- ownership ------------------------------------------------------------------------
 
     def owned(self) -> Iterator[OwnedRange]:
         """What this rank updates, group by group (experts after the others), each in
         registration order: whole params, whole matrices of stacked params, or flat slices of
-        element-wise ones. Ownership comes from the plans."""
+        element-wise ones. Ownership comes from the plans. Their params hold their values: an
+        optimizer whose masters held them (`masters_kept`) writes them back first."""
+        self._params_back()
+        return self._owned()
+
+    def _owned(self) -> Iterator[OwnedRange]:
         first = 0
         for g in self._groups:
             yield from (dataclasses.replace(o, unit=first + o.unit) for o in g.owned())
@@ -142,16 +150,24 @@ class StepProtocol:
 
     # -- the model and the optimizer ------------------------------------------------------
 
-    def masters_kept(self, units: Iterable[int]) -> None:
-        """The attached optimizer keeps a master of its own (not the param view) of every piece
-        it owns of `units` (indices in `DataParallel.units`) and writes each of those params from
-        its master in every update, stepped or not, and on loading (`hold_owned_params`):
-        fully sharded on the exchange, their owned param copies then have storage only through
-        a step ([Note: owned copies] in `_owned_copies`)."""
+    def masters_kept(
+        self, optimizer: object, units: Iterable[int], write_params: Callable[[], None]
+    ) -> None:
+        """`optimizer` keeps a master of its own (not the param view) of every piece it owns of
+        `units` (indices in `DataParallel.units`) and writes each of those params from its
+        master in every update, stepped or not, on loading (`hold_owned_params`), and by
+        `write_params()`: fully sharded on the exchange, their owned param copies then have
+        storage only through a step ([Note: owned copies] in `_owned_copies`), until the next
+        optimizer reads them (`owned()`) or `optimizer` is gone, when `write_params()` gives
+        them their values back (so it must not hold `optimizer`, which would then never go)."""
         every = self._units()
-        for i in units:
-            if every[i].owned_copies is not None:
-                every[i].owned_copies.drop_params()
+        dropped = [every[i].owned_copies for i in units if every[i].owned_copies is not None]
+        for copies in dropped:
+            copies.drop_params()
+        dropped = [c for c in dropped if c.transient]
+        if dropped:
+            self._params_back = weakref.finalize(optimizer, _params_back, dropped, write_params)
+            self._params_back.atexit = False
 
     def _units(self) -> list[StorageUnit]:
         return [u for s in self.schedulers for u in s.units]
@@ -171,3 +187,11 @@ class StepProtocol:
     def optimizer(self) -> StateHolder | None:
         """The attached optimizer, while it lives."""
         return self._optimizer() if self._optimizer is not None else None
+
+
+def _params_back(dropped: list[OwnedCopies], write_params: Callable[[], None]) -> None:
+    """Keep `dropped`'s param copies between steps again, their values written from the masters
+    of the optimizer that dropped them (`write_params`) ([Note: owned copies])."""
+    for copies in dropped:
+        copies.keep_params_again()
+    write_params()

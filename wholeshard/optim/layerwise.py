@@ -139,7 +139,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._owned += pieces
             self._by_unit.setdefault(owned.unit, []).extend(pieces)
         separate = (u for u, ps in self._by_unit.items() if all(o.separate_master for o in ps))
-        self._protocol.masters_kept(separate)  # `_update` writes all their params
+        self._protocol.masters_kept(self, separate, lambda o=self._owned: params_from_masters(o))
         index = {r.name: i for i, r in enumerate(ddp.routes)}
         indices = [index[o.name] for o in self._owned]  # each piece's param, for the step check
         self._indices = torch.tensor(indices, dtype=torch.float64, device=ddp.device)
