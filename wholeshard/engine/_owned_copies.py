@@ -26,12 +26,12 @@ reads it: each update writes the param of every owned piece, stepped or not
 `StepProtocol.hold_owned_params` (`install_state`); a reader between steps takes the master's
 cast (`OwnedPiece.value`: checkpoints). Those masters die with their optimizer, so before the
 next optimizer reads the params (`StepProtocol.owned`), or once this one is gone, the copies
-live between steps again, written from its masters (`keep_params_again`). With fp32 params the copy is the master itself and
-`param` lives between steps. So a rank holds between steps its shards (plus, without separate
-masters, its owned matrices' params); the peak adds one unit's full tensors, or, at the
-exchange, the owned copies. (An FP8 unit quantizes from `param` at its gather, so it keeps it
-(`keep_params`); it is always fully sharded, so it keeps it in every mode: [Note: FP8 units] in
-`_fp8_storage`.)
+live between steps again, written from its masters (`keep_params_again`). With fp32 params the
+copy is the master itself and `param` lives between steps. So a rank holds between steps its
+shards (plus, without separate masters, its owned matrices' params); the peak adds one unit's
+full tensors, or, at the exchange, the owned copies. (An FP8 unit quantizes from `param` at its
+gather, so it keeps it (`keep_params`); it is always fully sharded, so it keeps it in every
+mode: [Note: FP8 units] in `_fp8_storage`.)
 """
 
 from __future__ import annotations
