@@ -91,6 +91,12 @@ def test_bad_values_name_their_field(options: dict, field: str, message: str) ->
             "layout='ping_pong' cannot take reshard_after_forward=True: .* equal",
         ),
         (dict(layout="ping_pong"), dict(fp8_param_gather=True), "fp8_param_gather", "no shards"),
+        (
+            dict(layout="shard_broadcasts"),
+            dict(fp8_param_gather=True),
+            "fp8_param_gather",
+            "layout='shard_broadcasts' cannot take fp8_param_gather=True: .* never FP8",
+        ),
     ],
 )
 def test_bad_variants_name_their_field(variant: dict, options: dict, field: str, message: str):

@@ -151,8 +151,15 @@ _REFUSES = (
     ("fp8_param_gather", "it has no shards"),
 )
 _UNALIGNED = (KIND, "whole tensors, unaligned", "size_match", _REFUSES)
+_BF16_GATHER = (("fp8_param_gather", "the baseline broadcasts params as they are, never FP8"),)
 LAYOUTS = (
-    Layout(SHARD_BROADCASTS.name, _broadcast_shards, (SHARD_BROADCASTS,), _shard_broadcasts_engine),
+    Layout(
+        SHARD_BROADCASTS.name,
+        _broadcast_shards,
+        (SHARD_BROADCASTS,),
+        _shard_broadcasts_engine,
+        refuses=_BF16_GATHER,
+    ),
     Layout(PING_PONG.name, _ping_pong(PING_PONG), (PING_PONG,), _ping_pong_engine, *_UNALIGNED),
     Layout(
         PING_PONG_BROADCASTS.name,
