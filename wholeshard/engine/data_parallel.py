@@ -200,7 +200,7 @@ class DataParallel(nn.Module):
     @property
     def units(self) -> list[StorageUnit]:
         """Communication units in reduce (backprop) order (the experts' after the others')."""
-        return [b for s in self.step_protocol.schedulers for b in s.units]
+        return self.step_protocol.units
 
     def replica_of(self, name: str) -> int:
         """Which of the identical copies of param `name`'s owned elements this rank holds: its

@@ -144,7 +144,7 @@ class StepProtocol:
         sharded on the exchange, after `masters_kept`): a load writes every owned param, then
         `start_param_sync` sends them to their holders and frees them ([Note: owned copies] in
         `_owned_copies`)."""
-        for unit in self._units():
+        for unit in self.units:
             if unit.owned_copies is not None:
                 unit.owned_copies.hold(grad=False)
 
@@ -160,7 +160,7 @@ class StepProtocol:
         storage only through a step ([Note: owned copies] in `_owned_copies`), until the next
         optimizer reads them (`owned()`) or `optimizer` is gone, when `write_params()` gives
         them their values back (so it must not hold `optimizer`, which would then never go)."""
-        every = self._units()
+        every = self.units
         dropped = [every[i].owned_copies for i in units if every[i].owned_copies is not None]
         for copies in dropped:
             copies.drop_params()
@@ -169,7 +169,9 @@ class StepProtocol:
             self._params_back = weakref.finalize(optimizer, _params_back, dropped, write_params)
             self._params_back.atexit = False
 
-    def _units(self) -> list[StorageUnit]:
+    @property
+    def units(self) -> list[StorageUnit]:
+        """Every group's storage units, in unit order (`DataParallel.units`)."""
         return [u for s in self.schedulers for u in s.units]
 
     def model_changes(self) -> str | None:
