@@ -38,13 +38,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+
+if TYPE_CHECKING:
+    from ..engine.data_parallel import DataParallel
 
 NonfinitePolicy = Literal["error", "skip"]
 NONFINITE_POLICIES: tuple[NonfinitePolicy | None, ...] = ("error", "skip", None)
@@ -139,3 +142,101 @@ def issue(
     if world > 1:
         collectives.all_reduce(t, group, op=dist.ReduceOp.MAX)
     return PendingCheck(t)
+
+
+class StepCheck:
+    """One optimizer's step checks on `ddp`: `take` issues this step's and returns the params
+    to step; with `nonfinite=None` the check is judged at the next `take` or `judge_unread`,
+    on every rank at the same point ([Note: host syncs in a step]). `owned`: the names of the
+    params whose gradients the optimizer passes norms of, in that order."""
+
+    def __init__(
+        self, ddp: DataParallel, owned: Sequence[str], nonfinite: NonfinitePolicy | None
+    ) -> None:
+        self.ddp, self.nonfinite = ddp, self.policy(nonfinite)
+        index = {r.name: i for i, r in enumerate(ddp.routes)}
+        self._indices = torch.tensor(
+            [index[name] for name in owned], dtype=torch.float64, device=ddp.device
+        )
+        self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
+
+    @staticmethod
+    def policy(nonfinite: object) -> NonfinitePolicy | None:
+        """`nonfinite` if it is a policy; else the error that lists them."""
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
+        return nonfinite  # type: ignore[return-value]
+
+    def take(self, step: int, norms: torch.Tensor | None) -> frozenset[str] | None:
+        """Take step `step`'s check with every rank: raise on a changed model, ranks at
+        different steps, or (policy "error") a non-finite gradient. Return the names of the
+        params to step (those that got a gradient on some rank), or None when every rank skips
+        this step (policy "skip"). `norms`: any norm of each owned gradient (None: unchecked)."""
+        self.judge_unread()
+        ddp, protocol = self.ddp, self.ddp.step_protocol
+        change = protocol.model_changes()
+        received, experts = protocol.received_grads(), ddp.expert_layout
+        pending = issue(
+            step,
+            indices=self._indices,
+            norms=None if self.nonfinite is None else norms,
+            changed=change is not None,
+            received=experts.spread(received) if experts else received,
+            group=self._group(reads_grads=self.nonfinite is not None),
+            world=ddp.model_ranks.size,  # dp (x tp: the group above)
+            device=ddp.device,
+        )
+        if self.nonfinite is not None:
+            return self._judge(step, change, pending.verdict())
+        # Judged at the next step on every rank alike; read now only for what others received.
+        self._unread = (step, change, pending.stage())
+        got = self._agreed(pending.verdict().received) if not all(received) else received
+        return frozenset(r.name for r, g in zip(ddp.routes, got, strict=True) if g)
+
+    def judge_unread(self) -> None:
+        """Read a step check left unread and raise what it found (on every rank alike)."""
+        if self._unread is not None:
+            (step, change, pending), self._unread = self._unread, None
+            self._judge(step, change, pending.verdict())
+
+    def forget_unread(self) -> None:
+        """Drop a check left unread: the state it judged is replaced (a load)."""
+        self._unread = None
+
+    def _agreed(self, flags: Sequence[bool]) -> Sequence[bool]:
+        """Per route, from the step check: whether some rank holding it got a gradient."""
+        return self.ddp.expert_layout.pick(flags) if self.ddp.expert_layout else flags
+
+    def _judge(self, step: int, change: str | None, verdict: Verdict) -> frozenset[str] | None:
+        ddp = self.ddp
+        if verdict.changed:
+            raise RuntimeError(change or "another rank's model changed after it was wrapped")
+        low, high = verdict.steps
+        if low != high:
+            raise RuntimeError(
+                f"ranks disagree on the step: this rank is at optimizer step {step}, the ranks "
+                f"range from {low} to {high}. Every rank must call optimizer.step() the same "
+                f"number of times and load the same checkpoint"
+            )
+        if verdict.first_nonfinite is None:
+            received = zip(ddp.routes, self._agreed(verdict.received), strict=True)
+            return frozenset(r.name for r, got in received if got)
+        if self.nonfinite == "skip":
+            return None
+        raise FloatingPointError(
+            f"non-finite gradient at optimizer step {step}: "
+            f"{ddp.routes[verdict.first_nonfinite].name!r} is the first param (in registration "
+            f"order) whose averaged gradient has an inf or nan. Nothing was updated; pass "
+            f"nonfinite='skip' to LayerwiseOptimizer to skip such steps instead"
+        )
+
+    def _group(self, reads_grads: bool) -> ProcessGroup | None:
+        """Where the check runs: the data-parallel group; when it reads no gradient and a
+        separate all-gather group spans every rank, that group, where the check does not wait
+        behind the reductions in flight (a pipelined step keeps overlapping them). Tensor
+        parallel: dp x tp, so tp peers skip alike (one stepping alone would hang the other)."""
+        ddp = self.ddp
+        if ddp.tensor_parallel:
+            return ddp.model_ranks.group
+        spans = ddp.shard_group_size == ddp.dp_size and ddp.gather_group is not ddp.shard_group
+        return ddp.gather_group if spans and not reads_grads else ddp.process_group

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,14 +27,7 @@ from ..engine.data_parallel import DataParallel
 from ._clipping import ClippingRecord
 from ._inner import States, holding
 from ._offload import StateOffload
-from ._step_check import (
-    NONFINITE_POLICIES,
-    NonfinitePolicy,
-    PendingCheck,
-    Verdict,
-    issue,
-    peak_norms,
-)
+from ._step_check import NonfinitePolicy, StepCheck, peak_norms
 from .matrix_rule import closure_loss
 from .ns_split import NsSplit, row_blocks
 from .pieces import (
@@ -117,16 +110,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(ddp, DataParallel):
             raise TypeError(f"LayerwiseOptimizer needs a wholeshard.DataParallel, got {type(ddp)}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be 'error', 'skip' or None, got {nonfinite!r}")
+        StepCheck.policy(nonfinite)  # before the layout changes
         ddp.balance_for(matrix_optimizer)
         self.ddp = ddp
         self._protocol = ddp.step_protocol  # the step's verbs (`engine.step_protocol`)
-        self.nonfinite = nonfinite
         self.steps = self.skipped_steps = 0  # step() calls taken (skipped ones included), skipped
         self._piece_norms: torch.Tensor | None = None  # owned grads' norms, if clipped this step
         self._clipping = ClippingRecord()  # [Note: clipping the framework asked for]
-        self._unread: tuple[int, str | None, PendingCheck] | None = None  # a check read late
         self._owned: list[OwnedPiece] = []
         self._by_unit: dict[int, list[OwnedPiece]] = {}  # unit index -> its owned pieces
         self._update_hooks: OrderedDict[int, Callable[[list[OwnedPiece]], None]] = OrderedDict()
@@ -140,9 +130,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._by_unit.setdefault(owned.unit, []).extend(pieces)
         separate = (u for u, ps in self._by_unit.items() if all(o.separate_master for o in ps))
         self._protocol.masters_kept(self, separate, lambda o=self._owned: params_from_masters(o))
-        index = {r.name: i for i, r in enumerate(ddp.routes)}
-        indices = [index[o.name] for o in self._owned]  # each piece's param, for the step check
-        self._indices = torch.tensor(indices, dtype=torch.float64, device=ddp.device)
+        self._check = StepCheck(ddp, [o.name for o in self._owned], nonfinite)
         self._tp_group, sliced = tp_slices(ddp.routes)  # for norms: slices sum over the group
         self._sliced = [o.name in sliced for o in self._owned]
         self._inner = {
@@ -156,6 +144,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         offload = (self._inner, self._by_unit, ddp.device, offload_state, ddp.tensor_parallel)
         self._offload = StateOffload(*offload)
         self._protocol.attach_optimizer(self)
+
+    @property
+    def nonfinite(self) -> NonfinitePolicy | None:
+        """What an inf or nan in the averaged gradients does (the constructor's argument)."""
+        return self._check.nonfinite
 
     def _masters(self, kind: str) -> list[torch.Tensor]:
         return [o.stepped for o in self._owned if o.kind == kind]
@@ -171,7 +164,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._protocol.start_grad_sync()  # [Note: step check order] in `_step_check`
         else:
             self._protocol.finish_grad_sync()
-        stepped = self._check_step()
+        norms, self._piece_norms = self._piece_norms, None  # clipped this step: its norms
+        if norms is None and self.nonfinite is not None and self._owned:
+            norms = peak_norms([o.grad for o in self._owned])
+        stepped = self._check.take(self.steps, norms)
+        self.steps += 1
         if stepped is None:
             self.skipped_steps += 1
             self._protocol.zero_grad_buffer()
@@ -216,82 +213,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         handle = RemovableHandle(self._update_hooks)
         self._update_hooks[handle.id] = hook
         return handle
-
-    def _check_step(self) -> frozenset[str] | None:
-        """Take the step check (`wholeshard.optim._step_check`) with every rank: raise on a
-        changed model, ranks at different steps, or (policy "error") a non-finite gradient.
-        Return the names of the params to step (those that got a gradient on some rank), or
-        None when every rank skips this step (policy "skip"). With `nonfinite=None` it is judged
-        at the next step ([Note: host syncs in a step])."""
-        self._judge_pending_check()
-        norms, self._piece_norms = self._piece_norms, None
-        if self.nonfinite is None:
-            norms = None
-        elif norms is None and self._owned:  # not clipped this step: one pass
-            norms = peak_norms([o.grad for o in self._owned])
-        change = self._protocol.model_changes()
-        received, experts = self._protocol.received_grads(), self.ddp.expert_layout
-        pending = issue(
-            self.steps,
-            indices=self._indices,
-            norms=norms,
-            changed=change is not None,
-            received=experts.spread(received) if experts else received,
-            group=self._check_group(self.nonfinite is not None),
-            world=self.ddp.model_ranks.size,  # dp (x tp: the group below)
-            device=self.ddp.device,
-        )
-        step, self.steps = self.steps, self.steps + 1
-        if self.nonfinite is not None:
-            return self._judge(step, change, pending.verdict())
-        # Judged at the next step on every rank alike; read now only for what others received.
-        self._unread = (step, change, pending.stage())
-        got = self._agreed(pending.verdict().received) if not all(received) else received
-        return frozenset(r.name for r, g in zip(self.ddp.routes, got, strict=True) if g)
-
-    def _agreed(self, flags: Sequence[bool]) -> Sequence[bool]:
-        """Per route, from the step check: whether some rank holding it got a gradient."""
-        return self.ddp.expert_layout.pick(flags) if self.ddp.expert_layout else flags
-
-    def _judge_pending_check(self) -> None:
-        """Read a step check left unread and raise what it found (on every rank alike)."""
-        if self._unread is not None:
-            (step, change, pending), self._unread = self._unread, None
-            self._judge(step, change, pending.verdict())
-
-    def _judge(self, step: int, change: str | None, verdict: Verdict) -> frozenset[str] | None:
-        ddp = self.ddp
-        if verdict.changed:
-            raise RuntimeError(change or "another rank's model changed after it was wrapped")
-        low, high = verdict.steps
-        if low != high:
-            raise RuntimeError(
-                f"ranks disagree on the step: this rank is at optimizer step {step}, the ranks "
-                f"range from {low} to {high}. Every rank must call optimizer.step() the same "
-                f"number of times and load the same checkpoint"
-            )
-        if verdict.first_nonfinite is None:
-            received = zip(ddp.routes, self._agreed(verdict.received), strict=True)
-            return frozenset(r.name for r, got in received if got)
-        if self.nonfinite == "skip":
-            return None
-        raise FloatingPointError(
-            f"non-finite gradient at optimizer step {step}: "
-            f"{ddp.routes[verdict.first_nonfinite].name!r} is the first param (in registration "
-            f"order) whose averaged gradient has an inf or nan. Nothing was updated; pass "
-            f"nonfinite='skip' to LayerwiseOptimizer to skip such steps instead"
-        )
-
-    def _check_group(self, reads_grads: bool):
-        """Where the step check runs: the data-parallel group; when it reads no gradient and a
-        separate all-gather group spans every rank, that group, where the check does not wait
-        behind the reductions in flight (a pipelined step keeps overlapping them). Tensor
-        parallel: dp x tp, so tp peers skip alike (one stepping alone would hang the other)."""
-        ddp = self.ddp
-        if ddp.tensor_parallel:
-            return ddp.model_ranks.group
-        spans = ddp.shard_group_size == ddp.dp_size and ddp.gather_group is not ddp.shard_group
-        return ddp.gather_group if spans and not reads_grads else ddp.process_group
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer. `set_to_none` is accepted for API parity and ignored."""
@@ -352,7 +273,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def piece_state(self, piece: OwnedPiece) -> dict[str, Any]:
         """The torch optimizer's live state dict for `piece` (empty before the first step). A
         step check left unread is read first: state is never handed out past a failed check."""
-        self._judge_pending_check()
+        self._check.judge_unread()
         self._offload.wait()
         return self._inner[piece.kind].state[piece.stepped]
 
@@ -362,7 +283,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, keyed by param name; loads at the same world size and plan only."""
-        self._judge_pending_check()
+        self._check.judge_unread()
         self._offload.wait()
         state: dict[str, dict[str, Any]] = {}
         for o in self._owned:
@@ -379,7 +300,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load `state_dict()` of an optimizer at the same world size and plan (any other:
         wholeshard checkpoints); every rank loads its own and all gather the params."""
-        self._unread = None  # the state it judged is replaced
+        self._check.forget_unread()
         self._offload.wait()
         owned = {o.key: o for o in self._owned}
         saved = state_dict["state"]
