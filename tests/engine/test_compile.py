@@ -8,8 +8,10 @@ whole compiled model waits for every bucket before its forward, and per-block co
 the gather overlapped block by block), and the hooks are `torch.compiler.disable`d, so a
 compiled caller graph-breaks around them instead of tracing collectives.
 
-One launch at 2 ranks runs every mode eagerly and compiled (CPU inductor). With an empty
-inductor cache the file takes ~30 s on 2 cores (the first compile ~25 s), ~6 s warm.
+One launch at 2 ranks runs every mode eagerly and compiled, once per backend: `aot_eager`
+(dynamo and AOTAutograd, as inductor sees the model, without generating code: hooks, graph
+breaks and names are decided there) in the default run, and CPU inductor under `slow` (its
+first compile with an empty cache takes ~25 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ from torch import nn
 import wholeshard
 from wholeshard.engine._storage import UnitState
 
-if not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
-    pytest.skip("CPU inductor needs a C++ compiler", allow_module_level=True)
-
+HAS_CXX = any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++"))
+BACKENDS = [
+    "aot_eager",
+    pytest.param(
+        "inductor",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(not HAS_CXX, reason="CPU inductor needs a C++ compiler"),
+        ],
+    ),
+]
 STEPS = 3
 MODES = {
     "sync": SYNC,
@@ -53,30 +63,30 @@ SMALL_BUCKETS = dict(bucket_size=3000)  # several buckets, so overlap has someth
 PREFIX = "_orig_mod."  # torch.compile(m) holds m under this attribute
 
 
-def compiled(kind: str) -> nn.Module:
+def compiled(kind: str, backend: str) -> nn.Module:
     """TinyLM compiled as a whole (`torch.compile`), in place (`.compile()`) or per block."""
     model = make_model()
     if kind == "whole":
-        return torch.compile(model)
+        return torch.compile(model, backend=backend)
     if kind == "in_place":
-        model.compile()
+        model.compile(backend=backend)
     elif kind == "blocks":
         for block in model.blocks:
-            block.compile()
+            block.compile(backend=backend)
     return model
 
 
-def _train(kind: str | None, mode: dict) -> dict:
-    make = None if kind is None else lambda: compiled(kind)
+def _train(kind: str | None, mode: dict, backend: str) -> dict:
+    make = None if kind is None else lambda: compiled(kind, backend)
     out = wholeshard_run(STEPS, ddp_kw=dict(SMALL_BUCKETS, **mode), make=make, evaluate=True)
     out["params"] = {n.replace(PREFIX, ""): p for n, p in out["params"].items()}
     return out
 
 
-def _hooks_fire(kind: str) -> dict:
+def _hooks_fire(kind: str, backend: str) -> dict:
     """Overlap with a compiled model: grads reduced during backward, gathers deferred to the
     next forward, and that forward's pre-hook completes them before the compiled graph runs."""
-    ddp, opt = wrapped(compiled(kind), **SMALL_BUCKETS, **OVERLAP)
+    ddp, opt = wrapped(compiled(kind, backend), **SMALL_BUCKETS, **OVERLAP)
     local_loss(ddp).backward()
     reduced_in_backward = sum(b.reducing is not None for b in ddp.units)
     opt.step()
@@ -93,7 +103,7 @@ def _hooks_fire(kind: str) -> dict:
     }
 
 
-def _everything() -> dict:
+def _everything(backend: str) -> dict:
     """One launch: every mode eager and compiled whole, the other two compile styles with
     overlap, and the hook checks. Every model is a new instance of one class: dynamo's guards
     pass, so the graphs compiled for the first run serve the rest (no recompiles; were there
@@ -102,19 +112,19 @@ def _everything() -> dict:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     out: dict = {}
     for name, mode in MODES.items():
-        out["eager", name] = _train(None, mode)
-        out["whole", name] = _train("whole", mode)
+        out["eager", name] = _train(None, mode, backend)
+        out["whole", name] = _train("whole", mode, backend)
     for kind in ("in_place", "blocks"):
-        out[kind, "overlap"] = _train(kind, OVERLAP)
-        out[kind, "fully_sharded-overlap"] = _train(kind, MODES["fully_sharded-overlap"])
-        out["hooks", kind] = _hooks_fire(kind)
-    out["hooks", "whole"] = _hooks_fire("whole")
+        out[kind, "overlap"] = _train(kind, OVERLAP, backend)
+        out[kind, "fully_sharded-overlap"] = _train(kind, MODES["fully_sharded-overlap"], backend)
+        out["hooks", kind] = _hooks_fire(kind, backend)
+    out["hooks", "whole"] = _hooks_fire("whole", backend)
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run(_everything, 2)
+@pytest.fixture(scope="module", params=BACKENDS)
+def results(request: pytest.FixtureRequest) -> list[dict]:
+    return run(_everything, 2, request.param)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
