@@ -164,11 +164,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._protocol.start_grad_sync()  # [Note: step check order] in `_step_check`
         else:
             self._protocol.finish_grad_sync()
+        self._check.judge_unread()  # the last step's check raises before this step counts
         norms, self._piece_norms = self._piece_norms, None  # clipped this step: its norms
         if norms is None and self.nonfinite is not None and self._owned:
             norms = peak_norms([o.grad for o in self._owned])
-        stepped = self._check.take(self.steps, norms)
-        self.steps += 1
+        step, self.steps = self.steps, self.steps + 1  # counted even where its check raises
+        stepped = self._check.take(step, norms)
         if stepped is None:
             self.skipped_steps += 1
             self._protocol.zero_grad_buffer()
