@@ -240,7 +240,7 @@ def _validate(routes: list[Route], require_matrix: bool = True) -> None:
     if require_matrix and not any(r.matrix for r in routes):
         raise ValueError(
             "no parameter is routed to Muon (the default routes weights of hidden layers with "
-            ">= 2 dims there: not embeddings, not the output head, not params registered on "
-            "the root module); pass matrix_params=... to choose, or use torch.optim.AdamW with "
-            f"torch DDP instead.\n{routing_table(routes)}"
+            ">= 2 dims there: not embeddings, not the output head, not convolution kernels, not "
+            "params registered on the root module); pass matrix_params=... to choose, or use "
+            f"torch.optim.AdamW with torch DDP instead.\n{routing_table(routes)}"
         )
