@@ -13,6 +13,10 @@
 - Foreign data-parallel wrappers (`foreign_wrapper_problem`, `outer_ddp_problem`): torch DDP or
   FSDP inside the wrapped module, or torch DDP around it (every gradient reduced twice, by
   hooks that find no `.grad`), are refused.
+- In a fully sharded forward (`released_use_hint`): a param is empty from the end of the
+  forward of the module holding it until its backward, so computing with it elsewhere in the
+  forward (`h @ self.wte.weight.T` in a parent's forward) fails with torch's shape error; the
+  error then also names the params released so far and the fix.
 - After construction (`ParamSignature`): the same Parameter objects, in the same number, with
   the same `requires_grad`. Buffers are planned once, so a param frozen, unfrozen, replaced,
   added or removed after wrapping would train wrongly (its gradient never reduced, its update
@@ -24,12 +28,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ._storage import UnitState
+
+if TYPE_CHECKING:
+    from ._schedule import Scheduler
 
 _WRAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> its name in the wrapped module
 _STEP_GUARD: list[Any] = []  # the handle of the global optimizer step pre-hook, once installed
@@ -161,6 +170,40 @@ def outer_ddp_problem() -> str | None:
     if active is None:
         return None
     return f"a wholeshard.DataParallel runs inside torch's DistributedDataParallel: {_FOREIGN_FIX}"
+
+
+SHAPE_WORDS = ("size", "shape", "dimension", "-D")
+"""Words of torch's errors for an operand of the wrong shape (an empty param: `size mismatch`,
+`The size of tensor a`, `shape [0]`, `'weight' must be 2-D`, `at least three dimensions`)."""
+
+
+def released_use_hint(error: BaseException, schedulers: Iterable[Scheduler]) -> str | None:
+    """What to add to `error`, raised by a forward, if it may come from computing with a param
+    released earlier in that forward (fully sharded: after every module holding it ran), or
+    None: no param was, or `error` is not torch's plain shape error."""
+    if type(error) not in (RuntimeError, IndexError) or not any(
+        w in str(error) for w in SHAPE_WORDS
+    ):
+        return None
+    released = [  # in forward order: the first released first
+        p.name
+        for s in schedulers
+        if s.reshard
+        for u in s.forward_order
+        if s.users[u.index] and s.forward_left[u.index] <= 0 and u.state is UnitState.RELEASED
+        for _, p in u.params
+    ]
+    if not released:
+        return None
+    more = f" and {len(released) - 5} more" if len(released) > 5 else ""
+    return (
+        f"wholeshard: fully sharded (reshard_after_forward=True), a param is empty from the end "
+        f"of the forward of the module holding it until its backward. If this forward computes "
+        f"with one of those released so far ({', '.join(map(repr, released[:5]))}{more}) outside "
+        f"the module holding it (`h @ self.wte.weight.T` in a parent's forward), call it through "
+        f"a module instead (a head `nn.Linear` sharing the weight: `head.weight = wte.weight`, "
+        f"then `head(h)`), or leave reshard_after_forward off"
+    )
 
 
 def placement_problem(module: nn.Module, placeholders: Collection[nn.Parameter] = ()) -> str | None:

@@ -29,7 +29,7 @@ from ..planning.specs import MatrixCost, newton_schulz_cost
 from . import _hooks as hooks
 from ._experts import ExpertLayout, expert_group, split_experts, split_rest
 from ._fp8_storage import has_fp8_weights
-from ._guard import claim, outer_ddp_problem, unclaim, wrapped_name
+from ._guard import claim, outer_ddp_problem, released_use_hint, unclaim, wrapped_name
 from ._init import cast_frozen, check_model, common_dtype
 from ._memory import memory
 from ._meta import fill_frozen, materialise, target_device
@@ -185,7 +185,13 @@ class DataParallel(nn.Module):
         problem = outer_ddp_problem()
         if problem is not None:  # every rank runs the forward, so every rank raises
             raise RuntimeError(problem)
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except (RuntimeError, IndexError) as e:
+            hint = released_use_hint(e, self.step_protocol.schedulers)
+            if hint is None:
+                raise
+            raise type(e)(f"{e}\n\n{hint}").with_traceback(e.__traceback__) from None
 
     def __getattr__(self, name: str) -> Any:
         """The wrapped module's attribute where the wrapper has none (its `config`, say), as
