@@ -232,7 +232,10 @@ def test_peak_transient_is_zero_unless_fully_sharded(planned) -> None:
         units = storage_units(plan, specs)
         pb, gb = ELEMENT_BYTES[mode.param_dtype], ELEMENT_BYTES[mode.grad_reduce_dtype]
         assert costs.transient_unit == max(u.numel for u in units) * (pb + gb)
-        assert costs.transient_unit <= costs.peak_transient <= plan.numel * (pb + gb)
+        # a unit's params are released before its kept grads get full storage ([Note: kept
+        # gradients] in the engine's `_kept_grads`): the largest unit may never be whole
+        largest = max(u.numel for u in units)
+        assert largest * max(pb, gb) <= costs.peak_transient <= plan.numel * (pb + gb)
         if not mode.overlap_grad_reduce:  # every full grad lives until the step
             assert costs.peak_transient >= plan.numel * gb
 

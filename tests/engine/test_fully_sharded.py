@@ -81,9 +81,15 @@ def test_hybrid_sharding_in_shard_groups(overlap: bool) -> None:
     _assert_fs_equals_zero(4, mode, torch.float32)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_no_sync_accumulation(overlap: bool) -> None:
-    _assert_fs_equals_zero(2, OVERLAP if overlap else {}, torch.float32, micro_batches=3)
+@pytest.mark.parametrize(
+    ("overlap", "dtype"),
+    [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+    ids=["sync", "overlap", "overlap-bf16"],
+)
+def test_no_sync_accumulation(overlap: bool, dtype: torch.dtype) -> None:
+    """bf16: the first micro-batch's gradients are kept until the second's arrive ([Note: kept
+    gradients]); the sums are ZeRO's bits."""
+    _assert_fs_equals_zero(2, OVERLAP if overlap else {}, dtype, micro_batches=3)
 
 
 @pytest.mark.parametrize(

@@ -159,11 +159,13 @@ def _per_unit(log: list[tuple]) -> Iterator[dict[tuple[int, str], list]]:
 
 @contextlib.contextmanager
 def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
-    """The most bytes of full (gathered) bucket storage and step-only owned copies alive at
-    once inside, sampled after every allocation of one (`_resize.alloc`, `_storage`'s and the
-    owned copies': fully sharded gathers, first gradients and exchanges to the owners)."""
+    """The most bytes of full (gathered) bucket storage, kept gradients ([Note: kept
+    gradients]) and step-only owned copies alive at once inside, sampled after every allocation
+    of one (`_resize.alloc`, `_storage`'s and the owned copies': fully sharded gathers, first
+    gradients added in and exchanges to the owners) and every gradient a resharding unit
+    receives."""
     peak = [0]
-    original = _resize.alloc
+    original, accumulate = _resize.alloc, _storage.StorageUnit.accumulate
 
     def step_only(copies: OwnedCopies | None) -> int:
         if copies is None:
@@ -171,21 +173,32 @@ def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
         param = copies.param.untyped_storage().nbytes() if copies.transient else 0
         return copies.grad.untyped_storage().nbytes() + param
 
-    def alloc(t: torch.Tensor) -> None:
-        original(t)
+    def sample() -> None:
         alive = sum(
             b.param.untyped_storage().nbytes()
             + b.grad.untyped_storage().nbytes()
+            + b.kept.nbytes
             + step_only(b.owned_copies)
             for b in ddp.units
         )
         peak[0] = max(peak[0], alive)
 
+    def alloc(t: torch.Tensor) -> None:
+        original(t)
+        sample()
+
+    def received(unit: _storage.StorageUnit, i: int, grad: torch.Tensor) -> None:
+        accumulate(unit, i, grad)
+        if unit.reshard:  # else the full storage lives throughout, and is no peak
+            sample()
+
     _storage._alloc = _resize.alloc = alloc
+    _storage.StorageUnit.accumulate = received
     try:
         yield peak
     finally:
         _storage._alloc = _resize.alloc = original
+        _storage.StorageUnit.accumulate = accumulate
 
 
 def _step(ddp: wholeshard.DataParallel, opt: wholeshard.LayerwiseOptimizer, step: int) -> None:

@@ -15,7 +15,9 @@ head) is not in the plan at all.
 
 On that model `peak_bytes` replays the engine's scheduler (`wholeshard/engine/_schedule.py`:
 [Note: fully sharded lifetimes], the dispatch queue of [Note: collective order], one reduction
-in flight) over the units' full param and grad buffers, counting bytes after each allocation.
+in flight) over the units' full param and grad buffers and the gradients kept until a unit's
+full grads get storage ([Note: kept gradients] in the engine's `_kept_grads`: where the param
+dtype is the smaller), counting bytes after each allocation and each gradient kept.
 On an exchange plan it also replays the exchanges to the owners (a batch leaves before the
 reduction after its last unit starts, or at the step), each giving the batch's owned copies
 that live only through the step (the grads', and the params' where the masters are separate)
@@ -27,6 +29,7 @@ of batches is exchanged, and a rank's peak adds its copies of those batches.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Sequence
 
@@ -72,6 +75,11 @@ class _Replay:
         n = len(units)
         self.batches = batches  # the exchange batches' units, in order (none: no exchange)
         self.full = [(u.numel * param_bytes, u.numel * grad_bytes) for u in units]
+        # autograd's gradients (param dtype), kept until the unit's grads are materialised
+        # where they are smaller than the grad-reduce dtype ([Note: kept gradients])
+        self.kept_grad = {s.name: math.prod(s.shape) * param_bytes for s in specs}
+        self.keeps = param_bytes < grad_bytes
+        self.kept_bytes = [0] * n
         self.unit_of = {name: u.index for u in units for name in u.names}
         self.size = [len(u.names) for u in units]
         registered = {s.name: i for i, s in enumerate(specs)}
@@ -116,6 +124,13 @@ class _Replay:
         if alive[i]:
             alive[i] = False
             self.alive -= self.full[i][grad]
+
+    def _materialise_grads(self, i: int) -> None:
+        """Give unit i's full grads storage, adding in (and dropping) the gradients kept."""
+        if not self.grad_alive[i]:
+            self._alloc(i, grad=True)
+        self.alive -= self.kept_bytes[i]
+        self.kept_bytes[i] = 0
 
     # -- gathers ------------------------------------------------------------------------------
 
@@ -210,8 +225,12 @@ class _Replay:
     def receive_grad(self, name: str) -> None:
         i = self.unit_of[name]
         self.enter_backward()
-        if not self.grad_alive[i]:
-            self._alloc(i, grad=True)
+        if self.keeps and not self.grad_alive[i]:
+            self.kept_bytes[i] += self.kept_grad[name]
+            self.alive += self.kept_grad[name]
+            self._count()
+        else:
+            self._materialise_grads(i)
         self.n_final[i] += 1
         if self.n_final[i] < self.size[i]:
             return
@@ -228,8 +247,7 @@ class _Replay:
             if n >= 1:
                 self.finish_reduce(n - 1)  # one reduction in flight (REDUCES_IN_FLIGHT)
                 self.exchange_through(n - 1)
-            if not self.grad_alive[n]:
-                self._alloc(n, grad=True)
+            self._materialise_grads(n)
             self.reducing[n] = True
             self.next_reduce += 1
 

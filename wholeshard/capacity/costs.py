@@ -268,13 +268,14 @@ class Costs:
     rank r holds between steps, by kind (`params`, `grads`, `masters` and `optimizer_state` are
     what `DataParallel.memory()` reports after a step), and their `total`; `transient_unit`: the
     largest unit's full params and grads (`memory()`'s `transient_unit`), `peak_transient`: the
-    most bytes of full units (and, of an exchange plan, the owned copies that live only through
-    the step) alive at once in a step on the rank that holds the most (0 unless fully sharded),
-    `rank_peaks` each shard-group rank's; `collectives`: one step's, of `worst_rank`
-    (`step_collectives` of another rank differs only in the owner buckets' all-reduces across
-    replicas and in the exchange's all-to-alls, which the projection prices at their busiest
-    rank: `exchange_slots`); `host[r]`: of rank r's persistent bytes,
-    those in host memory (`Mode.offload_state`; else 0), the rest on the device (`device_bytes`)."""
+    most bytes of full units, kept gradients ([Note: kept gradients] in the engine) and, of an
+    exchange plan, the owned copies that live only through the step, alive at once in a step on
+    the rank that holds the most (0 unless fully sharded), `rank_peaks` each shard-group rank's;
+    `collectives`: one step's, of `worst_rank` (`step_collectives` of another rank differs only
+    in the owner buckets' all-reduces across replicas and in the exchange's all-to-alls, which
+    the projection prices at their busiest rank: `exchange_slots`); `host[r]`: of rank r's
+    persistent bytes, those in host memory (`Mode.offload_state`; else 0), the rest on the
+    device (`device_bytes`)."""
 
     plan: Plan
     mode: Mode

@@ -12,10 +12,11 @@ owner's shard; in each, every rank moves as many elements (NCCL needs it).
 Without resharding (ZeRO-1/2) the full `param` and `grad` tensors live for the whole run and
 this rank's shards are views into them. With `reshard=True` (fully sharded) this rank keeps its
 shards in the separate `param_shard` and `grad_shard` tensors, and the full tensors' storage
-exists only from `start_gather` to `release_params` (params) and from the first gradient to the
-end of the reduction (grads). The `nn.Parameter` objects never change: released, each param's
-`.data` (a DTensor's local tensor) is empty, and the full storage is freed with `resize_(0)`
-and regrown in place, so the views autograd saved in forward see the values in backward. An
+exists only from `start_gather` to `release_params` (params) and from the first gradient added
+in to the end of the reduction (grads: [Note: kept gradients]). The `nn.Parameter` objects never
+change: released, each param's `.data` (a DTensor's local tensor) is empty, and the full storage
+is freed with `resize_(0)` and regrown in place, so the views autograd saved in forward see the
+values in backward. An
 exchange unit also keeps whole copies of the matrices this rank owns, their grads (and their
 params where the optimizer keeps masters) only through the step ([Note: owned copies]).
 
@@ -44,6 +45,7 @@ from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
 from ..planning.sync import scheme_of
 from ._comm_groups import CommGroups
+from ._kept_grads import KeptGrads
 from ._owned_copies import OwnedCopies
 from ._resize import alloc as _alloc
 from ._resize import allocated as _allocated
@@ -259,9 +261,11 @@ class StorageUnit:
         self.state = UnitState.RELEASED
 
     def _materialise_grads(self) -> None:
+        """Give the full grads storage (zeros), adding in the gradients kept."""
         if not _allocated(self.grad):
             _alloc(self.grad)
             self.grad.zero_()
+        self.kept.add_into(self._grad_views)
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -280,12 +284,18 @@ class StorageUnit:
         self.n_final = 0
         self.final = [False] * len(self.params)
         self.received = [False] * len(self.params)
+        self.kept = KeptGrads(len(self.params))
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
-        """Add `grad` (a DTensor's: its local shard) into the grad range of `self.params[i]`."""
-        self._materialise_grads()
+        """Add `grad` (a DTensor's: its local shard) into the grad range of `self.params[i]`, or
+        keep it until the full grads have storage ([Note: kept gradients])."""
+        grad, first = local(grad), not self.received[i]
         self.received[i] = True
-        self._grad_views[i].add_(local(grad))
+        keepable = first and self.reshard and not _allocated(self.grad)
+        if keepable and self.kept.keep(i, grad, self.grad):
+            return
+        self._materialise_grads()
+        self._grad_views[i].add_(grad)
 
     def start_reduce(self) -> None:
         """Dispatch the reduction: afterwards this rank's grad shards hold the averages."""

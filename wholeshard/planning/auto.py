@@ -18,7 +18,7 @@ balanced only where the exchange misses a target (the exchange on a tie). The th
 matrix work alike and bound the bucket; they differ in what the step pays beyond FSDP2's equal
 shards: owner buckets 4-6 collectives a layer (latency, growing with the ring: k - 1 hops
 each); balanced one a buffer kind a bucket (matrices, expert stacks and AdamW params apart: for
-qwen3-30b-a3b at dp 64, 394 collectives and a 115 GiB fully sharded peak where the exchange
+qwen3-30b-a3b at dp 64, 394 collectives and a 59.7 GiB fully sharded peak where the exchange
 issues 104 and FSDP2 99); the exchange FSDP2's two a layer plus two all-to-alls a step that
 carry each rank's owned share, about 1/k of the matrices, at one NIC's bandwidth. Projected on
 every shipped fabric, owner buckets step faster up to 32 ranks and the exchange from 64
