@@ -23,7 +23,7 @@ from torch import nn
 
 import wholeshard
 from wholeshard.distributed.launch import WorkerFailed
-from wholeshard.engine import _storage
+from wholeshard.engine import _resize, _storage
 from wholeshard.fp8 import convert
 
 STEPS = 2
@@ -145,14 +145,14 @@ def _full_units_alive_while_building(ddp_kw: dict) -> list[int]:
     def init_and_count(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         built.append(self)
-        alive.append(sum(_storage._allocated(b.param) for b in built))
+        alive.append(sum(_resize.allocated(b.param) for b in built))
 
     _storage.StorageUnit.__init__ = init_and_count
     try:
         data_parallel(_model(meta=True), param_init=init, **ddp_kw)
     finally:
         _storage.StorageUnit.__init__ = original
-    return [*alive, sum(_storage._allocated(b.param) for b in built)]
+    return [*alive, sum(_resize.allocated(b.param) for b in built)]
 
 
 @pytest.mark.parametrize("strategy", ["balanced", "owners", "exchange"])

@@ -161,7 +161,7 @@ def _per_unit(log: list[tuple]) -> Iterator[dict[tuple[int, str], list]]:
 def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
     """The most bytes of full (gathered) bucket storage, kept gradients ([Note: kept
     gradients]) and step-only owned copies alive at once inside, sampled after every allocation
-    of one (`_resize.alloc`, `_storage`'s and the owned copies': fully sharded gathers, first
+    of one (`_resize.alloc`, the storage units' and the owned copies': fully sharded gathers, first
     gradients added in and exchanges to the owners) and every gradient a resharding unit
     receives."""
     peak = [0]
@@ -192,12 +192,12 @@ def _peak(ddp: wholeshard.DataParallel) -> Iterator[list[int]]:
         if unit.reshard:  # else the full storage lives throughout, and is no peak
             sample()
 
-    _storage._alloc = _resize.alloc = alloc
+    _resize.alloc = alloc
     _storage.StorageUnit.accumulate = received
     try:
         yield peak
     finally:
-        _storage._alloc = _resize.alloc = original
+        _resize.alloc = original
         _storage.StorageUnit.accumulate = accumulate
 
 

@@ -36,8 +36,9 @@ from ..distributed import collectives
 from ..fp8.formats import Fp8Tensorwise
 from ..fp8.linear import Fp8Linear, Fp8Weight, quantize_weight
 from ..planning import Bucket, Placement, placement_pieces
+from . import _resize
 from ._exchange import moves
-from ._storage import StorageUnit, UnitState, _alloc, _allocated, _free
+from ._storage import StorageUnit, UnitState
 from ._sync import InFlight, all_gather_shards
 
 
@@ -95,7 +96,7 @@ class Fp8Storage(StorageUnit):
         self._expect(UnitState.FRESH, UnitState.STALE, UnitState.RELEASED)
         for (param, _), placeholder in zip(self.params, self._placeholders, strict=True):
             param.data = placeholder
-        _free(self.param)
+        _resize.free(self.param)
 
     def zero_grads(self) -> None:
         if self.reducing is not None:
@@ -103,7 +104,7 @@ class Fp8Storage(StorageUnit):
         self.open_window()
         self.grad_shard.zero_()
         if self.gathering is None:  # else the grad storage is a staging region in flight
-            _free(self.grad)
+            _resize.free(self.grad)
 
     def persistent_bytes(self) -> tuple[int, int]:
         if self.recipe == "tensorwise":
@@ -137,7 +138,7 @@ class Fp8Storage(StorageUnit):
             for (_, p), module in zip(self.params, self.modules, strict=True):
                 view = self._param_range(staging, p).view(p.shape)
                 module.fp8_weight = quantize_weight(view, "mxfp8")
-            _free(self.grad)  # the staging region; the next backward starts from zeros
+            _resize.free(self.grad)  # the staging region; the next backward starts from zeros
         else:
             self._set_tensorwise()
         self.state = UnitState.FRESH
@@ -147,12 +148,12 @@ class Fp8Storage(StorageUnit):
         return self.grad.view(torch.bfloat16)[: self.end - self.start]
 
     def _gather_mxfp8(self) -> InFlight:
-        if _allocated(self.grad):  # gathers run between a step and the next backward
+        if _resize.allocated(self.grad):  # gathers run between a step and the next backward
             raise RuntimeError(
                 "an FP8 param gather would overwrite gradients accumulated in its unit: run "
                 "optimizer.step() (and zero_grad()) before the next forward"
             )
-        _alloc(self.grad)
+        _resize.alloc(self.grad)
         staging = self._staging()
         rank = self.groups.rank
         handles = []

@@ -44,12 +44,10 @@ from ..distributed import collectives
 from ..distributed.dtensor import local, set_local
 from ..planning import Bucket, Placement
 from ..planning.sync import scheme_of
+from . import _resize
 from ._comm_groups import CommGroups
 from ._kept_grads import KeptGrads
 from ._owned_copies import OwnedCopies
-from ._resize import alloc as _alloc
-from ._resize import allocated as _allocated
-from ._resize import free as _free
 from ._sync import InFlight, half_of
 
 
@@ -116,7 +114,7 @@ class StorageUnit:
         self._param_views = [self._param_range(self.param, p).view(p.shape) for _, p in params]
         self._grad_views = [self._param_range(self.grad, p).view(p.shape) for _, p in params]
         if reshard:
-            _free(self.grad)
+            _resize.free(self.grad)
         for (param, _), view in zip(self.params, self._param_views, strict=True):
             view.copy_(local(param.detach()))
             set_local(param, view)
@@ -225,7 +223,7 @@ class StorageUnit:
     @property
     def params_materialised(self) -> bool:
         """Whether the full param storage exists (every state but RELEASED, in this class)."""
-        return _allocated(self.param)
+        return _resize.allocated(self.param)
 
     @property
     def readable(self) -> bool:
@@ -248,7 +246,7 @@ class StorageUnit:
         if self.owned_copies is not None:
             self.owned_copies.take(self.param, self.start)
         self.release_params()
-        _free(self.grad)
+        _resize.free(self.grad)
 
     def release_params(self) -> None:
         """Free the full param storage (resharding only); params become empty until gathered."""
@@ -257,13 +255,13 @@ class StorageUnit:
             return
         for param, _ in self.params:
             set_local(param, self._empty)
-        _free(self.param)
+        _resize.free(self.param)
         self.state = UnitState.RELEASED
 
     def _materialise_grads(self) -> None:
         """Give the full grads storage (zeros), adding in the gradients kept."""
-        if not _allocated(self.grad):
-            _alloc(self.grad)
+        if not _resize.allocated(self.grad):
+            _resize.alloc(self.grad)
             self.grad.zero_()
         self.kept.add_into(self._grad_views)
 
@@ -291,7 +289,7 @@ class StorageUnit:
         keep it until the full grads have storage ([Note: kept gradients])."""
         grad, first = local(grad), not self.received[i]
         self.received[i] = True
-        keepable = first and self.reshard and not _allocated(self.grad)
+        keepable = first and self.reshard and not _resize.allocated(self.grad)
         if keepable and self.kept.keep(i, grad, self.grad):
             return
         self._materialise_grads()
@@ -310,7 +308,7 @@ class StorageUnit:
             self.reducing.wait()
             self.reducing = None
             if self.reshard:
-                _free(self.grad)
+                _resize.free(self.grad)
 
     def zero_grads(self) -> None:
         """Zero every gradient: the shards, and the full grads unless resharding frees them
@@ -321,7 +319,7 @@ class StorageUnit:
         self.free_owned()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
-            _free(self.grad)
+            _resize.free(self.grad)
         else:
             self.grad.zero_()
 
@@ -350,8 +348,8 @@ class StorageUnit:
         """Dispatch the param sync that restores every param of the unit from its owner.
         (`full`: the full-precision values even where a subclass syncs another form.)"""
         self._expect(UnitState.STALE, UnitState.RELEASED)
-        if not _allocated(self.param):
-            _alloc(self.param)
+        if not _resize.allocated(self.param):
+            _resize.alloc(self.param)
         self._dispatched(self._gather())
 
     def _dispatched(self, gathering: InFlight) -> None:
