@@ -75,8 +75,8 @@ class _Replay:
         n = len(units)
         self.batches = batches  # the exchange batches' units, in order (none: no exchange)
         self.full = [(u.numel * param_bytes, u.numel * grad_bytes) for u in units]
-        # autograd's gradients (param dtype), kept until the unit's grads are materialised
-        # where they are smaller than the grad-reduce dtype ([Note: kept gradients])
+        # each param's gradient as autograd makes it (param dtype), kept until its unit's full
+        # grads get storage where it is the smaller ([Note: kept gradients])
         self.kept_grad = {s.name: math.prod(s.shape) * param_bytes for s in specs}
         self.keeps = param_bytes < grad_bytes
         self.kept_bytes = [0] * n

@@ -80,7 +80,7 @@ class StorageUnit:
     owned_copies: OwnedCopies | None  # an exchange unit's owned matrices; resharding only
     # ([Note: owned copies]: grads, and params with masters, have storage only in a step)
     state: UnitState
-    received: list[bool]  # per param: a gradient was added into `grad` this window (any backward)
+    received: list[bool]  # per param: a gradient came this window (any backward), added or kept
     final: list[bool]  # per param: its gradient is final (received in a synchronising backward)
     n_final: int  # how many of `final` are True; `complete` once all are
     reducing: InFlight | None  # the reduction in flight
