@@ -13,6 +13,7 @@ import torch
 from support import (
     DTYPES,
     OVERLAP,
+    SYNC,
     assert_bitwise_equal,
     assert_matches,
     batch,
@@ -21,6 +22,7 @@ from support import (
     lm_loss,
     local_loss,
     make_model,
+    mp,
     reference_run,
     run,
     wholeshard_run,
@@ -194,6 +196,37 @@ def test_only_shards_persist_and_full_buckets_are_released() -> None:
     # summed over ranks: one copy of the model plus the plan's padding, nothing else
     assert sum(out["memory"]["params"] for out in outs) == numel * 4
     assert numel * 4 - model_bytes == (numel - used) * 4 < 0.2 * model_bytes
+
+
+def _kept_gradients(dtype: torch.dtype) -> dict:
+    """Each unit's kept and full grad bytes after a backward whose reductions wait for the step,
+    and after the step."""
+    ddp, opt = wrapped(mp_policy=mp(dtype), **SMALL_BUCKETS, **FS, **SYNC)
+
+    def grads() -> list[tuple[int, int]]:
+        return [(b.kept.nbytes, b.grad.untyped_storage().size()) for b in ddp.units]
+
+    local_loss(ddp).backward()
+    out = {"after_backward": grads()}
+    opt.step()
+    out["after_step"] = grads()
+    out["params"] = [sum(pl.numel for _, pl in b.params) for b in ddp.units]
+    out["full"] = [b.grad.numel() * 4 for b in ddp.units]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bf16_gradients_are_kept_as_autograd_made_them_until_the_reduction(dtype) -> None:
+    """[Note: kept gradients]: bf16 params with fp32 grads keep autograd's gradients (2 bytes
+    an element) and give the full grads no storage until the reduction; fp32 ones are added into
+    the full grads on arrival. The step frees both."""
+    for out in run(_kept_gradients, 2, dtype):
+        if dtype == torch.bfloat16:
+            want = [(2 * n, 0) for n in out["params"]]
+        else:
+            want = [(0, full) for full in out["full"]]
+        assert out["after_backward"] == want
+        assert out["after_step"] == [(0, 0)] * len(want)
 
 
 def _zero_memory() -> dict:
