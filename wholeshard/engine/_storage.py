@@ -16,9 +16,9 @@ exists only from `start_gather` to `release_params` (params) and from the first 
 in to the end of the reduction (grads: [Note: kept gradients]). The `nn.Parameter` objects never
 change: released, each param's `.data` (a DTensor's local tensor) is empty, and the full storage
 is freed with `resize_(0)` and regrown in place, so the views autograd saved in forward see the
-values in backward. An
-exchange unit also keeps whole copies of the matrices this rank owns, their grads (and their
-params where the optimizer keeps masters) only through the step ([Note: owned copies]).
+values in backward. An exchange unit also keeps whole copies of the matrices this rank owns,
+their grads (and their params where the optimizer keeps masters) only through the step
+([Note: owned copies]).
 
 [Note: unit states]
 What the params of a storage unit hold, as a `UnitState`:
