@@ -33,7 +33,7 @@ from wholeshard.capacity.strategy_choice import figures, owners_era_default
 from wholeshard.engine.config import DataParallelConfig
 from wholeshard.planning import ParamSpec, plan_exactly
 from wholeshard.planning._exchange import segments
-from wholeshard.planning.sync import exchange, exchange_batches
+from wholeshard.planning.sync import ELEMENT_BYTES, exchange, exchange_batches
 
 FABRIC = FABRICS["nvlink4-ndr400"]
 INTRA, INTER = FABRIC.intra, FABRIC.inter
@@ -260,6 +260,22 @@ def test_issue_45_done_when(name: str, dp: int, sharded: bool, figure: str) -> N
     sharded peak (qwen3-30b-a3b at dp 64: under 10 GiB), on nvlink4-ndr400."""
     value, bound = _done_when(name, dp, sharded)[figure]
     assert value <= bound, (value, bound)
+
+
+OVER_ITEM_2 = {("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 1024), ("moe-256x", 256),
+               ("moe-256x", 1024)}  # fmt: skip
+"""Where the fully sharded peak exceeds issue 45's design bound (docs/planning.md says which)."""
+
+
+@pytest.mark.parametrize(("name", "dp"), SCALES)
+def test_the_fully_sharded_peak_against_the_issues_design_bound(name: str, dp: int) -> None:
+    """Item 2's bound, read as the largest unit's full params and grads plus the copies of the
+    matrices a rank owns, holds but where one reduction in flight (a layer's backward beside
+    the previous layer's fp32 reduce-scatter) exceeds it (`OVER_ITEM_2`)."""
+    costs, exchanged = _costs(name, dp, 2, True), _plans(name, dp)[2]
+    copy = ELEMENT_BYTES["float32"] + ELEMENT_BYTES["bfloat16"] * SHARDED.separate_masters
+    bound = costs.transient_unit + max(o.exchanged for o in owned(exchanged)) * copy
+    assert (costs.peak_transient > bound) == ((name, dp) in OVER_ITEM_2), (costs, bound)
 
 
 def test_dion_style_megabatches_are_dense_all_to_alls_per_shape() -> None:
