@@ -18,10 +18,10 @@ import torch
 
 
 class KeptGrads:
-    """One storage unit's kept gradients, per param ([Note: kept gradients])."""
+    """One storage unit's kept gradients, by param index ([Note: kept gradients])."""
 
-    def __init__(self, n: int) -> None:
-        self._grads: list[torch.Tensor | None] = [None] * n
+    def __init__(self) -> None:
+        self._grads: dict[int, torch.Tensor] = {}
 
     def keep(self, i: int, grad: torch.Tensor, full: torch.Tensor) -> bool:
         """Keep param i's first gradient of the window where its elements are smaller than
@@ -32,12 +32,12 @@ class KeptGrads:
         return True
 
     def add_into(self, views: Sequence[torch.Tensor]) -> None:
-        """Add every kept gradient into its param's view of the full grads, and drop it."""
-        for i, grad in enumerate(self._grads):
-            if grad is not None:
-                views[i].add_(grad)
-                self._grads[i] = None
+        """Add every kept gradient into its param's view of the full grads, and drop them (no
+        work where none is kept: every gradient added on arrival passes here)."""
+        for i, grad in self._grads.items():
+            views[i].add_(grad)
+        self._grads.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self._grads if g is not None)
+        return sum(g.nbytes for g in self._grads.values())

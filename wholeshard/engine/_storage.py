@@ -282,7 +282,7 @@ class StorageUnit:
         self.n_final = 0
         self.final = [False] * len(self.params)
         self.received = [False] * len(self.params)
-        self.kept = KeptGrads(len(self.params))
+        self.kept = KeptGrads()
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
         """Add `grad` (a DTensor's: its local shard) into the grad range of `self.params[i]`, or
